@@ -1,0 +1,136 @@
+"""`edgeroute` command line: argument parsing and printing over the Python API."""
+
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from edgeroute.errors import EdgerouteError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Export, inspect and run edge LLM bundles (SLM + router + 4-bit LLM as ONNX graphs).")
+console = Console()
+err_console = Console(stderr=True)
+
+
+@contextmanager
+def _clear_errors():
+    try:
+        yield
+    except EdgerouteError as err:
+        err_console.print(f"[bold red]error:[/] {err}")
+        raise typer.Exit(2) from None
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:,.1f} MB"
+
+
+@app.command()
+def export(
+    llm: str = typer.Option("smollm2", help="LLM source: HF checkpoint dir, .gguf file, or 'smollm2' (packaged)"),
+    slm: str = typer.Option("smollm2", help="SLM source sharing the LLM's tokenizer"),
+    no_slm: bool = typer.Option(False, "--no-slm", help="export the LLM only"),
+    slm_layers: int = typer.Option(None, help="keep the SLM's first N layers (default: all; 12 when cut from the LLM)"),
+    quant: str = typer.Option("int4-gptq", help="int4-gptq | int4-rtn | fp16 | fp32 (quantized sources are carried over)"),
+    slm_quant: str = typer.Option(None, help="the SLM's setting (default: --quant)"),
+    block_size: int = typer.Option(32, help="int4 block size: 32, 64 or 128"),
+    head: str = typer.Option("int8", help="LM head format for float sources: int8 | int4 | fp16 | fp32"),
+    context_length: int = typer.Option(2048, help="KV capacity the runtime allocates"),
+    calibration_tokens: int = typer.Option(2048, help="GPTQ calibration tokens"),
+    parity_tokens: int = typer.Option(256, help="tokens of held-out text for the parity check (0: skip)"),
+    out: Path = typer.Option(Path("bundles/smollm2-demo"), help="bundle directory to write"),
+    force: bool = typer.Option(False, help="replace an existing bundle"),
+) -> None:
+    """Export an SLM and a 4-bit LLM to a bundle of ONNX graphs."""
+    from edgeroute.export import ExportOptions, export_bundle
+
+    options = ExportOptions(llm=llm, slm=None if no_slm else slm, slm_layers=slm_layers, quant=quant,
+                            slm_quant=slm_quant, block_size=block_size, head=head, context_length=context_length,
+                            calibration_tokens=calibration_tokens, parity_tokens=parity_tokens, out=out, force=force)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with _clear_errors(), Progress(*columns, console=err_console, transient=False) as progress:
+        tasks: dict[str, int] = {}
+
+        def update(task: str, done: int, total: int) -> None:
+            if task not in tasks:
+                tasks[task] = progress.add_task(task, total=total)
+            progress.update(tasks[task], completed=done)
+
+        report = export_bundle(options, update)
+
+    table = Table(title=f"bundle {report.out}")
+    for column in ("model", "source", "layers", "size", "weights", "top-1 agreement", "max |Δlogit| rel"):
+        table.add_column(column)
+    for m in report.models:
+        formats = "\n".join(f"{n}× {f}" for f, n in m.formats.items())
+        table.add_row(m.role, m.source, str(m.layers), _mb(m.bytes), formats,
+                      "-" if m.agreement is None else f"{m.agreement:.1%}",
+                      "-" if m.max_rel_logit_diff is None else f"{m.max_rel_logit_diff:.2e}")
+    console.print(table)
+    console.print("time per stage: " + ", ".join(f"{k} {v:.1f}s" for k, v in report.seconds.items()))
+    for note in report.notes:
+        console.print(f"note: {note}")
+    console.print("agreement: teacher-forced top-1 vs a torch forward of the source's float (dequantized) "
+                  "weights, on held-out text")
+
+
+@app.command()
+def inspect(bundle: Path = typer.Argument(..., help="bundle directory")) -> None:
+    """Summarize a bundle and verify every file's checksum."""
+    from edgeroute.bundle import Bundle
+
+    with _clear_errors():
+        b = Bundle.open(bundle, verify=True)
+    m = b.manifest
+    console.print(f"[bold]{bundle}[/]: format {m['format_version']}, edgeroute {m['edgeroute_version']}, "
+                  f"opset {m['opset']}, created {m['created']}")
+    table = Table()
+    for column in ("model", "family", "layers", "hidden", "heads (kv)", "vocab", "quantization", "graphs", "size", "source"):
+        table.add_column(column)
+    for role, entry in b.models.items():
+        a, q = entry.arch, entry.quantization
+        quant = q["method"] + (" (carried over)" if q.get("carried_over") else "") + f", head {q['head']}"
+        table.add_row(role, a.family, str(a.num_layers), str(a.hidden_size), f"{a.num_heads} ({a.num_kv_heads})",
+                      str(a.vocab_size), quant, str(len(entry.graphs)), _mb(b.total_bytes(f"{role}/")),
+                      f"{entry.source['name']} ({entry.source['format']}, sha256 {entry.source['sha256'][:12]})")
+    console.print(table)
+    g = b.generation
+    console.print(f"context {g['context_length']}, max new tokens {g['max_new_tokens']}; chat template: "
+                  f"{'yes' if b.tokenizer.get('chat_format') else 'no'}")
+    console.print(f"[green]all {len(m['files'])} files match their sha256[/] ({_mb(b.total_bytes())})")
+
+
+@app.command()
+def run(
+    bundle: Path = typer.Argument(..., help="bundle directory"),
+    prompt: str = typer.Option(None, help="a prompt (sent as one user chat turn when the bundle has a chat template)"),
+    raw: bool = typer.Option(False, help="send the prompt as plain text, without the chat template"),
+    max_tokens: int = typer.Option(None, help="maximum new tokens (default: the bundle's)"),
+) -> None:
+    """Generate text from a bundle (ONNX Runtime, no torch)."""
+    from edgeroute.runtime import Engine, GenerationStats
+
+    with _clear_errors():
+        if not prompt:
+            raise EdgerouteError("give a prompt: edgeroute run BUNDLE --prompt 'What is the capital of France?'")
+        engine = Engine(bundle)
+        message = prompt if raw or not engine.bundle.tokenizer.get("chat_format") else [{"role": "user", "content": prompt}]
+        stats = GenerationStats()
+        for piece in engine.stream(message, max_tokens, stats):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    err_console.print(f"[dim]{stats.prompt_tokens} prompt tokens, {stats.new_tokens} new; "
+                      f"time to first token {stats.time_to_first_token * 1000:.0f} ms; "
+                      f"decode {stats.decode_tokens_per_second:.1f} tok/s (mode full)[/]")
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,25 @@
+"""Errors users see. Each names the thing, the value and the fix."""
+
+
+class EdgerouteError(Exception):
+    """Base class: the CLI prints these without a traceback."""
+
+
+class SourceError(EdgerouteError):
+    """A model source (path, file, architecture, tokenizer) cannot be exported."""
+
+
+class UnsupportedArchitecture(SourceError):
+    pass
+
+
+class TokenizerMismatch(SourceError):
+    pass
+
+
+class BundleError(EdgerouteError):
+    """A bundle is missing, incomplete, corrupted or from an incompatible version."""
+
+
+class InputError(EdgerouteError):
+    """A bad argument at run time: prompt, threshold, option."""

@@ -1,0 +1,46 @@
+"""GPTQ over a whole model: layer by layer on calibration text, each layer's Hessians taken
+from the activations that the already-quantized earlier layers produce."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from edgeroute.arch import ArchConfig
+from edgeroute.export.gptq import HessianAccumulator, gptq_quantize
+from edgeroute.export.reference import ReferenceModel
+from edgeroute.export.tensors import FloatWeight, LayerWeights, ModelWeights
+
+SEQUENCE = 512  # calibration tokens per forward pass
+# which captured activation feeds which linear (names from ReferenceModel.layer)
+INPUT_OF = {"q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "o_proj": "o_in",
+            "gate_proj": "mlp_in", "up_proj": "mlp_in", "down_proj": "down_in"}
+
+
+@torch.no_grad()
+def gptq_model(arch: ArchConfig, weights: ModelWeights, calibration_ids: np.ndarray, block: int,
+               progress: Callable[[str, int, int], None]) -> list[LayerWeights]:
+    reference = ReferenceModel(arch, weights)
+    chunks = [calibration_ids[i:i + SEQUENCE] for i in range(0, len(calibration_ids), SEQUENCE)]
+    states = [reference.embed(c) for c in chunks if len(c) > 1]
+    quantized_layers = []
+    for i, layer in enumerate(weights.layers):
+        hessians = {name: HessianAccumulator() for name in set(INPUT_OF.values())}
+        def capture(name: str, value: torch.Tensor, hessians=hessians) -> None:
+            hessians[name].add(value)
+
+        for x in states:
+            reference.layer(i, x, layer, capture=capture)
+        replaced = {}
+        for name, linear in layer.linears().items():
+            if isinstance(linear.weight, FloatWeight):
+                q = gptq_quantize(linear.weight.w, hessians[INPUT_OF[name]].hessian(), bits=4, block=block)
+                replaced[name] = dataclasses.replace(linear, weight=q)
+        new_layer = dataclasses.replace(layer, **replaced)
+        states = [reference.layer(i, x, new_layer) for x in states]
+        quantized_layers.append(new_layer)
+        progress("gptq", i + 1, len(weights.layers))
+    return quantized_layers

@@ -1,0 +1,289 @@
+"""ONNX graphs written node by node from the weights (no tracing), standard ops, opset 21.
+
+One model becomes a set of small graphs the runtime can drive token by token and layer by
+layer (see docs/bundle-format.md):
+
+- ``embed``:   input_ids [T] -> hidden [T, d]
+- ``attn_i``:  hidden, cos, sin, attn_bias, past_key, past_value -> hidden, key, value
+  (pre-norm self-attention sub-layer of decoder layer i incl. its residual; key/value are the
+  T new cache rows, which the runtime writes into its fixed-capacity buffers)
+- ``mlp_i``:   hidden -> hidden (pre-norm MLP sub-layer incl. residual)
+- ``kv_i``:    hidden, cos, sin -> key, value (layer i's K/V projections only: the CALM-style
+  fill for a token that skips the layer)
+- ``head``:    hidden -> logits (final norm + LM head)
+
+Activations are 2-D [T, features] float32; caches are [positions, kv_heads, head_dim].
+Quantized weights are int4/int8 ``DequantizeLinear`` (blocked, symmetric, positive scales)
+feeding a ``MatMul``: TensorRT 10 parses it, and ONNX Runtime fuses it into MatMulNBits.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from edgeroute.arch import ArchConfig
+from edgeroute.export.tensors import BlockQuantWeight, FloatWeight, LayerWeights, Linear, ModelWeights, Weight
+
+OPSET = 21
+EXTERNAL_DATA_THRESHOLD = 1 << 30  # protobuf caps a file at 2 GiB: big graphs keep weights beside
+
+
+def _pack_int4(values: np.ndarray) -> bytes:
+    nibbles = (values.astype(np.int8).reshape(-1) & 0x0F).astype(np.uint8)
+    if nibbles.size % 2:
+        nibbles = np.append(nibbles, np.uint8(0))
+    return (nibbles[0::2] | (nibbles[1::2] << 4)).tobytes()
+
+
+class GraphBuilder:
+    """Accumulates nodes and initializers under stable, viewer-friendly names."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.nodes: list[onnx.NodeProto] = []
+        self.initializers: list[TensorProto] = []
+        self.inputs: list[onnx.ValueInfoProto] = []
+        self.outputs: list[onnx.ValueInfoProto] = []
+        self._constants: dict[tuple, str] = {}
+
+    def input(self, name: str, dtype: int, shape: list) -> str:
+        self.inputs.append(helper.make_tensor_value_info(name, dtype, shape))
+        return name
+
+    def output(self, value: str, name: str, dtype: int, shape: list) -> None:
+        self.op("Identity", [value], name=f"/output/{name}", outputs=[name])
+        self.outputs.append(helper.make_tensor_value_info(name, dtype, shape))
+
+    def op(self, op_type: str, inputs: list[str], name: str, outputs: list[str] | None = None,
+           n_outputs: int = 1, **attrs) -> str | list[str]:
+        outputs = outputs or [f"{name}/output_{i}" for i in range(n_outputs)]
+        self.nodes.append(helper.make_node(op_type, inputs, outputs, name=name, **attrs))
+        return outputs[0] if n_outputs == 1 else outputs
+
+    def tensor(self, name: str, array: np.ndarray) -> str:
+        self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        return name
+
+    def int_tensor(self, name: str, codes: np.ndarray, bits: int) -> str:
+        if bits == 8:
+            return self.tensor(name, codes.astype(np.int8))
+        proto = TensorProto(name=name, data_type=TensorProto.INT4, dims=list(codes.shape))
+        proto.raw_data = _pack_int4(codes)
+        self.initializers.append(proto)
+        return name
+
+    def const(self, values, dtype=np.int64) -> str:
+        array = np.asarray(values, dtype=dtype)
+        key = (array.dtype.str, array.shape, array.tobytes())
+        if key not in self._constants:
+            self._constants[key] = self.tensor(f"/const/{len(self._constants)}", array)
+        return self._constants[key]
+
+    # -- building blocks -------------------------------------------------------------------
+
+    def float_weight(self, name: str, w: np.ndarray, storage: str) -> str:
+        if storage == "fp16":
+            stored = self.tensor(f"{name}.fp16", w.astype(np.float16))
+            return self.op("Cast", [stored], name=f"{name}/Cast", to=TensorProto.FLOAT)
+        return self.tensor(name, w.astype(np.float32))
+
+    def linear(self, x: str, linear: Linear, name: str) -> str:
+        if linear.input_order is not None:
+            order = self.tensor(f"{name}.input_order", linear.input_order.astype(np.int64))
+            x = self.op("Gather", [x, order], name=f"{name}/InputOrder", axis=1)
+        weight = linear.weight
+        if isinstance(weight, FloatWeight):
+            y = self.op("MatMul", [x, self.float_weight(f"{name}.weight", weight.w.T, weight.storage)],
+                        name=f"{name}/MatMul")
+        else:
+            y = self._block_quant_matmul(x, weight.with_positive_scales(), name)
+        if linear.bias is not None:
+            y = self.op("Add", [y, self.tensor(f"{name}.bias", linear.bias.astype(np.float32))],
+                        name=f"{name}/BiasAdd")
+        return y
+
+    def _block_quant_matmul(self, x: str, weight: BlockQuantWeight, name: str) -> str:
+        codes = self.int_tensor(f"{name}.qweight", weight.q.T, weight.bits)
+        scales = self.tensor(f"{name}.scales", weight.scale.T.astype(np.float32))
+        w = self.op("DequantizeLinear", [codes, scales], name=f"{name}/DequantizeLinear",
+                    axis=0, block_size=weight.block)
+        y = self.op("MatMul", [x, w], name=f"{name}/MatMul")
+        if weight.offset is None:
+            return y
+        n_blocks = weight.offset.shape[1]
+        blocks = self.op("Reshape", [x, self.const([-1, n_blocks, weight.block])], name=f"{name}/Blocks")
+        sums = self.op("ReduceSum", [blocks, self.const([-1])], name=f"{name}/BlockSums", keepdims=0)
+        offsets = self.tensor(f"{name}.offsets", weight.offset.T.astype(np.float32))
+        shift = self.op("MatMul", [sums, offsets], name=f"{name}/OffsetMatMul")
+        return self.op("Add", [y, shift], name=f"{name}/OffsetAdd")
+
+    def rms_norm(self, x: str, weight: np.ndarray, eps: float, name: str) -> str:
+        # Pow/ReduceMean/Add/Sqrt/Div/Mul: the pattern ORT fuses into SimplifiedLayerNormalization
+        sq = self.op("Pow", [x, self.const(2.0, np.float32)], name=f"{name}/Pow")
+        mean = self.op("ReduceMean", [sq, self.const([-1])], name=f"{name}/ReduceMean", keepdims=1)
+        var = self.op("Add", [mean, self.const(eps, np.float32)], name=f"{name}/Add")
+        std = self.op("Sqrt", [var], name=f"{name}/Sqrt")
+        normed = self.op("Div", [x, std], name=f"{name}/Div")
+        return self.op("Mul", [normed, self.tensor(f"{name}.weight", weight.astype(np.float32))],
+                       name=f"{name}/Mul")
+
+    def rope(self, x: str, cos: str, sin: str, name: str) -> str:
+        """rotate-half RoPE (the transformers convention) on x [T, heads, head_dim]."""
+        x1, x2 = self.op("Split", [x], name=f"{name}/Split", n_outputs=2, axis=-1, num_outputs=2)
+        a = self.op("Sub", [self.op("Mul", [x1, cos], name=f"{name}/Mul0"),
+                            self.op("Mul", [x2, sin], name=f"{name}/Mul1")], name=f"{name}/Sub")
+        b = self.op("Add", [self.op("Mul", [x2, cos], name=f"{name}/Mul2"),
+                            self.op("Mul", [x1, sin], name=f"{name}/Mul3")], name=f"{name}/Add")
+        return self.op("Concat", [a, b], name=f"{name}/Concat", axis=-1)
+
+    def heads(self, x: str, n_heads: int, head_dim: int, name: str) -> str:
+        return self.op("Reshape", [x, self.const([-1, n_heads, head_dim])], name=f"{name}/Reshape")
+
+    def build(self) -> onnx.ModelProto:
+        graph = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, self.initializers)
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
+                                  producer_name="edgeroute")
+        model.ir_version = 10
+        return model
+
+
+# -- graph I/O ---------------------------------------------------------------------------------
+
+def _activation_inputs(g: GraphBuilder, arch: ArchConfig) -> tuple[str, str, str]:
+    hidden = g.input("hidden", TensorProto.FLOAT, ["tokens", arch.hidden_size])
+    cos = g.input("cos", TensorProto.FLOAT, ["tokens", 1, arch.head_dim // 2])
+    sin = g.input("sin", TensorProto.FLOAT, ["tokens", 1, arch.head_dim // 2])
+    return hidden, cos, sin
+
+
+def _kv_projections(g: GraphBuilder, arch: ArchConfig, layer: LayerWeights, normed: str, cos: str,
+                    sin: str, prefix: str) -> tuple[str, str]:
+    k = g.heads(g.linear(normed, layer.k_proj, f"{prefix}/k_proj"), arch.num_kv_heads, arch.head_dim,
+                f"{prefix}/k_heads")
+    if layer.k_norm is not None:
+        k = g.rms_norm(k, layer.k_norm, arch.rms_norm_eps, f"{prefix}/k_norm")
+    k = g.rope(k, cos, sin, f"{prefix}/k_rope")
+    v = g.heads(g.linear(normed, layer.v_proj, f"{prefix}/v_proj"), arch.num_kv_heads, arch.head_dim,
+                f"{prefix}/v_heads")
+    return k, v
+
+
+def _kv_outputs(g: GraphBuilder, arch: ArchConfig, k: str, v: str) -> None:
+    shape = ["tokens", arch.num_kv_heads, arch.head_dim]
+    g.output(k, "key", TensorProto.FLOAT, shape)
+    g.output(v, "value", TensorProto.FLOAT, shape)
+
+
+def build_attention(arch: ArchConfig, layer: LayerWeights, index: int) -> onnx.ModelProto:
+    prefix = f"/model/layers.{index}/attn"
+    g = GraphBuilder(f"attn_{index}")
+    hidden, cos, sin = _activation_inputs(g, arch)
+    bias = g.input("attn_bias", TensorProto.FLOAT, ["tokens", "total"])
+    cache_shape = ["past", arch.num_kv_heads, arch.head_dim]
+    past_k = g.input("past_key", TensorProto.FLOAT, cache_shape)
+    past_v = g.input("past_value", TensorProto.FLOAT, cache_shape)
+
+    normed = g.rms_norm(hidden, layer.attn_norm, arch.rms_norm_eps, f"{prefix}/norm")
+    q = g.heads(g.linear(normed, layer.q_proj, f"{prefix}/q_proj"), arch.num_heads, arch.head_dim,
+                f"{prefix}/q_heads")
+    if layer.q_norm is not None:
+        q = g.rms_norm(q, layer.q_norm, arch.rms_norm_eps, f"{prefix}/q_norm")
+    q = g.rope(q, cos, sin, f"{prefix}/q_rope")
+    k, v = _kv_projections(g, arch, layer, normed, cos, sin, prefix)
+    _kv_outputs(g, arch, k, v)
+
+    group = arch.num_heads // arch.num_kv_heads
+    keys = g.op("Concat", [past_k, k], name=f"{prefix}/KeyConcat", axis=0)  # [S, kv, hd]
+    values = g.op("Concat", [past_v, v], name=f"{prefix}/ValueConcat", axis=0)
+    q = g.op("Mul", [q, g.const(arch.head_dim ** -0.5, np.float32)], name=f"{prefix}/QScale")
+    q = g.op("Reshape", [q, g.const([-1, arch.num_kv_heads, group, arch.head_dim])], name=f"{prefix}/QGroups")
+    q = g.op("Transpose", [q], name=f"{prefix}/QTranspose", perm=[1, 2, 0, 3])  # [kv, group, T, hd]
+    kt = g.op("Transpose", [keys], name=f"{prefix}/KTranspose", perm=[1, 2, 0])  # [kv, hd, S]
+    kt = g.op("Unsqueeze", [kt, g.const([1])], name=f"{prefix}/KUnsqueeze")
+    scores = g.op("MatMul", [q, kt], name=f"{prefix}/Scores")  # [kv, group, T, S]
+    scores = g.op("Add", [scores, bias], name=f"{prefix}/Mask")
+    probs = g.op("Softmax", [scores], name=f"{prefix}/Softmax", axis=-1)
+    vt = g.op("Transpose", [values], name=f"{prefix}/VTranspose", perm=[1, 0, 2])  # [kv, S, hd]
+    vt = g.op("Unsqueeze", [vt, g.const([1])], name=f"{prefix}/VUnsqueeze")
+    ctx = g.op("MatMul", [probs, vt], name=f"{prefix}/Context")  # [kv, group, T, hd]
+    ctx = g.op("Transpose", [ctx], name=f"{prefix}/CtxTranspose", perm=[2, 0, 1, 3])
+    ctx = g.op("Reshape", [ctx, g.const([-1, arch.num_heads * arch.head_dim])], name=f"{prefix}/CtxFlat")
+    out = g.op("Add", [hidden, g.linear(ctx, layer.o_proj, f"{prefix}/o_proj")], name=f"{prefix}/Residual")
+    g.output(out, "hidden_out", TensorProto.FLOAT, ["tokens", arch.hidden_size])
+    return g.build()
+
+
+def build_mlp(arch: ArchConfig, layer: LayerWeights, index: int) -> onnx.ModelProto:
+    prefix = f"/model/layers.{index}/mlp"
+    g = GraphBuilder(f"mlp_{index}")
+    hidden = g.input("hidden", TensorProto.FLOAT, ["tokens", arch.hidden_size])
+    normed = g.rms_norm(hidden, layer.mlp_norm, arch.rms_norm_eps, f"{prefix}/norm")
+    gate = g.linear(normed, layer.gate_proj, f"{prefix}/gate_proj")
+    silu = g.op("Mul", [gate, g.op("Sigmoid", [gate], name=f"{prefix}/Sigmoid")], name=f"{prefix}/SiLU")
+    act = g.op("Mul", [silu, g.linear(normed, layer.up_proj, f"{prefix}/up_proj")], name=f"{prefix}/GateMul")
+    out = g.op("Add", [hidden, g.linear(act, layer.down_proj, f"{prefix}/down_proj")], name=f"{prefix}/Residual")
+    g.output(out, "hidden_out", TensorProto.FLOAT, ["tokens", arch.hidden_size])
+    return g.build()
+
+
+def build_kv_fill(arch: ArchConfig, layer: LayerWeights, index: int) -> onnx.ModelProto:
+    prefix = f"/model/layers.{index}/kv_fill"
+    g = GraphBuilder(f"kv_{index}")
+    hidden, cos, sin = _activation_inputs(g, arch)
+    normed = g.rms_norm(hidden, layer.attn_norm, arch.rms_norm_eps, f"{prefix}/norm")
+    k, v = _kv_projections(g, arch, layer, normed, cos, sin, prefix)
+    _kv_outputs(g, arch, k, v)
+    return g.build()
+
+
+def build_embed(arch: ArchConfig, embedding: Weight) -> onnx.ModelProto:
+    prefix = "/model/embed_tokens"
+    g = GraphBuilder("embed")
+    ids = g.input("input_ids", TensorProto.INT64, ["tokens"])
+    if isinstance(embedding, FloatWeight):
+        table = g.float_weight(f"{prefix}.weight", embedding.w, embedding.storage)
+        hidden = g.op("Gather", [table, ids], name=f"{prefix}/Gather", axis=0)
+    else:
+        # int4 codes are stored one per byte: Gather has no int4 kernel, and the table is
+        # only gathered (one row per token), so its size matters more than its bandwidth.
+        emb = embedding.with_positive_scales()
+        codes = g.tensor(f"{prefix}.qweight", emb.q.astype(np.int8))
+        rows = g.op("Gather", [codes, ids], name=f"{prefix}/GatherCodes", axis=0)
+        scales = g.op("Gather", [g.tensor(f"{prefix}.scales", emb.scale.astype(np.float32)), ids],
+                      name=f"{prefix}/GatherScales", axis=0)
+        hidden = g.op("DequantizeLinear", [rows, scales], name=f"{prefix}/DequantizeLinear",
+                      axis=1, block_size=emb.block)
+        if emb.offset is not None:
+            offsets = g.op("Gather", [g.tensor(f"{prefix}.offsets", emb.offset.astype(np.float32)), ids],
+                           name=f"{prefix}/GatherOffsets", axis=0)
+            offsets = g.op("Unsqueeze", [offsets, g.const([-1])], name=f"{prefix}/OffsetUnsqueeze")
+            blocks = g.op("Reshape", [hidden, g.const([0, -1, emb.block])], name=f"{prefix}/Blocks")
+            blocks = g.op("Add", [blocks, offsets], name=f"{prefix}/OffsetAdd")
+            hidden = g.op("Reshape", [blocks, g.const([0, arch.hidden_size])], name=f"{prefix}/Flat")
+    g.output(hidden, "hidden", TensorProto.FLOAT, ["tokens", arch.hidden_size])
+    return g.build()
+
+
+def build_head(arch: ArchConfig, final_norm: np.ndarray, lm_head: Linear) -> onnx.ModelProto:
+    g = GraphBuilder("head")
+    hidden = g.input("hidden", TensorProto.FLOAT, ["tokens", arch.hidden_size])
+    normed = g.rms_norm(hidden, final_norm, arch.rms_norm_eps, "/model/norm")
+    logits = g.linear(normed, lm_head, "/lm_head")
+    g.output(logits, "logits", TensorProto.FLOAT, ["tokens", arch.vocab_size])
+    return g.build()
+
+
+def model_graphs(arch: ArchConfig, weights: ModelWeights):
+    """Yield (graph name, kind, layer index or None, builder thunk) in file order."""
+    yield "embed", "embed", None, lambda: build_embed(arch, weights.embedding)
+    for i, layer in enumerate(weights.layers):
+        yield f"attn_{i:03d}", "attn", i, lambda i=i, layer=layer: build_attention(arch, layer, i)
+        yield f"mlp_{i:03d}", "mlp", i, lambda i=i, layer=layer: build_mlp(arch, layer, i)
+        yield f"kv_{i:03d}", "kv", i, lambda i=i, layer=layer: build_kv_fill(arch, layer, i)
+    yield "head", "head", None, lambda: build_head(arch, weights.final_norm, weights.lm_head)
+
+
+def graph_bytes(model: onnx.ModelProto) -> int:
+    return sum(len(t.raw_data) or t.ByteSize() for t in model.graph.initializer)

