@@ -80,7 +80,7 @@ class Bundle:
             manifest = json.loads(manifest_path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise BundleError(f"{manifest_path} is not valid JSON ({err}): the bundle is damaged, export again") from err
-        if manifest.get("format") != FORMAT_NAME:
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
             raise BundleError(f"{manifest_path} is not an edgeroute bundle manifest")
         version = manifest.get("format_version")
         if not isinstance(version, int) or version > FORMAT_VERSION:
@@ -88,8 +88,12 @@ class Bundle:
                               "upgrade edgeroute or re-export with this version")
         if version < FORMAT_VERSION:
             raise BundleError(f"bundle format {version} is older than this runtime ({FORMAT_VERSION}): re-export it")
-        bundle = cls(path, manifest)
-        bundle.check_files(hashes=verify)
+        try:
+            bundle = cls(path, manifest)
+            bundle.check_files(hashes=verify)
+        except (KeyError, TypeError, AttributeError, ValueError) as err:
+            raise BundleError(f"{manifest_path} is malformed ({type(err).__name__}: {err}): the bundle is damaged, "
+                              "export again") from err
         return bundle
 
     def check_files(self, hashes: bool = True) -> None:

@@ -110,26 +110,78 @@ def inspect(bundle: Path = typer.Argument(..., help="bundle directory")) -> None
 @app.command()
 def run(
     bundle: Path = typer.Argument(..., help="bundle directory"),
-    prompt: str = typer.Option(None, help="a prompt (sent as one user chat turn when the bundle has a chat template)"),
+    prompt: str = typer.Option(None, help="a prompt (one user chat turn when the bundle has a chat template)"),
+    chat: bool = typer.Option(False, "--chat", help="interactive chat; the KV caches persist across turns"),
     raw: bool = typer.Option(False, help="send the prompt as plain text, without the chat template"),
+    mode: str = typer.Option(None, help="full (default) | slm | route | speculate | skip | route+skip | speculate+skip"),
+    light: str = typer.Option(None, help="light path for route/speculate: ngram (default) | slm"),
+    profile: str = typer.Option(None, help="device or task profile (name in profiles/ or a JSON file)"),
     max_tokens: int = typer.Option(None, help="maximum new tokens (default: the bundle's)"),
+    temperature: float = typer.Option(None, help="0 (default): greedy"),
+    top_p: float = typer.Option(None),
+    seed: int = typer.Option(None),
+    stop: list[str] = typer.Option(None, help="stop string (repeatable)"),
+    router: str = typer.Option(None, help="entropy | top1 | margin | ngram | always"),
+    route_threshold: float = typer.Option(None, help="call the LLM above this router score"),
+    draft_tokens: int = typer.Option(None, help="initial speculative draft length"),
+    importance_threshold: float = typer.Option(None, help="skip when a token's importance is below this"),
+    skip_ratio: float = typer.Option(None, help="cap on the skipped share of layer work"),
+    max_free_layers: int = typer.Option(None),
+    re_eval_interval: int = typer.Option(None),
+    granularity: str = typer.Option(None, help="layer | mlp"),
+    kv_cache_reduction: bool = typer.Option(None),
+    trace: Path = typer.Option(None, help="write one JSON line per generated token"),
 ) -> None:
-    """Generate text from a bundle (ONNX Runtime, no torch)."""
-    from edgeroute.runtime import Engine, GenerationStats
+    """Generate text from a bundle on ONNX Runtime (no torch)."""
+    import json
 
+    from edgeroute.runtime import Engine
+    from edgeroute.runtime.profiles import load_profile
+
+    overrides = {k: v for k, v in dict(
+        mode=mode, light=light, max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
+        stop=tuple(stop or ()), router=router, route_threshold=route_threshold, draft_tokens=draft_tokens,
+        importance_threshold=importance_threshold, skip_ratio=skip_ratio, max_free_layers=max_free_layers,
+        re_eval_interval=re_eval_interval, granularity=granularity, kv_cache_reduction=kv_cache_reduction,
+    ).items() if v is not None}
     with _clear_errors():
-        if not prompt:
-            raise EdgerouteError("give a prompt: edgeroute run BUNDLE --prompt 'What is the capital of France?'")
-        engine = Engine(bundle)
-        message = prompt if raw or not engine.bundle.tokenizer.get("chat_format") else [{"role": "user", "content": prompt}]
-        stats = GenerationStats()
-        for piece in engine.stream(message, max_tokens, stats):
-            sys.stdout.write(piece)
-            sys.stdout.flush()
-    sys.stdout.write("\n")
-    err_console.print(f"[dim]{stats.prompt_tokens} prompt tokens, {stats.new_tokens} new; "
-                      f"time to first token {stats.time_to_first_token * 1000:.0f} ms; "
-                      f"decode {stats.decode_tokens_per_second:.1f} tok/s (mode full)[/]")
+        if not prompt and not chat:
+            raise EdgerouteError("give --prompt 'What is the capital of France?' or --chat")
+        settings = load_profile(profile) if profile else None
+        engine = Engine(bundle, providers=settings.providers if settings else None)
+        session = engine.session(**{**(settings.decoding if settings else {}), **overrides})
+        trace_file = open(trace, "w") if trace else None  # noqa: SIM115 - closed below
+
+        def on_token(record) -> None:
+            if trace_file is not None:
+                trace_file.write(json.dumps(record.to_dict()) + "\n")
+
+        def turn(text: str) -> None:
+            message = text if raw or not engine.bundle.tokenizer.get("chat_format") else [{"role": "user", "content": text}]
+            for piece in session.stream(message, on_token=on_token):
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+            err_console.print(f"[dim]{session.last.stats.summary(session.options.mode, engine.llm.num_layers)}[/]")
+
+        try:
+            if prompt:
+                turn(prompt)
+            while chat:
+                try:
+                    text = console.input("[bold]you>[/] ")
+                except EOFError:
+                    break
+                if text.strip() in ("/exit", "/quit"):
+                    break
+                if text.strip() == "/reset":
+                    session.reset()
+                    continue
+                if text.strip():
+                    turn(text)
+        finally:
+            if trace_file is not None:
+                trace_file.close()
 
 
 if __name__ == "__main__":

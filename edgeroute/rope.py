@@ -1,6 +1,7 @@
 """Rotary position tables, computed once by the runtime and fed to the graphs.
 
-The graphs take ``cos``/``sin`` of shape [T, 1, head_dim/2] for the T positions being run,
+The graphs take ``cos``/``sin`` of shape [T, 1, head_dim] (both halves, as transformers
+builds them) for the T positions being run,
 so the position encoding (incl. Llama 3 frequency scaling) lives in one numpy function
 instead of in every layer graph.
 """
@@ -35,6 +36,7 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | N
 
 def rope_tables(positions: int, head_dim: int, theta: float,
                 scaling: dict[str, Any] | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin, float32 [positions, 1, head_dim/2]."""
+    """cos and sin, float32 [positions, 1, head_dim]."""
     angles = np.outer(np.arange(positions, dtype=np.float64), inverse_frequencies(head_dim, theta, scaling))
+    angles = np.concatenate([angles, angles], axis=1)
     return (np.cos(angles).astype(np.float32)[:, None, :], np.sin(angles).astype(np.float32)[:, None, :])

@@ -99,3 +99,31 @@ def smollm2_bundles(tmp_path_factory):
 
 def relative_error(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.abs(got - want).max() / np.abs(want).max())
+
+
+def write_float_checkpoint(model, tokenizer_dir: Path, out: Path) -> Path:
+    """A transformers model as a float HF checkpoint directory (config.json, model.safetensors,
+    tokenizer files). transformers refuses ``save_pretrained`` on a GGUF-loaded model, so the
+    config (less its GGUF quantization_config) and the state dict are written directly."""
+    import json
+
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    tied = config.get("tie_word_embeddings", False)
+    tensors = {name: t.detach().contiguous() for name, t in model.state_dict().items()
+               if not (tied and name == "lm_head.weight")}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    for f in tokenizer_dir.iterdir():
+        shutil.copy(f, out / f.name)
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_float_checkpoint(tmp_path_factory, smollm2_reference, smollm2_tokenizer_dir) -> Path:
+    """The dequantized SmolLM2 (fp32) as an HF checkpoint directory: a float source, so
+    int4-rtn and int4-gptq export quantize it instead of carrying GGUF blocks over."""
+    return write_float_checkpoint(smollm2_reference, smollm2_tokenizer_dir, tmp_path_factory.mktemp("smollm2-float"))

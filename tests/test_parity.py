@@ -53,7 +53,7 @@ def test_catch_up_of_pending_tokens_equals_one_token_steps(family, tiny_bundles)
 def test_per_layer_calls_equal_the_forward_step(family, tiny_bundles):
     model = OrtModel(Bundle.open(tiny_bundles[family]))
     cache_a, cache_b = model.new_cache(), model.new_cache()
-    want = model.forward(cache_a, PROMPT, run_layers=[True] * model.num_layers, all_logits=True)
+    want = model.forward(cache_a, PROMPT, plan=[True] * model.num_layers, all_logits=True)
     hidden = model.embed(np.array(PROMPT))
     bias = model.causal_bias(0, len(PROMPT))
     for layer in range(model.num_layers):
@@ -89,7 +89,7 @@ def test_skipped_layer_gets_kv_and_its_output_is_not_applied(tiny_bundles):
     model = OrtModel(Bundle.open(tiny_bundles["llama"]))
     run = [True, False, True]
     skipped, manual = model.new_cache(), model.new_cache()
-    logits = model.forward(skipped, PROMPT, run_layers=run)
+    logits = model.forward(skipped, PROMPT, plan=run)
     hidden = model.embed(np.array(PROMPT))
     bias = model.causal_bias(0, len(PROMPT))
     hidden = model.mlp(0, model.attention(0, hidden, manual, 0, bias))

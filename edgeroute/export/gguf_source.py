@@ -61,7 +61,10 @@ def _unpermute_rows(n_rows: int, n_heads: int) -> np.ndarray:
 def load_gguf(path: Path) -> SourceModel:
     import gguf
 
-    reader = gguf.GGUFReader(str(path))
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except (ValueError, OSError, EOFError) as err:
+        raise SourceError(f"{path} is not a readable GGUF file ({err}): is it complete and a GGUF v2/v3 file?") from err
     arch = gguf_arch_config(reader, str(path))
     tensors = {t.name: t for t in reader.tensors}
     formats: set[str] = set()

@@ -24,7 +24,16 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from edgeroute.arch import ArchConfig
-from edgeroute.export.tensors import BlockQuantWeight, FloatWeight, LayerWeights, Linear, ModelWeights, Weight
+from edgeroute.export.tensors import (
+    BlockQuantWeight,
+    FloatWeight,
+    LayerWeights,
+    Linear,
+    ModelWeights,
+    Weight,
+    fuse_linears,
+    scale_linear,
+)
 
 OPSET = 21
 EXTERNAL_DATA_THRESHOLD = 1 << 30  # protobuf caps a file at 2 GiB: big graphs keep weights beside
@@ -104,6 +113,16 @@ class GraphBuilder:
                         name=f"{name}/BiasAdd")
         return y
 
+    def fused_linear(self, x: str, linears: list[Linear], name: str) -> list[str]:
+        """Several linears reading the same input as one MatMul and a Split: fewer kernel
+        launches per token, which is where small models spend their decode time."""
+        fused = fuse_linears(linears)
+        if fused is None:
+            return [self.linear(x, lin, f"{name}/{i}") for i, lin in enumerate(linears)]
+        y = self.linear(x, fused, name)
+        sizes = self.const([lin.weight.shape[0] for lin in linears])
+        return self.op("Split", [y, sizes], name=f"{name}/Split", n_outputs=len(linears), axis=-1)
+
     def _block_quant_matmul(self, x: str, weight: BlockQuantWeight, name: str) -> str:
         codes = self.int_tensor(f"{name}.qweight", weight.q.T, weight.bits)
         scales = self.tensor(f"{name}.scales", weight.scale.T.astype(np.float32))
@@ -112,12 +131,12 @@ class GraphBuilder:
         y = self.op("MatMul", [x, w], name=f"{name}/MatMul")
         if weight.offset is None:
             return y
+        # offset term: blocksum(x) @ offset.T, added by one Gemm
         n_blocks = weight.offset.shape[1]
         blocks = self.op("Reshape", [x, self.const([-1, n_blocks, weight.block])], name=f"{name}/Blocks")
         sums = self.op("ReduceSum", [blocks, self.const([-1])], name=f"{name}/BlockSums", keepdims=0)
         offsets = self.tensor(f"{name}.offsets", weight.offset.T.astype(np.float32))
-        shift = self.op("MatMul", [sums, offsets], name=f"{name}/OffsetMatMul")
-        return self.op("Add", [y, shift], name=f"{name}/OffsetAdd")
+        return self.op("Gemm", [sums, offsets, y], name=f"{name}/OffsetGemm")
 
     def rms_norm(self, x: str, weight: np.ndarray, eps: float, name: str) -> str:
         # Pow/ReduceMean/Add/Sqrt/Div/Mul: the pattern ORT fuses into SimplifiedLayerNormalization
@@ -129,14 +148,17 @@ class GraphBuilder:
         return self.op("Mul", [normed, self.tensor(f"{name}.weight", weight.astype(np.float32))],
                        name=f"{name}/Mul")
 
-    def rope(self, x: str, cos: str, sin: str, name: str) -> str:
-        """rotate-half RoPE (the transformers convention) on x [T, heads, head_dim]."""
-        x1, x2 = self.op("Split", [x], name=f"{name}/Split", n_outputs=2, axis=-1, num_outputs=2)
-        a = self.op("Sub", [self.op("Mul", [x1, cos], name=f"{name}/Mul0"),
-                            self.op("Mul", [x2, sin], name=f"{name}/Mul1")], name=f"{name}/Sub")
-        b = self.op("Add", [self.op("Mul", [x2, cos], name=f"{name}/Mul2"),
-                            self.op("Mul", [x1, sin], name=f"{name}/Mul3")], name=f"{name}/Add")
-        return self.op("Concat", [a, b], name=f"{name}/Concat", axis=-1)
+    def rope(self, x: str, cos: str, sin: str, head_dim: int, name: str) -> str:
+        """rotate-half RoPE (the transformers convention) on x [T, heads, head_dim]:
+        x * cos + rotate_half(x) * sin, rotate_half as a MatMul with a constant signed
+        permutation (4 kernels instead of a Split/Concat chain)."""
+        half = head_dim // 2
+        rotation = np.zeros((head_dim, head_dim), np.float32)
+        rotation[np.arange(half) + half, np.arange(half)] = -1.0
+        rotation[np.arange(half), np.arange(half) + half] = 1.0
+        rotated = self.op("MatMul", [x, self.const(rotation, np.float32)], name=f"{name}/RotateHalf")
+        return self.op("Add", [self.op("Mul", [x, cos], name=f"{name}/MulCos"),
+                               self.op("Mul", [rotated, sin], name=f"{name}/MulSin")], name=f"{name}/Add")
 
     def heads(self, x: str, n_heads: int, head_dim: int, name: str) -> str:
         return self.op("Reshape", [x, self.const([-1, n_heads, head_dim])], name=f"{name}/Reshape")
@@ -153,27 +175,33 @@ class GraphBuilder:
 
 def _activation_inputs(g: GraphBuilder, arch: ArchConfig) -> tuple[str, str, str]:
     hidden = g.input("hidden", TensorProto.FLOAT, ["tokens", arch.hidden_size])
-    cos = g.input("cos", TensorProto.FLOAT, ["tokens", 1, arch.head_dim // 2])
-    sin = g.input("sin", TensorProto.FLOAT, ["tokens", 1, arch.head_dim // 2])
+    cos = g.input("cos", TensorProto.FLOAT, ["tokens", 1, arch.head_dim])
+    sin = g.input("sin", TensorProto.FLOAT, ["tokens", 1, arch.head_dim])
     return hidden, cos, sin
 
 
-def _kv_projections(g: GraphBuilder, arch: ArchConfig, layer: LayerWeights, normed: str, cos: str,
-                    sin: str, prefix: str) -> tuple[str, str]:
-    k = g.heads(g.linear(normed, layer.k_proj, f"{prefix}/k_proj"), arch.num_kv_heads, arch.head_dim,
-                f"{prefix}/k_heads")
-    if layer.k_norm is not None:
-        k = g.rms_norm(k, layer.k_norm, arch.rms_norm_eps, f"{prefix}/k_norm")
-    k = g.rope(k, cos, sin, f"{prefix}/k_rope")
-    v = g.heads(g.linear(normed, layer.v_proj, f"{prefix}/v_proj"), arch.num_kv_heads, arch.head_dim,
-                f"{prefix}/v_heads")
-    return k, v
+def _heads(g: GraphBuilder, arch: ArchConfig, flat: str, n_heads: int, norm: np.ndarray | None, cos: str, sin: str,
+           name: str) -> str:
+    x = g.heads(flat, n_heads, arch.head_dim, f"{name}_heads")
+    if norm is not None:
+        x = g.rms_norm(x, norm, arch.rms_norm_eps, f"{name}_norm")
+    return g.rope(x, cos, sin, arch.head_dim, f"{name}_rope")
 
 
 def _kv_outputs(g: GraphBuilder, arch: ArchConfig, k: str, v: str) -> None:
     shape = ["tokens", arch.num_kv_heads, arch.head_dim]
     g.output(k, "key", TensorProto.FLOAT, shape)
     g.output(v, "value", TensorProto.FLOAT, shape)
+
+
+def _prescaled_query(arch: ArchConfig, layer: LayerWeights) -> tuple[Linear, np.ndarray | None]:
+    """The attention's 1/sqrt(head_dim) folded into q's weights (or q's norm, which comes
+    after the projection in Qwen3): one Mul fewer per layer and token. RoPE is linear, so
+    scaling before it is the same."""
+    factor = arch.head_dim ** -0.5
+    if layer.q_norm is not None:
+        return layer.q_proj, layer.q_norm * factor
+    return scale_linear(layer.q_proj, factor), None
 
 
 def build_attention(arch: ArchConfig, layer: LayerWeights, index: int) -> onnx.ModelProto:
@@ -186,18 +214,16 @@ def build_attention(arch: ArchConfig, layer: LayerWeights, index: int) -> onnx.M
     past_v = g.input("past_value", TensorProto.FLOAT, cache_shape)
 
     normed = g.rms_norm(hidden, layer.attn_norm, arch.rms_norm_eps, f"{prefix}/norm")
-    q = g.heads(g.linear(normed, layer.q_proj, f"{prefix}/q_proj"), arch.num_heads, arch.head_dim,
-                f"{prefix}/q_heads")
-    if layer.q_norm is not None:
-        q = g.rms_norm(q, layer.q_norm, arch.rms_norm_eps, f"{prefix}/q_norm")
-    q = g.rope(q, cos, sin, f"{prefix}/q_rope")
-    k, v = _kv_projections(g, arch, layer, normed, cos, sin, prefix)
+    q_proj, q_norm = _prescaled_query(arch, layer)
+    q, k, v = g.fused_linear(normed, [q_proj, layer.k_proj, layer.v_proj], f"{prefix}/qkv_proj")
+    q = _heads(g, arch, q, arch.num_heads, q_norm, cos, sin, f"{prefix}/q")
+    k = _heads(g, arch, k, arch.num_kv_heads, layer.k_norm, cos, sin, f"{prefix}/k")
+    v = g.heads(v, arch.num_kv_heads, arch.head_dim, f"{prefix}/v_heads")
     _kv_outputs(g, arch, k, v)
 
     group = arch.num_heads // arch.num_kv_heads
     keys = g.op("Concat", [past_k, k], name=f"{prefix}/KeyConcat", axis=0)  # [S, kv, hd]
     values = g.op("Concat", [past_v, v], name=f"{prefix}/ValueConcat", axis=0)
-    q = g.op("Mul", [q, g.const(arch.head_dim ** -0.5, np.float32)], name=f"{prefix}/QScale")
     q = g.op("Reshape", [q, g.const([-1, arch.num_kv_heads, group, arch.head_dim])], name=f"{prefix}/QGroups")
     q = g.op("Transpose", [q], name=f"{prefix}/QTranspose", perm=[1, 2, 0, 3])  # [kv, group, T, hd]
     kt = g.op("Transpose", [keys], name=f"{prefix}/KTranspose", perm=[1, 2, 0])  # [kv, hd, S]
@@ -220,9 +246,9 @@ def build_mlp(arch: ArchConfig, layer: LayerWeights, index: int) -> onnx.ModelPr
     g = GraphBuilder(f"mlp_{index}")
     hidden = g.input("hidden", TensorProto.FLOAT, ["tokens", arch.hidden_size])
     normed = g.rms_norm(hidden, layer.mlp_norm, arch.rms_norm_eps, f"{prefix}/norm")
-    gate = g.linear(normed, layer.gate_proj, f"{prefix}/gate_proj")
+    gate, up = g.fused_linear(normed, [layer.gate_proj, layer.up_proj], f"{prefix}/gate_up_proj")
     silu = g.op("Mul", [gate, g.op("Sigmoid", [gate], name=f"{prefix}/Sigmoid")], name=f"{prefix}/SiLU")
-    act = g.op("Mul", [silu, g.linear(normed, layer.up_proj, f"{prefix}/up_proj")], name=f"{prefix}/GateMul")
+    act = g.op("Mul", [silu, up], name=f"{prefix}/GateMul")
     out = g.op("Add", [hidden, g.linear(act, layer.down_proj, f"{prefix}/down_proj")], name=f"{prefix}/Residual")
     g.output(out, "hidden_out", TensorProto.FLOAT, ["tokens", arch.hidden_size])
     return g.build()
@@ -233,8 +259,9 @@ def build_kv_fill(arch: ArchConfig, layer: LayerWeights, index: int) -> onnx.Mod
     g = GraphBuilder(f"kv_{index}")
     hidden, cos, sin = _activation_inputs(g, arch)
     normed = g.rms_norm(hidden, layer.attn_norm, arch.rms_norm_eps, f"{prefix}/norm")
-    k, v = _kv_projections(g, arch, layer, normed, cos, sin, prefix)
-    _kv_outputs(g, arch, k, v)
+    k, v = g.fused_linear(normed, [layer.k_proj, layer.v_proj], f"{prefix}/kv_proj")
+    k = _heads(g, arch, k, arch.num_kv_heads, layer.k_norm, cos, sin, f"{prefix}/k")
+    _kv_outputs(g, arch, k, g.heads(v, arch.num_kv_heads, arch.head_dim, f"{prefix}/v_heads"))
     return g.build()
 
 

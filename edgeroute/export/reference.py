@@ -34,7 +34,7 @@ def linear(x: torch.Tensor, lin: Linear) -> torch.Tensor:
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
 class ReferenceModel:

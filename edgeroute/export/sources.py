@@ -177,8 +177,16 @@ def _hf_linear(tensors: dict[str, np.ndarray], name: str, quant_config: dict | N
 
 
 def load_hf_dir(path: Path) -> SourceModel:
-    config = json.loads((path / "config.json").read_text())
-    arch = hf_arch_config(config, str(path))
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise SourceError(f"{path / 'config.json'} is not valid JSON ({err})") from err
+    if not isinstance(config, dict):
+        raise SourceError(f"{path / 'config.json'} is not a model configuration (a JSON object)")
+    try:
+        arch = hf_arch_config(config, str(path))
+    except KeyError as err:
+        raise SourceError(f"{path / 'config.json'} lacks the field {err.args[0]!r} that the architecture needs") from err
     quant_config = config.get("quantization_config")
     if quant_config and quant_config.get("quant_method", "gptq") != "gptq":
         raise SourceError(f"{path}: quantization method {quant_config.get('quant_method')!r} is not supported "

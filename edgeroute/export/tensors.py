@@ -159,3 +159,39 @@ class ModelWeights:
         """The first ``n_layers`` decoder layers with the same embedding, norm and head."""
         return ModelWeights(self.embedding, self.layers[:n_layers], self.final_norm, self.lm_head,
                             [*self.notes, f"truncated to the first {n_layers} layers"])
+
+
+def scale_linear(linear: Linear, factor: float) -> Linear:
+    """The linear times a constant, exactly on the quantized grid (only scales move)."""
+    w = linear.weight
+    if isinstance(w, FloatWeight):
+        scaled: Weight = FloatWeight(w.w * np.float32(factor), w.storage)
+    else:
+        scaled = BlockQuantWeight(w.q, w.scale * np.float32(factor), w.bits, w.block,
+                                  None if w.offset is None else w.offset * np.float32(factor), w.origin)
+    bias = None if linear.bias is None else linear.bias * np.float32(factor)
+    return Linear(scaled, bias, linear.input_order)
+
+
+def fuse_linears(linears: list[Linear]) -> Linear | None:
+    """Linears on the same input stacked along their outputs, or None when their formats
+    differ (then the graph keeps them apart)."""
+    weights = [lin.weight for lin in linears]
+    if any(lin.input_order is not None for lin in linears):
+        return None
+    if all(isinstance(w, FloatWeight) for w in weights) and len({w.storage for w in weights}) == 1:
+        fused: Weight = FloatWeight(np.concatenate([w.w for w in weights]), weights[0].storage)
+    elif all(isinstance(w, BlockQuantWeight) for w in weights) and len({(w.bits, w.block) for w in weights}) == 1:
+        weights = [w.with_positive_scales() for w in weights]
+        offsets = None
+        if any(w.offset is not None for w in weights):
+            offsets = np.concatenate([np.zeros_like(w.scale) if w.offset is None else w.offset for w in weights])
+        fused = BlockQuantWeight(np.concatenate([w.q for w in weights]), np.concatenate([w.scale for w in weights]),
+                                 weights[0].bits, weights[0].block, offsets, weights[0].origin)
+    else:
+        return None
+    biases = None
+    if any(lin.bias is not None for lin in linears):
+        biases = np.concatenate([np.zeros(lin.weight.shape[0], np.float32) if lin.bias is None else lin.bias
+                                 for lin in linears])
+    return Linear(fused, biases)

@@ -1,38 +1,28 @@
-"""The embeddable API: load a bundle once, generate or stream text.
+"""The embeddable API: load a bundle once, then generate, stream or chat.
 
 >>> engine = Engine("bundles/smollm2-demo")
->>> engine.generate("What is the capital of France?").text
+>>> engine.generate([{"role": "user", "content": "Hi!"}], max_new_tokens=32).text
+>>> chat = engine.chat(mode="speculate")          # keeps its KV caches across turns
+>>> for piece in chat.stream("Navigate to 12 Baker Street"): print(piece, end="")
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-import numpy as np
 from tokenizers import Tokenizer
 
 from edgeroute.bundle import Bundle
 from edgeroute.chat_format import format_messages
 from edgeroute.errors import InputError
-from edgeroute.runtime.model import KVCache, OrtModel
+from edgeroute.runtime.decoding import DecodeOptions, Decoder, GenerationStats, SequenceState, TokenTrace
+from edgeroute.runtime.model import OrtModel
 
 Messages = Sequence[dict[str, str]]
-
-
-@dataclass
-class GenerationStats:
-    prompt_tokens: int = 0
-    new_tokens: int = 0
-    time_to_first_token: float = 0.0
-    decode_seconds: float = 0.0
-
-    @property
-    def decode_tokens_per_second(self) -> float:
-        steps = self.new_tokens - 1  # the first token comes from the prefill
-        return steps / self.decode_seconds if steps > 0 and self.decode_seconds > 0 else 0.0
 
 
 @dataclass
@@ -40,29 +30,53 @@ class Generation:
     text: str
     tokens: list[int]
     stats: GenerationStats = field(default_factory=GenerationStats)
-    finish_reason: str = "length"  # length | eos
+    trace: list[TokenTrace] = field(default_factory=list)
+    finish_reason: str = "length"  # length | eos | stop | cancelled
 
 
 class Engine:
-    def __init__(self, bundle: str | Path | Bundle, providers: Sequence[str] | None = None, verify: bool = True) -> None:
+    """A loaded bundle: tokenizer and ONNX Runtime sessions, shared by every session."""
+
+    def __init__(self, bundle: str | Path | Bundle, providers: Sequence[str] | None = None, verify: bool = True,
+                 options: DecodeOptions | None = None) -> None:
         self.bundle = bundle if isinstance(bundle, Bundle) else Bundle.open(bundle, verify=verify)
         self.tokenizer = Tokenizer.from_file(str(self.bundle.file(self.bundle.tokenizer["file"])))
+        self.providers = providers
         self.llm = OrtModel(self.bundle, "llm", providers)
+        self._slm: OrtModel | None = None
+        self._slm_lock = threading.Lock()
         self.eos_ids = set(self.bundle.tokenizer.get("eos_token_ids") or [])
+        self.options = options or DecodeOptions()
+
+    @property
+    def slm(self) -> OrtModel | None:
+        """The SLM's sessions, loaded on first use (a bundle without one returns None)."""
+        if self.bundle.slm is None:
+            return None
+        with self._slm_lock:
+            if self._slm is None:
+                self._slm = OrtModel(self.bundle, "slm", self.providers)
+        return self._slm
 
     # -- text <-> tokens ------------------------------------------------------------------------
 
+    @property
+    def chat_format(self) -> dict[str, str]:
+        chat_format = self.bundle.tokenizer.get("chat_format")
+        if not chat_format:
+            raise InputError("this bundle's model has no usable chat template: pass a plain prompt string")
+        return chat_format
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
     def encode_prompt(self, prompt: str | Messages) -> list[int]:
-        if isinstance(prompt, str):
-            text = prompt
-        else:
-            chat_format = self.bundle.tokenizer.get("chat_format")
-            if not chat_format:
-                raise InputError("this bundle's model has no usable chat template: pass a plain prompt string")
-            text = format_messages(chat_format, list(prompt))
-        if not text.strip():
+        text = prompt if isinstance(prompt, str) else format_messages(self.chat_format, list(prompt))
+        if isinstance(prompt, str) and not prompt.strip():
             raise InputError("the prompt is empty")
-        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        if not isinstance(prompt, str) and not any(m.get("content", "").strip() for m in prompt):
+            raise InputError("the messages are empty")
+        ids = self.encode(text)
         bos = self.bundle.tokenizer.get("bos_token_id")
         if self.bundle.tokenizer.get("add_bos_token") and bos is not None and ids[:1] != [bos]:
             ids = [bos, *ids]
@@ -71,58 +85,117 @@ class Engine:
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
-    # -- generation -----------------------------------------------------------------------------
+    # -- sessions -------------------------------------------------------------------------------
 
-    def _check_length(self, prompt_ids: list[int], max_new_tokens: int, cache: KVCache) -> None:
-        if max_new_tokens < 1:
-            raise InputError(f"max_new_tokens must be >= 1 (got {max_new_tokens})")
-        if len(prompt_ids) >= cache.capacity:
-            raise InputError(f"the prompt has {len(prompt_ids)} tokens; the bundle's context is {cache.capacity}: "
-                             "shorten it or export with a larger --context-length")
+    def session(self, **options: Any) -> Session:
+        """An independent sequence (its own KV caches) on this engine's shared sessions."""
+        return Session(self, self.options.updated(**options))
 
-    def stream_tokens(self, prompt: str | Messages, max_new_tokens: int | None = None,
-                      stats: GenerationStats | None = None) -> Iterator[int]:
-        """Greedy tokens of the LLM, one at a time (the `full` mode)."""
-        stats = stats if stats is not None else GenerationStats()
-        max_new_tokens = max_new_tokens or int(self.bundle.generation["max_new_tokens"])
-        ids = self.encode_prompt(prompt)
-        cache = self.llm.new_cache()
-        self._check_length(ids, max_new_tokens, cache)
-        budget = min(max_new_tokens, cache.capacity - len(ids))
-        stats.prompt_tokens = len(ids)
-        start = time.perf_counter()
-        logits = self.llm.forward(cache, ids)
-        for step in range(budget):
-            token = int(np.argmax(logits))
-            now = time.perf_counter()
-            if step == 0:
-                stats.time_to_first_token = now - start
-                decode_start = now
-            stats.new_tokens += 1
-            stats.decode_seconds = now - decode_start
-            yield token
-            if token in self.eos_ids or step == budget - 1:
-                return
-            logits = self.llm.forward(cache, [token])
+    chat = session
 
-    def stream(self, prompt: str | Messages, max_new_tokens: int | None = None,
-               stats: GenerationStats | None = None) -> Iterator[str]:
+    def generate(self, prompt: str | Messages, **options: Any) -> Generation:
+        """One-shot generation in a fresh session; options override the engine's defaults."""
+        return self.session(**options).generate(prompt)
+
+    def stream(self, prompt: str | Messages, **options: Any) -> Iterator[str]:
+        return self.session(**options).stream(prompt)
+
+
+class Session:
+    """One conversation. Chat turns append to the cached sequence, so each new user turn
+    prefills only its own tokens; ``reset()`` starts over. Thread-safe to cancel."""
+
+    def __init__(self, engine: Engine, options: DecodeOptions) -> None:
+        self.engine, self.options = engine, options
+        needs_slm = options.mode == "slm" or options.light == "slm"
+        options.validate(engine.llm.num_layers, engine.bundle.slm is not None)
+        self.state = SequenceState(engine.llm, engine.slm if needs_slm else None)
+        self.messages: list[dict[str, str]] = []
+        self._cancel = threading.Event()
+        self.last: Generation | None = None
+
+    def reset(self) -> None:
+        self.state.reset()
+        self.messages = []
+
+    def cancel(self) -> None:
+        """Stop the running generation within one token (callable from any thread)."""
+        self._cancel.set()
+
+    def _turn_tokens(self, prompt: str | Messages) -> list[int]:
+        engine = self.engine
+        if isinstance(prompt, str) and not self.messages and not self.state.tokens:
+            return engine.encode_prompt(prompt)
+        if isinstance(prompt, str) and self.state.tokens and not self.messages:
+            if not prompt.strip():
+                raise InputError("the prompt is empty")
+            return engine.encode(prompt)  # plain-text continuation
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        if not self.state.tokens:
+            self.messages = list(messages)
+            return engine.encode_prompt(messages)
+        # a later chat turn: close the assistant's answer and append only the new messages
+        if any(m["role"] != "user" for m in messages) or not all(m["content"].strip() for m in messages):
+            raise InputError("a follow-up chat turn takes one non-empty user message")
+        if self.state.tokens[-1] in engine.eos_ids:
+            self.state.tokens.pop()  # the end-of-turn marker is part of the template's text below
+        self.messages.extend(messages)
+        fmt = engine.chat_format
+        return engine.encode(fmt["assistant_to_user"] + messages[0]["content"] + fmt["user_suffix"])
+
+    def generate_tokens(self, prompt: str | Messages, **overrides: Any) -> Iterator[TokenTrace]:
+        options = self.options.updated(**overrides) if overrides else self.options
+        options.validate(self.engine.llm.num_layers, self.engine.bundle.slm is not None)
+        new = self._turn_tokens(prompt)
+        room = self.state.capacity - len(self.state.tokens) - options.max_draft_tokens - 1
+        if len(new) > room:
+            raise InputError(f"the prompt needs {len(new)} tokens but only {max(room, 0)} fit in the bundle's "
+                             f"context of {self.state.capacity}: shorten it, reset() the session, "
+                             "or export with a larger --context-length")
+        budget = min(options.max_new_tokens or int(self.engine.bundle.generation["max_new_tokens"]), room - len(new))
+        if budget < 1:
+            raise InputError("no room left in the context for new tokens: reset() the session")
+        self._cancel.clear()
+        decoder = Decoder(self.state, options, self._cancel)
+        self.last = Generation("", [], decoder.stats)
+        yield from decoder.run(new, budget, self.engine.eos_ids)
+
+    def stream(self, prompt: str | Messages, on_token: Callable[[TokenTrace], None] | None = None,
+               **overrides: Any) -> Iterator[str]:
         """Text pieces as they are decoded (a voice app speaks while the model writes)."""
-        tokens: list[int] = []
-        emitted = ""
-        for token in self.stream_tokens(prompt, max_new_tokens, stats):
-            if token in self.eos_ids:
+        options = self.options.updated(**overrides) if overrides else self.options
+        engine, emitted, finish = self.engine, "", "length"
+        generation = None
+        for trace in self.generate_tokens(prompt, **overrides):
+            generation = self.last
+            generation.trace.append(trace)
+            if trace.token in engine.eos_ids:
+                generation.tokens.append(trace.token)
+                finish = "eos"
                 break
-            tokens.append(token)
-            text = self.decode(tokens)
+            generation.tokens.append(trace.token)
+            text = engine.decode(generation.tokens)
+            trace.text = text[len(emitted):]
+            if on_token is not None:
+                on_token(trace)
+            stop_at = min((i for s in options.stop if (i := text.find(s)) >= 0), default=-1)
+            if stop_at >= 0:
+                text, finish = text[:stop_at], "stop"
             if text.endswith("\ufffd"):
                 continue  # a multi-byte character is still incomplete
-            yield text[len(emitted):]
-            emitted = text
+            if len(text) > len(emitted):
+                yield text[len(emitted):]
+                emitted = text
+            if finish == "stop":
+                break
+        if generation is not None:
+            if self._cancel.is_set():
+                finish = "cancelled"
+            generation.text, generation.finish_reason = emitted, finish
+            if self.messages:
+                self.messages.append({"role": "assistant", "content": emitted})
 
-    def generate(self, prompt: str | Messages, max_new_tokens: int | None = None) -> Generation:
-        stats = GenerationStats()
-        tokens = list(self.stream_tokens(prompt, max_new_tokens, stats))
-        finish = "eos" if tokens and tokens[-1] in self.eos_ids else "length"
-        text_tokens = tokens[:-1] if finish == "eos" else tokens
-        return Generation(self.decode(text_tokens), tokens, stats, finish)
+    def generate(self, prompt: str | Messages, **overrides: Any) -> Generation:
+        for _ in self.stream(prompt, **overrides):
+            pass
+        return self.last

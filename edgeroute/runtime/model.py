@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,11 +50,21 @@ def session_options() -> ort.SessionOptions:
     return options
 
 
+RUN, SKIP_MLP, SKIP, DROP = "run", "skip_mlp", "skip", "drop"
+LayerPlan = Callable[[int, np.ndarray], str]
+
+
 @dataclass
 class KVCache:
     keys: np.ndarray  # [layers, capacity, kv_heads, head_dim]
     values: np.ndarray
     length: int = 0
+    dropped: np.ndarray | None = None  # [layers, capacity] bool, only once a layer was dropped
+
+    def drop(self, layer: int, start: int, count: int) -> None:
+        if self.dropped is None:
+            self.dropped = np.zeros(self.keys.shape[:2], bool)
+        self.dropped[layer, start:start + count] = True
 
     @property
     def capacity(self) -> int:
@@ -64,6 +74,8 @@ class KVCache:
         """Forget positions >= length (rejected speculative tokens)."""
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate a cache of {self.length} tokens to {length}")
+        if self.dropped is not None:
+            self.dropped[:, length:] = False
         self.length = length
 
 
@@ -136,12 +148,23 @@ class OrtModel:
         bias[:, start:] = np.triu(np.full((t, t), np.finfo(np.float32).min, np.float32), k=1)
         return bias
 
-    def forward(self, cache: KVCache, ids: Sequence[int] | np.ndarray, run_layers: Sequence[bool] | None = None,
-                all_logits: bool = False) -> np.ndarray:
+    def layer_bias(self, cache: KVCache, layer: int, bias: np.ndarray) -> np.ndarray:
+        """The step's mask plus, under kv_cache_reduction, the positions this layer skipped."""
+        if cache.dropped is None:
+            return bias
+        dropped = cache.dropped[layer, :bias.shape[1]]
+        return bias + np.where(dropped, np.finfo(np.float32).min, 0).astype(np.float32) if dropped.any() else bias
+
+    def forward(self, cache: KVCache, ids: Sequence[int] | np.ndarray,
+                plan: Sequence[bool] | LayerPlan | None = None, all_logits: bool = False) -> np.ndarray:
         """Run T new tokens over the cache (prefill, decode, or catch-up of pending tokens).
 
-        ``run_layers[i]`` False sends the tokens past layer i, filling its K/V from the
-        current hidden state. Returns logits [T, vocab] or, by default, [vocab] of the last."""
+        ``plan`` says per layer what the tokens do: a list of booleans (False: skip the layer,
+        filling its K/V from the current hidden state) or a callable ``plan(layer, hidden)``
+        returning RUN, SKIP_MLP (attention runs, so the cache stays exact; the MLP is
+        skipped), SKIP (K/V filled CALM-style) or DROP (skipped, and its cache entries
+        masked for later tokens: kv_cache_reduction). Returns logits [T, vocab], or by
+        default [vocab] of the last token."""
         ids = np.asarray(ids, np.int64).reshape(-1)
         t, start = ids.shape[0], cache.length
         if t == 0:
@@ -152,9 +175,19 @@ class OrtModel:
         bias = self.causal_bias(start, t)
         hidden = self.embed(ids)
         for layer in range(self.num_layers):
-            if run_layers is None or run_layers[layer]:
-                hidden = self.mlp(layer, self.attention(layer, hidden, cache, start, bias))
+            if plan is None:
+                action = RUN
+            elif callable(plan):
+                action = plan(layer, hidden)
             else:
+                action = RUN if plan[layer] else SKIP
+            if action == RUN:
+                hidden = self.mlp(layer, self.attention(layer, hidden, cache, start, self.layer_bias(cache, layer, bias)))
+            elif action == SKIP_MLP:
+                hidden = self.attention(layer, hidden, cache, start, self.layer_bias(cache, layer, bias))
+            elif action == SKIP:
                 self.kv_fill(layer, hidden, cache, start)
+            else:  # DROP
+                cache.drop(layer, start, t)
         cache.length = start + t
         return self.head(hidden if all_logits else hidden[-1:])[0 if not all_logits else slice(None)]

@@ -1,0 +1,301 @@
+"""The decode loop: a few named steps over one sequence state.
+
+- ``step_llm``: the LLM catches up on every token it has not seen, in one pass, and picks
+  the next token (``full``; with a skip plan, ``skip``).
+- ``step_route``: a light path proposes the next token, a router scores it, and only above
+  the threshold does the LLM step replace it. No rollback (R2R / TokenRouter).
+- ``step_speculate``: a light path drafts k tokens; the LLM checks them in the same catch-up
+  pass and keeps the longest agreeing prefix plus its own next token. Lossless.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from edgeroute.errors import InputError
+from edgeroute.runtime.drafters import NgramDrafter, Proposal, SlmDrafter
+from edgeroute.runtime.model import KVCache, OrtModel
+from edgeroute.runtime.policies import ROUTERS, FallbackMonitor, FallbackOptions, SkipController, SkipOptions
+from edgeroute.runtime.sampling import Sampler, softmax
+
+MODES = ("full", "slm", "route", "speculate", "skip", "route+skip", "speculate+skip")
+LIGHT_PATHS = ("ngram", "slm")
+
+
+@dataclass
+class DecodeOptions:
+    mode: str = "full"
+    light: str = "ngram"  # the light path of route / speculate
+    max_new_tokens: int | None = None  # None: the bundle's default
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    router: str | None = None  # None: "ngram" for the n-gram path, "entropy" for the SLM
+    route_threshold: float = 0.5  # call the LLM when the router score is above this
+    draft_tokens: int = 4  # initial draft length; adapts to the acceptance rate
+    max_draft_tokens: int = 8
+    adaptive_draft: bool = True
+    skip: SkipOptions = field(default_factory=SkipOptions)
+    fallback: FallbackOptions | None = field(default_factory=FallbackOptions)
+
+    def updated(self, **overrides: Any) -> DecodeOptions:
+        """A copy with overrides; skip options may be given flat (``skip_ratio=0.2``)."""
+        skip_fields = {f.name for f in dataclasses.fields(SkipOptions)}
+        fallback_fields = {f.name for f in dataclasses.fields(FallbackOptions)}
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(self)} - skip_fields - fallback_fields
+        if unknown:
+            raise InputError(f"unknown decoding option(s): {', '.join(sorted(unknown))}")
+        own = {k: v for k, v in overrides.items() if k not in skip_fields | fallback_fields}
+        skip = dataclasses.replace(self.skip, **{k: v for k, v in overrides.items() if k in skip_fields})
+        fallback = self.fallback
+        fallback_overrides = {k: v for k, v in overrides.items() if k in fallback_fields}
+        if fallback_overrides:
+            fallback = dataclasses.replace(fallback or FallbackOptions(), **fallback_overrides)
+        return dataclasses.replace(self, **{"skip": skip, "fallback": fallback, **own})
+
+    def validate(self, num_layers: int, has_slm: bool) -> None:
+        if self.mode not in MODES:
+            raise InputError(f"mode {self.mode!r} is not one of {', '.join(MODES)}")
+        if self.light not in LIGHT_PATHS:
+            raise InputError(f"light path {self.light!r} is not one of {', '.join(LIGHT_PATHS)}")
+        if (self.mode == "slm" or (self.light == "slm" and self.mode.split("+")[0] in ("route", "speculate"))) \
+                and not has_slm:
+            raise InputError("this bundle has no SLM: use --light ngram, or export with --slm")
+        if self.router is not None and self.router not in ROUTERS:
+            raise InputError(f"router {self.router!r} is not one of {', '.join(ROUTERS)}")
+        if not 0.0 <= self.route_threshold <= 1.0:
+            raise InputError(f"route_threshold must be within [0, 1] (got {self.route_threshold})")
+        if self.temperature < 0 or not 0.0 < self.top_p <= 1.0:
+            raise InputError(f"temperature must be >= 0 and top_p within (0, 1] (got {self.temperature}, {self.top_p})")
+        if not 1 <= self.draft_tokens <= self.max_draft_tokens:
+            raise InputError(f"draft_tokens must be between 1 and max_draft_tokens ({self.max_draft_tokens})")
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise InputError(f"max_new_tokens must be >= 1 (got {self.max_new_tokens})")
+        if "skip" in self.mode:
+            self.skip.validate(num_layers)
+
+
+@dataclass
+class TokenTrace:
+    position: int
+    token: int
+    source: str  # llm | slm | ngram | draft:ngram | draft:slm
+    seconds: float  # wall time since the previous token
+    router_score: float | None = None
+    layers_run: int | None = None  # LLM layers this token's pass ran (None: no LLM pass)
+    layers_skipped: int | None = None
+    importance: list[float] = field(default_factory=list)
+    fallback: bool = False
+    text: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    time_to_first_token: float = 0.0
+    decode_seconds: float = 0.0
+    llm_tokens: int = 0  # generated tokens chosen by the LLM
+    llm_calls: int = 0
+    llm_layers_run: int = 0  # summed over LLM-produced tokens
+    drafted: int = 0
+    accepted: int = 0
+    fallbacks: int = 0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        steps = self.new_tokens - 1  # the first token comes with the prefill
+        return steps / self.decode_seconds if steps > 0 and self.decode_seconds > 0 else 0.0
+
+    @property
+    def llm_share(self) -> float:
+        return self.llm_tokens / self.new_tokens if self.new_tokens else 0.0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    def summary(self, mode: str, num_layers: int) -> str:
+        layers = self.llm_layers_run / self.llm_tokens if self.llm_tokens else 0.0
+        line = (f"{self.new_tokens} tokens, {self.decode_tokens_per_second:.1f} tok/s decode, "
+                f"TTFT {self.time_to_first_token * 1000:.0f} ms, LLM share {self.llm_share:.0%}, "
+                f"{layers:.1f}/{num_layers} layers per LLM token")
+        if self.drafted:
+            line += f", draft acceptance {self.acceptance:.0%}"
+        if self.fallbacks:
+            line += f", {self.fallbacks} fallback(s)"
+        return f"{line} (mode {mode})"
+
+
+class SequenceState:
+    """What one conversation keeps between calls: its tokens and the models' caches."""
+
+    def __init__(self, llm: OrtModel, slm: OrtModel | None) -> None:
+        self.llm = llm
+        self.tokens: list[int] = []
+        self.llm_cache: KVCache = llm.new_cache()
+        self.slm_drafter = SlmDrafter(slm, self.llm_cache.capacity) if slm is not None else None
+        self.ngram_drafter = NgramDrafter()
+
+    def reset(self) -> None:
+        self.tokens = []
+        self.llm_cache.truncate(0)
+        if self.llm_cache.dropped is not None:
+            self.llm_cache.dropped[:] = False
+        if self.slm_drafter is not None:
+            self.slm_drafter.reset()
+
+    @property
+    def capacity(self) -> int:
+        return self.llm_cache.capacity
+
+
+class Decoder:
+    """One generation over a :class:`SequenceState`."""
+
+    def __init__(self, state: SequenceState, options: DecodeOptions, cancel: threading.Event | None = None) -> None:
+        self.state, self.options = state, options
+        self.llm = state.llm
+        self.sampler = Sampler(options.temperature, options.top_p, options.seed)
+        self.cancel = cancel or threading.Event()
+        self.stats = GenerationStats()
+        base, _, extra = options.mode.partition("+")
+        self.base_mode = base
+        self.skipper = SkipController(options.skip, self.llm.num_layers) if "skip" in (base, extra) else None
+        risky = base == "route" or self.skipper is not None  # speculation is lossless: nothing to guard
+        self.monitor = FallbackMonitor(options.fallback) if options.fallback and risky else None
+        light = state.slm_drafter if options.light == "slm" else state.ngram_drafter
+        self.light = state.slm_drafter if base == "slm" else light
+        self.router = ROUTERS[options.router or ("entropy" if options.light == "slm" else "ngram")]
+        self.draft_length = options.draft_tokens
+
+    # -- the steps ------------------------------------------------------------------------------
+
+    def _fallback_active(self) -> bool:
+        return self.monitor is not None and self.monitor.active
+
+    def _llm_pass(self, extra: list[int]) -> tuple[np.ndarray, TokenTrace]:
+        """LLM over its pending tokens plus ``extra`` (drafts), logits for each position from
+        the last pending token on."""
+        cache, tokens = self.state.llm_cache, self.state.tokens
+        pending = tokens[cache.length:]
+        plan = None
+        if self.skipper is not None:
+            self.skipper.enabled = not self._fallback_active()
+            plan = self.skipper
+        logits = self.llm.forward(cache, pending + extra, plan=plan, all_logits=True)[len(pending) - 1:]
+        trace = TokenTrace(-1, -1, "llm", 0.0, fallback=self._fallback_active())
+        n = self.llm.num_layers
+        if plan is not None:
+            record = self.skipper.last
+            trace.layers_run, trace.layers_skipped = record.layers_run, n - record.layers_run
+            trace.importance = list(record.importance)
+        else:
+            trace.layers_run, trace.layers_skipped = n, 0
+        self.stats.llm_calls += 1
+        return logits, trace
+
+    def _observe_llm(self, logits: np.ndarray) -> None:
+        if self.monitor is not None:
+            self.monitor.observe_llm(float(softmax(logits).max()))
+
+    def step_llm(self) -> list[TokenTrace]:
+        logits, trace = self._llm_pass([])
+        self._observe_llm(logits[0])
+        trace.token = self.sampler.sample(logits[0])
+        return [trace]
+
+    def step_slm(self) -> list[TokenTrace]:
+        logits = self.state.slm_drafter.next_logits(self.state.tokens)
+        return [TokenTrace(-1, self.sampler.sample(logits), "slm", 0.0)]
+
+    def step_route(self) -> list[TokenTrace]:
+        proposal: Proposal = self.light.propose(self.state.tokens, 1)
+        score = self.router(proposal, 0) if proposal.tokens else 1.0
+        if self._fallback_active() or score > self.options.route_threshold:
+            traces = self.step_llm()
+        else:
+            token, p = proposal.tokens[0], proposal.probabilities[0]
+            if not self.sampler.greedy and p is not None:
+                token = self.sampler.choose(self.sampler.probabilities(np.log(p + 1e-30)))
+            traces = [TokenTrace(-1, token, self.light.name, 0.0, fallback=False)]
+        traces[0].router_score = score
+        return traces
+
+    def step_speculate(self) -> list[TokenTrace]:
+        proposal = self.light.propose(self.state.tokens, self.draft_length)
+        draft = proposal.tokens
+        if not draft:
+            return self.step_llm()
+        start = self.state.llm_cache.length
+        pending = len(self.state.tokens) - start
+        logits, trace = self._llm_pass(draft)
+        traces = []
+        for i, token in enumerate(draft):
+            accepted, chosen = self.sampler.verify_draft(logits[i], token)
+            if not accepted:
+                break
+            traces.append(TokenTrace(-1, token, f"draft:{self.light.name}", 0.0))
+        else:
+            chosen = self.sampler.sample(logits[len(draft)])
+        n = len(traces)
+        self._observe_llm(logits[n])
+        self.state.llm_cache.truncate(start + pending + n)  # forget the rejected drafts' K/V
+        self.stats.drafted += len(draft)
+        self.stats.accepted += n
+        trace.token = chosen
+        traces.append(trace)
+        if self.options.adaptive_draft:
+            if n == len(draft):
+                self.draft_length = min(self.draft_length + 1, self.options.max_draft_tokens)
+            elif n < len(draft) / 2:
+                self.draft_length = max(self.draft_length - 1, 1)
+        return traces
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def run(self, new_tokens: list[int], budget: int, eos_ids: set[int]) -> Iterator[TokenTrace]:
+        state = self.state
+        state.tokens.extend(new_tokens)
+        self.stats.prompt_tokens = len(new_tokens)
+        step = {"full": self.step_llm, "skip": self.step_llm, "slm": self.step_slm,
+                "route": self.step_route, "speculate": self.step_speculate}[self.base_mode]
+        try:
+            yield from self._loop(step, budget, eos_ids)
+        finally:  # drafts verified past a stop (eos, budget, cancel) must not stay cached
+            state.llm_cache.truncate(min(state.llm_cache.length, len(state.tokens)))
+
+    def _loop(self, step, budget: int, eos_ids: set[int]) -> Iterator[TokenTrace]:
+        state = self.state
+        start = last = time.perf_counter()
+        while self.stats.new_tokens < budget and not self.cancel.is_set():
+            for trace in step():
+                now = time.perf_counter()
+                trace.position, trace.seconds, last = len(state.tokens), now - last, now
+                if self.stats.new_tokens == 0:
+                    self.stats.time_to_first_token = now - start
+                    decode_start = now
+                self.stats.decode_seconds = now - decode_start
+                state.tokens.append(trace.token)
+                self.stats.new_tokens += 1
+                if trace.source == "llm":
+                    self.stats.llm_tokens += 1
+                    self.stats.llm_layers_run += trace.layers_run or 0
+                if self.monitor is not None:
+                    before = len(self.monitor.events)
+                    self.monitor.step(trace.position)
+                    self.stats.fallbacks += len(self.monitor.events) - before
+                yield trace
+                if trace.token in eos_ids or self.stats.new_tokens >= budget or self.cancel.is_set():
+                    return

@@ -1,0 +1,100 @@
+"""Light paths: cheap proposals for the next tokens, behind one interface.
+
+- :class:`NgramDrafter` (prompt lookup): continue the longest earlier match of the sequence's
+  suffix in the prompt and history. Zero model compute; strong when answers echo the request
+  (destinations, names, numbers, JSON keys).
+- :class:`SlmDrafter`: the bundle's small model, greedy, with its own KV cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from edgeroute.runtime.model import KVCache, OrtModel
+from edgeroute.runtime.sampling import softmax
+
+
+@dataclass
+class Proposal:
+    tokens: list[int]
+    # per proposed token: the light path's own confidence signals for the router
+    probabilities: list[np.ndarray | None]
+    match_length: int = 0  # n-gram: length of the matched suffix
+    match_count: int = 0  # n-gram: how often that suffix occurred earlier
+
+
+class NgramDrafter:
+    name = "ngram"
+
+    def __init__(self, max_ngram: int = 8, min_ngram: int = 1) -> None:
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def propose(self, tokens: list[int], k: int) -> Proposal:
+        """The k tokens that followed the most recent earlier occurrence of the longest
+        suffix (max_ngram down to min_ngram tokens) of ``tokens``."""
+        n_tokens = len(tokens)
+        seq = np.asarray(tokens, np.int64)
+        for n in range(min(self.max_ngram, n_tokens - 1), self.min_ngram - 1, -1):
+            suffix = seq[n_tokens - n:]
+            windows = np.lib.stride_tricks.sliding_window_view(seq[:n_tokens - 1], n)
+            hits = np.flatnonzero((windows == suffix).all(axis=1))
+            hits = hits[hits + n < n_tokens]
+            if hits.size:
+                start = int(hits[-1]) + n
+                continuation = tokens[start:start + k]
+                return Proposal(continuation, [None] * len(continuation), n, int(hits.size))
+        return Proposal([], [])
+
+    def reset(self) -> None:
+        pass
+
+    def sync(self, tokens: list[int]) -> None:
+        pass
+
+
+class SlmDrafter:
+    name = "slm"
+
+    def __init__(self, model: OrtModel, capacity: int | None = None) -> None:
+        self.model = model
+        self.cache: KVCache = model.new_cache(capacity)
+        self.seen: list[int] = []  # the tokens whose K/V the cache holds
+        self.last_logits: np.ndarray | None = None
+
+    def reset(self) -> None:
+        self.cache.truncate(0)
+        self.seen = []
+        self.last_logits = None
+
+    def sync(self, tokens: list[int]) -> None:
+        """Forget cached positions that disagree with ``tokens`` (rejected drafts, tokens the
+        LLM replaced), so the next call catches up on the real sequence."""
+        n = min(len(self.seen), len(tokens))
+        differ = np.flatnonzero(np.asarray(self.seen[:n]) != np.asarray(tokens[:n]))
+        keep = int(differ[0]) if differ.size else n
+        if keep < len(self.seen):
+            self.cache.truncate(keep)
+            del self.seen[keep:]
+            self.last_logits = None
+
+    def next_logits(self, tokens: list[int]) -> np.ndarray:
+        self.sync(tokens)
+        new = tokens[len(self.seen):]
+        if new or self.last_logits is None:
+            self.last_logits = self.model.forward(self.cache, new)
+            self.seen.extend(new)
+        return self.last_logits
+
+    def propose(self, tokens: list[int], k: int) -> Proposal:
+        """k greedy tokens of the SLM (catching up on tokens it has not seen first)."""
+        proposal = Proposal([], [])
+        sequence = list(tokens)
+        for _ in range(k):
+            p = softmax(self.next_logits(sequence))
+            token = int(np.argmax(p))
+            proposal.tokens.append(token)
+            proposal.probabilities.append(p)
+            sequence.append(token)
+        return proposal

@@ -1,0 +1,57 @@
+"""Token choice: greedy, or seeded temperature / top-p sampling (numpy only)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def softmax(logits: np.ndarray, temperature: float = 1.0) -> np.ndarray:
+    z = logits.astype(np.float64) / max(temperature, 1e-6)
+    z -= z.max(axis=-1, keepdims=True)
+    p = np.exp(z)
+    return p / p.sum(axis=-1, keepdims=True)
+
+
+class Sampler:
+    """Greedy when temperature == 0; otherwise nucleus sampling from a seeded generator, so a
+    seed reproduces the same text."""
+
+    def __init__(self, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None) -> None:
+        self.temperature, self.top_p = temperature, top_p
+        self.rng = np.random.default_rng(seed)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    def probabilities(self, logits: np.ndarray) -> np.ndarray:
+        p = softmax(logits, self.temperature)
+        if self.top_p < 1.0:
+            order = np.argsort(-p)
+            keep = np.cumsum(p[order]) - p[order] < self.top_p
+            filtered = np.zeros_like(p)
+            filtered[order[keep]] = p[order[keep]]
+            p = filtered / filtered.sum()
+        return p
+
+    def sample(self, logits: np.ndarray) -> int:
+        if self.greedy:
+            return int(np.argmax(logits))
+        return self.choose(self.probabilities(logits))
+
+    def choose(self, p: np.ndarray) -> int:
+        return int(self.rng.choice(p.shape[0], p=p))
+
+    def verify_draft(self, logits: np.ndarray, draft: int) -> tuple[bool, int]:
+        """Speculative-sampling check of one deterministic draft token against the target's
+        logits: accept with probability p(draft), else sample from p with the draft removed.
+        The result is distributed exactly as sampling from p (greedy: accept iff argmax)."""
+        if self.greedy:
+            best = int(np.argmax(logits))
+            return best == draft, best
+        p = self.probabilities(logits)
+        if self.rng.random() < p[draft]:
+            return True, draft
+        p[draft] = 0.0
+        total = p.sum()
+        return False, self.choose(p / total) if total > 0 else int(np.argmax(logits))

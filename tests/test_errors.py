@@ -1,0 +1,419 @@
+"""What users see when something is wrong: one clear error naming the thing and the fix, and
+never a half-written bundle."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from edgeroute.bundle import FORMAT_VERSION, MANIFEST, Bundle
+from edgeroute.cli import app
+from edgeroute.errors import BundleError, EdgerouteError, SourceError, TokenizerMismatch, UnsupportedArchitecture
+from edgeroute.export.sources import load_source
+from edgeroute.export.writer import BundleWriter
+from tests.conftest import export_tiny
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def partial_dirs(out: Path) -> list[Path]:
+    return sorted(out.parent.glob(f".{out.name}.partial-*"))
+
+
+def assert_nothing_written(out: Path) -> None:
+    assert not out.exists()
+    assert partial_dirs(out) == []
+
+
+@pytest.fixture
+def tiny_llama(tiny_models) -> Path:
+    return tiny_models["llama"][0]
+
+
+@pytest.fixture
+def tiny_llama_copy(tiny_llama, tmp_path) -> Path:
+    """A private copy of the tiny Llama checkpoint directory, free to edit."""
+    return Path(shutil.copytree(tiny_llama, tmp_path / "model"))
+
+
+@pytest.fixture
+def bundle_copy(tiny_bundles, tmp_path) -> Path:
+    """A private copy of the tiny Llama bundle, free to damage."""
+    return Path(shutil.copytree(tiny_bundles["llama"], tmp_path / "bundle"))
+
+
+def edit_json(path: Path, edit) -> None:
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+
+
+# -- sources ------------------------------------------------------------------------------------
+
+def test_missing_source_path_is_a_source_error_naming_the_path(tmp_path):
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(SourceError, match="does not exist") as err:
+        export_tiny(missing, tmp_path / "out")
+    assert str(missing) in str(err.value)
+    assert_nothing_written(tmp_path / "out")
+
+
+@pytest.mark.parametrize("layout", ["empty dir", "dir without config.json", "non-gguf file"])
+def test_source_that_is_neither_gguf_nor_hf_dir_is_a_source_error(tmp_path, layout):
+    if layout == "non-gguf file":
+        source = tmp_path / "model.bin"
+        source.write_bytes(b"\0" * 64)
+    else:
+        source = tmp_path / "model"
+        source.mkdir()
+        if layout == "dir without config.json":
+            (source / "model.safetensors").write_bytes(b"\0" * 64)
+    with pytest.raises(SourceError, match="neither a .gguf file nor an HF checkpoint directory"):
+        load_source(source)
+
+
+@pytest.mark.parametrize("content", [b"", b"not a gguf file at all" * 100], ids=["empty", "garbage"])
+def test_unreadable_gguf_is_a_source_error(tmp_path, content):
+    source = tmp_path / "model.gguf"
+    source.write_bytes(content)
+    with pytest.raises(SourceError, match="not a readable GGUF file"):
+        load_source(source)
+
+
+def test_hf_config_that_is_not_json_is_a_source_error(tiny_llama_copy):
+    (tiny_llama_copy / "config.json").write_text("{ not json")
+    with pytest.raises(SourceError, match="config.json"):
+        load_source(tiny_llama_copy)
+
+
+def test_hf_config_missing_a_field_is_a_source_error_naming_it(tiny_llama_copy):
+    edit_json(tiny_llama_copy / "config.json", lambda c: c.pop("hidden_size"))
+    with pytest.raises(SourceError, match="hidden_size"):
+        load_source(tiny_llama_copy)
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "mistral", "phi3"])
+def test_unsupported_architecture_lists_the_supported_ones(tiny_llama_copy, tmp_path, model_type):
+    edit_json(tiny_llama_copy / "config.json", lambda c: c.update(model_type=model_type))
+    with pytest.raises(UnsupportedArchitecture) as err:
+        export_tiny(tiny_llama_copy, tmp_path / "out")
+    message = str(err.value)
+    assert repr(model_type) in message
+    for supported in ("llama", "qwen2", "qwen3"):
+        assert supported in message
+    assert isinstance(err.value, SourceError)
+    assert_nothing_written(tmp_path / "out")
+
+
+def rename_vocab_entry(tokenizer_json: Path) -> str:
+    """Rename the last BPE vocabulary entry (dropping the merges that make or use it, so the
+    file still loads); return its old spelling."""
+    data = json.loads(tokenizer_json.read_text())
+    vocab: dict[str, int] = data["model"]["vocab"]
+    added = {t["content"] for t in data.get("added_tokens", [])}
+    old = max((t for t in vocab if t not in added), key=vocab.__getitem__)
+    vocab["edgeroute-renamed-token"] = vocab.pop(old)
+
+    def pair(merge) -> tuple[str, str]:
+        return tuple(merge.split(" ", 1)) if isinstance(merge, str) else tuple(merge)
+
+    data["model"]["merges"] = [m for m in data["model"]["merges"] if old not in pair(m) and "".join(pair(m)) != old]
+    tokenizer_json.write_text(json.dumps(data))
+    return old
+
+
+def test_slm_with_a_different_vocabulary_is_a_tokenizer_mismatch(tiny_llama, tiny_llama_copy, tmp_path):
+    old = rename_vocab_entry(tiny_llama_copy / "tokenizer.json")
+    with pytest.raises(TokenizerMismatch, match="do not share a tokenizer") as err:
+        export_tiny(tiny_llama, tmp_path / "out", slm=str(tiny_llama_copy))
+    assert "edgeroute-renamed-token" in str(err.value) or repr(old) in str(err.value)
+    assert_nothing_written(tmp_path / "out")
+
+
+# -- damaged bundles ----------------------------------------------------------------------------
+
+def test_intact_bundle_copy_opens(bundle_copy):
+    Bundle.open(bundle_copy)  # the baseline for the damage below
+
+
+def test_graph_file_with_flipped_bytes_fails_its_sha256_check(bundle_copy):
+    from edgeroute.runtime import Engine
+
+    graph = bundle_copy / "llm" / "attn_000.onnx"
+    data = bytearray(graph.read_bytes())
+    for i in range(len(data) // 3, len(data) // 3 + 8):
+        data[i] ^= 0xFF
+    graph.write_bytes(bytes(data))
+    assert graph.stat().st_size == len(data)
+    with pytest.raises(BundleError, match="sha256") as err:
+        Bundle.open(bundle_copy)
+    assert "llm/attn_000.onnx" in str(err.value)
+    with pytest.raises(BundleError, match="sha256"):
+        Engine(bundle_copy)
+
+
+def test_truncated_graph_file_is_reported_with_its_byte_counts(bundle_copy):
+    graph = bundle_copy / "llm" / "attn_000.onnx"
+    size = graph.stat().st_size
+    with open(graph, "r+b") as f:
+        f.truncate(size // 2)
+    with pytest.raises(BundleError, match="bytes") as err:
+        Bundle.open(bundle_copy, verify=False)  # the size check runs even without hashing
+    assert str(size // 2) in str(err.value) and str(size) in str(err.value)
+
+
+def test_missing_graph_file_is_reported(bundle_copy):
+    (bundle_copy / "llm" / "head.onnx").unlink()
+    with pytest.raises(BundleError, match=r"llm/head.onnx is missing"):
+        Bundle.open(bundle_copy)
+
+
+def test_bundle_from_a_newer_format_is_refused(bundle_copy):
+    edit_json(bundle_copy / MANIFEST, lambda m: m.update(format_version=FORMAT_VERSION + 1))
+    with pytest.raises(BundleError, match="newer than this runtime"):
+        Bundle.open(bundle_copy)
+
+
+def test_bundle_from_an_older_format_is_refused(bundle_copy):
+    edit_json(bundle_copy / MANIFEST, lambda m: m.update(format_version=FORMAT_VERSION - 1))
+    with pytest.raises(BundleError, match="older than this runtime"):
+        Bundle.open(bundle_copy)
+
+
+def test_manifest_that_is_not_json_is_reported(bundle_copy):
+    (bundle_copy / MANIFEST).write_text('{"format": "edgeroute-bundle", ')
+    with pytest.raises(BundleError, match="not valid JSON"):
+        Bundle.open(bundle_copy)
+
+
+@pytest.mark.parametrize("manifest", [
+    [1, 2, 3],
+    {"format": "edgeroute-bundle", "format_version": FORMAT_VERSION},
+    {"format": "edgeroute-bundle", "format_version": FORMAT_VERSION, "models": {"llm": {"arch": {}}}, "files": {}},
+], ids=["list", "no models", "model without fields"])
+def test_malformed_manifest_is_a_bundle_error(bundle_copy, manifest):
+    (bundle_copy / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(BundleError):
+        Bundle.open(bundle_copy)
+
+
+def test_directory_without_manifest_is_not_a_bundle(bundle_copy):
+    (bundle_copy / MANIFEST).unlink()
+    with pytest.raises(BundleError, match="no manifest.json"):
+        Bundle.open(bundle_copy)
+
+
+def test_missing_bundle_says_how_to_create_one(tmp_path):
+    with pytest.raises(BundleError, match="edgeroute export"):
+        Bundle.open(tmp_path / "nowhere")
+
+
+# -- interrupted and failing exports ------------------------------------------------------------
+
+# The real CLI, with each graph write slowed down so the test reliably kills it half-way.
+SLOW_EXPORT = """
+import sys, time
+from edgeroute.export import writer
+
+write_graph = writer.BundleWriter.write_graph
+
+def slow_write_graph(self, rel, model):
+    signature = write_graph(self, rel, model)
+    time.sleep(0.5)
+    return signature
+
+writer.BundleWriter.write_graph = slow_write_graph
+from edgeroute.cli import app
+app(sys.argv[1:], prog_name="edgeroute")
+"""
+
+
+def test_export_killed_half_way_leaves_no_bundle_and_the_next_export_cleans_up(tiny_llama, tmp_path):
+    out = tmp_path / "bundles" / "tiny"
+    script = tmp_path / "slow_export.py"
+    script.write_text(SLOW_EXPORT)
+    cmd = [sys.executable, str(script), "export", "--llm", str(tiny_llama), "--no-slm", "--quant", "fp32",
+           "--parity-tokens", "0", "--context-length", "256", "--out", str(out)]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    partial = out.parent / f".{out.name}.partial-{proc.pid}"
+    try:
+        deadline = time.monotonic() + 180
+        while len(list(partial.glob("llm/*.onnx"))) < 2:
+            assert proc.poll() is None, f"export ended before it could be killed: {proc.stderr.read().decode()[-2000:]}"
+            assert time.monotonic() < deadline, "export wrote no graphs within 180 s"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stderr.close()
+    assert proc.returncode == -signal.SIGKILL
+
+    assert not out.exists()
+    with pytest.raises(BundleError):
+        Bundle.open(out)
+    assert partial.is_dir() and list(partial.glob("llm/*.onnx"))
+    assert not (partial / MANIFEST).exists()
+    with pytest.raises(BundleError, match="no manifest.json"):
+        Bundle.open(partial)  # even opened by hand, the leftover never loads as a bundle
+
+    export_tiny(tiny_llama, out, force=False)
+    Bundle.open(out)
+    assert partial_dirs(out) == []
+
+
+def test_partial_directory_of_a_running_export_is_left_alone(tiny_llama, tmp_path):
+    out = tmp_path / "tiny"
+    live = out.parent / f".{out.name}.partial-{os.getpid()}"  # this process is alive
+    other_live = out.parent / f".{out.name}.partial-1"  # pid 1 is always alive
+    dead = out.parent / f".{out.name}.partial-999999999"
+    for d in (other_live, dead):
+        d.mkdir()
+    BundleWriter(out).abort()
+    assert other_live.is_dir() and not dead.exists() and not live.exists()
+
+
+def test_invalid_slm_layers_leaves_nothing_behind(tiny_llama, tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(EdgerouteError, match="--slm-layers 99 must be between 1 and 3"):
+        export_tiny(tiny_llama, out, slm=str(tiny_llama), slm_layers=99)
+    assert_nothing_written(out)
+
+
+def fail_after_graphs(monkeypatch, n: int) -> None:
+    write_graph = BundleWriter.write_graph
+    calls = []
+
+    def failing_write_graph(self, rel, model):
+        if len(calls) == n:
+            raise OSError(28, "No space left on device (simulated)")
+        calls.append(rel)
+        return write_graph(self, rel, model)
+
+    monkeypatch.setattr(BundleWriter, "write_graph", failing_write_graph)
+
+
+def test_export_failing_mid_write_removes_its_partial_directory(tiny_llama, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    fail_after_graphs(monkeypatch, 3)
+    with pytest.raises(OSError, match="No space left"):
+        export_tiny(tiny_llama, out)
+    assert_nothing_written(out)
+
+
+def test_existing_bundle_is_not_replaced_without_force(tiny_llama, bundle_copy):
+    manifest = (bundle_copy / MANIFEST).read_text()
+    with pytest.raises(EdgerouteError, match="already exists: pass --force"):
+        export_tiny(tiny_llama, bundle_copy, force=False)
+    assert (bundle_copy / MANIFEST).read_text() == manifest
+    Bundle.open(bundle_copy)
+    assert partial_dirs(bundle_copy) == []
+
+
+def test_existing_bundle_is_intact_after_a_failed_forced_export(tiny_llama, bundle_copy, monkeypatch):
+    manifest = (bundle_copy / MANIFEST).read_text()
+    fail_after_graphs(monkeypatch, 3)
+    with pytest.raises(OSError, match="No space left"):
+        export_tiny(tiny_llama, bundle_copy, force=True)
+    assert (bundle_copy / MANIFEST).read_text() == manifest
+    Bundle.open(bundle_copy)
+    assert partial_dirs(bundle_copy) == []
+    assert not list(bundle_copy.parent.glob(f".{bundle_copy.name}.old-*"))
+
+
+def test_forced_export_replaces_an_existing_bundle(tiny_llama, bundle_copy):
+    before = json.loads((bundle_copy / MANIFEST).read_text())["created"]
+    time.sleep(1.1)  # `created` has one-second resolution
+    export_tiny(tiny_llama, bundle_copy, force=True, context_length=128)
+    bundle = Bundle.open(bundle_copy)
+    assert bundle.generation["context_length"] == 128 and bundle.manifest["created"] != before
+    assert partial_dirs(bundle_copy) == []
+    assert not list(bundle_copy.parent.glob(f".{bundle_copy.name}.old-*"))
+
+
+def test_directory_that_is_not_a_bundle_is_not_replaced_even_with_force(tiny_llama, tmp_path):
+    out = tmp_path / "precious"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    with pytest.raises(EdgerouteError, match="is not a bundle"):
+        export_tiny(tiny_llama, out, force=True)
+    assert (out / "notes.txt").read_text() == "keep me"
+    assert partial_dirs(out) == []
+
+
+# -- options ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("option", "flag"), [
+    ({"quant": "bogus"}, "--quant 'bogus'"),
+    ({"block_size": 48}, "--block-size 48"),
+    ({"head": "bogus"}, "--head 'bogus'"),
+    ({"slm_quant": "int3"}, "--slm-quant 'int3'"),
+    ({"context_length": 8}, "--context-length 8"),
+])
+def test_invalid_option_is_an_edgeroute_error_naming_it(tiny_llama, tmp_path, option, flag):
+    with pytest.raises(EdgerouteError) as err:
+        export_tiny(tiny_llama, tmp_path / "out", **option)
+    assert str(err.value).startswith(flag)
+    assert_nothing_written(tmp_path / "out")
+
+
+# -- CLI ----------------------------------------------------------------------------------------
+
+def invoke(*args: str):
+    result = CliRunner().invoke(app, list(args))
+    assert "Traceback" not in result.output, result.output
+    return result
+
+
+def words(output: str) -> str:
+    """The output with rich's line wrapping undone."""
+    return " ".join(output.split())
+
+
+def test_cli_inspect_of_a_missing_path_exits_2_with_a_clear_error(tmp_path):
+    result = invoke("inspect", str(tmp_path / "nowhere"))
+    assert result.exit_code == 2, result.output
+    assert words(result.output).startswith("error: bundle") and "does not exist" in words(result.output)
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+def test_cli_inspect_of_a_damaged_bundle_exits_2(bundle_copy):
+    graph = bundle_copy / "llm" / "mlp_001.onnx"
+    data = bytearray(graph.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    graph.write_bytes(bytes(data))
+    result = invoke("inspect", str(bundle_copy))
+    assert result.exit_code == 2, result.output
+    assert words(result.output).startswith("error:") and "sha256" in words(result.output)
+
+
+def test_cli_export_with_an_invalid_option_exits_2(tiny_llama, tmp_path):
+    result = invoke("export", "--llm", str(tiny_llama), "--no-slm", "--quant", "bogus", "--out", str(tmp_path / "out"))
+    assert result.exit_code == 2, result.output
+    assert words(result.output).startswith("error:") and "--quant" in words(result.output)
+    assert_nothing_written(tmp_path / "out")
+
+
+def test_cli_export_then_inspect(tiny_llama, tmp_path):
+    out = tmp_path / "out"
+    result = invoke("export", "--llm", str(tiny_llama), "--no-slm", "--quant", "fp32", "--parity-tokens", "0",
+                    "--context-length", "256", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    assert re.search(r"time per stage: load [\d.]+s, quantize [\d.]+s, write graphs [\d.]+s", result.output)
+    header, row = re.search(r"┃ model ┃.*┃\n", result.output), re.search(r"│ llm +│ llama +│ 3 +│ [\d.]+ MB", result.output)
+    assert header and row, result.output
+    Bundle.open(out)
+
+    result = invoke("inspect", str(out))
+    assert result.exit_code == 0, result.output
+    assert "match their sha256" in result.output
