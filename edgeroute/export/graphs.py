@@ -19,6 +19,10 @@ feeding a ``MatMul``: TensorRT 10 parses it, and ONNX Runtime fuses it into MatM
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Callable
+from pathlib import Path
+
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
@@ -36,7 +40,44 @@ from edgeroute.export.tensors import (
 )
 
 OPSET = 21
-EXTERNAL_DATA_THRESHOLD = 1 << 30  # protobuf caps a file at 2 GiB: big graphs keep weights beside
+EXTERNAL_MIN_BYTES = 1024  # smaller initializers (shape constants) stay inside the graph
+
+
+class WeightFile:
+    """One external-data file for the graphs of a group (ONNX external data): each named
+    initializer is written once and referenced by offset from every graph that uses it.
+    Keeps graph files small (protobuf caps one at 2 GiB) and a layer's weights on disk once."""
+
+    ALIGN = 64
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._file = open(path, "wb")  # noqa: SIM115 - closed by close()
+        self._entries: dict[str, tuple[int, int, bytes]] = {}
+
+    def externalize(self, tensor: TensorProto) -> None:
+        data = tensor.raw_data
+        if len(data) < EXTERNAL_MIN_BYTES:
+            return
+        digest = hashlib.blake2b(data, digest_size=16).digest()
+        if tensor.name in self._entries:
+            offset, length, known = self._entries[tensor.name]
+            if known != digest:
+                raise ValueError(f"two different tensors are named {tensor.name}")
+        else:
+            offset = self._file.tell()
+            offset += -offset % self.ALIGN
+            self._file.seek(offset)
+            self._file.write(data)
+            length = len(data)
+            self._entries[tensor.name] = (offset, length, digest)
+        tensor.ClearField("raw_data")
+        tensor.data_location = TensorProto.EXTERNAL
+        for key, value in (("location", self.path.name), ("offset", str(offset)), ("length", str(length))):
+            tensor.external_data.add(key=key, value=value)
+
+    def close(self) -> None:
+        self._file.close()
 
 
 def _pack_int4(values: np.ndarray) -> bytes:
@@ -49,8 +90,10 @@ def _pack_int4(values: np.ndarray) -> bytes:
 class GraphBuilder:
     """Accumulates nodes and initializers under stable, viewer-friendly names."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, weights: WeightFile | None = None) -> None:
         self.name = name
+        self.weights = weights
+        self._output_values: list[tuple[str, str]] = []
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: list[TensorProto] = []
         self.inputs: list[onnx.ValueInfoProto] = []
@@ -62,8 +105,18 @@ class GraphBuilder:
         return name
 
     def output(self, value: str, name: str, dtype: int, shape: list) -> None:
-        self.op("Identity", [value], name=f"/output/{name}", outputs=[name])
+        self._output_values.append((value, name))
         self.outputs.append(helper.make_tensor_value_info(name, dtype, shape))
+
+    def _bind_outputs(self) -> None:
+        """Give output values their public names: rename the producing node's output where
+        nothing else reads it (an Identity would cost a kernel per call), else an Identity."""
+        for value, name in self._output_values:
+            producer = next((n for n in self.nodes if value in n.output), None)
+            if producer is not None and not any(value in n.input for n in self.nodes):
+                producer.output[list(producer.output).index(value)] = name
+            else:
+                self.op("Identity", [value], name=f"/output/{name}", outputs=[name])
 
     def op(self, op_type: str, inputs: list[str], name: str, outputs: list[str] | None = None,
            n_outputs: int = 1, **attrs) -> str | list[str]:
@@ -86,8 +139,10 @@ class GraphBuilder:
     def const(self, values, dtype=np.int64) -> str:
         array = np.asarray(values, dtype=dtype)
         key = (array.dtype.str, array.shape, array.tobytes())
-        if key not in self._constants:
-            self._constants[key] = self.tensor(f"/const/{len(self._constants)}", array)
+        if key not in self._constants:  # named by content: graphs sharing a weight file agree on it
+            digest = hashlib.blake2b(array.tobytes() + array.dtype.str.encode() + str(array.shape).encode(),
+                                     digest_size=6).hexdigest()
+            self._constants[key] = self.tensor(f"/const/{digest}", array)
         return self._constants[key]
 
     # -- building blocks -------------------------------------------------------------------
@@ -164,6 +219,10 @@ class GraphBuilder:
         return self.op("Reshape", [x, self.const([-1, n_heads, head_dim])], name=f"{name}/Reshape")
 
     def build(self) -> onnx.ModelProto:
+        self._bind_outputs()
+        if self.weights is not None:
+            for tensor in self.initializers:
+                self.weights.externalize(tensor)
         graph = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, self.initializers)
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
                                   producer_name="edgeroute")
@@ -204,15 +263,19 @@ def _prescaled_query(arch: ArchConfig, layer: LayerWeights) -> tuple[Linear, np.
     return scale_linear(layer.q_proj, factor), None
 
 
-def build_attention(arch: ArchConfig, layer: LayerWeights, index: int) -> onnx.ModelProto:
-    prefix = f"/model/layers.{index}/attn"
-    g = GraphBuilder(f"attn_{index}")
+def _attention_inputs(g: GraphBuilder, arch: ArchConfig) -> tuple[str, ...]:
     hidden, cos, sin = _activation_inputs(g, arch)
     bias = g.input("attn_bias", TensorProto.FLOAT, ["tokens", "total"])
     cache_shape = ["past", arch.num_kv_heads, arch.head_dim]
     past_k = g.input("past_key", TensorProto.FLOAT, cache_shape)
     past_v = g.input("past_value", TensorProto.FLOAT, cache_shape)
+    return hidden, cos, sin, bias, past_k, past_v
 
+
+def add_attention(g: GraphBuilder, arch: ArchConfig, layer: LayerWeights, index: int, hidden: str, cos: str,
+                  sin: str, bias: str, past_k: str, past_v: str) -> str:
+    """Pre-norm self-attention of layer ``index`` incl. the residual; emits key/value."""
+    prefix = f"/model/layers.{index}/attn"
     normed = g.rms_norm(hidden, layer.attn_norm, arch.rms_norm_eps, f"{prefix}/norm")
     q_proj, q_norm = _prescaled_query(arch, layer)
     q, k, v = g.fused_linear(normed, [q_proj, layer.k_proj, layer.v_proj], f"{prefix}/qkv_proj")
@@ -236,27 +299,47 @@ def build_attention(arch: ArchConfig, layer: LayerWeights, index: int) -> onnx.M
     ctx = g.op("MatMul", [probs, vt], name=f"{prefix}/Context")  # [kv, group, T, hd]
     ctx = g.op("Transpose", [ctx], name=f"{prefix}/CtxTranspose", perm=[2, 0, 1, 3])
     ctx = g.op("Reshape", [ctx, g.const([-1, arch.num_heads * arch.head_dim])], name=f"{prefix}/CtxFlat")
-    out = g.op("Add", [hidden, g.linear(ctx, layer.o_proj, f"{prefix}/o_proj")], name=f"{prefix}/Residual")
-    g.output(out, "hidden_out", TensorProto.FLOAT, ["tokens", arch.hidden_size])
-    return g.build()
+    return g.op("Add", [hidden, g.linear(ctx, layer.o_proj, f"{prefix}/o_proj")], name=f"{prefix}/Residual")
 
 
-def build_mlp(arch: ArchConfig, layer: LayerWeights, index: int) -> onnx.ModelProto:
+def add_mlp(g: GraphBuilder, arch: ArchConfig, layer: LayerWeights, index: int, hidden: str) -> str:
+    """Pre-norm SwiGLU MLP of layer ``index`` incl. the residual."""
     prefix = f"/model/layers.{index}/mlp"
-    g = GraphBuilder(f"mlp_{index}")
-    hidden = g.input("hidden", TensorProto.FLOAT, ["tokens", arch.hidden_size])
     normed = g.rms_norm(hidden, layer.mlp_norm, arch.rms_norm_eps, f"{prefix}/norm")
     gate, up = g.fused_linear(normed, [layer.gate_proj, layer.up_proj], f"{prefix}/gate_up_proj")
     silu = g.op("Mul", [gate, g.op("Sigmoid", [gate], name=f"{prefix}/Sigmoid")], name=f"{prefix}/SiLU")
     act = g.op("Mul", [silu, up], name=f"{prefix}/GateMul")
-    out = g.op("Add", [hidden, g.linear(act, layer.down_proj, f"{prefix}/down_proj")], name=f"{prefix}/Residual")
-    g.output(out, "hidden_out", TensorProto.FLOAT, ["tokens", arch.hidden_size])
+    return g.op("Add", [hidden, g.linear(act, layer.down_proj, f"{prefix}/down_proj")], name=f"{prefix}/Residual")
+
+
+def _hidden_output(g: GraphBuilder, arch: ArchConfig, value: str) -> onnx.ModelProto:
+    g.output(value, "hidden_out", TensorProto.FLOAT, ["tokens", arch.hidden_size])
     return g.build()
 
 
-def build_kv_fill(arch: ArchConfig, layer: LayerWeights, index: int) -> onnx.ModelProto:
+def build_layer(arch: ArchConfig, layer: LayerWeights, index: int, weights: WeightFile | None = None) -> onnx.ModelProto:
+    """The whole decoder layer: the runtime's path for a token that skips nothing."""
+    g = GraphBuilder(f"layer_{index}", weights)
+    hidden, *rest = _attention_inputs(g, arch)
+    return _hidden_output(g, arch, add_mlp(g, arch, layer, index, add_attention(g, arch, layer, index, hidden, *rest)))
+
+
+def build_attention(arch: ArchConfig, layer: LayerWeights, index: int,
+                    weights: WeightFile | None = None) -> onnx.ModelProto:
+    g = GraphBuilder(f"attn_{index}", weights)
+    return _hidden_output(g, arch, add_attention(g, arch, layer, index, *_attention_inputs(g, arch)))
+
+
+def build_mlp(arch: ArchConfig, layer: LayerWeights, index: int, weights: WeightFile | None = None) -> onnx.ModelProto:
+    g = GraphBuilder(f"mlp_{index}", weights)
+    hidden = g.input("hidden", TensorProto.FLOAT, ["tokens", arch.hidden_size])
+    return _hidden_output(g, arch, add_mlp(g, arch, layer, index, hidden))
+
+
+def build_kv_fill(arch: ArchConfig, layer: LayerWeights, index: int,
+                  weights: WeightFile | None = None) -> onnx.ModelProto:
     prefix = f"/model/layers.{index}/kv_fill"
-    g = GraphBuilder(f"kv_{index}")
+    g = GraphBuilder(f"kv_{index}", weights)
     hidden, cos, sin = _activation_inputs(g, arch)
     normed = g.rms_norm(hidden, layer.attn_norm, arch.rms_norm_eps, f"{prefix}/norm")
     k, v = g.fused_linear(normed, [layer.k_proj, layer.v_proj], f"{prefix}/kv_proj")
@@ -265,9 +348,9 @@ def build_kv_fill(arch: ArchConfig, layer: LayerWeights, index: int) -> onnx.Mod
     return g.build()
 
 
-def build_embed(arch: ArchConfig, embedding: Weight) -> onnx.ModelProto:
+def build_embed(arch: ArchConfig, embedding: Weight, weights: WeightFile | None = None) -> onnx.ModelProto:
     prefix = "/model/embed_tokens"
-    g = GraphBuilder("embed")
+    g = GraphBuilder("embed", weights)
     ids = g.input("input_ids", TensorProto.INT64, ["tokens"])
     if isinstance(embedding, FloatWeight):
         table = g.float_weight(f"{prefix}.weight", embedding.w, embedding.storage)
@@ -293,8 +376,9 @@ def build_embed(arch: ArchConfig, embedding: Weight) -> onnx.ModelProto:
     return g.build()
 
 
-def build_head(arch: ArchConfig, final_norm: np.ndarray, lm_head: Linear) -> onnx.ModelProto:
-    g = GraphBuilder("head")
+def build_head(arch: ArchConfig, final_norm: np.ndarray, lm_head: Linear,
+               weights: WeightFile | None = None) -> onnx.ModelProto:
+    g = GraphBuilder("head", weights)
     hidden = g.input("hidden", TensorProto.FLOAT, ["tokens", arch.hidden_size])
     normed = g.rms_norm(hidden, final_norm, arch.rms_norm_eps, "/model/norm")
     logits = g.linear(normed, lm_head, "/lm_head")
@@ -302,15 +386,18 @@ def build_head(arch: ArchConfig, final_norm: np.ndarray, lm_head: Linear) -> onn
     return g.build()
 
 
-def model_graphs(arch: ArchConfig, weights: ModelWeights):
-    """Yield (graph name, kind, layer index or None, builder thunk) in file order."""
-    yield "embed", "embed", None, lambda: build_embed(arch, weights.embedding)
+GraphSpec = tuple[str, str, "int | None", Callable[["WeightFile | None"], onnx.ModelProto]]
+
+
+def model_graphs(arch: ArchConfig, weights: ModelWeights) -> list[tuple[str, list[GraphSpec]]]:
+    """Groups of (graph name, kind, layer, build(weight_file)); the graphs of one group share
+    one external weight file, so a layer's weights are stored once for its four graphs."""
+    groups: list[tuple[str, list[GraphSpec]]] = [
+        ("embed", [("embed", "embed", None, lambda w: build_embed(arch, weights.embedding, w))])]
     for i, layer in enumerate(weights.layers):
-        yield f"attn_{i:03d}", "attn", i, lambda i=i, layer=layer: build_attention(arch, layer, i)
-        yield f"mlp_{i:03d}", "mlp", i, lambda i=i, layer=layer: build_mlp(arch, layer, i)
-        yield f"kv_{i:03d}", "kv", i, lambda i=i, layer=layer: build_kv_fill(arch, layer, i)
-    yield "head", "head", None, lambda: build_head(arch, weights.final_norm, weights.lm_head)
-
-
-def graph_bytes(model: onnx.ModelProto) -> int:
-    return sum(len(t.raw_data) or t.ByteSize() for t in model.graph.initializer)
+        groups.append((f"layer_{i:03d}", [
+            (f"{kind}_{i:03d}", kind, i, lambda w, build=build, i=i, layer=layer: build(arch, layer, i, w))
+            for kind, build in (("layer", build_layer), ("attn", build_attention), ("mlp", build_mlp),
+                                ("kv", build_kv_fill))]))
+    groups.append(("head", [("head", "head", None, lambda w: build_head(arch, weights.final_norm, weights.lm_head, w))]))
+    return groups

@@ -16,7 +16,7 @@ import numpy as np
 from edgeroute import __version__
 from edgeroute.errors import EdgerouteError, TokenizerMismatch
 from edgeroute.export.chat import derive_chat_format
-from edgeroute.export.graphs import OPSET, model_graphs
+from edgeroute.export.graphs import OPSET, WeightFile, model_graphs
 from edgeroute.export.quantize import rtn_quantize
 from edgeroute.export.sources import SourceModel, TokenizerInfo, load_source
 from edgeroute.export.tensors import FloatWeight, Linear, ModelWeights, Weight
@@ -215,12 +215,16 @@ def export_bundle(options: ExportOptions, progress: Progress | None = None) -> E
             arch = dataclasses.replace(source.arch, num_layers=len(weights.layers))
             graphs = []
             with _stage(report, "write graphs"):
-                specs = list(model_graphs(arch, quantized))
-                for done, (name, kind, layer, build) in enumerate(specs, 1):
-                    rel = f"{role}/{name}.onnx"
-                    graphs.append({"name": name, "kind": kind, "layer": layer, "file": rel,
-                                   **writer.write_graph(rel, build())})
-                    progress(f"{role}: graphs", done, len(specs))
+                groups = model_graphs(arch, quantized)
+                for done, (group, specs) in enumerate(groups, 1):
+                    weight_file = WeightFile(writer.path(f"{role}/{group}.weights"))
+                    for name, kind, layer, build in specs:
+                        rel = f"{role}/{name}.onnx"
+                        graphs.append({"name": name, "kind": kind, "layer": layer, "file": rel,
+                                       **writer.write_graph(rel, build(weight_file))})
+                    weight_file.close()
+                    writer.record(f"{role}/{group}.weights")
+                    progress(f"{role}: graphs", done, len(groups))
             formats = weight_formats(quantized)
             manifest_models[role] = {
                 "arch": arch.to_dict(),

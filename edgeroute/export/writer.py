@@ -18,7 +18,6 @@ import onnx
 
 from edgeroute.bundle import FORMAT_NAME, FORMAT_VERSION, MANIFEST, sha256_file
 from edgeroute.errors import EdgerouteError
-from edgeroute.export.graphs import EXTERNAL_DATA_THRESHOLD, graph_bytes
 
 DTYPE_NAMES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.INT64: "int64"}
 
@@ -58,27 +57,26 @@ class BundleWriter:
             if not pid.isdigit() or not _pid_alive(int(pid)):
                 shutil.rmtree(stale, ignore_errors=True)
 
-    def _record(self, rel: str) -> None:
+    def record(self, rel: str) -> None:
+        """Checksum a file written into the bundle (graphs, weight files, texts)."""
         path = self.tmp / rel
         self.files[rel] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
 
-    def write_graph(self, rel: str, model: onnx.ModelProto) -> dict[str, Any]:
+    def path(self, rel: str) -> Path:
         path = self.tmp / rel
         path.parent.mkdir(parents=True, exist_ok=True)
-        signature = {"inputs": _signature(model.graph.input), "outputs": _signature(model.graph.output)}
-        if graph_bytes(model) > EXTERNAL_DATA_THRESHOLD:
-            data = f"{path.name}.data"
-            onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                            location=data, size_threshold=1024)
-            self._record(str(Path(rel).parent / data))
-        else:
-            onnx.save_model(model, str(path))
-        self._record(rel)
-        return signature
+        return path
+
+    def write_graph(self, rel: str, model: onnx.ModelProto) -> dict[str, Any]:
+        """Save a graph (its large initializers already point into a weight file) and
+        return its I/O signature for the manifest."""
+        onnx.save_model(model, str(self.path(rel)))
+        self.record(rel)
+        return {"inputs": _signature(model.graph.input), "outputs": _signature(model.graph.output)}
 
     def write_text(self, rel: str, text: str) -> None:
         (self.tmp / rel).write_text(text)
-        self._record(rel)
+        self.record(rel)
 
     def commit(self, manifest: dict[str, Any]) -> Path:
         manifest = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, **manifest, "files": self.files}

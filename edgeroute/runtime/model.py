@@ -87,20 +87,30 @@ class OrtModel:
         self.arch = self.entry.arch
         self.capacity = int(bundle.generation["context_length"])
         self.providers = list(providers or ["CPUExecutionProvider"])
-        options = session_options()
-
-        def load(kind: str, layer: int | None = None) -> ort.InferenceSession:
-            path = bundle.file(self.entry.graph(kind, layer).file)
-            return ort.InferenceSession(str(path), options, providers=self.providers)
-
+        self._options = session_options()
+        self._bundle = bundle
+        self._lock = threading.Lock()
         layers = range(self.arch.num_layers)
-        self.embed_session = load("embed")
-        self.attn_sessions = [load("attn", i) for i in layers]
-        self.mlp_sessions = [load("mlp", i) for i in layers]
-        self.kv_sessions = [load("kv", i) for i in layers]
-        self.head_session = load("head")
+        self.embed_session = self._load("embed")
+        self.layer_sessions = [self._load("layer", i) for i in layers]
+        self.kv_sessions = [self._load("kv", i) for i in layers]
+        self.head_session = self._load("head")
+        # sub-layer graphs only serve MLP-only skipping and tests: loaded on first use
+        self._attn_sessions: list[ort.InferenceSession | None] = [None] * self.arch.num_layers
+        self._mlp_sessions: list[ort.InferenceSession | None] = [None] * self.arch.num_layers
         self.cos, self.sin = rope_tables(self.capacity, self.arch.head_dim, self.arch.rope_theta,
                                          self.arch.rope_scaling)
+
+    def _load(self, kind: str, layer: int | None = None) -> ort.InferenceSession:
+        path = self._bundle.file(self.entry.graph(kind, layer).file)
+        return ort.InferenceSession(str(path), self._options, providers=self.providers)
+
+    def _lazy(self, sessions: list[ort.InferenceSession | None], kind: str, layer: int) -> ort.InferenceSession:
+        if sessions[layer] is None:
+            with self._lock:
+                if sessions[layer] is None:
+                    sessions[layer] = self._load(kind, layer)
+        return sessions[layer]
 
     @property
     def num_layers(self) -> int:
@@ -116,9 +126,18 @@ class OrtModel:
     def embed(self, ids: np.ndarray) -> np.ndarray:
         return self.embed_session.run(None, {"input_ids": np.asarray(ids, np.int64).reshape(-1)})[0]
 
+    def layer(self, layer: int, hidden: np.ndarray, cache: KVCache, start: int, bias: np.ndarray) -> np.ndarray:
+        """The whole decoder layer (attention + MLP) in one call."""
+        return self._attend(self.layer_sessions[layer], layer, hidden, cache, start, bias)
+
     def attention(self, layer: int, hidden: np.ndarray, cache: KVCache, start: int, bias: np.ndarray) -> np.ndarray:
+        """The attention sub-layer alone (its residual included)."""
+        return self._attend(self._lazy(self._attn_sessions, "attn", layer), layer, hidden, cache, start, bias)
+
+    def _attend(self, session: ort.InferenceSession, layer: int, hidden: np.ndarray, cache: KVCache, start: int,
+                bias: np.ndarray) -> np.ndarray:
         t = hidden.shape[0]
-        out, key, value = self.attn_sessions[layer].run(ATTENTION_OUTPUTS, {
+        out, key, value = session.run(ATTENTION_OUTPUTS, {
             "hidden": hidden, "cos": self.cos[start:start + t], "sin": self.sin[start:start + t],
             "attn_bias": bias, "past_key": cache.keys[layer, :start], "past_value": cache.values[layer, :start],
         })
@@ -127,7 +146,7 @@ class OrtModel:
         return out
 
     def mlp(self, layer: int, hidden: np.ndarray) -> np.ndarray:
-        return self.mlp_sessions[layer].run(None, {"hidden": hidden})[0]
+        return self._lazy(self._mlp_sessions, "mlp", layer).run(None, {"hidden": hidden})[0]
 
     def kv_fill(self, layer: int, hidden: np.ndarray, cache: KVCache, start: int) -> None:
         t = hidden.shape[0]
@@ -182,7 +201,7 @@ class OrtModel:
             else:
                 action = RUN if plan[layer] else SKIP
             if action == RUN:
-                hidden = self.mlp(layer, self.attention(layer, hidden, cache, start, self.layer_bias(cache, layer, bias)))
+                hidden = self.layer(layer, hidden, cache, start, self.layer_bias(cache, layer, bias))
             elif action == SKIP_MLP:
                 hidden = self.attention(layer, hidden, cache, start, self.layer_bias(cache, layer, bias))
             elif action == SKIP:

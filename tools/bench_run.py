@@ -1,0 +1,815 @@
+"""Benchmark `edgeroute run`'s decoding modes against llama.cpp on the three kept workloads.
+
+Same machine, one run, batch 1, greedy. For every workload in ``tools/workloads/`` (templated,
+grounded, open) and every configuration (``full``, ``speculate`` and ``route`` with the n-gram
+and the SLM light paths, a ``skip`` sweep, llama.cpp plain and with prompt lookup), each prompt
+is generated with up to ``--max-new-tokens`` new tokens (stop at end of turn). The
+configurations are interleaved prompt by prompt (their order rotates from one prompt to the
+next), so a change in the machine's load hits all of them alike: compare ratios within one run.
+
+What is measured, and how (the same for every configuration):
+
+- **decode tok/s**: (new tokens - 1) / (time from the first token to the last), pooled over the
+  workload's prompts (sum of tokens over sum of seconds). Both runtimes are driven token by
+  token (``Session.generate_tokens`` / ``Llama.generate``); neither timing includes detokenizing.
+- **TTFT**: time to first token: prefill plus the first decode step (mean over prompts).
+- **ITL p50 / p99**: inter-token latency, the wall time between two consecutive tokens as the
+  caller receives them (``TokenTrace.seconds`` of every token but the first), pooled over
+  prompts. Speculative modes hand over several tokens per LLM pass, so many of their gaps are
+  near zero and their p99 is one LLM pass.
+- **peak RSS**: ``getrusage(RUSAGE_SELF).ru_maxrss`` of a *separate* process per runtime
+  footprint (edgeroute with the LLM only; edgeroute with LLM + SLM; llama.cpp; llama.cpp with
+  prompt lookup) that loads the model(s) and generates the workloads' longest prompt once. It
+  is the process's high-water mark: Python, numpy, the runtime, the weights, the fixed-capacity
+  KV buffers and the largest transient (the prefill's activations and logits). Every
+  configuration shows its footprint's figure. (The timing process runs all runtimes at once, so
+  its own peak would mean nothing.)
+- **LLM share**: generated tokens chosen by the LLM / all generated tokens (accepted draft
+  tokens and light-path tokens are not the LLM's).
+- **layers / LLM tok**: LLM decoder layers fully run per LLM pass (``skip`` runs fewer).
+- **saved**: LLM layer-passes saved against one full pass per generated token,
+  1 - sum(layers run over LLM passes) / (layers x new tokens). For ``route`` and ``speculate`` it
+  counts the passes avoided (a batch-1 pass over a few tokens costs about one pass on CPU); for
+  ``skip`` the layers skipped (with ``granularity=mlp`` only the MLP half of a skipped layer).
+- **accept**: accepted draft tokens / drafted tokens (speculative modes). For llama.cpp's
+  prompt lookup, estimated as (new tokens - LLM passes) / drafted tokens.
+- **prefix agr**: agreement with ``full``: tokens identical to full's before the first
+  divergence, summed over prompts, as a fraction of full's tokens. **identical**: prompts whose
+  whole output equals full's.
+- **TF agr**: teacher-forced per-position agreement: the configuration's own output (prompt +
+  its tokens) goes through the edgeroute LLM in one pass, and a position agrees when the
+  configuration's token equals the LLM's argmax there; pooled over prompts. ``full`` itself
+  scores a little under 100% where a multi-token int4 pass rounds differently from the
+  one-token steps (the noise floor of this measure). Positions before a configuration's first
+  divergence from full reuse full's pass (same tokens, same predictions).
+- **near-tie**: at each first divergence from ``full``, the relative gap between the LLM's
+  logit for full's token and for the configuration's token (teacher-forced pass over full's
+  tokens); under 1e-3 it is a near-tie, an int4 rounding difference rather than a decision.
+
+``--profile-graphs`` then times every ONNX Runtime ``run`` call of a few decodes per profiled
+configuration (wrappers around the model's sessions, installed for this measurement only, on a
+separate engine) and reports the time per graph kind and the share of decode time spent outside
+ONNX Runtime calls (orchestration: Python, numpy, drafters, routers, the KV copies).
+
+    python tools/bench_run.py                      # all prompts, 128 tokens -> bench-results/
+    python tools/bench_run.py --prompts 5 --profile-graphs
+    python tools/bench_run.py --quick              # smoke run: 2 prompts, 24 tokens, fewer configurations
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKLOAD_DIR = Path(__file__).resolve().parent / "workloads"
+WORKLOADS = ("templated", "grounded", "open")
+NEAR_TIE = 1e-3
+
+# -- configurations -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    runtime: str  # edgeroute | llama
+    options: dict = field(default_factory=dict)
+    footprint: str = "edgeroute-llm"  # which RSS probe stands for it
+    curve: str | None = None  # trade-off curve it belongs to
+    param: float | None = None  # the swept threshold on that curve
+
+
+SKIP_THRESHOLDS = (0.3, 0.5, 0.7, 0.9)
+ROUTE_SLM_THRESHOLDS = (0.05, 0.15, 0.3)
+
+
+def all_configs(skip_ratio: float, lookup_tokens: int) -> list[Config]:
+    configs = [
+        Config("llama.cpp", "llama", {"lookup": 0}, "llama"),
+        Config("llama.cpp+lookup", "llama", {"lookup": lookup_tokens}, "llama-lookup"),
+        Config("full", "edgeroute", {"mode": "full"}),
+        Config("speculate+ngram", "edgeroute", {"mode": "speculate", "light": "ngram"}),
+        Config("speculate+slm", "edgeroute", {"mode": "speculate", "light": "slm"}, "edgeroute-llm+slm"),
+        Config("route+ngram", "edgeroute", {"mode": "route", "light": "ngram"}),
+    ]
+    configs += [Config(f"route+slm@{t}", "edgeroute", {"mode": "route", "light": "slm", "route_threshold": t},
+                       "edgeroute-llm+slm", "route+slm", t) for t in ROUTE_SLM_THRESHOLDS]
+    for granularity in ("layer", "mlp"):
+        configs += [Config(f"skip-{granularity}@{t}", "edgeroute",
+                           {"mode": "skip", "importance_threshold": t, "skip_ratio": skip_ratio, "granularity": granularity},
+                           curve=f"skip-{granularity}", param=t) for t in SKIP_THRESHOLDS]
+    return configs
+
+
+QUICK_CONFIGS = ("llama.cpp", "llama.cpp+lookup", "full", "speculate+ngram", "speculate+slm", "route+ngram",
+                 "route+slm@0.15", "skip-layer@0.5", "skip-mlp@0.5")
+PROFILE_CONFIGS = ("full", "speculate+ngram", "route+ngram")
+
+# -- workloads ----------------------------------------------------------------------------------
+
+
+def load_workloads(directory: Path, names: list[str], limit: int | None) -> dict[str, list[dict]]:
+    workloads = {}
+    for name in names:
+        data = json.loads((directory / f"{name}.json").read_text())
+        prompts = data["prompts"][:limit] if limit else data["prompts"]
+        workloads[name] = prompts
+    return workloads
+
+
+# -- runners ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    """One generation: what both runtimes report, the same way."""
+
+    tokens: list[int]
+    ttft: float
+    decode_seconds: float
+    gaps: list[float]  # seconds between consecutive tokens (after the first)
+    llm_tokens: int
+    llm_calls: int
+    llm_layers_run: int
+    drafted: int = 0
+    accepted: int = 0
+    fallbacks: int = 0
+    sources: dict[str, int] = field(default_factory=dict)
+
+
+class EdgerouteRunner:
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.num_layers = engine.llm.num_layers
+
+    def run(self, ids_or_messages, options: dict, budget: int) -> Run:
+        session = self.engine.session(max_new_tokens=budget, **options)
+        traces = list(session.generate_tokens(ids_or_messages))
+        stats = session.last.stats
+        sources: dict[str, int] = defaultdict(int)
+        for trace in traces:
+            sources[trace.source] += 1
+        return Run([t.token for t in traces], stats.time_to_first_token, stats.decode_seconds,
+                   [t.seconds for t in traces[1:]], stats.llm_tokens, stats.llm_calls, stats.llm_layers_run,
+                   stats.drafted, stats.accepted, stats.fallbacks, dict(sources))
+
+
+class CountingDraft:
+    """Wraps llama.cpp's draft model to count its proposals (and so the LLM passes)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.calls, self.drafted = inner, 0, 0
+
+    def __call__(self, input_ids, /, **kwargs):
+        draft = self.inner(input_ids, **kwargs)
+        self.calls += 1
+        self.drafted += len(draft)
+        return draft
+
+
+class LlamaRunner:
+    def __init__(self, gguf: Path, threads: int, n_ctx: int, lookup: int, num_layers: int) -> None:
+        from llama_cpp import Llama
+
+        self.draft = None
+        if lookup:
+            from llama_cpp.llama_speculative import LlamaDraftModel, LlamaPromptLookupDecoding
+
+            inner = LlamaPromptLookupDecoding(num_pred_tokens=lookup)
+            counting = type("CountingPromptLookup", (CountingDraft, LlamaDraftModel), {})
+            self.draft = counting(inner)
+        self.llm = Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx,
+                         draft_model=self.draft, verbose=False)
+        self.num_layers = num_layers
+
+    def run(self, ids: list[int], eos_ids: set[int], budget: int) -> Run:
+        self.llm.reset()  # no prompt-prefix reuse between prompts: a fresh prefill, as edgeroute does
+        if self.draft is not None:
+            self.draft.calls = self.draft.drafted = 0
+        tokens, times = [], []
+        start = last = time.perf_counter()
+        generator = self.llm.generate(list(ids), temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0,
+                                      reset=True)
+        try:
+            for token in generator:
+                now = time.perf_counter()
+                times.append(now - last)
+                last = now
+                tokens.append(int(token))
+                if token in eos_ids or len(tokens) >= budget:
+                    break
+        finally:
+            generator.close()
+        del start
+        passes = len(tokens)
+        drafted = accepted = 0
+        if self.draft is not None:  # one pass for the prompt, then one per draft (empty drafts included)
+            passes = min(self.draft.calls + 1, len(tokens))
+            drafted = self.draft.drafted
+            accepted = max(len(tokens) - passes, 0)
+        return Run(tokens, times[0], float(sum(times[1:])), times[1:], len(tokens) - accepted, passes,
+                   passes * self.num_layers, drafted, accepted, 0,
+                   {"llm": len(tokens) - accepted, **({"draft:lookup": accepted} if accepted else {})})
+
+
+# -- peak RSS probes (separate processes) -------------------------------------------------------
+
+FOOTPRINTS = {
+    "edgeroute-llm": "edgeroute, LLM only (full / ngram / skip)",
+    "edgeroute-llm+slm": "edgeroute, LLM + SLM",
+    "llama": "llama.cpp",
+    "llama-lookup": "llama.cpp + prompt lookup",
+}
+
+
+def _rss_now() -> int:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def rss_probe(args: argparse.Namespace) -> int:
+    """Runs in its own process: load one runtime footprint, generate once, print the peaks."""
+    messages = json.loads(args.probe_messages)
+    from edgeroute.runtime import Engine
+
+    engine = Engine(args.bundle)
+    footprint = args.rss_probe
+    if footprint.startswith("edgeroute"):
+        options = {"mode": "route", "light": "slm"} if footprint == "edgeroute-llm+slm" else {"mode": "full"}
+        before = time.perf_counter()
+        if footprint == "edgeroute-llm+slm":
+            engine.slm  # noqa: B018 (loads the SLM sessions)
+        loaded = _rss_now()
+        run = EdgerouteRunner(engine).run(messages, options, args.max_new_tokens)
+    else:
+        ids = engine.encode_prompt(messages)
+        eos = set(engine.eos_ids)
+        num_layers = engine.llm.num_layers
+        del engine  # the probe measures llama.cpp, not the tokenizer's engine
+        import gc
+
+        gc.collect()
+        before = time.perf_counter()
+        runner = LlamaRunner(Path(args.gguf), args.threads, args.n_ctx,
+                             args.lookup_tokens if footprint == "llama-lookup" else 0, num_layers)
+        loaded = _rss_now()
+        run = runner.run(ids, eos, args.max_new_tokens)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    print(json.dumps({"footprint": footprint, "peak_rss_bytes": peak, "rss_after_load_bytes": loaded,
+                      "tokens": len(run.tokens), "seconds": time.perf_counter() - before}))
+    return 0
+
+
+def measure_rss(args: argparse.Namespace, footprints: list[str], messages: list[dict], console: Console) -> dict:
+    results = {}
+    for footprint in footprints:
+        cmd = [sys.executable, __file__, "--rss-probe", footprint, "--probe-messages", json.dumps(messages),
+               "--bundle", str(args.bundle), "--gguf", str(args.gguf), "--threads", str(args.threads),
+               "--n-ctx", str(args.n_ctx), "--lookup-tokens", str(args.lookup_tokens),
+               "--max-new-tokens", str(args.max_new_tokens)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            console.print(f"[red]RSS probe {footprint} failed[/]: {proc.stderr.strip().splitlines()[-1:]}")
+            continue
+        results[footprint] = json.loads(proc.stdout.strip().splitlines()[-1])
+        console.print(f"  peak RSS {FOOTPRINTS[footprint]}: {results[footprint]['peak_rss_bytes'] / 2**20:.0f} MiB")
+    return results
+
+
+# -- agreement with full ------------------------------------------------------------------------
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def agreement_for_prompt(llm, prompt_ids: list[int], full: list[int], others: dict[str, list[int]]) -> dict[str, dict]:
+    """Teacher-forced agreement of every output of one prompt with the LLM's argmax.
+
+    One pass over prompt + full's tokens gives the LLM's predictions for every position of full's
+    output (and one past it); an output that follows full's for d tokens shares those d + 1
+    predictions and needs a pass over its remaining tokens only, on a copy of the prompt's and the
+    shared tokens' cache."""
+    p = len(prompt_ids)
+    base_ids = prompt_ids + full
+    cache = llm.new_cache(len(base_ids) + 1)
+    base_logits = llm.forward(cache, base_ids, all_logits=True)[p - 1:]  # row i predicts output token i
+    base_top1 = base_logits.argmax(-1)
+    results = {}
+    for name, tokens in {"full": full, **others}.items():
+        d = common_prefix(tokens, full)
+        shared = min(d, len(full)) + 1  # predictions 0..d come from the base pass
+        predictions = list(base_top1[:min(shared, len(tokens))])
+        if len(tokens) > shared:
+            work = llm.new_cache(p + len(tokens))
+            keep = p + shared - 1  # cached positions: the prompt and tokens[:shared - 1]
+            work.keys[:, :keep] = cache.keys[:, :keep]
+            work.values[:, :keep] = cache.values[:, :keep]
+            work.length = keep
+            logits = llm.forward(work, tokens[shared - 1:len(tokens) - 1], all_logits=True)
+            predictions += list(logits.argmax(-1))
+        matches = int(sum(int(a == b) for a, b in zip(predictions, tokens)))
+        gap = None
+        if d < min(len(tokens), len(full)):  # diverged: how close was the LLM's call there?
+            row = base_logits[d]
+            gap = float((row[full[d]] - row[tokens[d]]) / max(abs(float(row[full[d]])), 1e-6))
+        results[name] = {"prefix": d, "tf_matches": matches, "tf_positions": len(tokens),
+                         "identical": tokens == full, "divergence_gap": gap}
+    return results
+
+
+# -- profiling ----------------------------------------------------------------------------------
+
+
+class GraphClock:
+    def __init__(self) -> None:
+        self.phase = "prefill"
+        self.seconds: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        self.calls: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+
+    def add(self, kind: str, seconds: float) -> None:
+        self.seconds[self.phase][kind] += seconds
+        self.calls[self.phase][kind] += 1
+
+
+class TimedSession:
+    """An ``ort.InferenceSession`` stand-in that times ``run`` (profiling only)."""
+
+    def __init__(self, inner, kind: str, clock: GraphClock) -> None:
+        self._inner, self._kind, self._clock = inner, kind, clock
+
+    def run(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return self._inner.run(*args, **kwargs)
+        finally:
+            self._clock.add(self._kind, time.perf_counter() - start)
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+
+def instrument(model, prefix: str, clock: GraphClock) -> None:
+    """Wrap every ONNX Runtime session an OrtModel holds (``x_session`` attributes and
+    ``x_sessions`` lists, lazily filled ones included) so each ``run`` is timed as kind x."""
+    import onnxruntime as ort
+
+    for attr, value in list(vars(model).items()):
+        kind = prefix + attr.strip("_").removesuffix("_sessions").removesuffix("_session")
+        if isinstance(value, ort.InferenceSession):
+            setattr(model, attr, TimedSession(value, kind, clock))
+        elif isinstance(value, list) and attr.endswith("_sessions"):
+            value[:] = [TimedSession(s, kind, clock) if isinstance(s, ort.InferenceSession) else s for s in value]
+    load = getattr(model, "_load", None)
+    if callable(load):  # sessions loaded on first use get wrapped too
+        def timed_load(kind: str, layer: int | None = None, _load=load):
+            return TimedSession(_load(kind, layer), prefix + kind, clock)
+        model._load = timed_load
+
+
+def profile_graphs(args: argparse.Namespace, configs: list[Config], prompts: list[dict], console: Console) -> dict:
+    from edgeroute.runtime import Engine
+
+    engine = Engine(args.bundle)
+    clocks = {}
+    for config in configs:
+        clock = GraphClock()
+        clocks[config.name] = clock
+        instrument(engine.llm, "", clock)
+        if config.options.get("light") == "slm":
+            instrument(engine.slm, "slm.", clock)
+        engine.generate(prompts[0]["messages"], max_new_tokens=8, **config.options)  # warm-up, discarded
+        clock.seconds.clear()
+        clock.calls.clear()
+        decode_seconds = prefill_seconds = 0.0
+        decode_tokens = 0
+        for prompt in prompts:
+            clock.phase = "prefill"
+            session = engine.session(max_new_tokens=args.max_new_tokens, **config.options)
+            for i, _trace in enumerate(session.generate_tokens(prompt["messages"])):
+                if i == 0:
+                    clock.phase = "decode"
+            stats = session.last.stats
+            decode_seconds += stats.decode_seconds
+            prefill_seconds += stats.time_to_first_token
+            decode_tokens += max(stats.new_tokens - 1, 0)
+        # unwrap for the next configuration (re-instrumenting wraps the inner sessions)
+        for model in (engine.llm, engine._slm):
+            if model is None:
+                continue
+            for attr, value in list(vars(model).items()):
+                if isinstance(value, TimedSession):
+                    setattr(model, attr, value._inner)
+                elif isinstance(value, list) and attr.endswith("_sessions"):
+                    value[:] = [s._inner if isinstance(s, TimedSession) else s for s in value]
+            if "_load" in vars(model):
+                del model._load
+        decode = clock.seconds.get("decode", {})
+        ort_seconds = sum(decode.values())
+        clocks[config.name] = {
+            "prompts": len(prompts), "decode_tokens": decode_tokens, "decode_seconds": decode_seconds,
+            "prefill_seconds": prefill_seconds,
+            "graphs": {kind: {"calls": clock.calls["decode"][kind], "seconds": s} for kind, s in sorted(decode.items())},
+            "ort_seconds": ort_seconds,
+            "orchestration_seconds": decode_seconds - ort_seconds,
+            "orchestration_share": (decode_seconds - ort_seconds) / decode_seconds if decode_seconds else None,
+            "tokens_per_second": decode_tokens / decode_seconds if decode_seconds else None,
+        }
+        console.print(f"  profiled {config.name}: {decode_tokens} decode tokens")
+    return clocks
+
+
+def print_profile(profile: dict, console: Console) -> None:
+    for name, p in profile.items():
+        tokens = max(p["decode_tokens"], 1)
+        table = Table(title=f"per-graph decode profile: {name} ({p['prompts']} prompts, {p['decode_tokens']} decode "
+                            f"tokens, {p['tokens_per_second'] or 0:.1f} tok/s)")
+        for column in ("graph", "calls/token", "us/call", "ms/token", "share of decode"):
+            table.add_column(column, justify="right" if column != "graph" else "left")
+        for kind, g in sorted(p["graphs"].items(), key=lambda kv: -kv[1]["seconds"]):
+            table.add_row(kind, f"{g['calls'] / tokens:.1f}", f"{g['seconds'] / max(g['calls'], 1) * 1e6:.0f}",
+                          f"{g['seconds'] / tokens * 1e3:.2f}", f"{g['seconds'] / p['decode_seconds']:.1%}")
+        table.add_row("[bold]all ONNX Runtime calls[/]", "", "", f"{p['ort_seconds'] / tokens * 1e3:.2f}",
+                      f"{p['ort_seconds'] / p['decode_seconds']:.1%}")
+        share = p["orchestration_share"] or 0.0
+        verdict = "[green]PASS[/]" if share <= 0.10 else "[red]MISS[/]"
+        table.add_row("[bold]outside ORT (orchestration)[/]", "", "", f"{p['orchestration_seconds'] / tokens * 1e3:.2f}",
+                      f"{share:.1%} (target <= 10%: {verdict})")
+        console.print(table)
+
+
+# -- aggregation --------------------------------------------------------------------------------
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+def summarize(runs: list[dict], num_layers: int, rss: dict | None) -> dict:
+    new = sum(len(r["tokens"]) for r in runs)
+    decode_tokens = sum(max(len(r["tokens"]) - 1, 0) for r in runs)
+    decode_seconds = sum(r["decode_seconds"] for r in runs)
+    gaps = [g for r in runs for g in r["gaps"]]
+    llm_tokens = sum(r["llm_tokens"] for r in runs)
+    layers = sum(r["llm_layers_run"] for r in runs)
+    drafted = sum(r["drafted"] for r in runs)
+    full_tokens = sum(r["agreement"]["full_tokens"] for r in runs)
+    tf_positions = sum(r["agreement"]["tf_positions"] for r in runs)
+    gaps_at_divergence = [r["agreement"]["divergence_gap"] for r in runs if r["agreement"]["divergence_gap"] is not None]
+    return {
+        "prompts": len(runs), "new_tokens": new, "decode_tokens": decode_tokens, "decode_seconds": decode_seconds,
+        "tokens_per_second": decode_tokens / decode_seconds if decode_seconds else None,
+        "ttft_mean": float(np.mean([r["ttft"] for r in runs])), "ttft_p50": percentile([r["ttft"] for r in runs], 50),
+        "itl_p50": percentile(gaps, 50), "itl_p99": percentile(gaps, 99),
+        "peak_rss_bytes": rss.get("peak_rss_bytes") if rss else None,
+        "llm_share": llm_tokens / new if new else None,
+        "layers_per_llm_token": layers / llm_tokens if llm_tokens else None,
+        "llm_calls_per_token": sum(r["llm_calls"] for r in runs) / new if new else None,
+        "saved_compute": 1 - layers / (num_layers * new) if new else None,
+        "acceptance": sum(r["accepted"] for r in runs) / drafted if drafted else None,
+        "fallbacks": sum(r["fallbacks"] for r in runs),
+        "prefix_agreement": sum(r["agreement"]["prefix"] for r in runs) / full_tokens if full_tokens else None,
+        "tf_agreement": sum(r["agreement"]["tf_matches"] for r in runs) / tf_positions if tf_positions else None,
+        "identical": sum(r["agreement"]["identical"] for r in runs),
+        "divergences": len(gaps_at_divergence),
+        "near_tie_divergences": sum(g < NEAR_TIE for g in gaps_at_divergence),
+    }
+
+
+def evaluate_targets(summary: dict[str, dict[str, dict]], profile: dict | None) -> list[dict]:
+    targets = []
+
+    def get(workload, config, key):
+        return summary.get(workload, {}).get(config, {}).get(key)
+
+    for workload in summary:
+        full, llama = get(workload, "full", "tokens_per_second"), get(workload, "llama.cpp", "tokens_per_second")
+        if full and llama:
+            ratio = full / llama
+            targets.append({"target": f"full >= 1.2x llama.cpp tok/s ({workload})", "value": f"{ratio:.2f}x",
+                            "pass": ratio >= 1.2})
+    if "templated" in summary:
+        full = get("templated", "full", "tokens_per_second")
+        spec = get("templated", "speculate+ngram", "tokens_per_second")
+        if full and spec:
+            ratio = spec / full
+            identical, n = get("templated", "speculate+ngram", "identical"), get("templated", "speculate+ngram", "prompts")
+            near = get("templated", "speculate+ngram", "near_tie_divergences")
+            targets.append({"target": "speculate+ngram >= 1.5x full on templated, identical output",
+                            "value": f"{ratio:.2f}x, {identical}/{n} identical ({n - identical - near} non-tie divergences)",
+                            "pass": ratio >= 1.5 and identical == n})
+        route = get("templated", "route+ngram", "tokens_per_second")
+        if full and route:
+            ratio, tf = route / full, get("templated", "route+ngram", "tf_agreement")
+            targets.append({"target": "route+ngram >= 2x full on templated at >= 97% TF agreement",
+                            "value": f"{ratio:.2f}x at {tf:.1%}", "pass": ratio >= 2.0 and tf >= 0.97})
+    for name, p in (profile or {}).items():
+        if p["orchestration_share"] is not None:
+            targets.append({"target": f"orchestration <= 10% of decode time ({name})",
+                            "value": f"{p['orchestration_share']:.1%}", "pass": p["orchestration_share"] <= 0.10})
+    return targets
+
+
+# -- output -------------------------------------------------------------------------------------
+
+
+def _fmt(value, spec: str, scale: float = 1.0, none: str = "-") -> str:
+    return none if value is None else format(value * scale, spec)
+
+
+def print_tables(summary: dict, num_layers: int, console: Console) -> None:
+    for workload, rows in summary.items():
+        full = rows.get("full", {}).get("tokens_per_second")
+        table = Table(title=f"workload {workload} ({next(iter(rows.values()))['prompts']} prompts)")
+        columns = ("config", "tok/s", "x full", "TTFT ms", "ITL p50 ms", "ITL p99 ms", "peak RSS MiB", "LLM share",
+                   f"layers/LLM tok (of {num_layers})", "saved", "accept", "prefix agr", "TF agr", "identical",
+                   "near-tie div")
+        for column in columns:
+            table.add_column(column, justify="left" if column == "config" else "right")
+        for name, s in rows.items():
+            tps = s["tokens_per_second"]
+            table.add_row(
+                name, _fmt(tps, ".1f"), _fmt(tps / full if tps and full else None, ".2f"),
+                _fmt(s["ttft_mean"], ".0f", 1e3), _fmt(s["itl_p50"], ".1f", 1e3), _fmt(s["itl_p99"], ".1f", 1e3),
+                _fmt(s["peak_rss_bytes"], ".0f", 1 / 2**20), _fmt(s["llm_share"], ".0%"),
+                _fmt(s["layers_per_llm_token"], ".1f"), _fmt(s["saved_compute"], ".0%"), _fmt(s["acceptance"], ".0%"),
+                _fmt(s["prefix_agreement"], ".1%"), _fmt(s["tf_agreement"], ".1%"), f"{s['identical']}/{s['prompts']}",
+                f"{s['near_tie_divergences']}/{s['divergences']}")
+        console.print(table)
+
+
+def print_targets(targets: list[dict], console: Console) -> None:
+    table = Table(title="targets (issue 3)")
+    for column in ("target", "measured", "verdict"):
+        table.add_column(column)
+    for t in targets:
+        table.add_row(t["target"], t["value"], "[green]PASS[/]" if t["pass"] else "[red]MISS[/]")
+    console.print(table)
+    for t in targets:
+        print(f"{'PASS' if t['pass'] else 'MISS'}: {t['target']}: {t['value']}")
+
+
+def make_plots(summary: dict, configs: list[Config], directory: Path, console: Console) -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        console.print("[yellow]matplotlib is not installed: no plots[/] (pip install -e '.[bench]')")
+        return []
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+    workloads = list(summary)
+    names = [c.name for c in configs if any(c.name in summary[w] for w in workloads)]
+
+    fig, ax = plt.subplots(figsize=(max(8, 0.7 * len(names) + 2), 4.8))
+    width = 0.8 / max(len(workloads), 1)
+    for i, workload in enumerate(workloads):
+        values = [summary[workload].get(n, {}).get("tokens_per_second") or 0.0 for n in names]
+        ax.bar(np.arange(len(names)) + (i - (len(workloads) - 1) / 2) * width, values, width, label=workload)
+    ax.set_xticks(np.arange(len(names)), names, rotation=45, ha="right")
+    ax.set_ylabel("decode tokens/s (batch 1)")
+    ax.set_title("decode tokens/s per configuration and workload")
+    ax.legend()
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    path = directory / "tokens_per_second.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    written.append(str(path))
+
+    curves = defaultdict(list)
+    for c in configs:
+        if c.curve:
+            curves[c.curve].append(c)
+    fig, axes = plt.subplots(2, len(workloads), figsize=(5 * len(workloads), 8.5), squeeze=False)
+    for j, workload in enumerate(workloads):
+        rows = summary[workload]
+        full = rows.get("full", {}).get("tokens_per_second")
+        for curve, members in curves.items():
+            points = [(c.param, rows[c.name]) for c in members if c.name in rows]
+            if not points:
+                continue
+            x = [s["tf_agreement"] for _, s in points]
+            speed = [(s["tokens_per_second"] or 0) / full if full else 0 for _, s in points]
+            saved = [s["saved_compute"] for _, s in points]
+            for ax, y in ((axes[0][j], speed), (axes[1][j], saved)):
+                ax.plot(x, y, marker="o", label=curve)
+                for (param, _), xi, yi in zip(points, x, y):
+                    ax.annotate(f"{param:g}", (xi, yi), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        for name, marker in (("full", "s"), ("speculate+ngram", "^"), ("route+ngram", "D"), ("speculate+slm", "v")):
+            s = rows.get(name)
+            if s and full:
+                axes[0][j].scatter([s["tf_agreement"]], [(s["tokens_per_second"] or 0) / full], marker=marker, label=name)
+                axes[1][j].scatter([s["tf_agreement"]], [s["saved_compute"]], marker=marker, label=name)
+        axes[0][j].set_title(f"{workload}: speed vs agreement")
+        axes[0][j].set_ylabel("decode tok/s / full")
+        axes[1][j].set_title(f"{workload}: saved LLM compute vs agreement")
+        axes[1][j].set_ylabel("LLM layer-passes saved")
+        for ax in (axes[0][j], axes[1][j]):
+            ax.set_xlabel("teacher-forced agreement with the LLM")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+    fig.suptitle("trade-off over thresholds (labels: importance_threshold for skip, route_threshold for route+slm)")
+    fig.tight_layout()
+    path = directory / "tradeoff.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    written.append(str(path))
+    return written
+
+
+# -- main ---------------------------------------------------------------------------------------
+
+
+def machine_info() -> dict:
+    info = {"cpu_count": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version(),
+            "load_average": os.getloadavg()}
+    try:
+        model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("model name")), None)
+        info["cpu"] = model
+    except OSError:
+        pass
+    for package in ("onnxruntime", "llama_cpp", "numpy"):
+        try:
+            info[package] = __import__(package).__version__
+        except ImportError:
+            info[package] = None
+    return info
+
+
+def select_configs(args: argparse.Namespace) -> list[Config]:
+    configs = all_configs(args.skip_ratio, args.lookup_tokens)
+    if args.quick and not args.configs:
+        configs = [c for c in configs if c.name in QUICK_CONFIGS]
+    if args.configs:
+        patterns = [p.strip() for p in args.configs.split(",") if p.strip()]
+        configs = [c for c in configs if c.name == "full" or any(fnmatch.fnmatch(c.name, p) for p in patterns)]
+    if args.no_llama:
+        configs = [c for c in configs if c.runtime != "llama"]
+    return configs
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    from edgeroute.export.sources import packaged_gguf
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--bundle", type=Path, default=ROOT / "bundles" / "smollm2-demo")
+    parser.add_argument("--gguf", type=Path, default=None, help="llama.cpp's model (default: the packaged SmolLM2 GGUF)")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated names under --workload-dir")
+    parser.add_argument("--workload-dir", type=Path, default=WORKLOAD_DIR)
+    parser.add_argument("--prompts", type=int, default=None, help="use the first N prompts of each workload")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--configs", default=None, help="comma-separated names or globs (full is always kept)")
+    parser.add_argument("--skip-ratio", type=float, default=0.3)
+    parser.add_argument("--threads", type=int, default=2, help="llama.cpp threads (edgeroute: EDGEROUTE_THREADS)")
+    parser.add_argument("--n-ctx", type=int, default=2048)
+    parser.add_argument("--lookup-tokens", type=int, default=10, help="llama.cpp prompt lookup: tokens per draft")
+    parser.add_argument("--no-llama", action="store_true", help="leave llama.cpp out")
+    parser.add_argument("--no-rss", action="store_true", help="skip the peak-RSS probe processes")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 2 prompts, 24 tokens, fewer configurations")
+    parser.add_argument("--profile-graphs", action="store_true", help="also time every ONNX Runtime call of a few decodes")
+    parser.add_argument("--profile-configs", default=",".join(PROFILE_CONFIGS))
+    parser.add_argument("--profile-prompts", type=int, default=3, help="templated prompts per profiled configuration")
+    parser.add_argument("--json", type=Path, default=ROOT / "bench-results" / "run.json")
+    parser.add_argument("--plots", type=Path, default=ROOT / "bench-results", help="directory for the PNG plots")
+    parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--rss-probe", choices=sorted(FOOTPRINTS), help=argparse.SUPPRESS)
+    parser.add_argument("--probe-messages", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.prompts = args.prompts or 2
+        args.max_new_tokens = min(args.max_new_tokens, 24)
+    args.gguf = args.gguf or packaged_gguf()
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.rss_probe:
+        return rss_probe(args)
+    console = Console()
+    from edgeroute.runtime import Engine
+
+    wall = time.perf_counter()
+    names = [n.strip() for n in args.workloads.split(",") if n.strip()]
+    workloads = load_workloads(args.workload_dir, names, args.prompts)
+    configs = select_configs(args)
+    info = machine_info()
+    console.print(f"edgeroute bench_run: {len(configs)} configurations x {sum(map(len, workloads.values()))} prompts, "
+                  f"<= {args.max_new_tokens} new tokens, {info['cpu_count']} CPUs, load average "
+                  f"{' '.join(f'{x:.1f}' for x in info['load_average'])}")
+
+    engine = Engine(args.bundle)
+    num_layers = engine.llm.num_layers
+    eos_ids = set(engine.eos_ids)
+    runner = EdgerouteRunner(engine)
+    llamas = {c.name: LlamaRunner(args.gguf, args.threads, args.n_ctx, c.options["lookup"], num_layers)
+              for c in configs if c.runtime == "llama"}
+
+    def generate(config: Config, prompt: dict, ids: list[int], budget: int) -> Run:
+        if config.runtime == "llama":
+            return llamas[config.name].run(ids, eos_ids, budget)
+        return runner.run(prompt["messages"], config.options, budget)
+
+    first = next(iter(workloads.values()))[0]
+    first_ids = engine.encode_prompt(first["messages"])
+    for config in configs:  # warm-up: first ONNX Runtime runs allocate, the SLM loads, llama.cpp warms
+        generate(config, first, first_ids, 8)
+
+    runs: dict[str, dict[str, list[dict]]] = {w: defaultdict(list) for w in workloads}
+    total = sum(len(p) for p in workloads.values())
+    done, started = 0, time.perf_counter()
+    for workload, prompts in workloads.items():
+        for index, prompt in enumerate(prompts):
+            ids = engine.encode_prompt(prompt["messages"])
+            k = done % len(configs)
+            for config in configs[k:] + configs[:k]:  # rotate the order from prompt to prompt
+                run = generate(config, prompt, ids, args.max_new_tokens)
+                runs[workload][config.name].append({"prompt": prompt["id"], "prompt_tokens": len(ids), **asdict(run)})
+            done += 1
+            elapsed = time.perf_counter() - started
+            full_run = runs[workload]["full"][-1]
+            console.print(f"  [{done}/{total}] {workload} {prompt['id']}: full {len(full_run['tokens'])} tokens; "
+                          f"{elapsed:.0f}s elapsed, ~{elapsed / done * (total - done):.0f}s to go")
+
+    console.print("teacher-forced agreement ...")
+    for workload, prompts in workloads.items():
+        for index, prompt in enumerate(prompts):
+            ids = engine.encode_prompt(prompt["messages"])
+            full = runs[workload]["full"][index]["tokens"]
+            others = {c.name: runs[workload][c.name][index]["tokens"] for c in configs if c.name != "full"}
+            agreement = agreement_for_prompt(engine.llm, ids, full, others)
+            for name, a in agreement.items():
+                runs[workload][name][index]["agreement"] = {**a, "full_tokens": len(full)}
+
+    rss = {}
+    if not args.no_rss:
+        console.print("peak RSS probes (one process per runtime footprint) ...")
+        longest = max((p for ps in workloads.values() for p in ps),
+                      key=lambda p: len(engine.encode_prompt(p["messages"])))
+        rss = measure_rss(args, sorted({c.footprint for c in configs}), longest["messages"], console)
+
+    profile = None
+    if args.profile_graphs:
+        console.print("per-graph profile ...")
+        wanted = [n.strip() for n in args.profile_configs.split(",") if n.strip()]
+        profiled = [c for c in all_configs(args.skip_ratio, args.lookup_tokens) if c.name in wanted and c.runtime == "edgeroute"]
+        prompts = load_workloads(args.workload_dir, ["templated"], args.profile_prompts)["templated"]
+        profile = profile_graphs(args, profiled, prompts, console)
+
+    summary = {w: {c.name: summarize(runs[w][c.name], num_layers, rss.get(c.footprint)) for c in configs}
+               for w in workloads}
+    targets = evaluate_targets(summary, profile)
+    print_tables(summary, num_layers, console)
+    if profile:
+        print_profile(profile, console)
+    print_targets(targets, console)
+
+    plots = [] if args.no_plots else make_plots(summary, configs, args.plots, console)
+    info["load_average_after"] = os.getloadavg()
+    result = {
+        "settings": {"bundle": str(args.bundle), "gguf": str(args.gguf), "max_new_tokens": args.max_new_tokens,
+                     "prompts_per_workload": {w: len(p) for w, p in workloads.items()}, "llama_threads": args.threads,
+                     "edgeroute_threads": int(os.environ.get("EDGEROUTE_THREADS", 0)) or os.cpu_count(),
+                     "n_ctx": args.n_ctx, "lookup_tokens": args.lookup_tokens, "skip_ratio": args.skip_ratio,
+                     "configs": [asdict(c) for c in configs]},
+        "machine": info, "wall_seconds": time.perf_counter() - wall, "summary": summary, "targets": targets,
+        "rss": rss, "profile": profile, "plots": plots, "runs": runs,
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=1, default=float) + "\n")
+    console.print(f"wrote {args.json}" + (f" and {', '.join(plots)}" if plots else "")
+                  + f" in {result['wall_seconds']:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
