@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -73,6 +74,15 @@ def tiny_bundles(tmp_path_factory, tiny_models):
 
 
 @pytest.fixture(scope="session")
+def tiny_slm_bundle(tmp_path_factory, tiny_models) -> Path:
+    """The tiny Llama bundle WITH an SLM: its own checkpoint cut to the first layer."""
+    src = tiny_models["llama"][0]
+    out = tmp_path_factory.mktemp("tiny-slm-bundle") / "llama"
+    export_tiny(src, out, slm=str(src), slm_layers=1)
+    return out
+
+
+@pytest.fixture(scope="session")
 def smollm2_reference():
     """The packaged SmolLM2 GGUF loaded (dequantized, fp32) by transformers."""
     import torch
@@ -127,3 +137,75 @@ def smollm2_float_checkpoint(tmp_path_factory, smollm2_reference, smollm2_tokeni
     """The dequantized SmolLM2 (fp32) as an HF checkpoint directory: a float source, so
     int4-rtn and int4-gptq export quantize it instead of carrying GGUF blocks over."""
     return write_float_checkpoint(smollm2_reference, smollm2_tokenizer_dir, tmp_path_factory.mktemp("smollm2-float"))
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_slm_bundle):
+    """An Engine on the tiny Llama bundle with its one-layer SLM, shared by the runtime tests."""
+    from edgeroute.runtime import Engine
+
+    return Engine(tiny_slm_bundle)
+
+
+class OracleDrafter:
+    """A light path that knows the greedy answer (``reference``, the tokens after the first
+    ``prompt_length``) and drafts its first ``right(done)`` tokens correctly, then wrong ones
+    (the true token + 1): ``right=0`` drafts only wrong tokens, a large ``right`` only right ones."""
+
+    name = "oracle"
+
+    def __init__(self, prompt_length: int, reference: list[int], right=0) -> None:
+        self.prompt_length, self.reference = prompt_length, list(reference)
+        self.right = right if callable(right) else (lambda done: right)
+
+    def propose(self, tokens: list[int], k: int):
+        from edgeroute.runtime.drafters import Proposal
+
+        done = len(tokens) - self.prompt_length
+        truth = self.reference[done:done + k]
+        good = self.right(done)
+        draft = [t if i < good else (t + 1) % 49152 for i, t in enumerate(truth)]
+        return Proposal(draft, [None] * len(draft))
+
+    def sync(self, tokens: list[int]) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+
+@dataclass
+class ForwardCall:
+    ids: list[int]
+    start: int  # the cache length before the call
+    actions: list[str]  # per layer: run | skip_mlp | skip | drop
+    logits: np.ndarray
+
+
+def record_forward(monkeypatch, model) -> list[ForwardCall]:
+    """Record every ``model.forward`` call (tokens, cache start, each layer's action, logits)."""
+    from edgeroute.runtime.model import RUN, SKIP
+
+    calls: list[ForwardCall] = []
+    original = model.forward
+
+    def forward(cache, ids, plan=None, all_logits=False):
+        actions: list[str] = []
+
+        def recorded(layer, hidden):
+            if plan is None:
+                action = RUN
+            elif callable(plan):
+                action = plan(layer, hidden)
+            else:
+                action = RUN if plan[layer] else SKIP
+            actions.append(action)
+            return action
+
+        start = cache.length
+        logits = original(cache, ids, plan=recorded, all_logits=all_logits)
+        calls.append(ForwardCall([int(i) for i in ids], start, actions, np.array(logits)))
+        return logits
+
+    monkeypatch.setattr(model, "forward", forward)
+    return calls

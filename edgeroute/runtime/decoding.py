@@ -79,8 +79,10 @@ class DecodeOptions:
             raise InputError(f"draft_tokens must be between 1 and max_draft_tokens ({self.max_draft_tokens})")
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise InputError(f"max_new_tokens must be >= 1 (got {self.max_new_tokens})")
-        if "skip" in self.mode:
-            self.skip.validate(num_layers)
+        # ranges also outside skip modes (a bad value is a mistake either way); layer counts in them
+        self.skip.validate(num_layers if "skip" in self.mode else None)
+        if self.fallback is not None:
+            self.fallback.validate()
 
 
 @dataclass
@@ -147,6 +149,10 @@ class SequenceState:
         self.llm_cache: KVCache = llm.new_cache()
         self.slm_drafter = SlmDrafter(slm, self.llm_cache.capacity) if slm is not None else None
         self.ngram_drafter = NgramDrafter()
+
+    def attach_slm(self, slm: OrtModel) -> None:
+        """Give the sequence an SLM light path (it catches up on the tokens so far on first use)."""
+        self.slm_drafter = SlmDrafter(slm, self.llm_cache.capacity)
 
     def reset(self) -> None:
         self.tokens = []

@@ -4,6 +4,7 @@
 >>> engine.generate([{"role": "user", "content": "Hi!"}], max_new_tokens=32).text
 >>> chat = engine.chat(mode="speculate")          # keeps its KV caches across turns
 >>> for piece in chat.stream("Navigate to 12 Baker Street"): print(piece, end="")
+>>> chat.generate("And then home?")                # a follow-up user turn: prefills only its own tokens
 """
 
 from __future__ import annotations
@@ -91,10 +92,13 @@ class Engine:
     # -- sessions -------------------------------------------------------------------------------
 
     def session(self, **options: Any) -> Session:
-        """An independent sequence (its own KV caches) on this engine's shared sessions."""
+        """An independent sequence (its own KV caches) on this engine's shared sessions; a
+        string prompt is plain text (a continuation)."""
         return Session(self, self.options.updated(**options))
 
-    chat = session
+    def chat(self, **options: Any) -> Session:
+        """Like ``session``, but a string prompt is a user turn in the chat template."""
+        return Session(self, self.options.updated(**options), chat=True)
 
     def generate(self, prompt: str | Messages, **options: Any) -> Generation:
         """One-shot generation in a fresh session; options override the engine's defaults."""
@@ -104,12 +108,17 @@ class Engine:
         return self.session(**options).stream(prompt)
 
 
+def _stop_prefix(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest tail of ``text`` that begins one of the stop strings."""
+    return max((k for s in stops for k in range(len(s) - 1, 0, -1) if text.endswith(s[:k])), default=0)
+
+
 class Session:
     """One conversation. Chat turns append to the cached sequence, so each new user turn
     prefills only its own tokens; ``reset()`` starts over. Thread-safe to cancel."""
 
-    def __init__(self, engine: Engine, options: DecodeOptions) -> None:
-        self.engine, self.options = engine, options
+    def __init__(self, engine: Engine, options: DecodeOptions, chat: bool = False) -> None:
+        self.engine, self.options, self.chat = engine, options, chat
         needs_slm = options.mode == "slm" or options.light == "slm"
         options.validate(engine.llm.num_layers, engine.bundle.slm is not None)
         self.state = SequenceState(engine.llm, engine.slm if needs_slm else None)
@@ -125,32 +134,33 @@ class Session:
         """Stop the running generation within one token (callable from any thread)."""
         self._cancel.set()
 
-    def _turn_tokens(self, prompt: str | Messages) -> list[int]:
+    def _turn_tokens(self, prompt: str | Messages) -> tuple[list[int], bool, list[dict[str, str]]]:
+        """The tokens a turn appends, whether it first drops the previous answer's end-of-turn
+        marker, and the messages it adds. Changes nothing: a rejected turn leaves no trace."""
         engine = self.engine
+        if isinstance(prompt, str) and self.chat:
+            prompt = [{"role": "user", "content": prompt}]
         if isinstance(prompt, str) and not self.messages and not self.state.tokens:
-            return engine.encode_prompt(prompt)
+            return engine.encode_prompt(prompt), False, []
         if isinstance(prompt, str) and self.state.tokens and not self.messages:
             if not prompt.strip():
                 raise InputError("the prompt is empty")
-            return engine.encode(prompt)  # plain-text continuation
+            return engine.encode(prompt), False, []  # plain-text continuation
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         if not self.state.tokens:
-            self.messages = list(messages)
-            return engine.encode_prompt(messages)
+            return engine.encode_prompt(messages), False, messages
         # a later chat turn: close the assistant's answer and append only the new messages
         if any(m["role"] != "user" for m in messages) or not all(m["content"].strip() for m in messages):
             raise InputError("a follow-up chat turn takes one non-empty user message")
-        if self.state.tokens[-1] in engine.eos_ids:
-            self.state.tokens.pop()  # the end-of-turn marker is part of the template's text below
-        self.messages.extend(messages)
+        drop_eos = self.state.tokens[-1] in engine.eos_ids  # the template's text below closes the turn
         fmt = engine.chat_format
-        return engine.encode(fmt["assistant_to_user"] + messages[0]["content"] + fmt["user_suffix"])
+        return engine.encode(fmt["assistant_to_user"] + messages[0]["content"] + fmt["user_suffix"]), drop_eos, messages
 
     def generate_tokens(self, prompt: str | Messages, **overrides: Any) -> Iterator[TokenTrace]:
         options = self.options.updated(**overrides) if overrides else self.options
         options.validate(self.engine.llm.num_layers, self.engine.bundle.slm is not None)
-        new = self._turn_tokens(prompt)
-        room = self.state.capacity - len(self.state.tokens) - options.max_draft_tokens - 1
+        new, drop_eos, messages = self._turn_tokens(prompt)
+        room = self.state.capacity - len(self.state.tokens) + drop_eos - options.max_draft_tokens - 1
         if len(new) > room:
             raise InputError(f"the prompt needs {len(new)} tokens but only {max(room, 0)} fit in the bundle's "
                              f"context of {self.state.capacity}: shorten it, reset() the session, "
@@ -158,6 +168,13 @@ class Session:
         budget = min(options.max_new_tokens or int(self.engine.bundle.generation["max_new_tokens"]), room - len(new))
         if budget < 1:
             raise InputError("no room left in the context for new tokens: reset() the session")
+        if drop_eos:
+            self.state.tokens.pop()
+            # an accepted draft may have put the marker's K/V in the cache: forget it with the token
+            self.state.llm_cache.truncate(min(self.state.llm_cache.length, len(self.state.tokens)))
+        self.messages.extend(messages)
+        if (options.mode == "slm" or options.light == "slm") and self.state.slm_drafter is None:
+            self.state.attach_slm(self.engine.slm)  # a per-call override asks for the SLM
         self._cancel.clear()
         decoder = Decoder(self.state, options, self._cancel)
         self.last = Generation("", [], decoder.stats)
@@ -167,7 +184,7 @@ class Session:
                **overrides: Any) -> Iterator[str]:
         """Text pieces as they are decoded (a voice app speaks while the model writes)."""
         options = self.options.updated(**overrides) if overrides else self.options
-        engine, emitted, finish = self.engine, "", "length"
+        engine, emitted, decoded, finish = self.engine, "", "", "length"
         generation = None
         for trace in self.generate_tokens(prompt, **overrides):
             generation = self.last
@@ -178,20 +195,29 @@ class Session:
                 break
             generation.tokens.append(trace.token)
             text = engine.decode(generation.tokens)
-            trace.text = text[len(emitted):]
+            trace.text, decoded = text[len(decoded):], text
             if on_token is not None:
                 on_token(trace)
             stop_at = min((i for s in options.stop if (i := text.find(s)) >= 0), default=-1)
             if stop_at >= 0:
                 text, finish = text[:stop_at], "stop"
-            if text.endswith("\ufffd"):
-                continue  # a multi-byte character is still incomplete
+            else:
+                # hold back a tail that may be the start of a stop string, or a multi-byte
+                # character that is still incomplete
+                text = text[:len(text) - _stop_prefix(text, options.stop)]
+                if text.endswith("\ufffd"):
+                    continue
             if len(text) > len(emitted):
                 yield text[len(emitted):]
                 emitted = text
             if finish == "stop":
                 break
         if generation is not None:
+            if finish != "stop":  # the end: what was held back is final now
+                text = engine.decode(generation.tokens)
+                if len(text) > len(emitted):
+                    yield text[len(emitted):]
+                    emitted = text
             if self._cancel.is_set():
                 finish = "cancelled"
             generation.text, generation.finish_reason = emitted, finish

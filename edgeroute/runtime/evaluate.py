@@ -101,8 +101,10 @@ def tokenize_text(tokenizer: Tokenizer | Bundle | str | Path, text: str, limit: 
     return np.asarray(ids[:limit], np.int64)
 
 
-def evaluate_bundle(bundle: Bundle | str | Path, ids: np.ndarray, role: str = "llm",
-                    window: int = DEFAULT_WINDOW) -> TeacherForced:
-    """Load one model of a bundle and run it teacher-forced over ``ids``."""
+def evaluate_bundle(bundle: Bundle | str | Path, ids: np.ndarray, role: str = "llm", window: int = DEFAULT_WINDOW,
+                    activations: str = "int8") -> TeacherForced:
+    """Load one model of a bundle and run it teacher-forced over ``ids``. ``activations``
+    is the precision of the int4 kernels' activations (see OrtModel): the runtime's
+    default int8, or fp32."""
     bundle = bundle if isinstance(bundle, Bundle) else Bundle.open(bundle)
-    return teacher_forced(OrtModel(bundle, role), ids, window)
+    return teacher_forced(OrtModel(bundle, role, activations=activations), ids, window)

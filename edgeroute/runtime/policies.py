@@ -113,7 +113,7 @@ def make_scorer(name: str) -> Callable[[np.ndarray, np.ndarray], float]:
 class SkipOptions:
     importance_threshold: float = 0.6  # skip when the importance score is below this
     re_eval_interval: int = 2
-    max_free_layers: int = 8
+    max_free_layers: int | None = None  # None: the seed's 8, at most half the layers
     skip_ratio: float = 0.1  # cap on the skipped share of layer work per sequence
     protected_first: int = 2  # skipping the first layers is catastrophic (Mistral-7B ppl 9 -> 3200)
     protected_last: int = 2
@@ -121,23 +121,31 @@ class SkipOptions:
     kv_cache_reduction: bool = False  # skipped layers' cache entries masked instead of filled
     scorer: str = "update"  # update | cosine | random
 
-    def validate(self, num_layers: int) -> None:
+    def free_layers(self, num_layers: int) -> int:
+        return self.max_free_layers or max(1, min(8, num_layers // 2))
+
+    def validate(self, num_layers: int | None) -> None:
+        """Value ranges always; the layer-count checks when ``num_layers`` is given (skip modes)."""
         from edgeroute.errors import InputError
 
         for name in ("importance_threshold", "skip_ratio"):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
                 raise InputError(f"{name} must be within [0, 1] (got {value})")
-        if not 1 <= self.max_free_layers <= num_layers:
+        layers = num_layers if num_layers is not None else 10**9
+        if self.max_free_layers is not None and not 1 <= self.max_free_layers <= layers:
             raise InputError(f"max_free_layers must be between 1 and the model's {num_layers} layers "
                              f"(got {self.max_free_layers})")
         if self.re_eval_interval < 1:
             raise InputError(f"re_eval_interval must be >= 1 (got {self.re_eval_interval})")
-        if self.protected_first < 0 or self.protected_last < 0 or self.protected_first + self.protected_last > num_layers:
+        if self.protected_first < 0 or self.protected_last < 0 or self.protected_first + self.protected_last > layers:
             raise InputError("protected_first + protected_last must be between 0 and the number of layers")
         if self.granularity not in ("layer", "mlp"):
             raise InputError(f"granularity must be 'layer' or 'mlp' (got {self.granularity!r})")
-        make_scorer(self.scorer)
+        try:
+            make_scorer(self.scorer)
+        except ValueError as err:
+            raise InputError(str(err)) from None
 
 
 @dataclass
@@ -194,7 +202,7 @@ class SkipController:
                 self.last.importance.append(importance)
                 self._checkpoint = hidden
                 if importance < o.importance_threshold and budget_ok:
-                    self._free = o.max_free_layers - 1
+                    self._free = o.free_layers(self.num_layers) - 1
                     action = self.skip_action
         if action != RUN:
             self.skipped += tokens
@@ -210,6 +218,16 @@ class FallbackOptions:
     window: int = 8  # LLM calls whose confidence is averaged
     min_confidence: float = 0.35  # mean LLM top-1 probability below this -> fall back
     hold_tokens: int = 16  # tokens generated with routing and skipping off after a fallback
+
+    def validate(self) -> None:
+        from edgeroute.errors import InputError
+
+        if self.window < 1:
+            raise InputError(f"the fallback window must be >= 1 LLM call (got {self.window})")
+        if not 0.0 <= self.min_confidence <= 1.0:
+            raise InputError(f"min_confidence must be within [0, 1] (got {self.min_confidence})")
+        if self.hold_tokens < 0:
+            raise InputError(f"hold_tokens must be >= 0 (got {self.hold_tokens})")
 
 
 class FallbackMonitor:
@@ -233,6 +251,8 @@ class FallbackMonitor:
         """Called once per generated token."""
         if self.hold > 0:
             self.hold -= 1
+            if self.hold == 0:  # judge the next window on fresh tokens only
+                self.confidence.clear()
             return
         window = self.confidence
         if len(window) == window.maxlen and sum(window) / len(window) < self.options.min_confidence:

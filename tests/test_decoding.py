@@ -1,0 +1,336 @@
+"""Decoding modes on a tiny fp32 bundle: what must be lossless is exactly `full`'s greedy
+output, and layer skipping computes what a torch model taking the same decisions computes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from edgeroute.export.reference import ReferenceModel, linear, rms_norm, rope
+from edgeroute.export.sources import load_source
+from edgeroute.runtime.drafters import NgramDrafter
+from edgeroute.runtime.model import DROP, RUN, SKIP, SKIP_MLP
+from edgeroute.runtime.policies import FallbackMonitor, FallbackOptions
+from tests.conftest import OracleDrafter, record_forward, relative_error
+
+PROMPTS = [
+    "The capital of France is",
+    "Navigate to 12 Baker Street",
+    "Navigate to 12 Baker Street. Navigate to 12 Baker Street. Navigate to 12",
+    "Set the temperature to 21 degrees",
+    '{"destination": "Main Station", "eta": "12:40"} -> {"destination": "Main Station", "eta":',
+    "Call Anna Schmidt. Call Anna Schmidt. Call Anna",
+    "one two three four one two three four one two",
+    "Play the next song",
+    "Remind me to buy milk at 6 pm",
+    "What is the weather like in Berlin tomorrow?",
+    "Turn on the seat heating, then turn on the seat",
+    "Summarize: the road is closed between exit 4 and exit 5 due to works.",
+]
+NEW = 24
+# on the 3-layer model: skipping really happens (random scores, half of the layer work allowed)
+SKIPPING = dict(scorer="random", importance_threshold=0.6, skip_ratio=0.5, protected_first=1, protected_last=0,
+                max_free_layers=1, re_eval_interval=1, fallback=None)
+
+
+@pytest.fixture(scope="module")
+def full(tiny_engine) -> dict[str, list[int]]:
+    """`full`'s greedy tokens per prompt."""
+    return {p: tiny_engine.generate(p, max_new_tokens=NEW).tokens for p in PROMPTS}
+
+
+def oracle_session(engine, prompt: str, reference: list[int], right, **options):
+    """A session whose light path is an :class:`OracleDrafter` (plugged in as the n-gram path)."""
+    session = engine.session(light="ngram", **options)
+    session.state.ngram_drafter = OracleDrafter(len(engine.encode_prompt(prompt)), reference, right)
+    return session
+
+
+# -- lossless modes -----------------------------------------------------------------------------
+
+LOSSLESS = {
+    "route-always-ngram": dict(mode="route", router="always"),
+    "route-always-slm": dict(mode="route", router="always", light="slm"),
+    "speculate-ngram": dict(mode="speculate"),
+    "speculate-ngram-fixed-8": dict(mode="speculate", draft_tokens=8, adaptive_draft=False),
+    "speculate-slm": dict(mode="speculate", light="slm"),
+}
+
+
+@pytest.mark.parametrize("variant", LOSSLESS)
+def test_route_with_always_router_and_speculate_give_exactly_fulls_greedy_tokens(variant, tiny_engine, full):
+    options = LOSSLESS[variant]
+    drafted = accepted = 0
+    for prompt in PROMPTS:
+        got = tiny_engine.generate(prompt, max_new_tokens=NEW, **options)
+        assert got.tokens == full[prompt], (variant, prompt)
+        drafted, accepted = drafted + got.stats.drafted, accepted + got.stats.accepted
+        if options["mode"] == "route":
+            assert got.stats.llm_share == 1.0 and {t.source for t in got.trace} == {"llm"}
+    if variant.startswith("speculate"):
+        assert drafted > 0
+    if variant.startswith("speculate-ngram"):
+        assert accepted > 0, "no n-gram draft was ever accepted: the test would prove nothing"
+
+
+@pytest.mark.parametrize("right", ["all wrong", "partly right", "all right"])
+def test_speculate_with_oracle_drafts_right_or_wrong_gives_fulls_tokens(right, tiny_engine, full):
+    """Drafts that are all wrong, right for a varying prefix then wrong (rejected K/V must be
+    forgotten), or all right (the bonus token and the budget cut)."""
+    rule = {"all wrong": 0, "partly right": lambda done: done % 4, "all right": 10**6}[right]
+    drafted = accepted = 0
+    for prompt in PROMPTS:
+        session = oracle_session(tiny_engine, prompt, full[prompt], rule, mode="speculate")
+        got = session.generate(prompt, max_new_tokens=NEW)
+        assert got.tokens == full[prompt], (right, prompt)
+        assert session.state.llm_cache.length <= len(session.state.tokens)
+        drafted, accepted = drafted + got.stats.drafted, accepted + got.stats.accepted
+        if right == "all right":
+            assert got.stats.llm_calls < NEW / 2
+    assert drafted > 0
+    if right == "all wrong":
+        assert accepted == 0
+    else:
+        assert 0 < accepted < drafted if right == "partly right" else accepted > 0
+
+
+@pytest.mark.parametrize("nothing", [dict(importance_threshold=0.0), dict(skip_ratio=0.0)])
+@pytest.mark.parametrize("granularity", ["layer", "mlp"])
+def test_skip_with_nothing_skipped_gives_exactly_fulls_tokens(nothing, granularity, tiny_engine, full):
+    options = {**SKIPPING, **nothing, "granularity": granularity, "protected_first": 0}
+    for prompt in PROMPTS:
+        got = tiny_engine.generate(prompt, mode="skip", max_new_tokens=NEW, **options)
+        assert got.tokens == full[prompt], prompt
+        assert all(t.layers_skipped == 0 and t.layers_run == 3 for t in got.trace)
+
+
+# -- skipping against a torch reference taking the same decisions -------------------------------
+
+class CachedTorchModel:
+    """The model in torch with an explicit KV cache, taking a given action per layer: RUN;
+    SKIP_MLP (attention runs, the MLP not); SKIP (the layer's K/V projections of the current
+    hidden state fill its cache, the hidden state passes unchanged); DROP (skipped, and these
+    positions are left out of the layer's attention for every later token)."""
+
+    def __init__(self, source, mask_dropped: bool = True) -> None:
+        self.arch, self.weights = source.arch, source.weights
+        self.ref = ReferenceModel(source.arch, source.weights)
+        shape = (0, self.arch.num_kv_heads, self.arch.head_dim)
+        layers = range(self.arch.num_layers)
+        self.keys = [torch.zeros(shape) for _ in layers]
+        self.values = [torch.zeros(shape) for _ in layers]
+        self.masked = [torch.zeros(0, dtype=torch.bool) for _ in layers]
+        self.mask_dropped = mask_dropped
+        self.excluded = 0  # cached positions some attention left out
+
+    @torch.no_grad()
+    def forward(self, ids: list[int], start: int, actions: list[str]) -> np.ndarray:
+        a, t = self.arch, len(ids)
+        eps = a.rms_norm_eps
+        cos, sin = self.ref.cos[start:start + t], self.ref.sin[start:start + t]
+        x = self.ref.embed(np.asarray(ids))
+        for i, action in enumerate(actions):
+            w = self.weights.layers[i]
+            h = rms_norm(x, w.attn_norm, eps)
+            k = linear(h, w.k_proj).view(t, a.num_kv_heads, a.head_dim)
+            v = linear(h, w.v_proj).view(t, a.num_kv_heads, a.head_dim)
+            if w.k_norm is not None:
+                k = rms_norm(k, w.k_norm, eps)
+            k = rope(k, cos, sin)
+            # the cache holds exactly the first `start` positions (rejected drafts forgotten)
+            self.keys[i] = torch.cat([self.keys[i][:start], k])
+            self.values[i] = torch.cat([self.values[i][:start], v])
+            dropped = torch.full((t,), action == DROP and self.mask_dropped)
+            self.masked[i] = torch.cat([self.masked[i][:start], dropped])
+            if action in (SKIP, DROP):
+                continue
+            q = linear(h, w.q_proj).view(t, a.num_heads, a.head_dim)
+            if w.q_norm is not None:
+                q = rms_norm(q, w.q_norm, eps)
+            q = rope(q, cos, sin)
+            allowed = torch.ones(t, start + t, dtype=torch.bool)
+            allowed[:, start:] = torch.tril(torch.ones(t, t, dtype=torch.bool))
+            allowed &= ~self.masked[i]
+            self.excluded += int(self.masked[i].sum())
+            group = a.num_heads // a.num_kv_heads
+            keys, values = self.keys[i].repeat_interleave(group, 1), self.values[i].repeat_interleave(group, 1)
+            ctx = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), attn_mask=allowed)
+            x = x + linear(ctx.transpose(0, 1).reshape(t, -1), w.o_proj)
+            if action == RUN:
+                h = rms_norm(x, w.mlp_norm, eps)
+                x = x + linear(torch.nn.functional.silu(linear(h, w.gate_proj)) * linear(h, w.up_proj), w.down_proj)
+        return self.ref.head(x).numpy()
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_source(tiny_models):
+    return load_source(tiny_models["llama"][0])
+
+
+@pytest.fixture
+def one_torch_thread():
+    """torch's pool fights ONNX Runtime's for the cores: one thread is ~10x faster here."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+SKIP_CASES = {
+    "skip-layer": dict(mode="skip"),
+    "skip-mlp": dict(mode="skip", granularity="mlp", protected_first=0),
+    "skip-kv-reduction": dict(mode="skip", kv_cache_reduction=True, protected_first=0),
+    "speculate+skip-layer": dict(mode="speculate+skip"),
+    "speculate+skip-kv-reduction": dict(mode="speculate+skip", kv_cache_reduction=True),
+}
+
+
+@pytest.mark.parametrize("case", SKIP_CASES)
+def test_skipping_runtime_logits_match_a_torch_reference_taking_the_same_decisions(
+        case, tiny_engine, tiny_llama_source, monkeypatch, one_torch_thread):
+    """32 tokens with layers really skipped: every LLM pass's logits (prefill, decode steps,
+    draft verification) within 1e-3 of torch replaying the runtime's own per-layer decisions
+    over its own cache, so the K/V fill (or the mask) keeps the caches aligned."""
+    options = {**SKIPPING, **SKIP_CASES[case]}
+    skipped_action = {"skip-mlp": SKIP_MLP}.get(case, DROP if options.get("kv_cache_reduction") else SKIP)
+    calls = record_forward(monkeypatch, tiny_engine.llm)
+    got = tiny_engine.generate(PROMPTS[2], max_new_tokens=32, **options)
+    assert len(got.tokens) == 32
+
+    assert all(set(c.actions) <= {RUN, skipped_action} for c in calls)
+    decode_skips = sum(a == skipped_action for c in calls[1:] for a in c.actions)
+    assert decode_skips >= 5, "too few layers skipped for the test to mean anything"
+    if options["mode"] == "skip":  # one pass per token: the trace reports each pass's layers
+        assert len(calls) == 32
+        assert [t.layers_skipped for t in got.trace] == [sum(a != RUN for a in c.actions) for c in calls]
+        assert [t.layers_run for t in got.trace] == [c.actions.count(RUN) for c in calls]
+    else:  # verification passes over drafts, and rejected drafts' K/V forgotten
+        assert got.stats.drafted > 0 and any(len(c.ids) > 1 for c in calls[1:])
+        assert any(c.start < p.start + len(p.ids) for p, c in zip(calls, calls[1:], strict=False))
+
+    reference = CachedTorchModel(tiny_llama_source)
+    for n, call in enumerate(calls):
+        want = reference.forward(call.ids, call.start, call.actions)
+        assert relative_error(call.logits, want) <= 1e-3, (case, n, call.actions)
+    if skipped_action == DROP:
+        assert reference.excluded > 0, "no later token ever attended past a dropped position"
+        # and leaving the dropped positions in (as if their K/V had been filled) is detectably wrong
+        unmasked = CachedTorchModel(tiny_llama_source, mask_dropped=False)
+        errors = [relative_error(c.logits, unmasked.forward(c.ids, c.start, c.actions)) for c in calls]
+        assert max(errors) > 1e-2
+
+
+def test_skip_mode_trace_and_stats_report_the_layers_run(tiny_engine):
+    got = tiny_engine.generate(PROMPTS[1], mode="skip", max_new_tokens=16, **SKIPPING)
+    assert sum(t.layers_skipped for t in got.trace) > 0
+    assert all(t.layers_run + t.layers_skipped == 3 and t.source == "llm" for t in got.trace)
+    assert got.stats.llm_layers_run == sum(t.layers_run for t in got.trace)
+    assert all(len(t.importance) >= 1 for t in got.trace)
+
+
+# -- fallback -----------------------------------------------------------------------------------
+
+def monitor(window: int = 4, min_confidence: float = 0.5, hold_tokens: int = 3) -> FallbackMonitor:
+    return FallbackMonitor(FallbackOptions(window=window, min_confidence=min_confidence, hold_tokens=hold_tokens))
+
+
+def feed(m: FallbackMonitor, confidences: list[float], start: int = 0) -> list[bool]:
+    """One LLM token per confidence; whether the fallback is active after each."""
+    states = []
+    for i, c in enumerate(confidences):
+        m.observe_llm(c)
+        m.step(start + i)
+        states.append(m.active)
+    return states
+
+
+def test_fallback_one_low_confidence_token_does_not_trigger():
+    m = monitor()
+    assert feed(m, [0.9, 0.9, 0.9, 0.01, 0.9, 0.9, 0.9, 0.9]) == [False] * 8  # every window's mean: 0.68
+    assert m.events == []
+
+
+def test_fallback_not_before_the_window_is_full():
+    m = monitor(window=4)
+    assert feed(m, [0.0, 0.0, 0.0]) == [False] * 3
+    assert feed(m, [0.0], start=3) == [True]
+    assert m.events == [3]
+
+
+def test_fallback_full_low_window_triggers_and_holds_for_hold_tokens():
+    m = monitor(window=4, min_confidence=0.5, hold_tokens=3)
+    states = feed(m, [0.9, 0.9, 0.3, 0.2, 0.1])  # window means: 0.575, then 0.375
+    assert states == [False, False, False, False, True]
+    assert m.events == [4]
+    # held for exactly 3 more tokens, whatever the confidence, then re-armed with an empty window
+    assert feed(m, [0.9, 0.9, 0.9], start=5) == [True, True, False]
+    assert feed(m, [0.9, 0.9, 0.9, 0.9, 0.9], start=8) == [False] * 5
+    assert m.events == [4]
+    # a second low stretch is a second recorded event
+    assert feed(m, [0.1] * 4, start=13) == [False, False, True, True]
+    assert m.events == [4, 15]
+
+
+def test_fallback_in_skip_mode_turns_skipping_off_for_hold_tokens(tiny_engine):
+    """min_confidence 1.0: every window is "low", so the fallback fires as soon as a window of
+    2 LLM tokens is full, holds 3 tokens with no layer skipped, and fires again once a window
+    of 2 fresh tokens (none from the hold) is full."""
+    options = {**SKIPPING, "skip_ratio": 1.0, "importance_threshold": 1.0}
+    got = tiny_engine.generate(PROMPTS[0], mode="skip", max_new_tokens=12, window=2, min_confidence=1.0,
+                               hold_tokens=3, **{k: v for k, v in options.items() if k != "fallback"})
+    flags = [t.fallback for t in got.trace]
+    assert flags == [False, False, True, True, True, False, False, True, True, True, False, False]
+    assert got.stats.fallbacks == 3  # the third fires on the last token's window: nothing left to hold
+    assert all(t.layers_skipped == 0 for t in got.trace if t.fallback)
+    assert all(t.layers_skipped > 0 for t in got.trace if not t.fallback)
+
+
+def test_route_records_fallback_and_calls_the_llm_while_it_holds(tiny_engine):
+    """A window of one LLM token whose confidence is always "low": after each LLM token the
+    next 4 tokens are the LLM's, whatever the n-gram path proposes."""
+    got = tiny_engine.generate(PROMPTS[1], mode="route", max_new_tokens=24, window=1, min_confidence=1.0,
+                               hold_tokens=4)
+    assert got.stats.fallbacks >= 2
+    assert [t.fallback for t in got.trace[:6]] == [False, True, True, True, True, False]
+    assert all(t.source == "llm" for t in got.trace if t.fallback)
+    free = tiny_engine.generate(PROMPTS[1], mode="route", max_new_tokens=24, fallback=None)
+    assert any(t.source == "ngram" for t in free.trace), "nothing for the fallback to turn off"
+    assert not any(t.fallback for t in free.trace)
+
+
+# -- the n-gram light path ----------------------------------------------------------------------
+
+def test_ngram_drafter_proposes_the_continuation_of_the_longest_earlier_match():
+    drafter = NgramDrafter()
+    # suffix [1, 2, 3] occurred at 1 (followed by 8 ...); the shorter [2, 3] occurs later (then 9)
+    tokens = [7, 1, 2, 3, 8, 5, 2, 3, 9, 4, 1, 2, 3]
+    proposal = drafter.propose(tokens, 3)
+    assert proposal.tokens == [8, 5, 2]
+    assert proposal.match_length == 3 and proposal.match_count == 1
+    assert proposal.probabilities == [None] * 3
+
+
+def test_ngram_drafter_prefers_the_most_recent_of_equal_matches_and_stops_at_the_end():
+    drafter = NgramDrafter()
+    proposal = drafter.propose([1, 2, 5, 1, 2, 6, 1, 2], 2)
+    assert proposal.tokens == [6, 1] and proposal.match_length == 2 and proposal.match_count == 2
+    assert drafter.propose([4, 5, 6, 4, 5], 8).tokens == [6, 4, 5]  # only what the history holds
+
+
+def test_ngram_drafter_proposes_nothing_without_a_match():
+    drafter = NgramDrafter()
+    assert drafter.propose([1, 2, 3, 4], 4).tokens == []
+    assert drafter.propose([5], 4).tokens == []
+    assert drafter.propose([], 4).tokens == []
+    assert NgramDrafter(min_ngram=2).propose([1, 2, 9, 2], 3).tokens == []  # [2] alone is too short
+
+
+def test_route_with_the_ngram_router_takes_light_tokens_on_repetition(tiny_engine):
+    got = tiny_engine.generate(PROMPTS[2], mode="route", max_new_tokens=NEW)
+    light = [t for t in got.trace if t.source == "ngram"]
+    assert light, "the n-gram path never wrote a token on a repetitive prompt"
+    assert all(t.layers_run is None and t.router_score <= 0.5 for t in light)
+    assert all(t.layers_run == 3 and t.router_score is not None for t in got.trace if t.source == "llm")
+    assert got.stats.llm_tokens == len(got.trace) - len(light)
