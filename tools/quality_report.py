@@ -9,8 +9,9 @@ Exports (or, with --reuse, reuses) four bundles of the packaged SmolLM2-135M Q4_
 - ``demo``: the default export (Q4_1 blocks carried over exactly, with the 12-layer SLM).
 
 Each bundle's LLM runs over the same tokens of ``evaluation_text()`` in non-overlapping
-windows (see edgeroute.runtime.evaluate); the table gives top-1 agreement with fp32,
-perplexity, next-token accuracy against the text and the sizes. Needs the export extra
+windows (see edgeroute.runtime.evaluate), the int4 ones with int8 activations (the runtime's
+default) and fp32 activations; the table gives top-1 agreement with fp32, perplexity,
+next-token accuracy against the text and the sizes. Needs the export extra
 (torch, transformers) for the exports and the float checkpoint.
 
     python tools/quality_report.py                         # -> bench-results/quality.json
@@ -86,21 +87,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="tokens per teacher-forced window")
     parser.add_argument("--calibration-tokens", type=int, default=ExportOptions.calibration_tokens,
                         help="GPTQ calibration tokens")
+    parser.add_argument("--activations", nargs="+", choices=("int8", "fp32"), default=["int8", "fp32"],
+                        help="activation precisions of the int4 kernels to evaluate the int4 bundles with")
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--head", default="int8")
     parser.add_argument("--json", type=Path, default=Path("bench-results/quality.json"), help="where to write the figures")
     args = parser.parse_args(argv)
     console = Console()
+    if not console.is_terminal:
+        console.width = 160  # rich's default of 80 columns would cut the table
 
     export_seconds: dict[str, float | None] = {}
+    float_written = False
     for name, path, options in plans(args):
         if args.reuse and (path / "manifest.json").is_file():
             export_seconds[name] = None
             console.print(f"reusing {path}")
             continue
         start = time.perf_counter()
-        if name in QUANTS and not (args.dir / "smollm2-fp32-hf" / "config.json").is_file():
+        if name in QUANTS and not (float_written or (args.reuse and (args.dir / "smollm2-fp32-hf" / "config.json").is_file())):
             console.print("writing the dequantized model as a float HF checkpoint")
+            float_written = True
             write_float_checkpoint(args.dir / "smollm2-fp32-hf")
             gc.collect()
         console.print(f"exporting {name} -> {path}")
@@ -109,22 +116,30 @@ def main(argv: list[str] | None = None) -> int:
 
     bundles = {name: Bundle.open(path) for name, path, _ in plans(args)}
     ids = tokenize_text(bundles["fp32"], evaluation_text(), args.tokens + 1)
+    runs = [(name, activations) for name in bundles
+            for activations in (["int8"] if name == "fp32" else args.activations)]  # fp32: no int4 kernels
     results = {}
-    for name, bundle in bundles.items():
+    for name, activations in runs:
         start = time.perf_counter()
-        console.print(f"evaluating {name} over {args.tokens} tokens")
-        results[name] = (evaluate_bundle(bundle, ids, window=args.window), time.perf_counter() - start)
+        console.print(f"evaluating {name} ({activations} activations) over {args.tokens} tokens")
+        try:
+            forced = evaluate_bundle(bundles[name], ids, window=args.window, activations=activations)
+        except Exception as err:  # a reused bundle from an older graph layout, typically
+            hint = " (it was reused: run without --reuse to export it again)" if export_seconds[name] is None else ""
+            raise SystemExit(f"{bundles[name].path} could not be evaluated: {type(err).__name__}: {err}{hint}") from err
+        results[name, activations] = (forced, time.perf_counter() - start)
         gc.collect()
 
-    reference = results["fp32"][0]
+    reference = results["fp32", "int8"][0]
     fp32_llm = bundles["fp32"].total_bytes("llm/")
     rows = []
-    for name, bundle in bundles.items():
-        forced, seconds = results[name]
+    for (name, activations), (forced, seconds) in results.items():
+        bundle = bundles[name]
         quant = bundle.llm.quantization
         rows.append({
             "name": name, "path": str(bundle.path), "quant": quant["method"],
             "carried_over": quant.get("carried_over", False), "formats": quant.get("formats", {}),
+            "activations": "fp32" if name == "fp32" else activations,
             "llm_bytes": bundle.total_bytes("llm/"), "total_bytes": bundle.total_bytes(),
             "llm_fraction_of_fp32": bundle.total_bytes("llm/") / fp32_llm,
             "agreement_vs_fp32": forced.agreement(reference), "perplexity": forced.perplexity,
@@ -132,20 +147,26 @@ def main(argv: list[str] | None = None) -> int:
             "eval_seconds": seconds,
         })
 
-    table = Table(title=f"SmolLM2-135M quality: {args.tokens} evaluation tokens, window {args.window}")
-    for column in ("bundle", "weights", "llm MB", "vs fp32", "agreement", "perplexity", "accuracy", "export s"):
-        table.add_column(column, justify="left" if column in ("bundle", "weights") else "right")
+    table = Table(title=f"SmolLM2-135M quality: {args.tokens} evaluation tokens, window {args.window}, "
+                        "agreement = teacher-forced top-1 agreement with fp32")
+    columns = ("bundle", "layer weights", "activations", "llm MB", "vs fp32", "agreement", "perplexity", "accuracy",
+               "export s")
+    for column in columns:
+        table.add_column(column, justify="left" if column in columns[:3] else "right", no_wrap=True)
     for row in rows:
-        weights = row["quant"] + (" (carried over)" if row["carried_over"] else "")
-        table.add_row(row["name"], weights, f"{row['llm_bytes'] / 1e6:.1f}", f"{row['llm_fraction_of_fp32']:.1%}",
-                      f"{row['agreement_vs_fp32']:.4f}", f"{row['perplexity']:.3f}", f"{row['next_token_accuracy']:.4f}",
+        layer_formats = {k: v for k, v in row["formats"].items() if not k.startswith(("embedding", "lm_head"))}
+        weights = max(layer_formats, key=layer_formats.get) + (", carried over" if row["carried_over"] else "")
+        table.add_row(row["name"], weights, row["activations"], f"{row['llm_bytes'] / 1e6:.1f}",
+                      f"{row['llm_fraction_of_fp32']:.1%}", f"{row['agreement_vs_fp32']:.4f}", f"{row['perplexity']:.3f}",
+                      f"{row['next_token_accuracy']:.4f}",
                       "reused" if row["export_seconds"] is None else f"{row['export_seconds']:.1f}")
     console.print(table)
 
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({
         "model": "SmolLM2-135M-Instruct Q4_1 (packaged GGUF)", "tokens": args.tokens, "window": args.window,
-        "calibration_tokens": args.calibration_tokens, "block_size": args.block_size, "head": args.head,
+        "evaluation_text": "edgeroute.texts.evaluation_text()", "calibration_tokens": args.calibration_tokens,
+        "block_size": args.block_size, "head": args.head,
         "bundles": rows,
     }, indent=2))
     console.print(f"wrote {args.json}")

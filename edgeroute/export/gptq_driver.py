@@ -4,7 +4,8 @@ from the activations that the already-quantized earlier layers produce."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -18,6 +19,18 @@ SEQUENCE = 512  # calibration tokens per forward pass
 # which captured activation feeds which linear (names from ReferenceModel.layer)
 INPUT_OF = {"q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "o_proj": "o_in",
             "gate_proj": "mlp_in", "up_proj": "mlp_in", "down_proj": "down_in"}
+
+
+@contextmanager
+def _single_thread() -> Iterator[None]:
+    """GPTQ's column loop is thousands of tiny ops: one thread is 6x faster than two on a
+    2-core machine (0.36 s vs 2.1 s for a 1536x576 matrix, measured)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 @torch.no_grad()
@@ -37,7 +50,8 @@ def gptq_model(arch: ArchConfig, weights: ModelWeights, calibration_ids: np.ndar
         replaced = {}
         for name, linear in layer.linears().items():
             if isinstance(linear.weight, FloatWeight):
-                q = gptq_quantize(linear.weight.w, hessians[INPUT_OF[name]].hessian(), bits=4, block=block)
+                with _single_thread():
+                    q = gptq_quantize(linear.weight.w, hessians[INPUT_OF[name]].hessian(), bits=4, block=block)
                 replaced[name] = dataclasses.replace(linear, weight=q)
         new_layer = dataclasses.replace(layer, **replaced)
         states = [reference.layer(i, x, new_layer) for x in states]
