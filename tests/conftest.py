@@ -111,32 +111,13 @@ def relative_error(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.abs(got - want).max() / np.abs(want).max())
 
 
-def write_float_checkpoint(model, tokenizer_dir: Path, out: Path) -> Path:
-    """A transformers model as a float HF checkpoint directory (config.json, model.safetensors,
-    tokenizer files). transformers refuses ``save_pretrained`` on a GGUF-loaded model, so the
-    config (less its GGUF quantization_config) and the state dict are written directly."""
-    import json
-
-    from safetensors.torch import save_file
-
-    out.mkdir(parents=True, exist_ok=True)
-    config = model.config.to_dict()
-    config.pop("quantization_config", None)
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    tied = config.get("tie_word_embeddings", False)
-    tensors = {name: t.detach().contiguous() for name, t in model.state_dict().items()
-               if not (tied and name == "lm_head.weight")}
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    for f in tokenizer_dir.iterdir():
-        shutil.copy(f, out / f.name)
-    return out
-
-
 @pytest.fixture(scope="session")
 def smollm2_float_checkpoint(tmp_path_factory, smollm2_reference, smollm2_tokenizer_dir) -> Path:
     """The dequantized SmolLM2 (fp32) as an HF checkpoint directory: a float source, so
     int4-rtn and int4-gptq export quantize it instead of carrying GGUF blocks over."""
-    return write_float_checkpoint(smollm2_reference, smollm2_tokenizer_dir, tmp_path_factory.mktemp("smollm2-float"))
+    from edgeroute.export.checkpoints import write_hf_checkpoint
+
+    return write_hf_checkpoint(smollm2_reference, tmp_path_factory.mktemp("smollm2-float"), smollm2_tokenizer_dir)
 
 
 @pytest.fixture(scope="session")
@@ -184,7 +165,7 @@ class ForwardCall:
 
 def record_forward(monkeypatch, model) -> list[ForwardCall]:
     """Record every ``model.forward`` call (tokens, cache start, each layer's action, logits)."""
-    from edgeroute.runtime.model import RUN, SKIP
+    from edgeroute.runtime.model import plan_action
 
     calls: list[ForwardCall] = []
     original = model.forward
@@ -193,12 +174,7 @@ def record_forward(monkeypatch, model) -> list[ForwardCall]:
         actions: list[str] = []
 
         def recorded(layer, hidden):
-            if plan is None:
-                action = RUN
-            elif callable(plan):
-                action = plan(layer, hidden)
-            else:
-                action = RUN if plan[layer] else SKIP
+            action = plan_action(plan, layer, hidden)
             actions.append(action)
             return action
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import shutil
 import time
 from pathlib import Path
 
@@ -32,35 +31,12 @@ from rich.table import Table
 
 from edgeroute.bundle import Bundle
 from edgeroute.export import ExportOptions, export_bundle
+from edgeroute.export.checkpoints import dequantized_gguf_checkpoint
+from edgeroute.export.sources import packaged_gguf
 from edgeroute.runtime.evaluate import DEFAULT_WINDOW, evaluate_bundle, tokenize_text
 from edgeroute.texts import evaluation_text
 
 QUANTS = ("int4-rtn", "int4-gptq")
-
-
-def write_float_checkpoint(out: Path) -> Path:
-    """The packaged GGUF dequantized by transformers, saved as a float32 HF checkpoint dir
-    (transformers refuses save_pretrained on a GGUF-loaded model: config and state dict are
-    written directly)."""
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from edgeroute.export.sources import packaged_gguf
-
-    gguf = packaged_gguf()
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
-    config = model.config.to_dict()
-    config.pop("quantization_config", None)
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    tied = config.get("tie_word_embeddings", False)
-    tensors = {name: t.detach().contiguous() for name, t in model.state_dict().items()
-               if not (tied and name == "lm_head.weight")}
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(out)
-    return out
 
 
 def plans(args: argparse.Namespace) -> list[tuple[str, Path, ExportOptions | None]]:
@@ -108,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         if name in QUANTS and not (float_written or (args.reuse and (args.dir / "smollm2-fp32-hf" / "config.json").is_file())):
             console.print("writing the dequantized model as a float HF checkpoint")
             float_written = True
-            write_float_checkpoint(args.dir / "smollm2-fp32-hf")
+            dequantized_gguf_checkpoint(packaged_gguf(), args.dir / "smollm2-fp32-hf")
             gc.collect()
         console.print(f"exporting {name} -> {path}")
         export_bundle(options)

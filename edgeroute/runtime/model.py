@@ -64,6 +64,15 @@ RUN, SKIP_MLP, SKIP, DROP = "run", "skip_mlp", "skip", "drop"
 LayerPlan = Callable[[int, np.ndarray], str]
 
 
+def plan_action(plan: Sequence[bool] | LayerPlan | None, layer: int, hidden: np.ndarray) -> str:
+    """What a forward plan says for ``layer``: RUN without a plan, SKIP for a False entry."""
+    if plan is None:
+        return RUN
+    if callable(plan):
+        return plan(layer, hidden)
+    return RUN if plan[layer] else SKIP
+
+
 @dataclass
 class KVCache:
     keys: np.ndarray  # [layers, capacity, kv_heads, head_dim]
@@ -205,12 +214,7 @@ class OrtModel:
         bias = self.causal_bias(start, t)
         hidden = self.embed(ids)
         for layer in range(self.num_layers):
-            if plan is None:
-                action = RUN
-            elif callable(plan):
-                action = plan(layer, hidden)
-            else:
-                action = RUN if plan[layer] else SKIP
+            action = plan_action(plan, layer, hidden)
             if action == RUN:
                 hidden = self.layer(layer, hidden, cache, start, self.layer_bias(cache, layer, bias))
             elif action == SKIP_MLP:
