@@ -1,0 +1,44 @@
+"""`edgeroute run`: the CLI over the Engine API (modes, profiles, trace, errors)."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from edgeroute.cli import app
+
+runner = CliRunner()
+
+
+def test_run_speculate_writes_one_trace_line_per_token_and_a_summary(tiny_slm_bundle, tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    result = runner.invoke(app, ["run", str(tiny_slm_bundle), "--prompt", "one two three one two", "--raw",
+                                 "--mode", "speculate", "--max-tokens", "12", "--trace", str(trace)])
+    assert result.exit_code == 0, result.output
+    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert len(records) == 12
+    assert {r["source"] for r in records} <= {"llm", "draft:ngram"}
+    assert "mode speculate" in result.output.replace("\n", " ")
+
+
+def test_run_output_equals_the_api_in_full_mode(tiny_slm_bundle, tiny_engine):
+    result = runner.invoke(app, ["run", str(tiny_slm_bundle), "--prompt", "Hello there", "--raw", "--max-tokens", "8"])
+    assert result.exit_code == 0, result.output
+    assert tiny_engine.generate("Hello there", max_new_tokens=8).text in result.output
+
+
+def test_run_takes_a_task_profile(tiny_slm_bundle):
+    result = runner.invoke(app, ["run", str(tiny_slm_bundle), "--prompt", "a b a b a", "--raw", "--max-tokens", "6",
+                                 "--profile", "cpu,templated"])
+    assert result.exit_code == 0, result.output
+    assert "mode speculate" in result.output.replace("\n", " ")
+
+
+def test_run_rejects_bad_options_with_a_clear_error(tiny_slm_bundle):
+    for args, message in ((["--mode", "turbo"], "mode 'turbo'"), (["--skip-ratio", "1.5", "--mode", "skip"], "skip_ratio"),
+                          (["--profile", "nosuch"], "profile 'nosuch' not found")):
+        result = runner.invoke(app, ["run", str(tiny_slm_bundle), "--prompt", "hi", *args])
+        assert result.exit_code == 2, result.output
+        assert "error:" in result.output and message in " ".join(result.output.split())
+        assert "Traceback" not in result.output
