@@ -23,7 +23,7 @@ from edgeroute.errors import InputError
 from edgeroute.runtime.drafters import NgramDrafter, Proposal, SlmDrafter
 from edgeroute.runtime.model import KVCache, OrtModel
 from edgeroute.runtime.policies import ROUTERS, FallbackMonitor, FallbackOptions, SkipController, SkipOptions
-from edgeroute.runtime.sampling import Sampler, softmax
+from edgeroute.runtime.sampling import Sampler, top1_probability
 
 MODES = ("full", "slm", "route", "speculate", "skip", "route+skip", "speculate+skip")
 LIGHT_PATHS = ("ngram", "slm")
@@ -214,7 +214,7 @@ class Decoder:
 
     def _observe_llm(self, logits: np.ndarray) -> None:
         if self.monitor is not None:
-            self.monitor.observe_llm(float(softmax(logits).max()))
+            self.monitor.observe_llm(top1_probability(logits))
 
     def step_llm(self) -> list[TokenTrace]:
         logits, trace = self._llm_pass([])
