@@ -51,6 +51,9 @@ class ModelEntry:
 
     def graph(self, kind: str, layer: int | None = None) -> GraphEntry:
         name = kind if layer is None else f"{kind}_{layer:03d}"
+        if name not in self.graphs:
+            raise BundleError(f"the {self.role} model has no graph {name!r}: the bundle was made by another "
+                              "edgeroute version; export it again")
         return self.graphs[name]
 
 

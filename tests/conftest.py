@@ -170,7 +170,7 @@ def record_forward(monkeypatch, model) -> list[ForwardCall]:
     calls: list[ForwardCall] = []
     original = model.forward
 
-    def forward(cache, ids, plan=None, all_logits=False):
+    def forward(cache, ids, plan=None, all_logits=False, tail=None):
         actions: list[str] = []
 
         def recorded(layer, hidden):
@@ -179,9 +179,11 @@ def record_forward(monkeypatch, model) -> list[ForwardCall]:
             return action
 
         start = cache.length
-        logits = original(cache, ids, plan=recorded, all_logits=all_logits)
+        logits = original(cache, ids, plan=recorded, all_logits=True)  # every position, for the checks
         calls.append(ForwardCall([int(i) for i in ids], start, actions, np.array(logits)))
-        return logits
+        if all_logits:
+            return logits
+        return logits[-tail:] if tail is not None else logits[-1]
 
     monkeypatch.setattr(model, "forward", forward)
     return calls

@@ -200,7 +200,7 @@ class Decoder:
         if self.skipper is not None:
             self.skipper.enabled = not self._fallback_active()
             plan = self.skipper
-        logits = self.llm.forward(cache, pending + extra, plan=plan, all_logits=True)[len(pending) - 1:]
+        logits = self.llm.forward(cache, pending + extra, plan=plan, tail=len(extra) + 1)
         trace = TokenTrace(-1, -1, "llm", 0.0, fallback=self._fallback_active())
         n = self.llm.num_layers
         if plan is not None:

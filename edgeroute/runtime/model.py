@@ -195,15 +195,18 @@ class OrtModel:
         return bias + np.where(dropped, np.finfo(np.float32).min, 0).astype(np.float32) if dropped.any() else bias
 
     def forward(self, cache: KVCache, ids: Sequence[int] | np.ndarray,
-                plan: Sequence[bool] | LayerPlan | None = None, all_logits: bool = False) -> np.ndarray:
+                plan: Sequence[bool] | LayerPlan | None = None, all_logits: bool = False,
+                tail: int | None = None) -> np.ndarray:
         """Run T new tokens over the cache (prefill, decode, or catch-up of pending tokens).
 
         ``plan`` says per layer what the tokens do: a list of booleans (False: skip the layer,
         filling its K/V from the current hidden state) or a callable ``plan(layer, hidden)``
         returning RUN, SKIP_MLP (attention runs, so the cache stays exact; the MLP is
         skipped), SKIP (K/V filled CALM-style) or DROP (skipped, and its cache entries
-        masked for later tokens: kv_cache_reduction). Returns logits [T, vocab], or by
-        default [vocab] of the last token."""
+        masked for later tokens: kv_cache_reduction). Returns logits [T, vocab] with
+        ``all_logits``, [tail, vocab] for the last ``tail`` tokens (the LM head is costly: a
+        verification pass needs it only where drafts are checked), or by default [vocab]
+        of the last token."""
         ids = np.asarray(ids, np.int64).reshape(-1)
         t, start = ids.shape[0], cache.length
         if t == 0:
@@ -224,4 +227,8 @@ class OrtModel:
             else:  # DROP
                 cache.drop(layer, start, t)
         cache.length = start + t
-        return self.head(hidden if all_logits else hidden[-1:])[0 if not all_logits else slice(None)]
+        if all_logits:
+            return self.head(hidden)
+        if tail is not None:
+            return self.head(hidden[-tail:])
+        return self.head(hidden[-1:])[0]
