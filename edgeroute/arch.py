@@ -43,10 +43,6 @@ class ArchConfig:
     tie_word_embeddings: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
-    @property
-    def kv_dim(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

@@ -82,9 +82,6 @@ def teacher_forced(model: OrtModel, ids: np.ndarray, window: int = DEFAULT_WINDO
     return TeacherForced(top1, logprob, ids[1:].copy())
 
 
-teacher_forced_logits = teacher_forced  # the name this module's first brief used
-
-
 def tokenize_text(tokenizer: Tokenizer | Bundle | str | Path, text: str, limit: int | None = None) -> np.ndarray:
     """Token ids of plain text (no special tokens, no BOS: as export's parity check does),
     cut to ``limit``. ``tokenizer`` is a tokenizers.Tokenizer, a bundle (or its directory), or
