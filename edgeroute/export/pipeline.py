@@ -37,6 +37,9 @@ class ExportOptions:
     quant: str = "int4-gptq"
     slm_quant: str | None = None  # None: same as quant
     block_size: int = 32
+    # int8 by measurement (SmolLM2 int4-rtn layers, 2 cores, 1024 held-out tokens, agreement with
+    # the fp32-head bundle / decode tok/s): fp32 97.3% / 73, fp16 97.4% / 79, int8 96.6% / 79 at
+    # 32 MB instead of 57-113, int4 81.3% / 99. int4 is faster but costs too much quality.
     head: str = "int8"
     context_length: int = 2048
     calibration_tokens: int = 2048
