@@ -1,0 +1,57 @@
+"""GPU paths: onnxruntime-gpu (CUDA, TensorRT providers) and TensorRT's own ONNX parser.
+
+They need an NVIDIA GPU and the `gpu` extra; elsewhere (CI has no GPU) they skip with the
+reason. Run them on a GPU machine with `pytest -m gpu`."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from edgeroute.runtime import Bundle, OrtModel
+from tests.conftest import export_tiny, relative_error
+
+pytestmark = pytest.mark.gpu
+PROMPT = [1, 504, 3458, 282, 4649, 314, 253, 17]
+
+
+def _require_provider(name: str) -> None:
+    if name not in ort.get_available_providers():
+        pytest.skip(f"{name} is not available: needs an NVIDIA GPU and onnxruntime-gpu (pip install '.[gpu]')")
+
+
+@pytest.fixture(scope="module")
+def tiny_int4_bundle(tiny_models, tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu") / "llama-int4"
+    export_tiny(tiny_models["llama"][0], out, quant="int4-rtn")
+    return out
+
+
+@pytest.mark.parametrize("provider", ["CUDAExecutionProvider", "TensorrtExecutionProvider"])
+@pytest.mark.parametrize("bundle_kind", ["fp32", "int4"])
+def test_gpu_provider_matches_the_cpu(provider, bundle_kind, request):
+    _require_provider(provider)  # before the fixtures: no exports where the test cannot run
+    path = request.getfixturevalue("tiny_bundles")["llama"] if bundle_kind == "fp32" \
+        else request.getfixturevalue("tiny_int4_bundle")
+    bundle = Bundle.open(path)
+    cpu, gpu = OrtModel(bundle), OrtModel(bundle, providers=[provider, "CPUExecutionProvider"])
+    want = cpu.forward(cpu.new_cache(), PROMPT, all_logits=True)
+    got = gpu.forward(gpu.new_cache(), PROMPT, all_logits=True)
+    assert relative_error(got, want) <= (1e-3 if bundle_kind == "fp32" else 3e-2)
+    assert np.array_equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_tensorrt_parses_every_graph_of_an_int4_bundle(request):
+    trt = pytest.importorskip("tensorrt", reason="TensorRT is not installed (pip install '.[gpu]' on a GPU machine)")
+    try:
+        builder = trt.Builder(trt.Logger(trt.Logger.WARNING))
+    except Exception as err:  # no CUDA device: TensorRT cannot create a builder
+        pytest.skip(f"TensorRT has no usable GPU here: {err}")
+    bundle = Bundle.open(request.getfixturevalue("tiny_int4_bundle"))
+    for graph in bundle.llm.graphs.values():
+        network = builder.create_network(0)
+        parser = trt.OnnxParser(network, builder.logger)
+        ok = parser.parse_from_file(str(bundle.file(graph.file)))
+        errors = [str(parser.get_error(i)) for i in range(parser.num_errors)]
+        assert ok, f"{graph.file}: {errors}"
