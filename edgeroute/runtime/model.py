@@ -118,6 +118,7 @@ class OrtModel:
         # sub-layer graphs only serve MLP-only skipping and tests: loaded on first use
         self._attn_sessions: list[ort.InferenceSession | None] = [None] * self.arch.num_layers
         self._mlp_sessions: list[ort.InferenceSession | None] = [None] * self.arch.num_layers
+        self._zero_row = np.zeros((1, self.capacity), np.float32)
         self.cos, self.sin = rope_tables(self.capacity, self.arch.head_dim, self.arch.rope_theta,
                                          self.arch.rope_scaling)
 
@@ -180,9 +181,12 @@ class OrtModel:
 
     # -- steps ----------------------------------------------------------------------------------
 
-    @staticmethod
-    def causal_bias(start: int, t: int) -> np.ndarray:
-        """Additive mask [t, start + t]: every cached position, and the new ones causally."""
+    def causal_bias(self, start: int, t: int) -> np.ndarray:
+        """Additive mask [t, start + t]: every cached position, and the new ones causally. A
+        one-token step (the decode hot path) gets a view of a preallocated zero row: nothing
+        allocated per token that grows with the context."""
+        if t == 1 and start < self.capacity:
+            return self._zero_row[:, :start + 1]
         bias = np.zeros((t, start + t), np.float32)
         bias[:, start:] = np.triu(np.full((t, t), np.finfo(np.float32).min, np.float32), k=1)
         return bias
