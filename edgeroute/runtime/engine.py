@@ -191,6 +191,8 @@ class Session:
             generation.trace.append(trace)
             if trace.token in engine.eos_ids:
                 generation.tokens.append(trace.token)
+                if on_token is not None:  # the trace covers every generated token, the end marker too
+                    on_token(trace)
                 finish = "eos"
                 break
             generation.tokens.append(trace.token)
