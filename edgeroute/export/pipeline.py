@@ -85,22 +85,16 @@ Progress = Callable[[str, int, int], None]  # (task, done, total)
 
 # -- quantization -------------------------------------------------------------------------------
 
-def _float_format(weight: Weight, storage: str) -> FloatWeight:
-    return FloatWeight(weight.dequantize(), storage)
-
-
 def quantize_weights(source: SourceModel, weights: ModelWeights, method: str, head: str, block: int,
                      calibration_ids: np.ndarray | None, progress: Progress) -> ModelWeights:
     """Apply the quantization setting; weights already quantized in the source are carried
     over unchanged (never quantized twice) unless a float format is asked for."""
     if method in ("fp32", "fp16"):
-        def convert(lin: Linear) -> Linear:
-            return dataclasses.replace(lin, weight=_float_format(lin.weight, method), input_order=None) \
-                if lin.input_order is None else Linear(_float_format(Linear(lin.weight, None, lin.input_order), method),
-                                                       lin.bias)
+        def convert(lin: Linear) -> Linear:  # dequantize() restores the model's own input order
+            return Linear(FloatWeight(lin.dequantize(), method), lin.bias)
         layers = [dataclasses.replace(layer, **{n: convert(lin) for n, lin in layer.linears().items()})
                   for layer in weights.layers]
-        return ModelWeights(_float_format(weights.embedding, method), layers, weights.final_norm,
+        return ModelWeights(FloatWeight(weights.embedding.dequantize(), method), layers, weights.final_norm,
                             convert(weights.lm_head), weights.notes)
 
     if method == "int4-gptq" and any(isinstance(lin.weight, FloatWeight)

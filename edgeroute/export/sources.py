@@ -125,8 +125,7 @@ def hf_arch_config(config: dict, where: str) -> ArchConfig:
 
 
 def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
-    import torch
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file  # torch reads bf16, which numpy cannot
 
     tensors: dict[str, np.ndarray] = {}
     files = sorted(path.glob("*.safetensors"))
@@ -135,7 +134,6 @@ def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
     for f in files:
         for name, t in load_file(str(f)).items():
             tensors[name] = t.float().numpy() if t.is_floating_point() else t.numpy()
-    del torch
     return tensors
 
 
