@@ -143,11 +143,11 @@ class GenerationStats:
 class SequenceState:
     """What one conversation keeps between calls: its tokens and the models' caches."""
 
-    def __init__(self, llm: OrtModel, slm: OrtModel | None) -> None:
+    def __init__(self, llm: OrtModel) -> None:
         self.llm = llm
         self.tokens: list[int] = []
         self.llm_cache: KVCache = llm.new_cache()
-        self.slm_drafter = SlmDrafter(slm, self.llm_cache.capacity) if slm is not None else None
+        self.slm_drafter: SlmDrafter | None = None  # attach_slm() when a mode needs it
         self.ngram_drafter = NgramDrafter()
 
     def attach_slm(self, slm: OrtModel) -> None:

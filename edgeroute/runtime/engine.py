@@ -119,9 +119,8 @@ class Session:
 
     def __init__(self, engine: Engine, options: DecodeOptions, chat: bool = False) -> None:
         self.engine, self.options, self.chat = engine, options, chat
-        needs_slm = options.mode == "slm" or options.light == "slm"
         options.validate(engine.llm.num_layers, engine.bundle.slm is not None)
-        self.state = SequenceState(engine.llm, engine.slm if needs_slm else None)
+        self.state = SequenceState(engine.llm)  # the SLM joins on the first call that needs it
         self.messages: list[dict[str, str]] = []
         self._cancel = threading.Event()
         self.last: Generation | None = None
@@ -174,7 +173,7 @@ class Session:
             self.state.llm_cache.truncate(min(self.state.llm_cache.length, len(self.state.tokens)))
         self.messages.extend(messages)
         if (options.mode == "slm" or options.light == "slm") and self.state.slm_drafter is None:
-            self.state.attach_slm(self.engine.slm)  # a per-call override asks for the SLM
+            self.state.attach_slm(self.engine.slm)
         self._cancel.clear()
         decoder = Decoder(self.state, options, self._cancel)
         self.last = Generation("", [], decoder.stats)
