@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+import os
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -14,9 +15,12 @@ from edgeroute.arch import ArchConfig
 from edgeroute.errors import BundleError
 
 FORMAT_NAME = "edgeroute-bundle"
-FORMAT_VERSION = 1
+# 2 added the optional calibration section; a version-1 bundle is a version-2 bundle without it
+FORMAT_VERSION = 2
+OLDEST_FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 MODEL_ROLES = ("llm", "slm")
+CALIBRATION_DIR = "calibration"
 
 
 def sha256_file(path: Path) -> str:
@@ -25,6 +29,94 @@ def sha256_file(path: Path) -> str:
         while chunk := f.read(1 << 22):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+# -- the one writer -----------------------------------------------------------------------------
+
+
+def model_section(arch: ArchConfig, source: dict[str, Any], quantization: dict[str, Any],
+                  graphs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One model's manifest entry (``models.llm`` / ``models.slm``)."""
+    return {"arch": arch.to_dict(), "source": source, "quantization": quantization, "graphs": graphs}
+
+
+def build_manifest(*, edgeroute_version: str, created: str, opset: int, tokenizer: dict[str, Any],
+                   generation: dict[str, Any], models: dict[str, dict[str, Any]],
+                   files: dict[str, dict[str, Any]], calibration: Calibration | None = None) -> dict[str, Any]:
+    """The whole manifest, as export writes it (see docs/bundle-format.md)."""
+    unknown = set(models) - set(MODEL_ROLES)
+    if unknown or "llm" not in models:
+        raise ValueError(f"a bundle holds an 'llm' and optionally an 'slm' model (got {sorted(models)})")
+    manifest = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "edgeroute_version": edgeroute_version,
+                "created": created, "opset": opset, "tokenizer": tokenizer, "generation": generation,
+                "models": models, "files": files}
+    if calibration is not None:
+        manifest["calibration"] = calibration.to_dict()
+    return manifest
+
+
+def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
+    """Write ``manifest.json`` atomically: a temporary file, fsync, then rename over the old one."""
+    tmp = directory / f".{MANIFEST}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(manifest, f, indent=1, allow_nan=False)  # strict JSON: any reader parses it
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, directory / MANIFEST)
+
+
+# -- the calibration section ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RouterCalibration:
+    """How one light path (``ngram`` or ``slm``) is routed on this bundle: a baseline router
+    by name, or a trained one (``file``: an ONNX graph, features -> probability of divergence),
+    and the threshold fitted against the budget."""
+
+    light: str
+    router: str  # a baseline's name (entropy, top1, margin, ngram) or "trained"
+    threshold: float
+    file: str | None = None
+    features: str | None = None  # the runtime's feature set the trained graph reads
+    figures: dict[str, Any] = field(default_factory=dict)
+
+    def check(self) -> None:
+        if self.light not in ("ngram", "slm"):
+            raise ValueError(f"light path {self.light!r}")
+        if not 0.0 <= float(self.threshold) <= 1.0:
+            raise ValueError(f"threshold {self.threshold} outside [0, 1]")
+        if (self.router == "trained") != (self.file is not None and self.features is not None):
+            raise ValueError(f"router {self.router!r} with file {self.file!r} and features {self.features!r}")
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What ``edgeroute calibrate`` measured and chose: routers per light path, the decoding
+    configuration per task profile (the fastest that met the budget), and provenance."""
+
+    created: str
+    edgeroute_version: str
+    data_sha256: str  # of the calibration prompts and settings
+    budget: dict[str, Any]  # tf_agreement, task_pass, bound (method, delta, value)
+    routers: dict[str, RouterCalibration]
+    profiles: dict[str, dict[str, Any]]  # task -> decoding overrides (mode, light, ...) + figures
+    figures: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Calibration:
+        routers = {light: RouterCalibration(**entry) for light, entry in data["routers"].items()}
+        for light, router in routers.items():
+            router.check()
+            if light != router.light:
+                raise ValueError(f"router entry {light!r} is for light path {router.light!r}")
+        profiles = data["profiles"]
+        if not isinstance(profiles, dict) or not all(isinstance(p, dict) and "mode" in p for p in profiles.values()):
+            raise ValueError("every task profile needs a 'mode'")
+        return cls(**{**data, "routers": routers})
 
 
 @dataclass(frozen=True)
@@ -69,6 +161,21 @@ class Bundle:
             graphs = {g["name"]: GraphEntry(**g) for g in entry["graphs"]}
             self.models[role] = ModelEntry(role, ArchConfig.from_dict(entry["arch"]), graphs,
                                            entry["quantization"], entry["source"])
+        self.calibration = self._read_calibration(manifest.get("calibration"))
+
+    def _read_calibration(self, data: Any) -> Calibration | None:
+        if data is None:
+            return None
+        try:
+            calibration = Calibration.from_dict(data)
+        except (KeyError, TypeError, AttributeError, ValueError) as err:
+            raise BundleError(f"the calibration section of {self.path / MANIFEST} is corrupt "
+                              f"({type(err).__name__}: {err}): run `edgeroute calibrate {self.path}` again") from err
+        for router in calibration.routers.values():
+            if router.file is not None and router.file not in self.manifest["files"]:
+                raise BundleError(f"the calibration of {self.path} names {router.file}, which the manifest does "
+                                  f"not list: run `edgeroute calibrate {self.path}` again")
+        return calibration
 
     @classmethod
     def open(cls, path: str | Path, verify: bool = True) -> Bundle:
@@ -89,11 +196,14 @@ class Bundle:
         if not isinstance(version, int) or version > FORMAT_VERSION:
             raise BundleError(f"bundle format {version} is newer than this runtime ({FORMAT_VERSION}): "
                               "upgrade edgeroute or re-export with this version")
-        if version < FORMAT_VERSION:
-            raise BundleError(f"bundle format {version} is older than this runtime ({FORMAT_VERSION}): re-export it")
+        if version < OLDEST_FORMAT_VERSION:
+            raise BundleError(f"bundle format {version} is older than this runtime reads ({OLDEST_FORMAT_VERSION}"
+                              f"-{FORMAT_VERSION}): re-export it")
         try:
             bundle = cls(path, manifest)
             bundle.check_files(hashes=verify)
+        except BundleError:
+            raise
         except (KeyError, TypeError, AttributeError, ValueError) as err:
             raise BundleError(f"{manifest_path} is malformed ({type(err).__name__}: {err}): the bundle is damaged, "
                               "export again") from err
@@ -131,3 +241,27 @@ class Bundle:
 
     def total_bytes(self, prefix: str = "") -> int:
         return sum(m["bytes"] for rel, m in self.manifest["files"].items() if rel.startswith(prefix))
+
+    def with_calibration(self, calibration: Calibration, files: dict[str, bytes]) -> Bundle:
+        """Write ``calibration`` (and its ``files``, e.g. router graphs, under ``calibration/``)
+        into this bundle atomically: the files first under content-addressed names, then a new
+        manifest renamed over the old one. A crash before the rename leaves the old bundle
+        valid; files of an earlier calibration are removed afterwards."""
+        listed = {rel: meta for rel, meta in self.manifest["files"].items()
+                  if not rel.startswith(f"{CALIBRATION_DIR}/")}
+        for rel, data in files.items():
+            if not rel.startswith(f"{CALIBRATION_DIR}/"):
+                raise ValueError(f"calibration files live under {CALIBRATION_DIR}/ (got {rel})")
+            target = self.path / rel
+            target.parent.mkdir(exist_ok=True)
+            tmp = target.with_name(f".{target.name}.tmp")
+            tmp.write_bytes(data)
+            os.replace(tmp, target)
+            listed[rel] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        manifest = {**self.manifest, "format_version": FORMAT_VERSION, "files": listed,
+                    "calibration": calibration.to_dict()}
+        write_manifest(self.path, manifest)
+        for stale in (self.path / CALIBRATION_DIR).glob("*"):
+            if f"{CALIBRATION_DIR}/{stale.name}" not in listed:
+                stale.unlink()
+        return Bundle.open(self.path, verify=False)

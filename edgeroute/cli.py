@@ -28,6 +28,21 @@ def _clear_errors():
         raise typer.Exit(2) from None
 
 
+@contextmanager
+def _progress_bars():
+    """A ``progress(task, done, total)`` callback drawing one rich bar per task."""
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=err_console, transient=False) as progress:
+        tasks: dict[str, int] = {}
+
+        def update(task: str, done: int, total: int) -> None:
+            if task not in tasks:
+                tasks[task] = progress.add_task(task, total=total)
+            progress.update(tasks[task], completed=done, total=total)
+
+        yield update
+
+
 def _mb(n: int) -> str:
     return f"{n / 1e6:,.1f} MB"
 
@@ -54,15 +69,7 @@ def export(
     options = ExportOptions(llm=llm, slm=None if no_slm else slm, slm_layers=slm_layers, quant=quant,
                             slm_quant=slm_quant, block_size=block_size, head=head, context_length=context_length,
                             calibration_tokens=calibration_tokens, parity_tokens=parity_tokens, out=out, force=force)
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with _clear_errors(), Progress(*columns, console=err_console, transient=False) as progress:
-        tasks: dict[str, int] = {}
-
-        def update(task: str, done: int, total: int) -> None:
-            if task not in tasks:
-                tasks[task] = progress.add_task(task, total=total)
-            progress.update(tasks[task], completed=done)
-
+    with _clear_errors(), _progress_bars() as update:
         report = export_bundle(options, update)
 
     table = Table(title=f"bundle {report.out}")
@@ -104,7 +111,40 @@ def inspect(bundle: Path = typer.Argument(..., help="bundle directory")) -> None
     g = b.generation
     console.print(f"context {g['context_length']}, max new tokens {g['max_new_tokens']}; chat template: "
                   f"{'yes' if b.tokenizer.get('chat_format') else 'no'}")
+    _print_calibration(b)
     console.print(f"[green]all {len(m['files'])} files match their sha256[/] ({_mb(b.total_bytes())})")
+
+
+def _print_calibration(b) -> None:
+    c = b.calibration
+    if c is None:
+        console.print("calibration: [yellow]uncalibrated[/] (routing and skipping use uncalibrated defaults; "
+                      f"run `edgeroute calibrate {b.path}`)")
+        return
+    budget = c.budget
+    console.print(f"calibration: {c.created}, budget: teacher-forced agreement >= {budget['tf_agreement']:.1%} "
+                  f"({budget['bound']} bound), task-level pass no lower than full; data sha256 {c.data_sha256[:12]}")
+    table = Table(title="calibrated routers")
+    for column in ("light path", "router", "threshold", "bound", "held-out TF agreement", "held-out LLM share"):
+        table.add_column(column)
+    for light, r in c.routers.items():
+        f = r.figures
+
+        def shown(value, spec: str) -> str:
+            return "-" if value is None else format(value, spec)
+
+        table.add_row(light, r.router, f"{r.threshold:.3f}", shown(1 - f.get("bound", {}).get("bound", 1), ".2%"),
+                      shown(f.get("validation_tf_agreement"), ".2%"), shown(f.get("validation_llm_share"), ".0%"))
+    console.print(table)
+    table = Table(title="task profiles (mode auto)")
+    for column in ("task", "configuration", "speed vs full", "LLM share", "task pass (full)"):
+        table.add_column(column)
+    for task, profile in c.profiles.items():
+        f = profile["figures"][profile["config"]]
+        full = profile["figures"]["full"]
+        table.add_row(task, profile["config"], f"{f['speed_vs_full']:.2f}x", f"{f['llm_share']:.0%}",
+                      f"{f['task_pass']:.0%} ({full['task_pass']:.0%})")
+    console.print(table)
 
 
 @app.command()
@@ -113,7 +153,8 @@ def run(
     prompt: str = typer.Option(None, help="a prompt (one user chat turn when the bundle has a chat template)"),
     chat: bool = typer.Option(False, "--chat", help="interactive chat; the KV caches persist across turns"),
     raw: bool = typer.Option(False, help="send the prompt as plain text, without the chat template"),
-    mode: str = typer.Option(None, help="full (default) | slm | route | speculate | skip | route+skip | speculate+skip"),
+    mode: str = typer.Option(None, help="full (default) | slm | route | speculate | skip | route+skip | speculate+skip"
+                             " | auto (the calibrated choice for the task profile)"),
     light: str = typer.Option(None, help="light path for route/speculate: ngram (default) | slm"),
     profile: str = typer.Option(None, help="device or task profile (name in profiles/ or a JSON file)"),
     max_tokens: int = typer.Option(None, help="maximum new tokens (default: the bundle's)"),
@@ -149,6 +190,9 @@ def run(
             raise EdgerouteError("give --prompt 'What is the capital of France?' or --chat")
         settings = load_profile(profile) if profile else None
         engine = Engine(bundle, providers=settings.providers if settings else None)
+        if mode == "auto" and "task" not in (settings.decoding if settings else {}):
+            raise EdgerouteError("--mode auto picks the calibrated configuration of a task profile: add "
+                                 "--profile TASK (voice-command, templated, json, grounded, dialogue, code)")
         session = engine.session(**{**(settings.decoding if settings else {}), **overrides})
         trace_file = open(trace, "w") if trace else None  # noqa: SIM115 - closed below
 
@@ -182,6 +226,31 @@ def run(
         finally:
             if trace_file is not None:
                 trace_file.close()
+
+
+@app.command()
+def calibrate(
+    bundle: Path = typer.Argument(..., help="bundle directory (the calibration is written into it)"),
+    budget: float = typer.Option(0.97, help="teacher-forced agreement with full to guarantee"),
+    prompts: Path = typer.Option(None, help="extra prompts, JSONL: {\"id\", \"task\", \"content\"[, \"record\"]}"),
+    builtin: bool = typer.Option(True, help="use the built-in calibration prompts"),
+    work: Path = typer.Option(None, help="label shards and report (default: BUNDLE-calibration beside it)"),
+    bound: str = typer.Option("crc", help="crc (conformal risk control) | ltt (learn then test)"),
+    delta: float = typer.Option(0.1, help="ltt's failure probability"),
+) -> None:
+    """Label, train routers, fit thresholds with a bound, confirm on held-out prompts, and write
+    the result into the bundle as its defaults. Resumable: rerun after an interruption."""
+    from edgeroute.bundle import Bundle
+    from edgeroute.calibration.calibrate import CalibrateOptions
+    from edgeroute.calibration.calibrate import calibrate as run_calibration
+
+    options = CalibrateOptions(budget=budget, prompts=prompts, builtin=builtin, work=work, bound=bound, delta=delta)
+    with _clear_errors(), _progress_bars() as update:
+        report = run_calibration(bundle, options, update)
+    for message in report.messages:
+        console.print(f"note: {message}")
+    _print_calibration(Bundle.open(bundle, verify=False))
+    console.print("time: " + ", ".join(f"{k} {v:.0f}s" for k, v in report.seconds.items()))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from edgeroute import __version__
+from edgeroute.bundle import model_section
 from edgeroute.errors import EdgerouteError, TokenizerMismatch
 from edgeroute.export.chat import derive_chat_format
 from edgeroute.export.graphs import OPSET, WeightFile, model_graphs
@@ -223,15 +224,14 @@ def export_bundle(options: ExportOptions, progress: Progress | None = None) -> E
                     writer.record(f"{role}/{group}.weights")
                     progress(f"{role}: graphs", done, len(groups))
             formats = weight_formats(quantized)
-            manifest_models[role] = {
-                "arch": arch.to_dict(),
-                "source": {"name": source.name, "path": str(source.path), "format": source.format,
-                           "sha256": source.sha256, "layers_used": len(weights.layers),
-                           "notes": [*source.notes, *weights.notes]},
-                "quantization": {"method": method, "block_size": options.block_size, "head": options.head,
-                                 "carried_over": source.quantized and method.startswith("int4"), "formats": formats},
-                "graphs": graphs,
-            }
+            manifest_models[role] = model_section(
+                arch,
+                source={"name": source.name, "path": str(source.path), "format": source.format,
+                        "sha256": source.sha256, "layers_used": len(weights.layers),
+                        "notes": [*source.notes, *weights.notes]},
+                quantization={"method": method, "block_size": options.block_size, "head": options.head,
+                              "carried_over": source.quantized and method.startswith("int4"), "formats": formats},
+                graphs=graphs)
             exported[role] = weights
             report.models.append(ModelReport(role, source.name, len(weights.layers),
                                              sum(f["bytes"] for rel, f in writer.files.items() if rel.startswith(role)),

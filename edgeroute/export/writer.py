@@ -8,7 +8,6 @@ next export removes it.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -16,7 +15,7 @@ from typing import Any
 
 import onnx
 
-from edgeroute.bundle import FORMAT_NAME, FORMAT_VERSION, MANIFEST, sha256_file
+from edgeroute.bundle import MANIFEST, build_manifest, sha256_file, write_manifest
 from edgeroute.errors import EdgerouteError
 
 DTYPE_NAMES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.INT64: "int64"}
@@ -79,11 +78,8 @@ class BundleWriter:
         self.record(rel)
 
     def commit(self, manifest: dict[str, Any]) -> Path:
-        manifest = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, **manifest, "files": self.files}
-        with open(self.tmp / MANIFEST, "w") as f:
-            json.dump(manifest, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
+        """``manifest``: the keyword arguments of :func:`edgeroute.bundle.build_manifest` but ``files``."""
+        write_manifest(self.tmp, build_manifest(**manifest, files=self.files))
         previous = None
         if self.out.exists():
             previous = self.out.parent / f".{self.out.name}.old-{os.getpid()}"

@@ -22,9 +22,10 @@ import numpy as np
 from edgeroute.errors import InputError
 from edgeroute.runtime.drafters import NgramDrafter, Proposal, SlmDrafter
 from edgeroute.runtime.model import KVCache, OrtModel
-from edgeroute.runtime.policies import ROUTERS, FallbackMonitor, FallbackOptions, SkipController, SkipOptions
+from edgeroute.runtime.policies import ROUTERS, FallbackMonitor, FallbackOptions, Router, SkipController, SkipOptions
 from edgeroute.runtime.sampling import Sampler, top1_probability
 
+DEFAULT_ROUTE_THRESHOLD = 0.5
 MODES = ("full", "slm", "route", "speculate", "skip", "route+skip", "speculate+skip")
 LIGHT_PATHS = ("ngram", "slm")
 
@@ -38,8 +39,13 @@ class DecodeOptions:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
-    router: str | None = None  # None: "ngram" for the n-gram path, "entropy" for the SLM
-    route_threshold: float = 0.5  # call the LLM when the router score is above this
+    # a baseline's name or a router object; None: the bundle's calibrated router for the light
+    # path, else "ngram" for the n-gram path and "entropy" for the SLM
+    router: str | Router | None = None
+    route_threshold: float | None = None  # call the LLM above this score; None: calibrated, else 0.5
+    task: str | None = None  # the task profile (voice-command, templated, json, ...): what mode auto reads
+    protect_format: bool = False  # never route a format-critical token (JSON brackets, quotes, ...)
+    protected_tokens: frozenset[int] = frozenset()  # filled by the engine from its tokenizer
     draft_tokens: int = 4  # initial draft length; adapts to the acceptance rate
     max_draft_tokens: int = 8
     adaptive_draft: bool = True
@@ -62,16 +68,18 @@ class DecodeOptions:
         return dataclasses.replace(self, **{"skip": skip, "fallback": fallback, **own})
 
     def validate(self, num_layers: int, has_slm: bool) -> None:
+        if self.mode == "auto":
+            raise InputError("mode auto is resolved by the engine from the bundle's calibration")
         if self.mode not in MODES:
-            raise InputError(f"mode {self.mode!r} is not one of {', '.join(MODES)}")
+            raise InputError(f"mode {self.mode!r} is not one of {', '.join(MODES)}, auto")
         if self.light not in LIGHT_PATHS:
             raise InputError(f"light path {self.light!r} is not one of {', '.join(LIGHT_PATHS)}")
         if (self.mode == "slm" or (self.light == "slm" and self.mode.split("+")[0] in ("route", "speculate"))) \
                 and not has_slm:
             raise InputError("this bundle has no SLM: use --light ngram, or export with --slm")
-        if self.router is not None and self.router not in ROUTERS:
+        if isinstance(self.router, str) and self.router not in ROUTERS:
             raise InputError(f"router {self.router!r} is not one of {', '.join(ROUTERS)}")
-        if not 0.0 <= self.route_threshold <= 1.0:
+        if self.route_threshold is not None and not 0.0 <= self.route_threshold <= 1.0:
             raise InputError(f"route_threshold must be within [0, 1] (got {self.route_threshold})")
         if self.temperature < 0 or not 0.0 < self.top_p <= 1.0:
             raise InputError(f"temperature must be >= 0 and top_p within (0, 1] (got {self.temperature}, {self.top_p})")
@@ -183,7 +191,9 @@ class Decoder:
         self.monitor = FallbackMonitor(options.fallback) if options.fallback and risky else None
         light = state.slm_drafter if options.light == "slm" else state.ngram_drafter
         self.light = state.slm_drafter if base == "slm" else light
-        self.router = ROUTERS[options.router or ("entropy" if options.light == "slm" else "ngram")]
+        router = options.router or ("entropy" if options.light == "slm" else "ngram")
+        self.router: Router = ROUTERS[router] if isinstance(router, str) else router
+        self.route_threshold = DEFAULT_ROUTE_THRESHOLD if options.route_threshold is None else options.route_threshold
         self.draft_length = options.draft_tokens
 
     # -- the steps ------------------------------------------------------------------------------
@@ -228,8 +238,10 @@ class Decoder:
 
     def step_route(self) -> list[TokenTrace]:
         proposal: Proposal = self.light.propose(self.state.tokens, 1)
+        proposal.answer_position = self.stats.new_tokens
         score = self.router(proposal, 0) if proposal.tokens else 1.0
-        if self._fallback_active() or score > self.options.route_threshold:
+        format_critical = bool(proposal.tokens) and proposal.tokens[0] in self.options.protected_tokens
+        if self._fallback_active() or format_critical or score > self.route_threshold:
             traces = self.step_llm()
         else:
             token, p = proposal.tokens[0], proposal.probabilities[0]

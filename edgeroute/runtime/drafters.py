@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -23,6 +23,8 @@ class Proposal:
     probabilities: list[np.ndarray | None]
     match_length: int = 0  # n-gram: length of the matched suffix
     match_count: int = 0  # n-gram: how often that suffix occurred earlier
+    hidden: list[np.ndarray | None] = field(default_factory=list)  # SLM: last hidden state per token
+    answer_position: int = 0  # tokens generated before the first proposed one (set by the decoder)
 
 
 class NgramDrafter:
@@ -62,6 +64,7 @@ class SlmDrafter:
         self.cache: KVCache = model.new_cache(capacity)
         self.seen: list[int] = []  # the tokens whose K/V the cache holds
         self.last_logits: np.ndarray | None = None
+        self.last_hidden: np.ndarray | None = None  # [d], the last hidden state behind last_logits
 
     def reset(self) -> None:
         self.cache.truncate(0)
@@ -83,7 +86,8 @@ class SlmDrafter:
         self.sync(tokens)
         new = tokens[len(self.seen):]
         if new or self.last_logits is None:
-            self.last_logits = self.model.forward(self.cache, new)
+            hidden = self.model.hidden_states(self.cache, new)[-1:]
+            self.last_hidden, self.last_logits = hidden[0], self.model.head(hidden)[0]
             self.seen.extend(new)
         return self.last_logits
 
@@ -96,5 +100,6 @@ class SlmDrafter:
             token = int(np.argmax(p))
             proposal.tokens.append(token)
             proposal.probabilities.append(p)
+            proposal.hidden.append(self.last_hidden)
             sequence.append(token)
         return proposal

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -17,11 +18,13 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from edgeroute.bundle import Bundle
+from edgeroute.bundle import Bundle, RouterCalibration
 from edgeroute.chat_format import format_messages
 from edgeroute.errors import InputError
+from edgeroute.runtime.calibrated import calibrated_options, format_token_ids
 from edgeroute.runtime.decoding import DecodeOptions, Decoder, GenerationStats, SequenceState, TokenTrace
 from edgeroute.runtime.model import OrtModel
+from edgeroute.runtime.routers import TrainedRouter
 
 Messages = Sequence[dict[str, str]]
 
@@ -51,6 +54,25 @@ class Engine:
         self._slm_lock = threading.Lock()
         self.eos_ids = set(self.bundle.tokenizer.get("eos_token_ids") or [])
         self.options = options or DecodeOptions()
+        self._routers: dict[str, TrainedRouter] = {}
+        self._format_tokens: frozenset[int] | None = None
+
+    # -- calibrated defaults --------------------------------------------------------------------
+
+    def _trained_router(self, entry: RouterCalibration) -> TrainedRouter:
+        if entry.file not in self._routers:
+            self._routers[entry.file] = TrainedRouter(str(self.bundle.file(entry.file)), entry.features)
+        return self._routers[entry.file]
+
+    def resolve(self, options: DecodeOptions) -> DecodeOptions:
+        """The options a generation runs with: mode auto and unset router choices taken from
+        the bundle's calibration, format-critical tokens listed when the profile protects them."""
+        options = calibrated_options(options, self.bundle.calibration, self._trained_router)
+        if options.protect_format and not options.protected_tokens:
+            if self._format_tokens is None:
+                self._format_tokens = format_token_ids(self.tokenizer.get_vocab())
+            options = dataclasses.replace(options, protected_tokens=self._format_tokens)
+        return options
 
     @property
     def slm(self) -> OrtModel | None:
@@ -94,11 +116,11 @@ class Engine:
     def session(self, **options: Any) -> Session:
         """An independent sequence (its own KV caches) on this engine's shared sessions; a
         string prompt is plain text (a continuation)."""
-        return Session(self, self.options.updated(**options))
+        return Session(self, self.resolve(self.options.updated(**options)))
 
     def chat(self, **options: Any) -> Session:
         """Like ``session``, but a string prompt is a user turn in the chat template."""
-        return Session(self, self.options.updated(**options), chat=True)
+        return Session(self, self.resolve(self.options.updated(**options)), chat=True)
 
     def generate(self, prompt: str | Messages, **options: Any) -> Generation:
         """One-shot generation in a fresh session; options override the engine's defaults."""
@@ -156,7 +178,7 @@ class Session:
         return engine.encode(fmt["assistant_to_user"] + messages[0]["content"] + fmt["user_suffix"]), drop_eos, messages
 
     def generate_tokens(self, prompt: str | Messages, **overrides: Any) -> Iterator[TokenTrace]:
-        options = self.options.updated(**overrides) if overrides else self.options
+        options = self.engine.resolve(self.options.updated(**overrides)) if overrides else self.options
         options.validate(self.engine.llm.num_layers, self.engine.bundle.slm is not None)
         new, drop_eos, messages = self._turn_tokens(prompt)
         room = self.state.capacity - len(self.state.tokens) + drop_eos - options.max_draft_tokens - 1

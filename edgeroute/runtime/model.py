@@ -211,6 +211,17 @@ class OrtModel:
         ``all_logits``, [tail, vocab] for the last ``tail`` tokens (the LM head is costly: a
         verification pass needs it only where drafts are checked), or by default [vocab]
         of the last token."""
+        hidden = self.hidden_states(cache, ids, plan)
+        if all_logits:
+            return self.head(hidden)
+        if tail is not None:
+            return self.head(hidden[-tail:])
+        return self.head(hidden[-1:])[0]
+
+    def hidden_states(self, cache: KVCache, ids: Sequence[int] | np.ndarray,
+                      plan: Sequence[bool] | LayerPlan | None = None) -> np.ndarray:
+        """``forward`` without the LM head: the last layer's hidden states [T, d] (a trained
+        router reads the SLM's)."""
         ids = np.asarray(ids, np.int64).reshape(-1)
         t, start = ids.shape[0], cache.length
         if t == 0:
@@ -231,8 +242,4 @@ class OrtModel:
             else:  # DROP
                 cache.drop(layer, start, t)
         cache.length = start + t
-        if all_logits:
-            return self.head(hidden)
-        if tail is not None:
-            return self.head(hidden[-tail:])
-        return self.head(hidden[-1:])[0]
+        return hidden

@@ -1,0 +1,325 @@
+"""``edgeroute calibrate``: label, train routers, fit thresholds, confirm by running the
+runtime on held-out prompts, and write the result into the bundle as its defaults.
+
+Prompts split three ways by a hash of their id (stable when prompts are added): ``train``
+(router training, with an early-stopping split inside it, also by prompt), ``calibration``
+(router choice and the threshold's bound) and ``validation`` (held-out: teacher-forced
+figures and the runtime runs that decide each task profile's configuration).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edgeroute import __version__
+from edgeroute.bundle import Bundle, Calibration, RouterCalibration
+from edgeroute.calibration.checks import task_pass
+from edgeroute.calibration.labels import DIVERGENT, NEUTRAL, Labels, LabelSettings, label_prompts
+from edgeroute.calibration.prompts import PER_TASK, TASKS, CalibrationPrompt, builtin_prompts, load_prompts, prompts_sha256
+from edgeroute.calibration.thresholds import BOUNDS, BudgetUnreachable, Choice, choose_threshold, share_at_agreement
+from edgeroute.calibration.train import TrainSettings, roc_auc, router_onnx, train_router
+from edgeroute.errors import InputError
+from edgeroute.runtime.drafters import Proposal
+from edgeroute.runtime.engine import Engine
+from edgeroute.runtime.policies import ngram_router
+from edgeroute.runtime.routers import NGRAM_FEATURES, SLM_FEATURES, TOP_K, TrainedRouter, ngram_features
+
+Progress = Callable[[str, int, int], None]
+SPLITS = ("train", "calibration", "validation")
+SLM_BASELINES = {"entropy": TOP_K, "top1": TOP_K + 1, "margin": TOP_K + 2}  # column after the hidden state
+
+
+@dataclass
+class CalibrateOptions:
+    budget: float = 0.97  # teacher-forced agreement with full, guaranteed by the bound
+    prompts: Path | None = None  # a JSONL file of extra prompts
+    builtin: bool = True
+    builtin_per_task: int = PER_TASK
+    work: Path | None = None  # label shards and the report (default: beside the bundle)
+    bound: str = "crc"
+    delta: float = 0.1  # ltt's failure probability
+    labels: LabelSettings = field(default_factory=LabelSettings)
+    slm_router: TrainSettings = field(default_factory=TrainSettings)
+    ngram_router: TrainSettings = field(default_factory=lambda: TrainSettings(hidden_units=0, dropout=0.0))
+    validation_prompts_per_task: int = 6  # runtime runs per task profile (the slow part)
+
+    def validate(self) -> None:
+        if not 0.5 <= self.budget < 1.0:
+            raise InputError(f"the budget is a teacher-forced agreement within [0.5, 1) (got {self.budget})")
+        if self.bound not in BOUNDS:
+            raise InputError(f"bound {self.bound!r} is not one of {', '.join(BOUNDS)}")
+        if not 0.0 < self.delta < 1.0:
+            raise InputError(f"delta must be within (0, 1) (got {self.delta})")
+
+
+def split_of(prompt_id: str) -> str:
+    bucket = int(hashlib.sha256(prompt_id.encode()).hexdigest()[:8], 16) % 10
+    return "train" if bucket < 5 else "calibration" if bucket < 8 else "validation"
+
+
+@dataclass
+class LightData:
+    """One light path's positions: scores of every candidate router, and the labels."""
+
+    differ: np.ndarray  # light token != LLM token
+    forced: np.ndarray  # no light token: the LLM runs
+    prompt: np.ndarray
+    split: np.ndarray
+    task: np.ndarray
+    features: np.ndarray
+    scores: dict[str, np.ndarray]
+
+
+def light_data(labels: Labels, light: str, splits: np.ndarray) -> LightData:
+    llm = labels["llm_token"]
+    if light == "slm":
+        features = labels["slm_features"].astype(np.float32)
+        hidden = features.shape[1] - (TOP_K + 3)
+        scores = {name: features[:, hidden + column] for name, column in SLM_BASELINES.items()}
+        forced = np.zeros(len(llm), bool)
+        return LightData(labels["slm_token"] != llm, forced, labels["prompt"], splits, labels["task"],
+                         features, scores)
+    token, length, count = labels["ngram_token"], labels["ngram_length"], labels["ngram_count"]
+    features = np.stack([ngram_features(int(n), int(c), 0, int(p))
+                         for n, c, p in zip(length, count, labels["position"], strict=True)])
+    baseline = np.asarray([ngram_router(Proposal([int(t)], [None], int(n), int(c)), 0) if t >= 0 else 1.0
+                           for t, n, c in zip(token, length, count, strict=True)])
+    return LightData((token != llm) & (token >= 0), token < 0, labels["prompt"], splits, labels["task"],
+                     features, {"ngram": baseline})
+
+
+@dataclass
+class RouterResult:
+    light: str
+    router: str
+    onnx: bytes | None
+    choice: Choice | None
+    unreachable: str | None
+    figures: dict[str, Any]
+
+
+def _inner_split(prompt: np.ndarray, prompt_ids: list[str]) -> np.ndarray:
+    """Early-stopping positions: a fifth of the training prompts, by prompt."""
+    early = np.asarray([int(hashlib.sha256(f"early:{p}".encode()).hexdigest()[:8], 16) % 5 == 0
+                        for p in prompt_ids])
+    return early[prompt]
+
+
+def calibrate_router(data: LightData, light: str, prompt_ids: list[str], options: CalibrateOptions) -> RouterResult:
+    train = (data.split == "train") & ~data.forced
+    early = _inner_split(data.prompt, prompt_ids)
+    settings = options.slm_router if light == "slm" else options.ngram_router
+    net, early_auc = train_router(data.features[train & ~early], data.differ[train & ~early],
+                                  data.features[train & early], data.differ[train & early], settings)
+    scores = {**data.scores, "trained": net.probability(data.features)}
+    scores["trained"][data.forced] = 1.0
+    figures: dict[str, Any] = {"positions": {s: int((data.split == s).sum()) for s in SPLITS},
+                               "early_stopping_auc": early_auc or None, "candidates": {}}
+    for split in ("calibration", "validation"):
+        part = data.split == split
+        scoreable = part & ~data.forced
+        for name, score in scores.items():
+            entry = figures["candidates"].setdefault(name, {})
+            auc = roc_auc(score[scoreable], data.differ[scoreable])
+            entry[f"{split}_auc"] = None if np.isnan(auc) else auc  # None: one class only (JSON has no NaN)
+            entry[f"{split}_llm_share_at_budget"] = share_at_agreement(score[part], data.differ[part],
+                                                                       data.forced[part], options.budget)
+    calibration_share = {name: c["calibration_llm_share_at_budget"] for name, c in figures["candidates"].items()}
+    best_baseline = min((n for n in calibration_share if n != "trained"), key=calibration_share.get)
+    chosen = "trained" if calibration_share["trained"] < calibration_share[best_baseline] else best_baseline
+    figures["best_baseline"] = best_baseline
+    figures["why"] = (f"trained router needs {calibration_share['trained']:.1%} LLM share at {options.budget:.0%} "
+                      f"agreement on calibration prompts vs {calibration_share[best_baseline]:.1%} for "
+                      f"{best_baseline}: {'kept' if chosen == 'trained' else 'the baseline is kept'}")
+    part = data.split == "calibration"
+    choice, unreachable = None, None
+    try:
+        choice = choose_threshold(scores[chosen][part], data.differ[part], data.forced[part], data.prompt[part],
+                                  options.budget, options.bound, options.delta)
+    except BudgetUnreachable as err:
+        unreachable = f"route/{light}: {err}"
+    held = data.split == "validation"
+    if choice is not None and held.any():
+        kept = (scores[chosen][held] <= choice.threshold) & ~data.forced[held]
+        figures["validation_tf_agreement"] = float(1.0 - (kept & data.differ[held]).mean())
+        figures["validation_llm_share"] = float(1.0 - kept.mean())
+        figures["per_task_validation_tf_agreement"] = {
+            TASKS[t]: float(1.0 - (kept & data.differ[held])[data.task[held] == t].mean())
+            for t in np.unique(data.task[held])}
+    return RouterResult(light, chosen, router_onnx(net) if chosen == "trained" else None, choice, unreachable,
+                        figures)
+
+
+# -- runtime confirmation --------------------------------------------------------------------------
+
+
+@dataclass
+class RunConfig:
+    name: str
+    options: dict[str, Any]
+
+
+def run_configs(routers: dict[str, RouterResult], loaded: dict[str, Any]) -> list[RunConfig]:
+    configs = [RunConfig("full", {"mode": "full"}), RunConfig("speculate/ngram", {"mode": "speculate", "light": "ngram"}),
+               RunConfig("speculate/slm", {"mode": "speculate", "light": "slm"})]
+    for light, result in routers.items():
+        if result.choice is not None:
+            configs.append(RunConfig(f"route/{light}", {"mode": "route", "light": light, "router": loaded[light],
+                                                        "route_threshold": result.choice.threshold}))
+    return configs
+
+
+def confirm(engine: Engine, prompts: list[CalibrationPrompt], configs: list[RunConfig], max_tokens: int,
+            progress: Progress | None) -> dict[str, list[dict[str, Any]]]:
+    """Run every config on every prompt (interleaved, so machine noise hits all alike)."""
+    runs: dict[str, list[dict[str, Any]]] = {c.name: [] for c in configs}
+    for done, prompt in enumerate(prompts):
+        if progress is not None:
+            progress("runtime runs", done, len(prompts))
+        reference = None
+        for config in configs:
+            extra = {"protect_format": True} if prompt.task == "json" and config.options["mode"] == "route" else {}
+            generation = engine.generate([{"role": "user", "content": prompt.content}], max_new_tokens=max_tokens,
+                                         **config.options, **extra)
+            reference = generation.text if reference is None else reference
+            runs[config.name].append({"task": prompt.task, "tokens": generation.stats.new_tokens,
+                                      "seconds": generation.stats.decode_seconds,
+                                      "llm_tokens": generation.stats.llm_tokens,
+                                      "pass": task_pass(prompt, generation.text, reference),
+                                      "same_as_full": generation.text == reference})
+    if progress is not None:
+        progress("runtime runs", len(prompts), len(prompts))
+    return runs
+
+
+def summarize(rows: list[dict[str, Any]], full: list[dict[str, Any]]) -> dict[str, float]:
+    def rate(rs):
+        steps = sum(r["tokens"] - 1 for r in rs)
+        return steps / max(sum(r["seconds"] for r in rs), 1e-9)
+
+    return {"speed_vs_full": rate(rows) / rate(full), "tok_s": rate(rows),
+            "llm_share": sum(r["llm_tokens"] for r in rows) / max(sum(r["tokens"] for r in rows), 1),
+            "task_pass": statistics.fmean(r["pass"] for r in rows),
+            "same_as_full": statistics.fmean(r["same_as_full"] for r in rows), "prompts": len(rows)}
+
+
+def choose_profiles(runs: dict[str, list[dict[str, Any]]], configs: list[RunConfig]) -> dict[str, dict[str, Any]]:
+    """Per task (and ``default`` over all): the fastest configuration whose task-level pass rate
+    is no lower than full's; full when nothing faster qualifies."""
+    profiles = {}
+    tasks = sorted({r["task"] for r in runs["full"]}, key=TASKS.index)
+    for task in [*tasks, "default"]:
+        pick = [i for i, r in enumerate(runs["full"]) if task in ("default", r["task"])]
+        figures = {c.name: summarize([runs[c.name][i] for i in pick], [runs["full"][i] for i in pick])
+                   for c in configs}
+        full_pass = figures["full"]["task_pass"]
+        qualified = [c for c in configs if figures[c.name]["task_pass"] >= full_pass]
+        best = max(qualified, key=lambda c: (figures[c.name]["speed_vs_full"] if c.name != "full" else 1.0))
+        if best.name != "full" and figures[best.name]["speed_vs_full"] <= 1.0:
+            best = configs[0]
+        options = {k: v for k, v in best.options.items() if k in ("mode", "light")}
+        if task == "json" and options["mode"] == "route":
+            options["protect_format"] = True
+        profiles[task] = {**options, "config": best.name, "figures": figures}
+    return profiles
+
+
+# -- the whole calibration -------------------------------------------------------------------------
+
+
+@dataclass
+class CalibrateReport:
+    bundle: Path
+    calibration: Calibration
+    messages: list[str]
+    seconds: dict[str, float]
+
+
+def calibrate(bundle_path: str | Path, options: CalibrateOptions | None = None,
+              progress: Progress | None = None) -> CalibrateReport:
+    options = options or CalibrateOptions()
+    options.validate()
+    bundle = Bundle.open(bundle_path)
+    if bundle.slm is None:
+        raise InputError(f"bundle {bundle.path} has no SLM: calibration labels the SLM and n-gram light paths; "
+                         "export with --slm")
+    prompts = builtin_prompts(options.builtin_per_task) if options.builtin else []
+    if options.prompts:
+        prompts += load_prompts(options.prompts)
+    if not prompts:
+        raise InputError("no calibration prompts: keep the built-in set or give --prompts FILE.jsonl")
+    if len({p.id for p in prompts}) != len(prompts):
+        raise InputError("calibration prompt ids must be unique (a --prompts line reuses an id)")
+    work = Path(options.work) if options.work else bundle.path.parent / f"{bundle.path.name}-calibration"
+    engine = Engine(bundle)
+    seconds: dict[str, float] = {}
+    start = time.perf_counter()
+    labels = label_prompts(engine, prompts, options.labels, work / "shards", progress)
+    seconds["labels"] = time.perf_counter() - start
+    by_id = {p.id: p for p in prompts}
+    splits = np.asarray([split_of(labels.prompt_ids[i]) for i in labels["prompt"]])
+    messages = []
+
+    start = time.perf_counter()
+    routers = {light: calibrate_router(light_data(labels, light, splits), light, labels.prompt_ids, options)
+               for light in ("slm", "ngram")}
+    seconds["routers"] = time.perf_counter() - start
+    for result in routers.values():
+        messages.append(f"route/{result.light}: {result.figures['why']}")
+        if result.unreachable:
+            messages.append(result.unreachable)
+
+    loaded = {light: TrainedRouter(r.onnx, SLM_FEATURES if light == "slm" else NGRAM_FEATURES)
+              if r.onnx is not None else r.router for light, r in routers.items()}
+    configs = run_configs(routers, loaded)
+    validation = [by_id[i] for i in labels.prompt_ids if split_of(i) == "validation"]
+    held_out = [p for task in TASKS for p in [q for q in validation if q.task == task][
+        :options.validation_prompts_per_task]]
+    start = time.perf_counter()
+    runs = confirm(engine, held_out, configs, options.labels.max_answer_tokens, progress)
+    seconds["runtime runs"] = time.perf_counter() - start
+    profiles = choose_profiles(runs, configs)
+
+    files, entries = {}, {}
+    for light, result in routers.items():
+        if result.choice is None:
+            continue
+        file = None
+        if result.onnx is not None:
+            file = f"calibration/router-{light}-{hashlib.sha256(result.onnx).hexdigest()[:12]}.onnx"
+            files[file] = result.onnx
+        entries[light] = RouterCalibration(light, result.router, result.choice.threshold, file,
+                                           (SLM_FEATURES if light == "slm" else NGRAM_FEATURES) if file else None,
+                                           {**result.figures, "bound": result.choice.to_dict()})
+    slm_path = labels["slm_path"]
+    differ = labels["slm_token"] != labels["llm_token"]
+    label_counts = {"positions": len(labels), "prompts": len(labels.prompt_ids),
+                    "slm": {"agree": int((~differ).sum()), "differ": int(differ.sum()),
+                            "path_checked": int((slm_path != -1).sum()), "path_neutral": int((slm_path == NEUTRAL).sum()),
+                            "path_divergent": int((slm_path == DIVERGENT).sum())},
+                    "ngram": {"no_proposal": int((labels["ngram_token"] < 0).sum()),
+                              "agree": int(((labels["ngram_token"] == labels["llm_token"])).sum()),
+                              "differ": int(((labels["ngram_token"] != labels["llm_token"])
+                                             & (labels["ngram_token"] >= 0)).sum())}}
+    seconds["total"] = sum(seconds.values())
+    provenance = json.dumps({"prompts": prompts_sha256(prompts), "labels": asdict(options.labels),
+                             "budget": options.budget, "bound": options.bound}, sort_keys=True)
+    calibration = Calibration(
+        created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), edgeroute_version=__version__,
+        data_sha256=hashlib.sha256(provenance.encode()).hexdigest(),
+        budget={"tf_agreement": options.budget, "task_pass": "no lower than full", "bound": options.bound,
+                "delta": options.delta if options.bound == "ltt" else None},
+        routers=entries, profiles=profiles,
+        figures={"labels": label_counts, "seconds": dict(seconds), "unreachable": [r.unreachable for r in routers.values()
+                                                                               if r.unreachable]})
+    bundle.with_calibration(calibration, files)
+    return CalibrateReport(bundle.path, calibration, messages, seconds)

@@ -1,0 +1,52 @@
+"""A calibrated bundle's defaults: the decoding options ``edgeroute calibrate`` chose.
+
+- ``--mode auto`` takes the mode and light path calibrated for the task profile (the fastest
+  configuration that met the quality budget on held-out prompts).
+- ``route`` without an explicit router takes the bundle's router for its light path (a
+  trained graph or a baseline) and its fitted threshold.
+An explicit option always wins; an uncalibrated bundle keeps the uncalibrated defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from edgeroute.bundle import Calibration, RouterCalibration
+from edgeroute.errors import InputError
+from edgeroute.runtime.decoding import DecodeOptions
+from edgeroute.runtime.policies import Router
+
+# characters whose token a JSON answer cannot get wrong and still parse
+FORMAT_CHARACTERS = frozenset('{}[]":,')
+AUTO_KEYS = ("mode", "light", "draft_tokens", "max_draft_tokens", "protect_format")
+
+
+def auto_options(options: DecodeOptions, calibration: Calibration | None) -> DecodeOptions:
+    if calibration is None:
+        raise InputError("mode auto needs a calibrated bundle, and this one is uncalibrated: run "
+                         "`edgeroute calibrate BUNDLE`, or choose a mode (full, route, speculate, ...)")
+    task = options.task or "default"
+    chosen = calibration.profiles.get(task)
+    if chosen is None:
+        raise InputError(f"the bundle was not calibrated for task {task!r}; calibrated: "
+                         f"{', '.join(sorted(calibration.profiles))}")
+    return dataclasses.replace(options, **{k: chosen[k] for k in AUTO_KEYS if k in chosen})
+
+
+def calibrated_options(options: DecodeOptions, calibration: Calibration | None,
+                       load_router: Callable[[RouterCalibration], Router]) -> DecodeOptions:
+    """``options`` with mode auto resolved and the calibrated router filled in where unset."""
+    if options.mode == "auto":
+        options = auto_options(options, calibration)
+    entry = calibration.routers.get(options.light) if calibration is not None else None
+    if entry is None or options.router not in (None, entry.router):
+        return options
+    threshold = entry.threshold if options.route_threshold is None else options.route_threshold
+    router = load_router(entry) if entry.router == "trained" else entry.router
+    return dataclasses.replace(options, router=router, route_threshold=threshold)
+
+
+def format_token_ids(vocabulary: dict[str, int]) -> frozenset[int]:
+    """Ids of tokens that carry JSON structure (a bracket, quote, colon or comma)."""
+    return frozenset(i for token, i in vocabulary.items() if FORMAT_CHARACTERS & set(token))

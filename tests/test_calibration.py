@@ -1,0 +1,248 @@
+"""`edgeroute calibrate`: labels, routers, thresholds, the calibration section and its use."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from edgeroute.bundle import MANIFEST, Bundle, Calibration, RouterCalibration
+from edgeroute.calibration.calibrate import CalibrateOptions, calibrate
+from edgeroute.calibration.checks import echoes_instructions, task_pass
+from edgeroute.calibration.labels import LabelSettings, label_prompts, plan_shards, rejoins
+from edgeroute.calibration.prompts import TASKS, builtin_prompts
+from edgeroute.calibration.thresholds import BudgetUnreachable, choose_threshold, prompt_risks
+from edgeroute.calibration.train import TrainSettings, router_onnx, train_router
+from edgeroute.cli import app
+from edgeroute.errors import BundleError, InputError
+from edgeroute.runtime import Engine
+from edgeroute.runtime.calibrated import format_token_ids
+from edgeroute.runtime.drafters import Proposal
+from edgeroute.runtime.routers import NGRAM_FEATURES, SLM_FEATURES, TrainedRouter, ngram_features
+
+runner = CliRunner()
+SMALL = LabelSettings(max_answer_tokens=8, shard_size=4, path_window=4, path_checks=2)
+
+
+@pytest.fixture
+def slm_bundle_copy(tiny_slm_bundle, tmp_path) -> Path:
+    return Path(shutil.copytree(tiny_slm_bundle, tmp_path / "bundle"))
+
+
+def test_builtin_prompts_cover_every_task_with_stable_unique_ids():
+    prompts = builtin_prompts()
+    assert len(prompts) >= 200
+    assert {p.task for p in prompts} == set(TASKS)
+    assert len({p.id for p in prompts}) == len({p.content for p in prompts}) == len(prompts)
+    assert [p.id for p in builtin_prompts()] == [p.id for p in prompts]
+
+
+def test_labelling_killed_and_resumed_equals_an_uninterrupted_run(tiny_engine, tmp_path):
+    prompts = builtin_prompts(2)
+    whole = label_prompts(tiny_engine, prompts, SMALL, tmp_path / "whole")
+
+    def killed_after_first_shard(task, done, total):
+        if task == "label shards" and done == 1:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        label_prompts(tiny_engine, prompts, SMALL, tmp_path / "resumed", killed_after_first_shard)
+    assert len(list((tmp_path / "resumed").glob("*.npz"))) == 1
+    (tmp_path / "resumed" / ".deadbeef.123.tmp").write_bytes(b"half a shard")  # a kill mid-write
+    resumed = label_prompts(tiny_engine, prompts, SMALL, tmp_path / "resumed")
+    assert resumed.prompt_ids == whole.prompt_ids == [p.id for p in prompts]
+    assert whole.arrays.keys() == resumed.arrays.keys()
+    for key in whole.arrays:
+        np.testing.assert_array_equal(whole[key], resumed[key], err_msg=key)
+    assert len(whole) == sum(len(p) for p in [whole["position"]])
+    assert (whole["slm_token"] != whole["llm_token"]).any(), "the SLM always agrees: the labels would prove nothing"
+
+
+def test_shard_ids_are_stable_and_change_with_the_settings(tiny_engine):
+    prompts = builtin_prompts(2)
+    first = [s.id for s in plan_shards(tiny_engine, prompts, SMALL)]
+    assert first == [s.id for s in plan_shards(tiny_engine, prompts, SMALL)]
+    other = LabelSettings(max_answer_tokens=9, shard_size=4)
+    assert not set(first) & {s.id for s in plan_shards(tiny_engine, prompts, other)}
+
+
+def test_path_following_rejoin_is_bounded_by_the_shift():
+    assert rejoins([5, 1, 2, 3], [1, 2, 3, 4], rejoin=3, max_shift=2)
+    assert not rejoins([5, 6, 7, 8, 9, 1, 2, 3], [1, 2, 3, 4, 5, 6, 7, 8], rejoin=3, max_shift=2)
+    assert rejoins([7, 0], [7], rejoin=3, max_shift=2)  # the answer ends: the continuation must start with it
+
+
+def test_onnx_router_equals_torch_router():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(600, 20)).astype(np.float32) * 3 + 1
+    y = (x[:, 0] + rng.normal(size=600) > 1).astype(np.float32)
+    for units in (16, 0):
+        net, auc = train_router(x[:400], y[:400], x[400:], y[400:], TrainSettings(hidden_units=units, epochs=30, batch_size=64,
+                                                                               learning_rate=1e-2))
+        assert auc > 0.8
+        router = TrainedRouter(router_onnx(net), NGRAM_FEATURES)
+        np.testing.assert_allclose(router.scores(x), net.probability(x), atol=1e-5)
+
+
+def test_trained_router_scores_a_proposal_from_the_runtime_features():
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(200, 5)).astype(np.float32)
+    net, _ = train_router(x, (x[:, 0] > 0).astype(np.float32), x, (x[:, 0] > 0).astype(np.float32),
+                          TrainSettings(hidden_units=0, epochs=3))
+    router = TrainedRouter(router_onnx(net), NGRAM_FEATURES)
+    proposal = Proposal([7], [None], match_length=4, match_count=2, answer_position=3)
+    assert router(proposal, 0) == pytest.approx(float(net.probability(ngram_features(4, 2, 0, 3)[None])[0]), abs=1e-6)
+    assert router(Proposal([], []), 0) == 1.0
+
+
+def _synthetic(prompts: int, seed: int):
+    """Positions of ``prompts`` prompts whose light token differs more often at high scores."""
+    rng = np.random.default_rng(seed)
+    prompt = np.repeat(np.arange(prompts), 30)
+    scores = rng.random(len(prompt))
+    differ = rng.random(len(prompt)) < scores ** 3 * 0.6
+    return scores, differ, np.zeros(len(prompt), bool), prompt
+
+
+@pytest.mark.parametrize("method", ["crc", "ltt"])
+def test_chosen_threshold_meets_the_budget_on_held_out_prompts(method):
+    """crc promises the budget in expectation over calibration sets, ltt with probability
+    1 - delta: check both over repeated random splits of held-out prompts."""
+    scores, differ, forced, prompt = _synthetic(600, seed=2)
+    rng = np.random.default_rng(4)
+    held_out_agreement, shares = [], []
+    for _ in range(30):
+        calibration = np.isin(prompt, rng.permutation(600)[:300])
+        choice = choose_threshold(scores[calibration], differ[calibration], forced[calibration],
+                                  prompt[calibration], budget=0.95, method=method)
+        assert 0.0 < choice.threshold < 1.0 and choice.risk <= choice.bound <= 0.05 + 1e-9
+        held = ~calibration
+        risks, share = prompt_risks(scores[held], differ[held], forced[held], prompt[held],
+                                    np.array([choice.threshold]))
+        held_out_agreement.append(1.0 - risks.mean())
+        shares.append(share[0])
+    if method == "crc":
+        assert np.mean(held_out_agreement) >= 0.95
+    else:
+        assert np.mean(np.asarray(held_out_agreement) < 0.95) <= 0.1
+    assert max(shares) < 0.9  # the guarantee is not bought by sending everything to the LLM
+
+
+def test_unreachable_budget_names_the_best_achievable_figures():
+    scores, differ, forced, prompt = _synthetic(20, seed=3)
+    with pytest.raises(BudgetUnreachable, match=r"99.9%.*best achievable is 9\d\.\d+%.*LLM share"):
+        choose_threshold(scores, differ, forced, prompt, budget=0.999)
+
+
+def test_task_checks_catch_unclosed_json_missing_values_and_echoes():
+    json_prompt = next(p for p in builtin_prompts(3) if p.task == "json")
+    full = '{"intent": "navigate", "street": "Oak Avenue", "city": "Lyon"}'
+    assert task_pass(json_prompt, full, full)
+    assert not task_pass(json_prompt, '{"intent": "navigate", "street": "Oak Avenue"', full)
+    templated = next(p for p in builtin_prompts(3) if p.task == "templated")
+    reference = "Drive " + ", ".join(templated.record.values())
+    assert task_pass(templated, reference, reference)
+    assert not task_pass(templated, "Drive soon.", reference)
+    assert echoes_instructions(f"Sure. {templated.instructions}", templated.instructions)
+    assert not task_pass(templated, f"{reference}. {templated.instructions}", reference)
+
+
+def _calibration_with_trained_router(bundle: Path) -> Calibration:
+    engine = Engine(bundle)
+    width = engine.bundle.slm.arch.hidden_size + 11
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, width)).astype(np.float32)
+    net, _ = train_router(x, (x[:, 0] > 0).astype(np.float32), x, (x[:, 0] > 0).astype(np.float32),
+                          TrainSettings(hidden_units=8, epochs=2))
+    figures = {"speed_vs_full": 1.5, "llm_share": 0.3, "task_pass": 1.0}
+    calibration = Calibration(
+        "2026-01-01T00:00:00Z", "test", "0" * 64, {"tf_agreement": 0.9, "bound": "crc", "delta": None},
+        {"slm": RouterCalibration("slm", "trained", 0.42, "calibration/router-slm-test.onnx", SLM_FEATURES,
+                                  {"bound": {"bound": 0.05}}),
+         "ngram": RouterCalibration("ngram", "ngram", 0.3)},
+        {"json": {"mode": "route", "light": "slm", "protect_format": True, "config": "route/slm",
+                  "figures": {"route/slm": figures, "full": figures}},
+         "templated": {"mode": "speculate", "light": "ngram", "config": "speculate/ngram",
+                       "figures": {"speculate/ngram": figures, "full": figures}}})
+    Bundle.open(bundle).with_calibration(calibration, {"calibration/router-slm-test.onnx": router_onnx(net)})
+    return calibration
+
+
+def test_a_calibrated_bundles_defaults_are_used_by_run(slm_bundle_copy):
+    _calibration_with_trained_router(slm_bundle_copy)
+    engine = Engine(slm_bundle_copy)
+    session = engine.session(mode="route", light="slm")
+    assert isinstance(session.options.router, TrainedRouter) and session.options.route_threshold == 0.42
+    assert engine.session(mode="route", light="ngram").options.route_threshold == 0.3
+    explicit = engine.session(mode="route", light="slm", router="entropy", route_threshold=0.7).options
+    assert explicit.router == "entropy" and explicit.route_threshold == 0.7
+    auto = engine.session(mode="auto", task="json").options
+    assert (auto.mode, auto.light, auto.protect_format) == ("route", "slm", True) and auto.protected_tokens
+    traces = list(engine.session(mode="route", light="slm").generate_tokens("one two three", max_new_tokens=6))
+    assert all(t.router_score is not None and 0.0 <= t.router_score <= 1.0 for t in traces)
+
+    result = runner.invoke(app, ["run", str(slm_bundle_copy), "--prompt", "hello", "--max-tokens", "5",
+                                 "--mode", "auto", "--profile", "templated"])
+    assert result.exit_code == 0, result.output
+    assert "mode speculate" in " ".join(result.output.split())
+    shown = runner.invoke(app, ["inspect", str(slm_bundle_copy)])
+    assert shown.exit_code == 0 and "calibrated routers" in shown.output and "route/slm" in shown.output
+
+
+def test_an_uncalibrated_bundle_says_so(tiny_slm_bundle):
+    result = runner.invoke(app, ["inspect", str(tiny_slm_bundle)])
+    assert result.exit_code == 0 and "uncalibrated" in result.output
+    with pytest.raises(InputError, match="uncalibrated.*edgeroute calibrate"):
+        Engine(tiny_slm_bundle).session(mode="auto", task="json")
+
+
+def test_corrupt_calibration_section_is_a_clear_error(slm_bundle_copy):
+    _calibration_with_trained_router(slm_bundle_copy)
+    manifest = json.loads((slm_bundle_copy / MANIFEST).read_text())
+    for damage, message in ((lambda c: c["routers"]["slm"].update(threshold=7), "threshold 7 outside"),
+                            (lambda c: c.pop("profiles"), "profiles"),
+                            (lambda c: c["routers"]["slm"].update(file="calibration/gone.onnx"), "does not list")):
+        broken = json.loads(json.dumps(manifest))
+        damage(broken["calibration"])
+        (slm_bundle_copy / MANIFEST).write_text(json.dumps(broken))
+        with pytest.raises(BundleError, match=f"(?s)calibration.*{message}.*edgeroute calibrate"):
+            Bundle.open(slm_bundle_copy)
+
+
+def test_json_profile_never_routes_format_tokens(tiny_engine):
+    vocabulary = tiny_engine.tokenizer.get_vocab()
+    protected = format_token_ids(vocabulary)
+    assert {vocabulary[t] for t in ("{", '"', ":", ",", "}")} <= protected and vocabulary["the"] not in protected
+    # the SLM's own tokens, protected: with a threshold of 1 every other token stays with the SLM
+    free = list(tiny_engine.session(mode="route", light="slm", route_threshold=1.0, fallback=None)
+                .generate_tokens("one two three", max_new_tokens=16))
+    slm_tokens = frozenset(t.token for t in free if t.source == "slm")
+    assert slm_tokens, "the SLM wrote nothing: the test would prove nothing"
+    guarded = list(tiny_engine.session(mode="route", light="slm", route_threshold=1.0, fallback=None,
+                                       protect_format=True, protected_tokens=slm_tokens)
+                   .generate_tokens("one two three", max_new_tokens=16))
+    assert not [t for t in guarded if t.source == "slm" and t.token in slm_tokens]
+    assert any(t.source == "llm" for t in guarded)
+
+
+def test_calibrate_end_to_end_writes_a_section_the_runtime_reads(slm_bundle_copy, tmp_path):
+    options = CalibrateOptions(budget=0.8, builtin_per_task=4, labels=SMALL, work=tmp_path / "work",
+                               validation_prompts_per_task=1,
+                               slm_router=TrainSettings(hidden_units=8, epochs=3),
+                               ngram_router=TrainSettings(hidden_units=0, epochs=3, dropout=0.0))
+    report = calibrate(slm_bundle_copy, options)
+    bundle = Bundle.open(slm_bundle_copy)  # sha256 of every file, router graphs included
+    calibration = bundle.calibration
+    assert calibration == report.calibration
+    assert calibration.figures["labels"]["positions"] > 0 and "default" in calibration.profiles
+    for profile in calibration.profiles.values():
+        assert profile["figures"][profile["config"]]["task_pass"] >= profile["figures"]["full"]["task_pass"]
+    for router in calibration.routers.values():
+        assert router.figures["bound"]["bound"] <= 1 - 0.8 + 1e-9
+    assert len(list((tmp_path / "work" / "shards").glob("*.npz"))) == 6
+    again = calibrate(slm_bundle_copy, options)  # labels come from the shards on disk
+    assert again.seconds["labels"] < report.seconds["labels"]
