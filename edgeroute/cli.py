@@ -251,6 +251,7 @@ def calibrate(
         console.print(f"note: {message}")
     _print_calibration(Bundle.open(bundle, verify=False))
     console.print("time: " + ", ".join(f"{k} {v:.0f}s" for k, v in report.seconds.items()))
+    console.print(f"report: {report.report}")
 
 
 if __name__ == "__main__":

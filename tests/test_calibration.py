@@ -244,5 +244,6 @@ def test_calibrate_end_to_end_writes_a_section_the_runtime_reads(slm_bundle_copy
     for router in calibration.routers.values():
         assert router.figures["bound"]["bound"] <= 1 - 0.8 + 1e-9
     assert len(list((tmp_path / "work" / "shards").glob("*.npz"))) == 6
+    assert "## Task profiles" in report.report.read_text()
     again = calibrate(slm_bundle_copy, options)  # labels come from the shards on disk
     assert again.seconds["labels"] < report.seconds["labels"]

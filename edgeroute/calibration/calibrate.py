@@ -25,7 +25,8 @@ from edgeroute.bundle import Bundle, Calibration, RouterCalibration
 from edgeroute.calibration.checks import task_pass
 from edgeroute.calibration.labels import DIVERGENT, NEUTRAL, Labels, LabelSettings, label_prompts
 from edgeroute.calibration.prompts import PER_TASK, TASKS, CalibrationPrompt, builtin_prompts, load_prompts, prompts_sha256
-from edgeroute.calibration.thresholds import BOUNDS, BudgetUnreachable, Choice, choose_threshold, share_at_agreement
+from edgeroute.calibration.report import plot_tradeoff, render
+from edgeroute.calibration.thresholds import BOUNDS, BudgetUnreachable, Choice, choose_threshold, share_at_agreement, tradeoff
 from edgeroute.calibration.train import TrainSettings, roc_auc, router_onnx, train_router
 from edgeroute.errors import InputError
 from edgeroute.runtime.drafters import Proposal
@@ -105,6 +106,7 @@ class RouterResult:
     choice: Choice | None
     unreachable: str | None
     figures: dict[str, Any]
+    curves: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)  # validation: share, agreement
 
 
 def _inner_split(prompt: np.ndarray, prompt_ids: list[str]) -> np.ndarray:
@@ -155,8 +157,29 @@ def calibrate_router(data: LightData, light: str, prompt_ids: list[str], options
         figures["per_task_validation_tf_agreement"] = {
             TASKS[t]: float(1.0 - (kept & data.differ[held])[data.task[held] == t].mean())
             for t in np.unique(data.task[held])}
+    curves = {name: tradeoff(score[held], data.differ[held], data.forced[held])
+              for name, score in scores.items()} if held.any() else {}
     return RouterResult(light, chosen, router_onnx(net) if chosen == "trained" else None, choice, unreachable,
-                        figures)
+                        figures, curves)
+
+
+def router_cost(engine: Engine, router: TrainedRouter, rows: np.ndarray, repeats: int = 3) -> dict[str, float]:
+    """Median milliseconds of one router call and of one SLM decode step (one token over a
+    short cache), measured in the same loop."""
+    slm, calls, steps = engine.slm, [], []
+    cache = slm.new_cache()
+    slm.forward(cache, list(range(1, 33)))
+    for _ in range(repeats):
+        for row in rows:
+            start = time.perf_counter()
+            router.scores(row[None])
+            calls.append(time.perf_counter() - start)
+        for token in range(16):
+            start = time.perf_counter()
+            slm.forward(cache, [token + 1])
+            steps.append(time.perf_counter() - start)
+            cache.truncate(32)
+    return {"router_ms": 1000 * statistics.median(calls), "slm_step_ms": 1000 * statistics.median(steps)}
 
 
 # -- runtime confirmation --------------------------------------------------------------------------
@@ -242,6 +265,7 @@ class CalibrateReport:
     calibration: Calibration
     messages: list[str]
     seconds: dict[str, float]
+    report: Path  # report.md
 
 
 def calibrate(bundle_path: str | Path, options: CalibrateOptions | None = None,
@@ -280,6 +304,10 @@ def calibrate(bundle_path: str | Path, options: CalibrateOptions | None = None,
 
     loaded = {light: TrainedRouter(r.onnx, SLM_FEATURES if light == "slm" else NGRAM_FEATURES)
               if r.onnx is not None else r.router for light, r in routers.items()}
+    for light, router in loaded.items():
+        if isinstance(router, TrainedRouter):
+            rows = light_data(labels, light, splits).features[:200]
+            routers[light].figures["cost"] = router_cost(engine, router, rows)
     configs = run_configs(routers, loaded)
     validation = [by_id[i] for i in labels.prompt_ids if split_of(i) == "validation"]
     held_out = [p for task in TASKS for p in [q for q in validation if q.task == task][
@@ -319,7 +347,16 @@ def calibrate(bundle_path: str | Path, options: CalibrateOptions | None = None,
         budget={"tf_agreement": options.budget, "task_pass": "no lower than full", "bound": options.bound,
                 "delta": options.delta if options.bound == "ltt" else None},
         routers=entries, profiles=profiles,
-        figures={"labels": label_counts, "seconds": dict(seconds), "unreachable": [r.unreachable for r in routers.values()
+        figures={"labels": label_counts, "seconds": dict(seconds),
+                 "routers": {light: {"candidates": r.figures["candidates"], "why": r.figures["why"]}
+                             for light, r in routers.items()},
+                 "unreachable": [r.unreachable for r in routers.values()
                                                                                if r.unreachable]})
     bundle.with_calibration(calibration, files)
-    return CalibrateReport(bundle.path, calibration, messages, seconds)
+    work.mkdir(parents=True, exist_ok=True)
+    report = work / "report.md"
+    report.write_text(render(calibration, bundle.path, messages))
+    for light, result in routers.items():
+        if result.curves:
+            plot_tradeoff(result, work / f"tradeoff-{light}.png")
+    return CalibrateReport(bundle.path, calibration, messages, seconds, report)

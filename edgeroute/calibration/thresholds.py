@@ -93,11 +93,15 @@ def choose_threshold(scores: np.ndarray, differ: np.ndarray, forced: np.ndarray,
                   float(bounds[chosen]), float(mean[chosen]), float(shares[chosen]), n)
 
 
-def share_at_agreement(scores: np.ndarray, differ: np.ndarray, forced: np.ndarray, target: float) -> float:
-    """Smallest LLM share (positions pooled) whose teacher-forced agreement reaches ``target``."""
+def tradeoff(scores: np.ndarray, differ: np.ndarray, forced: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """LLM share and teacher-forced agreement (positions pooled) over candidate thresholds."""
     thresholds = candidate_thresholds(scores, 400)
     kept = (scores[None, :] <= thresholds[:, None]) & ~forced[None, :]
-    agreement = 1.0 - (kept & differ[None, :].astype(bool)).mean(axis=1)
-    share = 1.0 - kept.mean(axis=1)
+    return 1.0 - kept.mean(axis=1), 1.0 - (kept & differ[None, :].astype(bool)).mean(axis=1)
+
+
+def share_at_agreement(scores: np.ndarray, differ: np.ndarray, forced: np.ndarray, target: float) -> float:
+    """Smallest LLM share (positions pooled) whose teacher-forced agreement reaches ``target``."""
+    share, agreement = tradeoff(scores, differ, forced)
     ok = agreement >= target
     return float(share[ok].min()) if ok.any() else 1.0

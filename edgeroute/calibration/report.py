@@ -1,0 +1,86 @@
+"""``report.md``: the calibration's figures as tables, written beside the label shards."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from edgeroute.bundle import Calibration
+
+
+def _pct(value, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}%}"
+
+
+def render(calibration: Calibration, bundle: Path, messages: list[str]) -> str:
+    c = calibration
+    labels = c.figures["labels"]
+    slm, ngram = labels["slm"], labels["ngram"]
+    lines = [f"# Calibration of `{bundle}`", "",
+             f"{c.created}, edgeroute {c.edgeroute_version}, data sha256 `{c.data_sha256[:16]}`. Budget: "
+             f"teacher-forced agreement with full >= {c.budget['tf_agreement']:.1%} ({c.budget['bound']} bound"
+             + (f", delta {c.budget['delta']}" if c.budget.get("delta") else "") + "), task-level pass no lower "
+             "than full's.", "", "## Labels", "",
+             f"{labels['positions']} answer positions of {labels['prompts']} prompts.", "",
+             "| light path | agree | differ | no proposal | path-checked | neutral | divergent |",
+             "|---|---|---|---|---|---|---|",
+             f"| slm | {slm['agree']} | {slm['differ']} | - | {slm['path_checked']} | {slm['path_neutral']} | "
+             f"{slm['path_divergent']} |",
+             f"| ngram | {ngram['agree']} | {ngram['differ']} | {ngram['no_proposal']} | - | - | - |", "",
+             "## Routers (held-out prompts)", "",
+             "| light path | candidate | AUC calibration | AUC validation | LLM share at budget (calibration) | "
+             "(validation) |", "|---|---|---|---|---|---|"]
+    routed = c.figures.get("routers", {})
+    for light, figures in routed.items():
+        for name, entry in figures["candidates"].items():
+            lines.append(f"| {light} | {name} | {entry['calibration_auc'] or float('nan'):.3f} | "
+                         f"{entry['validation_auc'] or float('nan'):.3f} | "
+                         f"{_pct(entry['calibration_llm_share_at_budget'])} | "
+                         f"{_pct(entry['validation_llm_share_at_budget'])} |")
+    lines += ["", *[f"- {m}" for m in messages], "", "## Chosen routers", "",
+              "| light path | router | threshold | guaranteed agreement | held-out TF agreement | held-out LLM share |"
+              " cost per token |", "|---|---|---|---|---|---|---|"]
+    for light, r in c.routers.items():
+        f = r.figures
+        cost = f.get("cost")
+        lines.append(f"| {light} | {r.router} | {r.threshold:.3f} | {_pct(1 - f['bound']['bound'], 2)} | "
+                     f"{_pct(f.get('validation_tf_agreement'), 2)} | {_pct(f.get('validation_llm_share'), 0)} | "
+                     + (f"{cost['router_ms']:.3f} ms ({cost['router_ms'] / cost['slm_step_ms']:.1%} of an SLM step)"
+                        if cost else "-") + " |")
+    lines += ["", "## Task profiles (runtime runs on held-out prompts)", "",
+              "| task | configuration | prompts | speed vs full | LLM share | task pass | full's task pass | "
+              "same text as full |", "|---|---|---|---|---|---|---|---|"]
+    for task, profile in c.profiles.items():
+        for name, f in profile["figures"].items():
+            mark = " **(chosen)**" if name == profile["config"] else ""
+            lines.append(f"| {task} | {name}{mark} | {f['prompts']} | {f['speed_vs_full']:.2f}x | "
+                         f"{_pct(f['llm_share'], 0)} | {_pct(f['task_pass'], 0)} | "
+                         f"{_pct(profile['figures']['full']['task_pass'], 0)} | {_pct(f['same_as_full'], 0)} |")
+    seconds = c.figures["seconds"]
+    lines += ["", "Time: " + ", ".join(f"{k} {v:.0f} s" for k, v in seconds.items()) + ".", ""]
+    return "\n".join(lines)
+
+
+def plot_tradeoff(result, path: Path) -> None:
+    """LLM share vs teacher-forced agreement on held-out prompts, every candidate router, and
+    the chosen router's threshold."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, (share, agreement) in result.curves.items():
+        ax.plot(share, agreement, label=name + (" (chosen)" if name == result.router else ""),
+                linewidth=2.5 if name == result.router else 1.2)
+    if result.choice is not None:
+        figures = result.figures
+        ax.scatter([figures.get("validation_llm_share")], [figures.get("validation_tf_agreement")], color="black",
+                   zorder=5, label=f"threshold {result.choice.threshold:.3f}")
+        ax.axhline(1 - result.choice.alpha, color="gray", linestyle="--", linewidth=0.8)
+    ax.set_xlabel("LLM share")
+    ax.set_ylabel("teacher-forced agreement with full")
+    ax.set_title(f"route/{result.light}: held-out prompts")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
