@@ -247,3 +247,17 @@ def test_calibrate_end_to_end_writes_a_section_the_runtime_reads(slm_bundle_copy
     assert "## Task profiles" in report.report.read_text()
     again = calibrate(slm_bundle_copy, options)  # labels come from the shards on disk
     assert again.seconds["labels"] < report.seconds["labels"]
+
+
+def test_bad_calibration_inputs_are_clear_errors(tmp_path, tiny_slm_bundle):
+    from edgeroute.calibration.prompts import load_prompts
+
+    lines = tmp_path / "prompts.jsonl"
+    lines.write_text('{"id": "a", "task": "json", "content": "x"}\n{"id": "b", "content": "no task"}\n')
+    with pytest.raises(InputError, match=r"prompts.jsonl:2 is not a prompt line"):
+        load_prompts(lines)
+    lines.write_text('{"id": "a", "task": "poetry", "content": "x"}\n')
+    with pytest.raises(InputError, match=r"task 'poetry' is not one of"):
+        load_prompts(lines)
+    result = runner.invoke(app, ["calibrate", str(tiny_slm_bundle), "--budget", "1.5"])
+    assert result.exit_code == 2 and "budget" in result.output and "Traceback" not in result.output
