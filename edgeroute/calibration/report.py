@@ -44,7 +44,7 @@ def render(calibration: Calibration, bundle: Path, messages: list[str]) -> str:
         cost = f.get("cost")
         lines.append(f"| {light} | {r.router} | {r.threshold:.3f} | {_pct(1 - f['bound']['bound'], 2)} | "
                      f"{_pct(f.get('validation_tf_agreement'), 2)} | {_pct(f.get('validation_llm_share'), 0)} | "
-                     + (f"{cost['router_ms']:.3f} ms ({cost['router_ms'] / cost['slm_step_ms']:.1%} of an SLM step)"
+                     + (f"{cost['router_ms']:.3f} ms ({cost['router_ms'] / cost['slm_step_ms']:.2%} of an SLM step)"
                         if cost else "-") + " |")
     lines += ["", "## Task profiles (runtime runs on held-out prompts)", "",
               "| task | configuration | prompts | speed vs full | LLM share | task pass | full's task pass | "
