@@ -14,7 +14,11 @@ from edgeroute.arch import ArchConfig
 from edgeroute.errors import BundleError
 
 FORMAT_NAME = "edgeroute-bundle"
-FORMAT_VERSION = 1
+# 2: attention graphs come in flavours (``flavour`` per graph; ``*_ort`` graphs beside the
+# portable ones); a version-1 bundle is a version-2 bundle with portable graphs only
+FORMAT_VERSION = 2
+OLDEST_FORMAT_VERSION = 1
+PORTABLE = "portable"
 MANIFEST = "manifest.json"
 MODEL_ROLES = ("llm", "slm")
 
@@ -27,6 +31,10 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _flavour_suffix(flavour: str) -> str:
+    return "" if flavour == PORTABLE else f"_{flavour}"
+
+
 @dataclass(frozen=True)
 class GraphEntry:
     name: str
@@ -35,6 +43,7 @@ class GraphEntry:
     file: str
     inputs: list[dict[str, Any]]
     outputs: list[dict[str, Any]]
+    flavour: str = PORTABLE  # portable (standard ops) | ort (ONNX Runtime contrib ops)
 
 
 @dataclass(frozen=True)
@@ -49,8 +58,13 @@ class ModelEntry:
     def num_layers(self) -> int:
         return self.arch.num_layers
 
-    def graph(self, kind: str, layer: int | None = None) -> GraphEntry:
-        name = kind if layer is None else f"{kind}_{layer:03d}"
+    def has_flavour(self, flavour: str) -> bool:
+        """Whether every layer's attention graphs exist in ``flavour``."""
+        return all(f"{kind}_{i:03d}{_flavour_suffix(flavour)}" in self.graphs
+                   for kind in ("layer", "attn") for i in range(self.num_layers))
+
+    def graph(self, kind: str, layer: int | None = None, flavour: str = PORTABLE) -> GraphEntry:
+        name = (kind if layer is None else f"{kind}_{layer:03d}") + _flavour_suffix(flavour)
         if name not in self.graphs:
             raise BundleError(f"the {self.role} model has no graph {name!r}: the bundle was made by another "
                               "edgeroute version; export it again")
@@ -89,8 +103,9 @@ class Bundle:
         if not isinstance(version, int) or version > FORMAT_VERSION:
             raise BundleError(f"bundle format {version} is newer than this runtime ({FORMAT_VERSION}): "
                               "upgrade edgeroute or re-export with this version")
-        if version < FORMAT_VERSION:
-            raise BundleError(f"bundle format {version} is older than this runtime ({FORMAT_VERSION}): re-export it")
+        if version < OLDEST_FORMAT_VERSION:
+            raise BundleError(f"bundle format {version} is older than this runtime reads ({OLDEST_FORMAT_VERSION}): "
+                              "re-export it")
         try:
             bundle = cls(path, manifest)
             bundle.check_files(hashes=verify)

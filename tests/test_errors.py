@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from edgeroute.bundle import FORMAT_VERSION, MANIFEST, Bundle
+from edgeroute.bundle import FORMAT_VERSION, MANIFEST, OLDEST_FORMAT_VERSION, Bundle
 from edgeroute.cli import app
 from edgeroute.errors import BundleError, EdgerouteError, SourceError, TokenizerMismatch, UnsupportedArchitecture
 from edgeroute.export.sources import load_source
@@ -185,7 +185,7 @@ def test_bundle_from_a_newer_format_is_refused(bundle_copy):
 
 
 def test_bundle_from_an_older_format_is_refused(bundle_copy):
-    edit_json(bundle_copy / MANIFEST, lambda m: m.update(format_version=FORMAT_VERSION - 1))
+    edit_json(bundle_copy / MANIFEST, lambda m: m.update(format_version=OLDEST_FORMAT_VERSION - 1))
     with pytest.raises(BundleError, match="older than this runtime"):
         Bundle.open(bundle_copy)
 
