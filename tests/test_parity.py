@@ -3,12 +3,16 @@ in every attention flavour the bundle carries."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
+from edgeroute.errors import InputError
 from edgeroute.runtime import Bundle, OrtModel
 from edgeroute.runtime import model as model_module
+from edgeroute.runtime.model import choose_flavour
 from tests.conftest import relative_error
 
 FAMILIES = ("llama", "qwen2", "qwen3")
@@ -150,3 +154,15 @@ def test_skipped_layer_gets_kv_and_its_output_is_not_applied(flavour, tiny_bundl
 @pytest.mark.slow
 def test_smollm2_fp32_bundle_matches_transformers(smollm2_bundles, smollm2_reference):
     check_prefill_and_greedy_decode(OrtModel(Bundle.open(smollm2_bundles["fp32"][0])), smollm2_reference)
+
+
+def test_manifest_records_flavours_and_a_missing_or_unknown_flavour_is_a_clear_error(tiny_bundles):
+    entry = Bundle.open(tiny_bundles["llama"]).llm
+    ort_graphs = {name for name, g in entry.graphs.items() if g.flavour == "ort"}
+    assert ort_graphs == {f"{kind}_{i:03d}_ort" for kind in ("layer", "attn") for i in range(entry.num_layers)}
+    portable_only = dataclasses.replace(entry, graphs={n: g for n, g in entry.graphs.items() if n not in ort_graphs})
+    assert choose_flavour(portable_only, "auto") == "portable" and not portable_only.has_flavour("ort")
+    with pytest.raises(InputError, match="no 'ort' attention graphs"):
+        choose_flavour(portable_only, "ort")
+    with pytest.raises(InputError, match="'fast' is not one of auto, portable, ort"):
+        choose_flavour(entry, "fast")

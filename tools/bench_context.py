@@ -4,13 +4,21 @@ Every case runs in a fresh subprocess (so one case's memory never shows in anoth
 the cases are interleaved runtime by runtime and repeated (``--repeats``; medians reported),
 so load from other work hits all runtimes alike: compare ratios within one run.
 
-- **decode tok/s at context C**: prefill C tokens of held-out text, then time ``--steps``
-  greedy one-token steps (no detokenizing). edgeroute: ``OrtModel.forward`` (the LLM's
-  ``full`` path); llama.cpp: ``Llama.eval`` of one token after a greedy argmax of its logits.
-- **TTFT** for a P-token prompt: prefill until the first token's logits are in hand.
-- **peak RSS**: ``VmHWM`` of the case's process after the prompt, its high-water mark reset
-  after loading (``/proc/self/clear_refs``), next to the RSS after loading: ``peak - load`` is
-  what the prompt itself costs (activations, arena, logits).
+One case = one context length C: prefill C tokens of held-out text, then ``--steps`` greedy
+one-token steps (no detokenizing).
+
+- **TTFT**: the prefill, until the first token's logits are in hand.
+- **peak RSS**: ``VmHWM`` of the case's process right after the prefill, its high-water mark
+  reset after loading (``/proc/self/clear_refs``), next to the RSS after loading:
+  ``peak - load`` is what the prompt itself costs (activations, arena, logits).
+- **decode tok/s at context C**: the steps after the prefill. edgeroute: ``OrtModel.forward``
+  (the LLM's ``full`` path); llama.cpp: ``Llama.eval`` of one token after a greedy argmax of
+  its logits.
+
+On a machine shared with other work, ``--clock cpu --threads 1`` times the process's CPU
+time instead of the wall clock: a single-threaded runtime's work per token, which other
+processes' load does not inflate (llama.cpp's worker threads spin-wait, so with two threads
+on oversubscribed cores its wall-clock speed collapses to a fraction of a token per second).
 
     python tools/bench_context.py --bundle bundles/smollm2 --out bench-context.json
 """
@@ -74,13 +82,17 @@ class LlamaCppCase:
         self.llm = Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx,
                          verbose=False, logits_all=False)
 
+    def _last_logits(self):
+        # the context's own output row (without logits_all, Llama keeps no scores of its own)
+        return self.np.ctypeslib.as_array(self.llm._ctx.get_logits(), shape=(self.llm.n_vocab(),))
+
     def prefill(self, ids: list[int]):
         self.llm.eval(ids)
-        return self.np.asarray(self.llm.eval_logits[-1])
+        return self._last_logits()
 
     def step(self, logits):
         self.llm.eval([int(logits.argmax())])
-        return self.np.asarray(self.llm.eval_logits[-1])
+        return self._last_logits()
 
 
 def worker(spec: dict) -> dict:
@@ -91,17 +103,17 @@ def worker(spec: dict) -> dict:
         case = LlamaCppCase(Path(spec["gguf"]), spec["threads"], spec["n_ctx"])
     else:
         case = EdgerouteCase(Path(spec["bundle"]), spec["runtime"].split(":")[1])
+    clock = time.process_time if spec["clock"] == "cpu" else time.perf_counter
     load_rss = _status_bytes("VmRSS")
     _reset_peak()
-    start = time.perf_counter()
+    start = clock()
     logits = case.prefill(ids)
-    ttft = time.perf_counter() - start
+    ttft = clock() - start
     record = {**spec, "load_rss": load_rss, "peak_rss": _status_bytes("VmHWM"), "ttft_s": ttft}
-    if spec["steps"]:
-        start = time.perf_counter()
-        for _ in range(spec["steps"]):
-            logits = case.step(logits)
-        record["decode_tok_s"] = spec["steps"] / (time.perf_counter() - start)
+    start = clock()
+    for _ in range(spec["steps"]):
+        logits = case.step(logits)
+    record["decode_tok_s"] = spec["steps"] / (clock() - start)
     return record
 
 
@@ -124,10 +136,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bundle", type=Path, default=Path("bundles/smollm2"))
     parser.add_argument("--gguf", type=Path, help="llama.cpp's model (default: the packaged SmolLM2 GGUF)")
     parser.add_argument("--runtimes", default=",".join(RUNTIMES))
-    parser.add_argument("--contexts", default="32,512,1024,1800", help="decode speed at these context lengths")
-    parser.add_argument("--prompts", default="256,1024,1800", help="TTFT and peak RSS for these prompt lengths")
+    parser.add_argument("--contexts", default="32,256,512,1024,1800", help="prompt lengths (= decode contexts)")
     parser.add_argument("--steps", type=int, default=32, help="decode steps timed per context")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="cpu: the process's CPU time (use with --threads 1 on a shared machine)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("bench-context.json"))
     args = parser.parse_args(argv)
@@ -140,47 +153,43 @@ def main(argv: list[str] | None = None) -> int:
 
     bundle = Bundle.open(args.bundle, verify=False)
     gguf = args.gguf or packaged_gguf()
-    base = {"bundle": str(args.bundle), "gguf": str(gguf), "threads": args.threads,
+    base = {"bundle": str(args.bundle), "gguf": str(gguf), "threads": args.threads, "clock": args.clock,
             "tokenizer": str(bundle.file(bundle.tokenizer["file"])), "n_ctx": int(bundle.generation["context_length"])}
     runtimes = args.runtimes.split(",")
-    cases = [("decode", int(c), args.steps) for c in args.contexts.split(",") if c] + \
-            [("prompt", int(p), 0) for p in args.prompts.split(",") if p]
+    contexts = [int(c) for c in args.contexts.split(",") if c]
     records: list[dict] = []
     for repeat in range(args.repeats):
-        for kind, tokens, steps in cases:
+        for tokens in contexts:
             for runtime in runtimes:
-                record = run_case({**base, "runtime": runtime, "kind": kind, "tokens": tokens, "steps": steps})
+                record = run_case({**base, "runtime": runtime, "tokens": tokens, "steps": args.steps})
                 records.append({**record, "repeat": repeat})
-                print(f"[{repeat}] {kind:6s} {tokens:5d} {runtime:20s} ttft {record['ttft_s']:.2f}s "
-                      f"load {record['load_rss'] / 2**20:.0f} MiB peak {record['peak_rss'] / 2**20:.0f} MiB"
-                      + (f" decode {record['decode_tok_s']:.1f} tok/s" if steps else ""), flush=True)
+                print(f"[{repeat}] {tokens:5d} {runtime:20s} ttft {record['ttft_s']:.2f}s "
+                      f"load {record['load_rss'] / 2**20:.0f} MiB peak {record['peak_rss'] / 2**20:.0f} MiB "
+                      f"decode {record['decode_tok_s']:.1f} tok/s", flush=True)
 
-    def pick(kind, tokens, runtime):
-        return [r for r in records if (r["kind"], r["tokens"], r["runtime"]) == (kind, tokens, runtime)]
-
-    summary = {}
-    print(f"\ndecode tok/s (median of {args.repeats}), ratio to llama.cpp in brackets")
-    for kind, tokens, _ in cases:
-        row = {}
+    summary: dict[str, dict[str, dict]] = {}
+    for tokens in contexts:
         for runtime in runtimes:
-            rs = pick(kind, tokens, runtime)
-            row[runtime] = {"decode_tok_s": median_of(rs, "decode_tok_s"), "ttft_s": median_of(rs, "ttft_s"),
-                            "load_rss_mib": median_of(rs, "load_rss") / 2**20,
-                            "peak_rss_mib": median_of(rs, "peak_rss") / 2**20}
-        summary[f"{kind}:{tokens}"] = row
-    for kind, tokens, _ in cases:
-        row = summary[f"{kind}:{tokens}"]
-        ref = row.get("llama.cpp", {})
-        cells = []
+            rs = [r for r in records if (r["tokens"], r["runtime"]) == (tokens, runtime)]
+            summary.setdefault(str(tokens), {})[runtime] = {
+                key: median_of(rs, key) for key in ("decode_tok_s", "ttft_s", "load_rss", "peak_rss")}
+    print(f"\nmedians of {args.repeats}, {args.threads} thread(s), {args.clock} clock; [x] = ratio to llama.cpp; "
+          "RSS in MiB: peak (peak - after load)")
+    header = "context | " + " | ".join(f"{r}: tok/s, TTFT s, peak RSS" for r in runtimes)
+    print(header)
+    for tokens in contexts:
+        row, cells = summary[str(tokens)], []
+        ref = row.get("llama.cpp")
         for runtime in runtimes:
             m = row[runtime]
-            if kind == "decode":
-                ratio = m["decode_tok_s"] / ref["decode_tok_s"] if ref else None
-                cells.append(f"{runtime} {m['decode_tok_s']:.1f}" + (f" [{ratio:.2f}x]" if ratio else ""))
-            else:
-                cells.append(f"{runtime} TTFT {m['ttft_s']:.2f}s peak {m['peak_rss_mib']:.0f} "
-                             f"(+{m['peak_rss_mib'] - m['load_rss_mib']:.0f}) MiB")
-        print(f"{kind} {tokens:5d} | " + " | ".join(cells))
+            ratio = f" [{m['decode_tok_s'] / ref['decode_tok_s']:.2f}x]" if ref and runtime != "llama.cpp" else ""
+            cells.append(f"{m['decode_tok_s']:.1f}{ratio}, {m['ttft_s']:.2f}, "
+                         f"{m['peak_rss'] / 2**20:.0f} (+{(m['peak_rss'] - m['load_rss']) / 2**20:.0f})")
+        print(f"{tokens:7d} | " + " | ".join(cells))
+    first, last = str(contexts[0]), str(contexts[-1])
+    for runtime in runtimes:
+        kept = summary[last][runtime]["decode_tok_s"] / summary[first][runtime]["decode_tok_s"]
+        print(f"{runtime}: decode at {last} = {kept:.0%} of at {first}")
     args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "summary": summary,
                                     "records": records, "load_average": os.getloadavg()}, indent=1))
     print(f"\nwrote {args.out} (load average now {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")

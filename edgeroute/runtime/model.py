@@ -5,7 +5,7 @@ capacity, allocated once. A forward step over T tokens starting at cache positio
 ``embed``, then per layer either ``layer_i`` (or ``attn_i`` + an MLP skip) or, for a skipped
 layer, ``kv_i`` (its K/V projections of the current hidden state, so later tokens see an
 aligned cache), then ``head``. The attention graphs come in the bundle's flavours (see
-:mod:`edgeroute.runtime.attention`); the model picks one per provider.
+:mod:`edgeroute.runtime.attention`); the model runs one of them.
 """
 
 from __future__ import annotations
@@ -84,19 +84,20 @@ def plan_action(plan: Sequence[bool] | LayerPlan | None, layer: int, hidden: np.
 ATTENTION_CHOICES = ("auto", *FLAVOURS)
 
 
-def choose_flavour(entry: ModelEntry, providers: Sequence[str], requested: str = "auto") -> str:
-    """The attention flavour for these providers: ``ort`` (contrib GroupQueryAttention, in-place
-    cache) on the CPU provider when the bundle has it, else ``portable`` (standard ops, which
-    every provider and TensorRT run)."""
+def choose_flavour(entry: ModelEntry, requested: str = "auto") -> str:
+    """The attention flavour to run. ``auto`` is ``portable``: on the CPU provider ONNX
+    Runtime's GroupQueryAttention kernel (the ort flavour) measured no faster than the
+    portable graphs for SmolLM2 (it reads K/V once per query head; the portable graph's
+    batched MatMuls read them once per KV head), and other providers run the portable graphs
+    anyway (the CUDA kernel wants fp16). ``ort`` stays available where it pays."""
     if requested not in ATTENTION_CHOICES:
         raise InputError(f"attention {requested!r} is not one of {', '.join(ATTENTION_CHOICES)}")
-    if requested != "auto":
-        if not entry.has_flavour(requested):
-            raise InputError(f"the {entry.role} model has no {requested!r} attention graphs (the bundle predates "
-                             "them): re-export it, or use attention='auto'")
-        return requested
-    first = providers[0] if isinstance(providers[0], str) else providers[0][0]
-    return "ort" if first == "CPUExecutionProvider" and entry.has_flavour("ort") else "portable"
+    if requested == "auto":
+        return "portable"
+    if not entry.has_flavour(requested):
+        raise InputError(f"the {entry.role} model has no {requested!r} attention graphs (the bundle predates "
+                         "them): re-export it, or use attention='auto'")
+    return requested
 
 
 class OrtModel:
@@ -110,7 +111,7 @@ class OrtModel:
         self.arch = self.entry.arch
         self.capacity = int(bundle.generation["context_length"])
         self.providers = list(providers or ["CPUExecutionProvider"])
-        self.flavour = choose_flavour(self.entry, self.providers, attention)
+        self.flavour = choose_flavour(self.entry, attention)
         self._attention = FLAVOURS[self.flavour](self.capacity)
         self._options = session_options(activations)
         self._bundle = bundle
