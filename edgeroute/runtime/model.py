@@ -10,6 +10,8 @@ aligned cache), then ``head``. The attention graphs come in the bundle's flavour
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -27,6 +29,9 @@ KV_OUTPUTS = ["key", "value"]
 # transient [heads, T, S] scores stay ~10-20 MB instead of growing with T * S (an 1800-token
 # SmolLM2 prompt in one pass needs ~350 MB of them per layer call).
 PREFILL_CHUNK = 256
+# After a pass of at least this many tokens, freed memory goes back to the OS (25-80 ms for a
+# 256-token chunk of a long prompt; decode steps and short verification passes skip it).
+TRIM_AFTER_TOKENS = 64
 _pool_lock = threading.Lock()
 _global_pool: bool | None = None
 
@@ -44,6 +49,20 @@ def _shared_thread_pool() -> bool:
             except (RuntimeError, ort.capi.onnxruntime_pybind11_state.Fail):
                 _global_pool = False  # ORT's environment already exists: fall back to per-session pools
         return _global_pool
+
+
+def _libc_trim() -> Callable[[], None]:
+    """glibc's ``malloc_trim``, or a no-op elsewhere. With the arena off, ONNX Runtime's
+    large transient tensors come from malloc, and glibc keeps what a long prefill freed
+    (measured: RSS 842 MiB after an 1800-token SmolLM2 prompt without trimming, 324 MiB with)."""
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    if libc is None or not hasattr(libc, "malloc_trim"):
+        return lambda: None
+    return lambda: libc.malloc_trim(0)
+
+
+release_freed_memory = _libc_trim()
 
 
 # ONNX Runtime's fused int4 kernel (MatMulNBits) quantizes activations to int8 at accuracy
@@ -204,6 +223,8 @@ class OrtModel:
         for offset in range(0, t, PREFILL_CHUNK):
             chunk = ids[offset:offset + PREFILL_CHUNK]
             hidden = self._pass(cache, chunk, plan)
+            if len(chunk) >= TRIM_AFTER_TOKENS:
+                release_freed_memory()
             if all_logits:
                 logits.append(self.head(hidden))
             elif offset + len(chunk) > t - wanted:
