@@ -15,9 +15,12 @@ from edgeroute.arch import ArchConfig
 from edgeroute.errors import BundleError
 
 FORMAT_NAME = "edgeroute-bundle"
-# 2 added the optional calibration section; a version-1 bundle is a version-2 bundle without it
+# 2 added graph flavours (``flavour`` per graph; ``*_ort`` graphs beside the portable ones) and
+# the optional calibration section; a version-1 bundle is a version-2 bundle with portable
+# graphs only and no calibration
 FORMAT_VERSION = 2
 OLDEST_FORMAT_VERSION = 1
+PORTABLE = "portable"
 MANIFEST = "manifest.json"
 MODEL_ROLES = ("llm", "slm")
 CALIBRATION_DIR = "calibration"
@@ -119,6 +122,10 @@ class Calibration:
         return cls(**{**data, "routers": routers})
 
 
+def _flavour_suffix(flavour: str) -> str:
+    return "" if flavour == PORTABLE else f"_{flavour}"
+
+
 @dataclass(frozen=True)
 class GraphEntry:
     name: str
@@ -127,6 +134,7 @@ class GraphEntry:
     file: str
     inputs: list[dict[str, Any]]
     outputs: list[dict[str, Any]]
+    flavour: str = PORTABLE  # portable (standard ops) | ort (ONNX Runtime contrib ops)
 
 
 @dataclass(frozen=True)
@@ -141,8 +149,13 @@ class ModelEntry:
     def num_layers(self) -> int:
         return self.arch.num_layers
 
-    def graph(self, kind: str, layer: int | None = None) -> GraphEntry:
-        name = kind if layer is None else f"{kind}_{layer:03d}"
+    def has_flavour(self, flavour: str) -> bool:
+        """Whether every layer's attention graphs exist in ``flavour``."""
+        return all(f"{kind}_{i:03d}{_flavour_suffix(flavour)}" in self.graphs
+                   for kind in ("layer", "attn") for i in range(self.num_layers))
+
+    def graph(self, kind: str, layer: int | None = None, flavour: str = PORTABLE) -> GraphEntry:
+        name = (kind if layer is None else f"{kind}_{layer:03d}") + _flavour_suffix(flavour)
         if name not in self.graphs:
             raise BundleError(f"the {self.role} model has no graph {name!r}: the bundle was made by another "
                               "edgeroute version; export it again")

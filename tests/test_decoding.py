@@ -187,12 +187,23 @@ SKIP_CASES = {
 }
 
 
+@pytest.fixture(scope="module", params=["ort", "portable"])
+def flavoured_engine(request, tiny_slm_bundle):
+    """The tiny engine in each attention flavour the bundle carries."""
+    from edgeroute.runtime import Engine
+
+    engine = Engine(tiny_slm_bundle, attention=request.param)
+    assert engine.llm.flavour == request.param
+    return engine
+
+
 @pytest.mark.parametrize("case", SKIP_CASES)
 def test_skipping_runtime_logits_match_a_torch_reference_taking_the_same_decisions(
-        case, tiny_engine, tiny_llama_source, monkeypatch, one_torch_thread):
+        case, flavoured_engine, tiny_llama_source, monkeypatch, one_torch_thread):
     """32 tokens with layers really skipped: every LLM pass's logits (prefill, decode steps,
     draft verification) within 1e-3 of torch replaying the runtime's own per-layer decisions
     over its own cache, so the K/V fill (or the mask) keeps the caches aligned."""
+    tiny_engine = flavoured_engine
     options = {**SKIPPING, **SKIP_CASES[case]}
     skipped_action = {"skip-mlp": SKIP_MLP}.get(case, DROP if options.get("kv_cache_reduction") else SKIP)
     calls = record_forward(monkeypatch, tiny_engine.llm)

@@ -28,14 +28,19 @@ def tiny_int4_bundle(tiny_models, tmp_path_factory):
     return out
 
 
+@pytest.mark.parametrize("cpu_flavour", ["portable", "ort"])
 @pytest.mark.parametrize("provider", ["CUDAExecutionProvider", "TensorrtExecutionProvider"])
 @pytest.mark.parametrize("bundle_kind", ["fp32", "int4"])
-def test_gpu_provider_matches_the_cpu(provider, bundle_kind, request):
+def test_gpu_provider_matches_the_cpu(provider, bundle_kind, cpu_flavour, request):
+    """The GPU runs the portable graphs (auto picks them off the CPU provider) and agrees with
+    the CPU in each flavour."""
     _require_provider(provider)  # before the fixtures: no exports where the test cannot run
     path = request.getfixturevalue("tiny_bundles")["llama"] if bundle_kind == "fp32" \
         else request.getfixturevalue("tiny_int4_bundle")
     bundle = Bundle.open(path)
-    cpu, gpu = OrtModel(bundle), OrtModel(bundle, providers=[provider, "CPUExecutionProvider"])
+    cpu = OrtModel(bundle, attention=cpu_flavour)
+    gpu = OrtModel(bundle, providers=[provider, "CPUExecutionProvider"])
+    assert gpu.flavour == "portable"
     want = cpu.forward(cpu.new_cache(), PROMPT, all_logits=True)
     got = gpu.forward(gpu.new_cache(), PROMPT, all_logits=True)
     assert relative_error(got, want) <= (1e-3 if bundle_kind == "fp32" else 3e-2)
@@ -49,7 +54,9 @@ def test_tensorrt_parses_every_graph_of_an_int4_bundle(request):
     except Exception as err:  # no CUDA device: TensorRT cannot create a builder
         pytest.skip(f"TensorRT has no usable GPU here: {err}")
     bundle = Bundle.open(request.getfixturevalue("tiny_int4_bundle"))
-    for graph in bundle.llm.graphs.values():
+    portable = [graph for graph in bundle.llm.graphs.values() if graph.flavour == "portable"]
+    assert len(portable) == 4 * bundle.llm.num_layers + 2  # the ort flavour's contrib ops are ONNX Runtime's only
+    for graph in portable:
         network = builder.create_network(0)
         parser = trt.OnnxParser(network, builder.logger)
         ok = parser.parse_from_file(str(bundle.file(graph.file)))

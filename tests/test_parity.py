@@ -1,15 +1,22 @@
-"""fp32 bundles compute what transformers computes, through every path the runtime drives."""
+"""fp32 bundles compute what transformers computes, through every path the runtime drives,
+in every attention flavour the bundle carries."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
 import torch
 
+from edgeroute.errors import InputError
 from edgeroute.runtime import Bundle, OrtModel
+from edgeroute.runtime import model as model_module
+from edgeroute.runtime.model import choose_flavour
 from tests.conftest import relative_error
 
 FAMILIES = ("llama", "qwen2", "qwen3")
+FLAVOURS = ("portable", "ort")
 PROMPT = [1, 504, 3458, 282, 4649, 314, 253, 17, 9046, 30, 198]
 
 
@@ -30,14 +37,22 @@ def check_prefill_and_greedy_decode(model: OrtModel, hf_model, steps: int = 32) 
     assert cache.length == len(ids)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_fp32_bundle_matches_transformers_prefill_and_32_decode_steps(family, tiny_bundles, tiny_models):
-    check_prefill_and_greedy_decode(OrtModel(Bundle.open(tiny_bundles[family])), tiny_models[family][1])
+def _model(tiny_bundles, family: str, flavour: str) -> OrtModel:
+    return OrtModel(Bundle.open(tiny_bundles[family]), attention=flavour)
 
 
+@pytest.mark.parametrize("flavour", FLAVOURS)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_catch_up_of_pending_tokens_equals_one_token_steps(family, tiny_bundles):
-    model = OrtModel(Bundle.open(tiny_bundles[family]))
+def test_fp32_bundle_matches_transformers_prefill_and_32_decode_steps(family, flavour, tiny_bundles, tiny_models):
+    model = _model(tiny_bundles, family, flavour)
+    assert model.flavour == flavour
+    check_prefill_and_greedy_decode(model, tiny_models[family][1])
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_catch_up_of_pending_tokens_equals_one_token_steps(family, flavour, tiny_bundles):
+    model = _model(tiny_bundles, family, flavour)
     pending = [400, 401, 402, 403, 404]
     stepwise, batched = model.new_cache(), model.new_cache()
     model.forward(stepwise, PROMPT)
@@ -46,24 +61,58 @@ def test_catch_up_of_pending_tokens_equals_one_token_steps(family, tiny_bundles)
     at_once = model.forward(batched, pending, all_logits=True)
     assert relative_error(at_once, one_by_one) <= 1e-5
     n = len(PROMPT) + len(pending)
-    np.testing.assert_allclose(batched.keys[:, :n], stepwise.keys[:, :n], atol=1e-5)
+    for layer in range(model.num_layers):
+        for got, want in zip(batched.rows(layer, 0, n), stepwise.rows(layer, 0, n), strict=True):
+            np.testing.assert_allclose(got, want, atol=1e-5)
 
 
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_long_prompt_runs_in_chunks_with_the_same_logits(flavour, tiny_bundles, monkeypatch):
+    model = _model(tiny_bundles, "qwen2", flavour)
+    ids = PROMPT * 3
+    whole, chunked = model.new_cache(), model.new_cache()
+    want = model.forward(whole, ids, all_logits=True)
+    monkeypatch.setattr(model_module, "PREFILL_CHUNK", 4)
+    got = model.forward(chunked, ids, all_logits=True)
+    assert got.shape == want.shape and chunked.length == len(ids)
+    assert relative_error(got, want) <= 1e-5
+    chunked.truncate(0)
+    np.testing.assert_array_equal(model.forward(chunked, ids, tail=6), got[-6:])  # a tail across chunks
+    chunked.truncate(0)
+    np.testing.assert_array_equal(model.forward(chunked, ids), got[-1])
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_cache_copy_and_clone_continue_like_the_original(flavour, tiny_bundles):
+    model = _model(tiny_bundles, "llama", flavour)
+    cache = model.new_cache()
+    model.forward(cache, PROMPT)
+    clone, prefix = cache.clone(), model.new_cache()
+    prefix.copy_from(cache, 6)
+    want = model.forward(cache, [400, 401], all_logits=True)
+    np.testing.assert_array_equal(model.forward(clone, [400, 401], all_logits=True), want)
+    np.testing.assert_array_equal(model.forward(prefix, PROMPT[6:] + [400, 401], all_logits=True)[-2:], want)
+    other = _model(tiny_bundles, "llama", "ort" if flavour == "portable" else "portable").new_cache()
+    with pytest.raises(ValueError, match="different models or attention flavours"):
+        other.copy_from(cache)
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_per_layer_calls_equal_the_forward_step(family, tiny_bundles):
-    model = OrtModel(Bundle.open(tiny_bundles[family]))
+def test_per_layer_calls_equal_the_forward_step(family, flavour, tiny_bundles):
+    model = _model(tiny_bundles, family, flavour)
     cache_a, cache_b = model.new_cache(), model.new_cache()
     want = model.forward(cache_a, PROMPT, plan=[True] * model.num_layers, all_logits=True)
     hidden = model.embed(np.array(PROMPT))
-    bias = model.causal_bias(0, len(PROMPT))
     for layer in range(model.num_layers):
-        hidden = model.mlp(layer, model.attention(layer, hidden, cache_b, 0, bias))
+        hidden = model.mlp(layer, model.attention(layer, hidden, cache_b, 0))
     np.testing.assert_array_equal(model.head(hidden), want)
 
 
+@pytest.mark.parametrize("flavour", FLAVOURS)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_kv_fill_equals_the_layers_key_value_projections(family, tiny_bundles, tiny_models):
-    model, hf = OrtModel(Bundle.open(tiny_bundles[family])), tiny_models[family][1]
+def test_kv_fill_equals_the_layers_key_value_projections(family, flavour, tiny_bundles, tiny_models):
+    model, hf = _model(tiny_bundles, family, flavour), tiny_models[family][1]
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     layer, start, hidden = 1, 7, np.random.default_rng(0).normal(size=(3, 64)).astype(np.float32)
@@ -81,22 +130,23 @@ def test_kv_fill_equals_the_layers_key_value_projections(family, tiny_bundles, t
         cos, sin = hf.model.rotary_emb(k[None], positions)
         _, k = apply_rotary_pos_emb(k.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
         k = k[0].transpose(0, 1)
-    np.testing.assert_allclose(cache.keys[layer, start:start + 3], k.numpy(), atol=1e-5)
-    np.testing.assert_allclose(cache.values[layer, start:start + 3], v.numpy(), atol=1e-5)
+    keys, values = cache.rows(layer, start, start + 3)
+    np.testing.assert_allclose(keys, k.numpy(), atol=1e-5)
+    np.testing.assert_allclose(values, v.numpy(), atol=1e-5)
 
 
-def test_skipped_layer_gets_kv_and_its_output_is_not_applied(tiny_bundles):
-    model = OrtModel(Bundle.open(tiny_bundles["llama"]))
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_skipped_layer_gets_kv_and_its_output_is_not_applied(flavour, tiny_bundles):
+    model = _model(tiny_bundles, "llama", flavour)
     run = [True, False, True]
     skipped, manual = model.new_cache(), model.new_cache()
     logits = model.forward(skipped, PROMPT, plan=run)
     hidden = model.embed(np.array(PROMPT))
-    bias = model.causal_bias(0, len(PROMPT))
-    hidden = model.mlp(0, model.attention(0, hidden, manual, 0, bias))
+    hidden = model.mlp(0, model.attention(0, hidden, manual, 0))
     model.kv_fill(1, hidden, manual, 0)
-    hidden = model.mlp(2, model.attention(2, hidden, manual, 0, bias))
+    hidden = model.mlp(2, model.attention(2, hidden, manual, 0))
     np.testing.assert_array_equal(logits, model.head(hidden[-1:])[0])
-    np.testing.assert_array_equal(skipped.keys[1, :len(PROMPT)], manual.keys[1, :len(PROMPT)])
+    np.testing.assert_array_equal(skipped.rows(1, 0, len(PROMPT))[0], manual.rows(1, 0, len(PROMPT))[0])
     full = model.forward(model.new_cache(), PROMPT)
     assert not np.allclose(logits, full)
 
@@ -104,3 +154,15 @@ def test_skipped_layer_gets_kv_and_its_output_is_not_applied(tiny_bundles):
 @pytest.mark.slow
 def test_smollm2_fp32_bundle_matches_transformers(smollm2_bundles, smollm2_reference):
     check_prefill_and_greedy_decode(OrtModel(Bundle.open(smollm2_bundles["fp32"][0])), smollm2_reference)
+
+
+def test_manifest_records_flavours_and_a_missing_or_unknown_flavour_is_a_clear_error(tiny_bundles):
+    entry = Bundle.open(tiny_bundles["llama"]).llm
+    ort_graphs = {name for name, g in entry.graphs.items() if g.flavour == "ort"}
+    assert ort_graphs == {f"{kind}_{i:03d}_ort" for kind in ("layer", "attn") for i in range(entry.num_layers)}
+    portable_only = dataclasses.replace(entry, graphs={n: g for n, g in entry.graphs.items() if n not in ort_graphs})
+    assert choose_flavour(portable_only, "auto") == "portable" and not portable_only.has_flavour("ort")
+    with pytest.raises(InputError, match="no 'ort' attention graphs"):
+        choose_flavour(portable_only, "ort")
+    with pytest.raises(InputError, match="'fast' is not one of auto, portable, ort"):
+        choose_flavour(entry, "fast")

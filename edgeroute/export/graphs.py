@@ -1,4 +1,4 @@
-"""ONNX graphs written node by node from the weights (no tracing), standard ops, opset 21.
+"""ONNX graphs written node by node from the weights (no tracing), opset 21.
 
 One model becomes a set of small graphs the runtime can drive token by token and layer by
 layer (see docs/bundle-format.md):
@@ -12,7 +12,14 @@ layer (see docs/bundle-format.md):
   fill for a token that skips the layer)
 - ``head``:    hidden -> logits (final norm + LM head)
 
-Activations are 2-D [T, features] float32; caches are [positions, kv_heads, head_dim].
+Every graph exists in the *portable* flavour (standard ops only: TensorRT parses it). The
+attention graphs (``layer_i``, ``attn_i``) also come in the *ort* flavour (``layer_i_ort``,
+``attn_i_ort``): ONNX Runtime's contrib ``GroupQueryAttention``, which writes the new K/V
+rows into the runtime's cache buffer in place (bound as both past and present) and reads
+the past where it lies, instead of concatenating and transposing the whole past per token.
+
+Activations are 2-D [T, features] float32; portable caches are [positions, kv_heads,
+head_dim], ort caches [1, kv_heads, capacity, head_dim].
 Quantized weights are int4/int8 ``DequantizeLinear`` (blocked, symmetric, positive scales)
 feeding a ``MatMul``: TensorRT 10 parses it, and ONNX Runtime fuses it into MatMulNBits.
 """
@@ -40,6 +47,8 @@ from edgeroute.export.tensors import (
 )
 
 OPSET = 21
+CONTRIB_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib ops (the ort flavour only)
+FLAVOURS = ("portable", "ort")
 EXTERNAL_MIN_BYTES = 1024  # smaller initializers (shape constants) stay inside the graph
 
 
@@ -224,8 +233,10 @@ class GraphBuilder:
             for tensor in self.initializers:
                 self.weights.externalize(tensor)
         graph = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, self.initializers)
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
-                                  producer_name="edgeroute")
+        opsets = [helper.make_opsetid("", OPSET)]
+        if any(n.domain == CONTRIB_DOMAIN for n in self.nodes):
+            opsets.append(helper.make_opsetid(CONTRIB_DOMAIN, 1))
+        model = helper.make_model(graph, opset_imports=opsets, producer_name="edgeroute")
         model.ir_version = 10
         return model
 
@@ -272,34 +283,94 @@ def _attention_inputs(g: GraphBuilder, arch: ArchConfig) -> tuple[str, ...]:
     return hidden, cos, sin, bias, past_k, past_v
 
 
-def add_attention(g: GraphBuilder, arch: ArchConfig, layer: LayerWeights, index: int, hidden: str, cos: str,
-                  sin: str, bias: str, past_k: str, past_v: str) -> str:
-    """Pre-norm self-attention of layer ``index`` incl. the residual; emits key/value."""
-    prefix = f"/model/layers.{index}/attn"
+def _gqa_inputs(g: GraphBuilder, arch: ArchConfig) -> tuple[str, ...]:
+    hidden, cos, sin = _activation_inputs(g, arch)
+    bias = g.input("attn_bias", TensorProto.FLOAT, [1, 1, "tokens", "total"])
+    cache_shape = [1, arch.num_kv_heads, "capacity", arch.head_dim]
+    past_k = g.input("past_key", TensorProto.FLOAT, cache_shape)
+    past_v = g.input("past_value", TensorProto.FLOAT, cache_shape)
+    seqlens = g.input("seqlens_k", TensorProto.INT32, [1])
+    total = g.input("total_sequence_length", TensorProto.INT32, [])
+    return hidden, cos, sin, bias, past_k, past_v, seqlens, total
+
+
+def _projections(g: GraphBuilder, arch: ArchConfig, layer: LayerWeights, hidden: str, cos: str, sin: str,
+                 prefix: str) -> tuple[str, str, str]:
+    """Normed hidden -> q [T, heads, hd] (pre-scaled, RoPE), k [T, kv, hd] (RoPE), v [T, kv*hd]."""
     normed = g.rms_norm(hidden, layer.attn_norm, arch.rms_norm_eps, f"{prefix}/norm")
     q_proj, q_norm = _prescaled_query(arch, layer)
     q, k, v = g.fused_linear(normed, [q_proj, layer.k_proj, layer.v_proj], f"{prefix}/qkv_proj")
     q = _heads(g, arch, q, arch.num_heads, q_norm, cos, sin, f"{prefix}/q")
     k = _heads(g, arch, k, arch.num_kv_heads, layer.k_norm, cos, sin, f"{prefix}/k")
+    return q, k, v
+
+
+def _output_projection(g: GraphBuilder, layer: LayerWeights, hidden: str, ctx: str, prefix: str) -> str:
+    return g.op("Add", [hidden, g.linear(ctx, layer.o_proj, f"{prefix}/o_proj")], name=f"{prefix}/Residual")
+
+
+def add_attention(g: GraphBuilder, arch: ArchConfig, layer: LayerWeights, index: int, hidden: str, cos: str,
+                  sin: str, bias: str, past_k: str, past_v: str) -> str:
+    """Pre-norm self-attention of layer ``index`` incl. the residual; emits key/value (portable).
+
+    The query heads that share a KV head are folded into the MatMuls' rows ([kv, group*T, hd]):
+    a one-token step then multiplies with M = group, not 1, and ONNX Runtime's float MatMul
+    gives each row the same bits for every M >= 2 (M = 1 takes a GEMV path that rounds
+    differently), so a multi-token verification pass reproduces one-token steps exactly."""
+    prefix = f"/model/layers.{index}/attn"
+    q, k, v = _projections(g, arch, layer, hidden, cos, sin, prefix)
     v = g.heads(v, arch.num_kv_heads, arch.head_dim, f"{prefix}/v_heads")
     _kv_outputs(g, arch, k, v)
 
-    group = arch.num_heads // arch.num_kv_heads
+    kv, group, hd = arch.num_kv_heads, arch.num_heads // arch.num_kv_heads, arch.head_dim
     keys = g.op("Concat", [past_k, k], name=f"{prefix}/KeyConcat", axis=0)  # [S, kv, hd]
     values = g.op("Concat", [past_v, v], name=f"{prefix}/ValueConcat", axis=0)
-    q = g.op("Reshape", [q, g.const([-1, arch.num_kv_heads, group, arch.head_dim])], name=f"{prefix}/QGroups")
+    q = g.op("Reshape", [q, g.const([-1, kv, group, hd])], name=f"{prefix}/QGroups")
     q = g.op("Transpose", [q], name=f"{prefix}/QTranspose", perm=[1, 2, 0, 3])  # [kv, group, T, hd]
+    q = g.op("Reshape", [q, g.const([kv, -1, hd])], name=f"{prefix}/QFold")  # [kv, group*T, hd]
     kt = g.op("Transpose", [keys], name=f"{prefix}/KTranspose", perm=[1, 2, 0])  # [kv, hd, S]
-    kt = g.op("Unsqueeze", [kt, g.const([1])], name=f"{prefix}/KUnsqueeze")
-    scores = g.op("MatMul", [q, kt], name=f"{prefix}/Scores")  # [kv, group, T, S]
-    scores = g.op("Add", [scores, bias], name=f"{prefix}/Mask")
+    scores = g.op("MatMul", [q, kt], name=f"{prefix}/Scores")  # [kv, group*T, S]
+    folded_bias = g.op("Tile", [bias, g.const([group, 1])], name=f"{prefix}/MaskTile")  # [group*T, S]
+    scores = g.op("Add", [scores, folded_bias], name=f"{prefix}/Mask")
     probs = g.op("Softmax", [scores], name=f"{prefix}/Softmax", axis=-1)
     vt = g.op("Transpose", [values], name=f"{prefix}/VTranspose", perm=[1, 0, 2])  # [kv, S, hd]
-    vt = g.op("Unsqueeze", [vt, g.const([1])], name=f"{prefix}/VUnsqueeze")
-    ctx = g.op("MatMul", [probs, vt], name=f"{prefix}/Context")  # [kv, group, T, hd]
-    ctx = g.op("Transpose", [ctx], name=f"{prefix}/CtxTranspose", perm=[2, 0, 1, 3])
-    ctx = g.op("Reshape", [ctx, g.const([-1, arch.num_heads * arch.head_dim])], name=f"{prefix}/CtxFlat")
-    return g.op("Add", [hidden, g.linear(ctx, layer.o_proj, f"{prefix}/o_proj")], name=f"{prefix}/Residual")
+    ctx = g.op("MatMul", [probs, vt], name=f"{prefix}/Context")  # [kv, group*T, hd]
+    ctx = g.op("Reshape", [ctx, g.const([kv, group, -1, hd])], name=f"{prefix}/CtxUnfold")
+    ctx = g.op("Transpose", [ctx], name=f"{prefix}/CtxTranspose", perm=[2, 0, 1, 3])  # [T, kv, group, hd]
+    ctx = g.op("Reshape", [ctx, g.const([-1, arch.num_heads * hd])], name=f"{prefix}/CtxFlat")
+    return _output_projection(g, layer, hidden, ctx, prefix)
+
+
+def add_gqa_attention(g: GraphBuilder, arch: ArchConfig, layer: LayerWeights, index: int, hidden: str, cos: str,
+                      sin: str, bias: str, past_k: str, past_v: str, seqlens: str, total: str) -> str:
+    """The same attention as :func:`add_attention` on ONNX Runtime's GroupQueryAttention (ort
+    flavour). The runtime binds one buffer per layer as both ``past_*`` and ``present_*``, so
+    the kernel writes the new rows at their positions and reads the past in place: no copy of
+    the past per token."""
+    prefix = f"/model/layers.{index}/attn"
+    q, k, v = _projections(g, arch, layer, hidden, cos, sin, prefix)
+    hd = arch.head_dim
+    q = g.op("Reshape", [q, g.const([-1, arch.num_heads * hd])], name=f"{prefix}/QFlat")
+    k = g.op("Reshape", [k, g.const([-1, arch.num_kv_heads * hd])], name=f"{prefix}/KFlat")
+    packed = g.op("Concat", [q, k, v], name=f"{prefix}/QKVPack", axis=-1)  # [T, (heads + 2 kv) hd]
+    packed = g.op("Unsqueeze", [packed, g.const([0])], name=f"{prefix}/Batch")
+    ctx, present_k, present_v = g.op(
+        "GroupQueryAttention", [packed, "", "", past_k, past_v, seqlens, total, "", "", "", bias],
+        name=f"{prefix}/GroupQueryAttention", n_outputs=3, domain=CONTRIB_DOMAIN,
+        num_heads=arch.num_heads, kv_num_heads=arch.num_kv_heads, scale=1.0)  # 1/sqrt(hd) is in q already
+    cache_shape = [1, arch.num_kv_heads, "capacity", hd]
+    g.output(present_k, "present_key", TensorProto.FLOAT, cache_shape)
+    g.output(present_v, "present_value", TensorProto.FLOAT, cache_shape)
+    ctx = g.op("Reshape", [ctx, g.const([-1, arch.num_heads * hd])], name=f"{prefix}/CtxFlat")
+    return _output_projection(g, layer, hidden, ctx, prefix)
+
+
+ATTENTION_FLAVOURS = {"portable": (_attention_inputs, add_attention), "ort": (_gqa_inputs, add_gqa_attention)}
+
+
+def graph_flavour(model: onnx.ModelProto) -> str:
+    """``ort`` for a graph that needs ONNX Runtime's contrib ops, else ``portable``."""
+    return "ort" if any(o.domain == CONTRIB_DOMAIN for o in model.opset_import) else "portable"
 
 
 def add_mlp(g: GraphBuilder, arch: ArchConfig, layer: LayerWeights, index: int, hidden: str) -> str:
@@ -317,17 +388,24 @@ def _hidden_output(g: GraphBuilder, arch: ArchConfig, value: str) -> onnx.ModelP
     return g.build()
 
 
-def build_layer(arch: ArchConfig, layer: LayerWeights, index: int, weights: WeightFile | None = None) -> onnx.ModelProto:
+def _attention_graph(name: str, arch: ArchConfig, layer: LayerWeights, index: int, weights: WeightFile | None,
+                     flavour: str, with_mlp: bool) -> onnx.ModelProto:
+    g = GraphBuilder(name, weights)
+    inputs, attention = ATTENTION_FLAVOURS[flavour]
+    hidden, *rest = inputs(g, arch)
+    hidden = attention(g, arch, layer, index, hidden, *rest)
+    return _hidden_output(g, arch, add_mlp(g, arch, layer, index, hidden) if with_mlp else hidden)
+
+
+def build_layer(arch: ArchConfig, layer: LayerWeights, index: int, weights: WeightFile | None = None,
+                flavour: str = "portable") -> onnx.ModelProto:
     """The whole decoder layer: the runtime's path for a token that skips nothing."""
-    g = GraphBuilder(f"layer_{index}", weights)
-    hidden, *rest = _attention_inputs(g, arch)
-    return _hidden_output(g, arch, add_mlp(g, arch, layer, index, add_attention(g, arch, layer, index, hidden, *rest)))
+    return _attention_graph(f"layer_{index}", arch, layer, index, weights, flavour, with_mlp=True)
 
 
-def build_attention(arch: ArchConfig, layer: LayerWeights, index: int,
-                    weights: WeightFile | None = None) -> onnx.ModelProto:
-    g = GraphBuilder(f"attn_{index}", weights)
-    return _hidden_output(g, arch, add_attention(g, arch, layer, index, *_attention_inputs(g, arch)))
+def build_attention(arch: ArchConfig, layer: LayerWeights, index: int, weights: WeightFile | None = None,
+                    flavour: str = "portable") -> onnx.ModelProto:
+    return _attention_graph(f"attn_{index}", arch, layer, index, weights, flavour, with_mlp=False)
 
 
 def build_mlp(arch: ArchConfig, layer: LayerWeights, index: int, weights: WeightFile | None = None) -> onnx.ModelProto:
@@ -395,9 +473,13 @@ def model_graphs(arch: ArchConfig, weights: ModelWeights) -> list[tuple[str, lis
     groups: list[tuple[str, list[GraphSpec]]] = [
         ("embed", [("embed", "embed", None, lambda w: build_embed(arch, weights.embedding, w))])]
     for i, layer in enumerate(weights.layers):
-        groups.append((f"layer_{i:03d}", [
+        specs: list[GraphSpec] = [
             (f"{kind}_{i:03d}", kind, i, lambda w, build=build, i=i, layer=layer: build(arch, layer, i, w))
             for kind, build in (("layer", build_layer), ("attn", build_attention), ("mlp", build_mlp),
-                                ("kv", build_kv_fill))]))
+                                ("kv", build_kv_fill))]
+        specs += [(f"{kind}_{i:03d}_ort", kind, i,
+                   lambda w, build=build, i=i, layer=layer: build(arch, layer, i, w, flavour="ort"))
+                  for kind, build in (("layer", build_layer), ("attn", build_attention))]
+        groups.append((f"layer_{i:03d}", specs))
     groups.append(("head", [("head", "head", None, lambda w: build_head(arch, weights.final_norm, weights.lm_head, w))]))
     return groups

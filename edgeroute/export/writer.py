@@ -17,8 +17,9 @@ import onnx
 
 from edgeroute.bundle import MANIFEST, build_manifest, sha256_file, write_manifest
 from edgeroute.errors import EdgerouteError
+from edgeroute.export.graphs import graph_flavour
 
-DTYPE_NAMES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.INT64: "int64"}
+DTYPE_NAMES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.INT64: "int64", onnx.TensorProto.INT32: "int32"}
 
 
 def _signature(values) -> list[dict[str, Any]]:
@@ -68,10 +69,11 @@ class BundleWriter:
 
     def write_graph(self, rel: str, model: onnx.ModelProto) -> dict[str, Any]:
         """Save a graph (its large initializers already point into a weight file) and
-        return its I/O signature for the manifest."""
+        return its flavour and I/O signature for the manifest."""
         onnx.save_model(model, str(self.path(rel)))
         self.record(rel)
-        return {"inputs": _signature(model.graph.input), "outputs": _signature(model.graph.output)}
+        return {"flavour": graph_flavour(model), "inputs": _signature(model.graph.input),
+                "outputs": _signature(model.graph.output)}
 
     def write_text(self, rel: str, text: str) -> None:
         (self.tmp / rel).write_text(text)

@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 
 from edgeroute.errors import InputError
+from edgeroute.runtime.backend import Cache, ModelBackend
 from edgeroute.runtime.drafters import NgramDrafter, Proposal, SlmDrafter
-from edgeroute.runtime.model import KVCache, OrtModel
 from edgeroute.runtime.policies import ROUTERS, FallbackMonitor, FallbackOptions, Router, SkipController, SkipOptions
 from edgeroute.runtime.sampling import Sampler, top1_probability
 
@@ -151,22 +151,20 @@ class GenerationStats:
 class SequenceState:
     """What one conversation keeps between calls: its tokens and the models' caches."""
 
-    def __init__(self, llm: OrtModel) -> None:
+    def __init__(self, llm: ModelBackend) -> None:
         self.llm = llm
         self.tokens: list[int] = []
-        self.llm_cache: KVCache = llm.new_cache()
+        self.llm_cache: Cache = llm.new_cache()
         self.slm_drafter: SlmDrafter | None = None  # attach_slm() when a mode needs it
         self.ngram_drafter = NgramDrafter()
 
-    def attach_slm(self, slm: OrtModel) -> None:
+    def attach_slm(self, slm: ModelBackend) -> None:
         """Give the sequence an SLM light path (it catches up on the tokens so far on first use)."""
         self.slm_drafter = SlmDrafter(slm, self.llm_cache.capacity)
 
     def reset(self) -> None:
         self.tokens = []
-        self.llm_cache.truncate(0)
-        if self.llm_cache.dropped is not None:
-            self.llm_cache.dropped[:] = False
+        self.llm_cache.reset()
         if self.slm_drafter is not None:
             self.slm_drafter.reset()
 

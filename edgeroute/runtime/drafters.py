@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from edgeroute.runtime.model import KVCache, OrtModel
+from edgeroute.runtime.backend import Cache, ModelBackend
 from edgeroute.runtime.sampling import softmax
 
 
@@ -59,15 +59,15 @@ class NgramDrafter:
 class SlmDrafter:
     name = "slm"
 
-    def __init__(self, model: OrtModel, capacity: int | None = None) -> None:
+    def __init__(self, model: ModelBackend, capacity: int | None = None) -> None:
         self.model = model
-        self.cache: KVCache = model.new_cache(capacity)
+        self.cache: Cache = model.new_cache(capacity)
         self.seen: list[int] = []  # the tokens whose K/V the cache holds
         self.last_logits: np.ndarray | None = None
         self.last_hidden: np.ndarray | None = None  # [d], the last hidden state behind last_logits
 
     def reset(self) -> None:
-        self.cache.truncate(0)
+        self.cache.reset()
         self.seen = []
         self.last_logits = None
 

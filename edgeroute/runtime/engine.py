@@ -42,14 +42,16 @@ class Engine:
     """A loaded bundle: tokenizer and ONNX Runtime sessions, shared by every session."""
 
     def __init__(self, bundle: str | Path | Bundle, providers: Sequence[str] | None = None, verify: bool = True,
-                 options: DecodeOptions | None = None, activations: str = "int8") -> None:
+                 options: DecodeOptions | None = None, activations: str = "int8", attention: str = "auto") -> None:
         """``activations``: "int8" (fast int4 kernels that quantize activations, like
         llama.cpp) or "fp32" (slower, but a multi-token verification pass then rounds like a
-        one-token step, so speculation reproduces full decoding except at near-ties)."""
+        one-token step, so speculation reproduces full decoding except at near-ties).
+        ``attention``: the attention graphs' flavour, "portable", "ort" or "auto" (ort on
+        the CPU provider when the bundle has it, see ``OrtModel``)."""
         self.bundle = bundle if isinstance(bundle, Bundle) else Bundle.open(bundle, verify=verify)
         self.tokenizer = Tokenizer.from_file(str(self.bundle.file(self.bundle.tokenizer["file"])))
-        self.providers, self.activations = providers, activations
-        self.llm = OrtModel(self.bundle, "llm", providers, activations)
+        self.providers, self.activations, self.attention = providers, activations, attention
+        self.llm = OrtModel(self.bundle, "llm", providers, activations, attention)
         self._slm: OrtModel | None = None
         self._slm_lock = threading.Lock()
         self.eos_ids = set(self.bundle.tokenizer.get("eos_token_ids") or [])
@@ -81,7 +83,7 @@ class Engine:
             return None
         with self._slm_lock:
             if self._slm is None:
-                self._slm = OrtModel(self.bundle, "slm", self.providers, self.activations)
+                self._slm = OrtModel(self.bundle, "slm", self.providers, self.activations, self.attention)
         return self._slm
 
     # -- text <-> tokens ------------------------------------------------------------------------

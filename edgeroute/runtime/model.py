@@ -2,17 +2,19 @@
 
 The sessions are loaded once and shared; each sequence owns a :class:`KVCache` of fixed
 capacity, allocated once. A forward step over T tokens starting at cache position P runs
-``embed``, then per layer either ``attn_i`` + ``mlp_i`` or, for a skipped layer, ``kv_i``
-(its K/V projections of the current hidden state, so later tokens see an aligned cache),
-then ``head``.
+``embed``, then per layer either ``layer_i`` (or ``attn_i`` + an MLP skip) or, for a skipped
+layer, ``kv_i`` (its K/V projections of the current hidden state, so later tokens see an
+aligned cache), then ``head``. The attention graphs come in the bundle's flavours (see
+:mod:`edgeroute.runtime.attention`); the model runs one of them.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import threading
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import onnxruntime as ort
@@ -20,9 +22,16 @@ import onnxruntime as ort
 from edgeroute.bundle import Bundle, ModelEntry
 from edgeroute.errors import InputError
 from edgeroute.rope import rope_tables
+from edgeroute.runtime.attention import FLAVOURS, KVCache
 
-ATTENTION_OUTPUTS = ["hidden_out", "key", "value"]
 KV_OUTPUTS = ["key", "value"]
+# A long prompt (or catch-up) runs in passes of at most this many tokens: attention's
+# transient [heads, T, S] scores stay ~10-20 MB instead of growing with T * S (an 1800-token
+# SmolLM2 prompt in one pass needs ~350 MB of them per layer call).
+PREFILL_CHUNK = 256
+# After a pass of at least this many tokens, freed memory goes back to the OS (25-80 ms for a
+# 256-token chunk of a long prompt; decode steps and short verification passes skip it).
+TRIM_AFTER_TOKENS = 64
 _pool_lock = threading.Lock()
 _global_pool: bool | None = None
 
@@ -42,6 +51,20 @@ def _shared_thread_pool() -> bool:
         return _global_pool
 
 
+def _libc_trim() -> Callable[[], None]:
+    """glibc's ``malloc_trim``, or a no-op elsewhere. With the arena off, ONNX Runtime's
+    large transient tensors come from malloc, and glibc keeps what a long prefill freed
+    (measured: RSS 842 MiB after an 1800-token SmolLM2 prompt without trimming, 324 MiB with)."""
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    if libc is None or not hasattr(libc, "malloc_trim"):
+        return lambda: None
+    return lambda: libc.malloc_trim(0)
+
+
+release_freed_memory = _libc_trim()
+
+
 # ONNX Runtime's fused int4 kernel (MatMulNBits) quantizes activations to int8 at accuracy
 # level 4 (fast; llama.cpp's Q4 x Q8 dot products do the same) and keeps them fp32 at level 1
 # (measured ~2.7x slower per MLP on 2 cores, but rounding stays at fp32 scale: int8 activations
@@ -54,6 +77,10 @@ def session_options(activations: str = "int8") -> ort.SessionOptions:
         raise InputError(f"activation precision {activations!r} is not one of {', '.join(ACTIVATION_PRECISION)}")
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    # No CPU arena: an arena per session keeps its peak for the life of the process (dozens
+    # of per-layer sessions once held 10 GB after one long prompt); plain allocations return
+    # a prefill's transient memory at once, and decode allocates only a few small tensors.
+    options.enable_cpu_mem_arena = False
     options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", ACTIVATION_PRECISION[activations])
     if _shared_thread_pool():
         options.use_per_session_threads = False
@@ -73,64 +100,62 @@ def plan_action(plan: Sequence[bool] | LayerPlan | None, layer: int, hidden: np.
     return RUN if plan[layer] else SKIP
 
 
-@dataclass
-class KVCache:
-    keys: np.ndarray  # [layers, capacity, kv_heads, head_dim]
-    values: np.ndarray
-    length: int = 0
-    dropped: np.ndarray | None = None  # [layers, capacity] bool, only once a layer was dropped
+ATTENTION_CHOICES = ("auto", *FLAVOURS)
 
-    def drop(self, layer: int, start: int, count: int) -> None:
-        if self.dropped is None:
-            self.dropped = np.zeros(self.keys.shape[:2], bool)
-        self.dropped[layer, start:start + count] = True
 
-    @property
-    def capacity(self) -> int:
-        return self.keys.shape[1]
-
-    def truncate(self, length: int) -> None:
-        """Forget positions >= length (rejected speculative tokens)."""
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot truncate a cache of {self.length} tokens to {length}")
-        if self.dropped is not None:
-            self.dropped[:, length:] = False
-        self.length = length
+def choose_flavour(entry: ModelEntry, requested: str = "auto") -> str:
+    """The attention flavour to run. ``auto`` is ``portable``: on the CPU provider ONNX
+    Runtime's GroupQueryAttention kernel (the ort flavour) measured no faster than the
+    portable graphs for SmolLM2 (it reads K/V once per query head; the portable graph's
+    batched MatMuls read them once per KV head), and other providers run the portable graphs
+    anyway (the CUDA kernel wants fp16). ``ort`` stays available where it pays."""
+    if requested not in ATTENTION_CHOICES:
+        raise InputError(f"attention {requested!r} is not one of {', '.join(ATTENTION_CHOICES)}")
+    if requested == "auto":
+        return "portable"
+    if not entry.has_flavour(requested):
+        raise InputError(f"the {entry.role} model has no {requested!r} attention graphs (the bundle predates "
+                         "them): re-export it, or use attention='auto'")
+    return requested
 
 
 class OrtModel:
+    """A model on ONNX Runtime; implements :class:`edgeroute.runtime.backend.ModelBackend`."""
+
     def __init__(self, bundle: Bundle, role: str = "llm", providers: Sequence[str] | None = None,
-                 activations: str = "int8") -> None:
+                 activations: str = "int8", attention: str = "auto") -> None:
         if role not in bundle.models:
             raise InputError(f"bundle {bundle.path} has no {role!r} model (it has: {', '.join(bundle.models)})")
         self.entry: ModelEntry = bundle.models[role]
         self.arch = self.entry.arch
         self.capacity = int(bundle.generation["context_length"])
         self.providers = list(providers or ["CPUExecutionProvider"])
+        self.flavour = choose_flavour(self.entry, attention)
+        self._attention = FLAVOURS[self.flavour](self.capacity)
         self._options = session_options(activations)
         self._bundle = bundle
         self._lock = threading.Lock()
         layers = range(self.arch.num_layers)
         self.embed_session = self._load("embed")
-        self.layer_sessions = [self._load("layer", i) for i in layers]
+        self.layer_sessions = [self._load("layer", i, self.flavour) for i in layers]
         self.kv_sessions = [self._load("kv", i) for i in layers]
         self.head_session = self._load("head")
         # sub-layer graphs only serve MLP-only skipping and tests: loaded on first use
         self._attn_sessions: list[ort.InferenceSession | None] = [None] * self.arch.num_layers
         self._mlp_sessions: list[ort.InferenceSession | None] = [None] * self.arch.num_layers
-        self._zero_row = np.zeros((1, self.capacity), np.float32)
         self.cos, self.sin = rope_tables(self.capacity, self.arch.head_dim, self.arch.rope_theta,
                                          self.arch.rope_scaling)
 
-    def _load(self, kind: str, layer: int | None = None) -> ort.InferenceSession:
-        path = self._bundle.file(self.entry.graph(kind, layer).file)
+    def _load(self, kind: str, layer: int | None = None, flavour: str = "portable") -> ort.InferenceSession:
+        path = self._bundle.file(self.entry.graph(kind, layer, flavour).file)
         return ort.InferenceSession(str(path), self._options, providers=self.providers)
 
-    def _lazy(self, sessions: list[ort.InferenceSession | None], kind: str, layer: int) -> ort.InferenceSession:
+    def _lazy(self, sessions: list[ort.InferenceSession | None], kind: str, layer: int,
+              flavour: str = "portable") -> ort.InferenceSession:
         if sessions[layer] is None:
             with self._lock:
                 if sessions[layer] is None:
-                    sessions[layer] = self._load(kind, layer)
+                    sessions[layer] = self._load(kind, layer, flavour)
         return sessions[layer]
 
     @property
@@ -138,65 +163,39 @@ class OrtModel:
         return self.arch.num_layers
 
     def new_cache(self, capacity: int | None = None) -> KVCache:
-        capacity = capacity or self.capacity
-        shape = (self.num_layers, capacity, self.arch.num_kv_heads, self.arch.head_dim)
-        return KVCache(np.zeros(shape, np.float32), np.zeros(shape, np.float32))
+        return KVCache.allocate(self.num_layers, capacity or self.capacity, self.arch.num_kv_heads,
+                                self.arch.head_dim, self._attention.heads_first)
 
     # -- graph calls ----------------------------------------------------------------------------
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
         return self.embed_session.run(None, {"input_ids": np.asarray(ids, np.int64).reshape(-1)})[0]
 
-    def layer(self, layer: int, hidden: np.ndarray, cache: KVCache, start: int, bias: np.ndarray) -> np.ndarray:
+    def _rope(self, start: int, t: int) -> dict[str, np.ndarray]:
+        return {"cos": self.cos[start:start + t], "sin": self.sin[start:start + t]}
+
+    def layer(self, layer: int, hidden: np.ndarray, cache: KVCache, start: int) -> np.ndarray:
         """The whole decoder layer (attention + MLP) in one call."""
-        return self._attend(self.layer_sessions[layer], layer, hidden, cache, start, bias)
+        return self._attention.run(self.layer_sessions[layer], "layer", layer, cache, start,
+                                   {"hidden": hidden, **self._rope(start, hidden.shape[0])})
 
-    def attention(self, layer: int, hidden: np.ndarray, cache: KVCache, start: int, bias: np.ndarray) -> np.ndarray:
+    def attention(self, layer: int, hidden: np.ndarray, cache: KVCache, start: int) -> np.ndarray:
         """The attention sub-layer alone (its residual included)."""
-        return self._attend(self._lazy(self._attn_sessions, "attn", layer), layer, hidden, cache, start, bias)
-
-    def _attend(self, session: ort.InferenceSession, layer: int, hidden: np.ndarray, cache: KVCache, start: int,
-                bias: np.ndarray) -> np.ndarray:
-        t = hidden.shape[0]
-        out, key, value = session.run(ATTENTION_OUTPUTS, {
-            "hidden": hidden, "cos": self.cos[start:start + t], "sin": self.sin[start:start + t],
-            "attn_bias": bias, "past_key": cache.keys[layer, :start], "past_value": cache.values[layer, :start],
-        })
-        cache.keys[layer, start:start + t] = key
-        cache.values[layer, start:start + t] = value
-        return out
+        session = self._lazy(self._attn_sessions, "attn", layer, self.flavour)
+        return self._attention.run(session, "attn", layer, cache, start,
+                                   {"hidden": hidden, **self._rope(start, hidden.shape[0])})
 
     def mlp(self, layer: int, hidden: np.ndarray) -> np.ndarray:
         return self._lazy(self._mlp_sessions, "mlp", layer).run(None, {"hidden": hidden})[0]
 
     def kv_fill(self, layer: int, hidden: np.ndarray, cache: KVCache, start: int) -> None:
-        t = hidden.shape[0]
-        key, value = self.kv_sessions[layer].run(KV_OUTPUTS, {
-            "hidden": hidden, "cos": self.cos[start:start + t], "sin": self.sin[start:start + t]})
-        cache.keys[layer, start:start + t] = key
-        cache.values[layer, start:start + t] = value
+        key, value = self.kv_sessions[layer].run(KV_OUTPUTS, {"hidden": hidden, **self._rope(start, hidden.shape[0])})
+        cache.write(layer, start, key, value)
 
     def head(self, hidden: np.ndarray) -> np.ndarray:
         return self.head_session.run(None, {"hidden": np.ascontiguousarray(hidden)})[0]
 
     # -- steps ----------------------------------------------------------------------------------
-
-    def causal_bias(self, start: int, t: int) -> np.ndarray:
-        """Additive mask [t, start + t]: every cached position, and the new ones causally. A
-        one-token step (the decode hot path) gets a view of a preallocated zero row: nothing
-        allocated per token that grows with the context."""
-        if t == 1 and start < self.capacity:
-            return self._zero_row[:, :start + 1]
-        bias = np.zeros((t, start + t), np.float32)
-        bias[:, start:] = np.triu(np.full((t, t), np.finfo(np.float32).min, np.float32), k=1)
-        return bias
-
-    def layer_bias(self, cache: KVCache, layer: int, bias: np.ndarray) -> np.ndarray:
-        """The step's mask plus, under kv_cache_reduction, the positions this layer skipped."""
-        if cache.dropped is None:
-            return bias
-        dropped = cache.dropped[layer, :bias.shape[1]]
-        return bias + np.where(dropped, np.finfo(np.float32).min, 0).astype(np.float32) if dropped.any() else bias
 
     def forward(self, cache: KVCache, ids: Sequence[int] | np.ndarray,
                 plan: Sequence[bool] | LayerPlan | None = None, all_logits: bool = False,
@@ -210,33 +209,55 @@ class OrtModel:
         masked for later tokens: kv_cache_reduction). Returns logits [T, vocab] with
         ``all_logits``, [tail, vocab] for the last ``tail`` tokens (the LM head is costly: a
         verification pass needs it only where drafts are checked), or by default [vocab]
-        of the last token."""
-        hidden = self.hidden_states(cache, ids, plan)
+        of the last token. More than PREFILL_CHUNK tokens run as several passes (a callable
+        plan then decides per pass)."""
+        t = len(ids)
+        wanted = t if all_logits else (tail or 1)
+        logits, hiddens = [], []
+        for offset, hidden in self._passes(cache, ids, plan):
+            if all_logits:
+                logits.append(self.head(hidden))
+            elif offset + len(hidden) > t - wanted:
+                hiddens.append(hidden[max(0, t - wanted - offset):])
         if all_logits:
-            return self.head(hidden)
-        if tail is not None:
-            return self.head(hidden[-tail:])
-        return self.head(hidden[-1:])[0]
+            return np.concatenate(logits) if len(logits) > 1 else logits[0]
+        out = self.head(np.concatenate(hiddens) if len(hiddens) > 1 else hiddens[0])
+        return out if tail is not None else out[0]
 
     def hidden_states(self, cache: KVCache, ids: Sequence[int] | np.ndarray,
                       plan: Sequence[bool] | LayerPlan | None = None) -> np.ndarray:
         """``forward`` without the LM head: the last layer's hidden states [T, d] (a trained
         router reads the SLM's)."""
+        hiddens = [hidden for _, hidden in self._passes(cache, ids, plan)]
+        return np.concatenate(hiddens) if len(hiddens) > 1 else hiddens[0]
+
+    def _passes(self, cache: KVCache, ids: Sequence[int] | np.ndarray,
+                plan: Sequence[bool] | LayerPlan | None) -> Iterator[tuple[int, np.ndarray]]:
+        """(offset, last hidden states) of each pass of at most PREFILL_CHUNK tokens."""
         ids = np.asarray(ids, np.int64).reshape(-1)
-        t, start = ids.shape[0], cache.length
+        t = ids.shape[0]
         if t == 0:
             raise InputError("nothing to run: the token list is empty")
-        if start + t > cache.capacity:
-            raise InputError(f"{start + t} tokens exceed the context of {cache.capacity}: shorten the prompt "
+        if cache.length + t > cache.capacity:
+            raise InputError(f"{cache.length + t} tokens exceed the context of {cache.capacity}: shorten the prompt "
                              "or export with a larger context")
-        bias = self.causal_bias(start, t)
+        for offset in range(0, t, PREFILL_CHUNK):
+            chunk = ids[offset:offset + PREFILL_CHUNK]
+            hidden = self._pass(cache, chunk, plan)
+            if len(chunk) >= TRIM_AFTER_TOKENS:
+                release_freed_memory()
+            yield offset, hidden
+
+    def _pass(self, cache: KVCache, ids: np.ndarray, plan: Sequence[bool] | LayerPlan | None) -> np.ndarray:
+        """One pass of the tokens through every layer; returns the last hidden states."""
+        start, t = cache.length, ids.shape[0]
         hidden = self.embed(ids)
         for layer in range(self.num_layers):
             action = plan_action(plan, layer, hidden)
             if action == RUN:
-                hidden = self.layer(layer, hidden, cache, start, self.layer_bias(cache, layer, bias))
+                hidden = self.layer(layer, hidden, cache, start)
             elif action == SKIP_MLP:
-                hidden = self.attention(layer, hidden, cache, start, self.layer_bias(cache, layer, bias))
+                hidden = self.attention(layer, hidden, cache, start)
             elif action == SKIP:
                 self.kv_fill(layer, hidden, cache, start)
             else:  # DROP

@@ -1,0 +1,200 @@
+"""Speed and memory over context length: edgeroute (each attention flavour) vs llama.cpp.
+
+Every case runs in a fresh subprocess (so one case's memory never shows in another's), and
+the cases are interleaved runtime by runtime and repeated (``--repeats``; medians reported),
+so load from other work hits all runtimes alike: compare ratios within one run.
+
+One case = one context length C: prefill C tokens of held-out text, then ``--steps`` greedy
+one-token steps (no detokenizing).
+
+- **TTFT**: the prefill, until the first token's logits are in hand.
+- **peak RSS**: ``VmHWM`` of the case's process right after the prefill, its high-water mark
+  reset after loading (``/proc/self/clear_refs``), next to the RSS after loading:
+  ``peak - load`` is what the prompt itself costs (activations, arena, logits).
+- **decode tok/s at context C**: the steps after the prefill. edgeroute: ``OrtModel.forward``
+  (the LLM's ``full`` path); llama.cpp: ``Llama.eval`` of one token after a greedy argmax of
+  its logits.
+
+On a machine shared with other work, ``--clock cpu --threads 1`` times the process's CPU
+time instead of the wall clock: a single-threaded runtime's work per token, which other
+processes' load does not inflate (llama.cpp's worker threads spin-wait, so with two threads
+on oversubscribed cores its wall-clock speed collapses to a fraction of a token per second).
+
+    python tools/bench_context.py --bundle bundles/smollm2 --out bench-context.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RUNTIMES = ("edgeroute:ort", "edgeroute:portable", "llama.cpp")
+
+
+def _status_bytes(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _reset_peak() -> None:
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := current RSS
+
+
+def _text_ids(tokenizer_file: Path, n: int) -> list[int]:
+    from tokenizers import Tokenizer
+
+    from edgeroute.texts import evaluation_text
+
+    ids = Tokenizer.from_file(str(tokenizer_file)).encode(evaluation_text(), add_special_tokens=False).ids
+    if len(ids) < n:
+        raise SystemExit(f"the evaluation text has only {len(ids)} tokens, {n} asked")
+    return ids[:n]
+
+
+class EdgerouteCase:
+    def __init__(self, bundle: Path, flavour: str) -> None:
+        from edgeroute.runtime import Bundle, OrtModel
+
+        self.model = OrtModel(Bundle.open(bundle, verify=False), attention=flavour)
+        self.cache = self.model.new_cache()
+
+    def prefill(self, ids: list[int]):
+        return self.model.forward(self.cache, ids)
+
+    def step(self, logits) -> object:
+        return self.model.forward(self.cache, [int(logits.argmax())])
+
+
+class LlamaCppCase:
+    def __init__(self, gguf: Path, threads: int, n_ctx: int) -> None:
+        import numpy as np
+        from llama_cpp import Llama
+
+        self.np = np
+        self.llm = Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx,
+                         verbose=False, logits_all=False)
+
+    def _last_logits(self):
+        # the context's own output row (without logits_all, Llama keeps no scores of its own)
+        return self.np.ctypeslib.as_array(self.llm._ctx.get_logits(), shape=(self.llm.n_vocab(),))
+
+    def prefill(self, ids: list[int]):
+        self.llm.eval(ids)
+        return self._last_logits()
+
+    def step(self, logits):
+        self.llm.eval([int(logits.argmax())])
+        return self._last_logits()
+
+
+def worker(spec: dict) -> dict:
+    """One case in this (fresh) process: load, prefill, decode; print a JSON record."""
+    os.environ["EDGEROUTE_THREADS"] = str(spec["threads"])
+    ids = _text_ids(Path(spec["tokenizer"]), spec["tokens"])
+    if spec["runtime"] == "llama.cpp":
+        case = LlamaCppCase(Path(spec["gguf"]), spec["threads"], spec["n_ctx"])
+    else:
+        case = EdgerouteCase(Path(spec["bundle"]), spec["runtime"].split(":")[1])
+    clock = time.process_time if spec["clock"] == "cpu" else time.perf_counter
+    load_rss = _status_bytes("VmRSS")
+    _reset_peak()
+    start = clock()
+    logits = case.prefill(ids)
+    ttft = clock() - start
+    record = {**spec, "load_rss": load_rss, "peak_rss": _status_bytes("VmHWM"), "ttft_s": ttft}
+    start = clock()
+    for _ in range(spec["steps"]):
+        logits = case.step(logits)
+    record["decode_tok_s"] = spec["steps"] / (clock() - start)
+    return record
+
+
+def run_case(spec: dict) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    if out.returncode != 0:
+        raise SystemExit(f"case {spec} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def median_of(records: list[dict], key: str) -> float | None:
+    values = [r[key] for r in records if r.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--bundle", type=Path, default=Path("bundles/smollm2"))
+    parser.add_argument("--gguf", type=Path, help="llama.cpp's model (default: the packaged SmolLM2 GGUF)")
+    parser.add_argument("--runtimes", default=",".join(RUNTIMES))
+    parser.add_argument("--contexts", default="32,256,512,1024,1800", help="prompt lengths (= decode contexts)")
+    parser.add_argument("--steps", type=int, default=32, help="decode steps timed per context")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="cpu: the process's CPU time (use with --threads 1 on a shared machine)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=Path("bench-context.json"))
+    args = parser.parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(json.loads(args.worker))))
+        return 0
+
+    from edgeroute.bundle import Bundle
+    from edgeroute.export.sources import packaged_gguf
+
+    bundle = Bundle.open(args.bundle, verify=False)
+    gguf = args.gguf or packaged_gguf()
+    base = {"bundle": str(args.bundle), "gguf": str(gguf), "threads": args.threads, "clock": args.clock,
+            "tokenizer": str(bundle.file(bundle.tokenizer["file"])), "n_ctx": int(bundle.generation["context_length"])}
+    runtimes = args.runtimes.split(",")
+    contexts = [int(c) for c in args.contexts.split(",") if c]
+    records: list[dict] = []
+    for repeat in range(args.repeats):
+        for tokens in contexts:
+            for runtime in runtimes:
+                record = run_case({**base, "runtime": runtime, "tokens": tokens, "steps": args.steps})
+                records.append({**record, "repeat": repeat})
+                print(f"[{repeat}] {tokens:5d} {runtime:20s} ttft {record['ttft_s']:.2f}s "
+                      f"load {record['load_rss'] / 2**20:.0f} MiB peak {record['peak_rss'] / 2**20:.0f} MiB "
+                      f"decode {record['decode_tok_s']:.1f} tok/s", flush=True)
+
+    summary: dict[str, dict[str, dict]] = {}
+    for tokens in contexts:
+        for runtime in runtimes:
+            rs = [r for r in records if (r["tokens"], r["runtime"]) == (tokens, runtime)]
+            summary.setdefault(str(tokens), {})[runtime] = {
+                key: median_of(rs, key) for key in ("decode_tok_s", "ttft_s", "load_rss", "peak_rss")}
+    print(f"\nmedians of {args.repeats}, {args.threads} thread(s), {args.clock} clock; [x] = ratio to llama.cpp; "
+          "RSS in MiB: peak (peak - after load)")
+    header = "context | " + " | ".join(f"{r}: tok/s, TTFT s, peak RSS" for r in runtimes)
+    print(header)
+    for tokens in contexts:
+        row, cells = summary[str(tokens)], []
+        ref = row.get("llama.cpp")
+        for runtime in runtimes:
+            m = row[runtime]
+            ratio = f" [{m['decode_tok_s'] / ref['decode_tok_s']:.2f}x]" if ref and runtime != "llama.cpp" else ""
+            cells.append(f"{m['decode_tok_s']:.1f}{ratio}, {m['ttft_s']:.2f}, "
+                         f"{m['peak_rss'] / 2**20:.0f} (+{(m['peak_rss'] - m['load_rss']) / 2**20:.0f})")
+        print(f"{tokens:7d} | " + " | ".join(cells))
+    first, last = str(contexts[0]), str(contexts[-1])
+    for runtime in runtimes:
+        kept = summary[last][runtime]["decode_tok_s"] / summary[first][runtime]["decode_tok_s"]
+        print(f"{runtime}: decode at {last} = {kept:.0%} of at {first}")
+    args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "summary": summary,
+                                    "records": records, "load_average": os.getloadavg()}, indent=1))
+    print(f"\nwrote {args.out} (load average now {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
