@@ -32,7 +32,7 @@ FORMAT = {"type": "json_schema", "json_schema": {"schema": INTENT}}
 PROMPTS = [
     "Set the passenger side to twenty-one degrees. JSON:",
     "Make it warmer in the back. JSON:",
-    '{"action": "set", "zone": "driver", "temperature_c": 19, "note": "", "recirculate": true} again:',
+    '{"action":"set","zone":"driver","temperature_c":19,"note":"","recirculate":true} again:',
 ]
 NEW = 64
 MODES = {
@@ -147,7 +147,7 @@ def walk(constraint: Constraint, engine, text: str) -> tuple[list[int], int]:
 ])
 def test_mask_never_removes_the_token_a_valid_output_needs(intent, tiny_engine):
     constraint = tiny_engine.grammars.compile(FORMAT)
-    text = json.dumps(intent, ensure_ascii=False)
+    text = json.dumps(intent, ensure_ascii=False, separators=(",", ":"))
     tokens, forced = walk(constraint, tiny_engine, text)
     assert constraint.complete and forced >= len(tokens) // 3
 
@@ -155,7 +155,7 @@ def test_mask_never_removes_the_token_a_valid_output_needs(intent, tiny_engine):
 def test_invalid_text_is_rejected_by_the_mask(tiny_engine):
     constraint = tiny_engine.grammars.compile(FORMAT)
     with pytest.raises(AssertionError, match="removed every token"):
-        walk(constraint, tiny_engine, '{"action": "heat"}')
+        walk(constraint, tiny_engine, '{"action":"heat"}')
 
 
 @pytest.mark.parametrize(("spec", "check"), [
