@@ -170,6 +170,39 @@ def checks(answer: Answer, prompt: dict) -> dict:
     return {"valid": valid, "valid_found": valid_found, "correct": correct}
 
 
+# -- the grammar alone -----------------------------------------------------------------------------
+
+def grammar_costs(engine, prompts: list[dict]) -> dict:
+    """Compile time per schema and mask time per position, walking each expected intent (in
+    minified JSON) through its constraint: forced tokens where forced, else the tokenizer's
+    next token of the remaining text. Also the share of the intents' tokens that are forced,
+    a property of schema and tokenizer alone."""
+    compile_ms, mask_ms, forced, total, complete = [], [], 0, 0, 0
+    assert engine.grammars.tokenizer is not None  # built once per engine (not timed): not per request
+    for prompt in prompts:
+        start = time.perf_counter()
+        constraint = engine.grammars.compile({"type": "json_schema", "schema": prompt["schema"]})
+        compile_ms.append((time.perf_counter() - start) * 1000)
+        text, tokens = json.dumps(prompt["expected"], separators=(",", ":"), ensure_ascii=False), []
+        while (token := constraint.forced()) != constraint.eos_id:
+            start = time.perf_counter()
+            allowed = constraint.allowed()
+            mask_ms.append((time.perf_counter() - start) * 1000)
+            if token is None:
+                token = engine.encode(text[len(engine.decode(tokens)):])[0]
+                if not allowed[token]:
+                    break  # the tokenizer's split is not the grammar's here: stop this walk
+            else:
+                forced += 1
+            constraint.advance(token)
+            tokens.append(token)
+        total += len(tokens)
+        complete += constraint.complete
+    return {"schemas": len(prompts), "walks_complete": complete, "compile_ms_median": statistics.median(compile_ms),
+            "mask_ms_median": statistics.median(mask_ms), "mask_ms_p90": statistics.quantiles(mask_ms, n=10)[-1],
+            "forced_share_of_expected": forced / total if total else 0.0}
+
+
 # -- the run ------------------------------------------------------------------------------------
 
 def summarize(records: list[dict], baseline: dict[str, float]) -> dict:
@@ -261,13 +294,18 @@ def main(argv: list[str] | None = None) -> int:
             records[config].append({"id": prompt["id"], **asdict(answer), **checks(answer, prompt)})
         console.print(f"[dim]{i + 1}/{len(prompts)} {prompt['id']}: "
                       f"{records[configs[0]][-1]['text'][:60]!r} ...[/]")
+    costs = grammar_costs(engine, prompts)
+    console.print(f"grammar alone, {costs['schemas']} schemas: compile {costs['compile_ms_median']:.1f} ms (median), "
+                  f"mask {costs['mask_ms_median']:.3f} ms median / {costs['mask_ms_p90']:.3f} ms p90 per position; "
+                  f"{costs['forced_share_of_expected']:.0%} of the expected intents' tokens are forced")
     full = {r["id"]: r["decode_tokens"] / r["decode_seconds"] for r in records.get("full", []) if r["decode_seconds"]}
     summary = {c: summarize(records[c], full) for c in configs}
     title = f"json workload, {len(prompts)} prompts, {args.bundle.name}, {args.threads} threads (shared machine)"
     print_table(summary, title, console)
     result = {"bundle": str(args.bundle), "gguf": str(args.gguf) if args.gguf else None, "prompts": len(prompts),
               "max_new_tokens": args.max_new_tokens, "threads": args.threads, "machine": platform.platform(),
-              "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "summary": summary, "records": records}
+              "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "summary": summary, "grammar": costs,
+              "records": records}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.out.with_suffix(".tmp")
     tmp.write_text(json.dumps(result, indent=1))
