@@ -47,6 +47,34 @@ def _mb(n: int) -> str:
     return f"{n / 1e6:,.1f} MB"
 
 
+def _read_text(path: Path, what: str) -> str:
+    try:
+        return path.read_text()
+    except OSError as err:
+        raise EdgerouteError(f"cannot read the {what} file {path}: {err.strerror}") from None
+
+
+def _response_format(json_schema: Path | None, regex: str | None, grammar: Path | None) -> dict | None:
+    """The ``response_format`` that --json-schema FILE, --regex or --grammar FILE ask for."""
+    import json
+
+    given = [name for name, value in (("--json-schema", json_schema), ("--regex", regex), ("--grammar", grammar))
+             if value is not None]
+    if len(given) > 1:
+        raise EdgerouteError(f"give one of --json-schema, --regex, --grammar (got {' and '.join(given)})")
+    if json_schema is not None:
+        try:
+            schema = json.loads(_read_text(json_schema, "JSON schema"))
+        except json.JSONDecodeError as err:
+            raise EdgerouteError(f"the JSON schema file {json_schema} is not valid JSON: {err}") from None
+        return {"type": "json_schema", "json_schema": {"schema": schema}}
+    if regex is not None:
+        return {"type": "regex", "regex": regex}
+    if grammar is not None:
+        return {"type": "grammar", "grammar": _read_text(grammar, "grammar")}
+    return None
+
+
 @app.command()
 def export(
     llm: str = typer.Option("smollm2", help="LLM source: HF checkpoint dir, .gguf file, or 'smollm2' (packaged)"),
@@ -171,9 +199,14 @@ def run(
     re_eval_interval: int = typer.Option(None),
     granularity: str = typer.Option(None, help="layer | mlp"),
     kv_cache_reduction: bool = typer.Option(None),
+    json_schema: Path = typer.Option(None, help="answer with JSON valid against this JSON schema file"),
+    regex: str = typer.Option(None, help="answer with text matching this regular expression"),
+    grammar: Path = typer.Option(None, help="answer with text of this grammar file (Lark or GBNF)"),
     trace: Path = typer.Option(None, help="write one JSON line per generated token"),
 ) -> None:
-    """Generate text from a bundle on ONNX Runtime (no torch)."""
+    """Generate text from a bundle on ONNX Runtime (no torch). With --json-schema, --regex or
+    --grammar every token fits the structure; an answer cut by --max-tokens before the structure
+    is complete is reported as an error (exit code 3)."""
     import json
 
     from edgeroute.runtime import Engine
@@ -189,6 +222,9 @@ def run(
         if not prompt and not chat:
             raise EdgerouteError("give --prompt 'What is the capital of France?' or --chat")
         settings = load_profile(profile) if profile else None
+        structure = _response_format(json_schema, regex, grammar)
+        if structure is not None:
+            overrides["response_format"] = structure
         engine = Engine(bundle, providers=settings.providers if settings else None)
         if mode == "auto" and "task" not in (settings.decoding if settings else {}):
             raise EdgerouteError("--mode auto picks the calibrated configuration of a task profile: add "
@@ -207,7 +243,12 @@ def run(
                 sys.stdout.flush()
             sys.stdout.write("\n")
             err_console.print(f"[dim]{session.last.stats.summary(session.options.mode, engine.llm.num_layers)}[/]")
+            if session.last.finish_reason == "incomplete":
+                incomplete.append(session.last)
+                err_console.print("[bold red]error:[/] the answer is incomplete: it ended before the response format's "
+                                  "structure was complete, so it is not valid output; raise --max-tokens")
 
+        incomplete = []
         try:
             if prompt:
                 turn(prompt)
@@ -226,6 +267,8 @@ def run(
         finally:
             if trace_file is not None:
                 trace_file.close()
+    if incomplete:
+        raise typer.Exit(3)
 
 
 @app.command()

@@ -1,5 +1,6 @@
-"""The device side runs with onnxruntime, numpy and tokenizers only, on Python 3.10+:
-no torch, transformers, onnx or export code gets imported, and no newer syntax or stdlib."""
+"""The device side runs with onnxruntime, numpy and tokenizers (and llguidance for response_format)
+only, on Python 3.10+: no torch, transformers, onnx or export code gets imported, and no newer
+syntax or stdlib."""
 
 from __future__ import annotations
 
@@ -49,6 +50,9 @@ logits = model.forward(model.new_cache(), [1, 504, 3458, 282])
 assert logits.shape == (bundle.llm.arch.vocab_size,) and np.isfinite(logits).all(), logits.shape
 engine = Engine(bundle)
 text = engine.generate("The capital of France is", max_new_tokens=2).text
+structured = engine.generate("The capital of France is", max_new_tokens=8,
+                             response_format={{"type": "regex", "regex": "[a-z ]{{1,6}}"}})  # llguidance
+assert structured.finish_reason == "eos", structured
 loaded = sorted(m for m in sys.modules if any(m == f or m.startswith(f + ".") for f in FORBIDDEN))
 print(json.dumps({{"loaded": loaded, "text": text}}))
 """

@@ -21,6 +21,7 @@ import numpy as np
 
 from edgeroute.errors import InputError
 from edgeroute.runtime.backend import Cache, ModelBackend
+from edgeroute.runtime.constraints import Constraint, Draft, ResponseFormat, apply_mask
 from edgeroute.runtime.drafters import NgramDrafter, Proposal, SlmDrafter
 from edgeroute.runtime.policies import ROUTERS, FallbackMonitor, FallbackOptions, Router, SkipController, SkipOptions
 from edgeroute.runtime.sampling import Sampler, top1_probability
@@ -51,6 +52,8 @@ class DecodeOptions:
     adaptive_draft: bool = True
     skip: SkipOptions = field(default_factory=SkipOptions)
     fallback: FallbackOptions | None = field(default_factory=FallbackOptions)
+    # structured output: a JSON schema, regex or grammar every token must fit (see constraints.py)
+    response_format: ResponseFormat | dict[str, Any] | None = None
 
     def updated(self, **overrides: Any) -> DecodeOptions:
         """A copy with overrides; skip options may be given flat (``skip_ratio=0.2``)."""
@@ -87,6 +90,9 @@ class DecodeOptions:
             raise InputError(f"draft_tokens must be between 1 and max_draft_tokens ({self.max_draft_tokens})")
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise InputError(f"max_new_tokens must be >= 1 (got {self.max_new_tokens})")
+        if ResponseFormat.parse(self.response_format) is not None and self.stop:
+            raise InputError("stop strings would cut a response_format's structure where it may be incomplete: "
+                             "drop the stop strings (the structure's end ends the generation)")
         # ranges also outside skip modes (a bad value is a mistake either way); layer counts in them
         self.skip.validate(num_layers if "skip" in self.mode else None)
         if self.fallback is not None:
@@ -97,7 +103,7 @@ class DecodeOptions:
 class TokenTrace:
     position: int
     token: int
-    source: str  # llm | slm | ngram | draft:ngram | draft:slm
+    source: str  # llm | slm | ngram | draft:ngram | draft:slm | grammar (forced: no model step)
     seconds: float  # wall time since the previous token
     router_score: float | None = None
     layers_run: int | None = None  # LLM layers this token's pass ran (None: no LLM pass)
@@ -122,6 +128,8 @@ class GenerationStats:
     drafted: int = 0
     accepted: int = 0
     fallbacks: int = 0
+    forced: int = 0  # tokens the response_format's grammar forced (no model step)
+    grammar_seconds: float = 0.0  # time in the grammar: masks, forced tokens, checking drafts
 
     @property
     def decode_tokens_per_second(self) -> float:
@@ -145,6 +153,8 @@ class GenerationStats:
             line += f", draft acceptance {self.acceptance:.0%}"
         if self.fallbacks:
             line += f", {self.fallbacks} fallback(s)"
+        if self.forced:
+            line += f", {self.forced} forced by the grammar"
         return f"{line} (mode {mode})"
 
 
@@ -176,8 +186,9 @@ class SequenceState:
 class Decoder:
     """One generation over a :class:`SequenceState`."""
 
-    def __init__(self, state: SequenceState, options: DecodeOptions, cancel: threading.Event | None = None) -> None:
-        self.state, self.options = state, options
+    def __init__(self, state: SequenceState, options: DecodeOptions, cancel: threading.Event | None = None,
+                 constraint: Constraint | None = None) -> None:
+        self.state, self.options, self.constraint = state, options, constraint
         self.llm = state.llm
         self.sampler = Sampler(options.temperature, options.top_p, options.seed)
         self.cancel = cancel or threading.Event()
@@ -224,19 +235,40 @@ class Decoder:
         if self.monitor is not None:
             self.monitor.observe_llm(top1_probability(logits))
 
+    def _allowed(self) -> np.ndarray | None:
+        return None if self.constraint is None else self.constraint.allowed()
+
+    def _draft(self) -> Draft:
+        """The light path's draft; under a grammar, checked token by token, with the tokens
+        the grammar forces in between."""
+        source = f"draft:{self.light.name}"
+        if self.constraint is None:
+            return Draft.unconstrained(self.light.propose(self.state.tokens, self.draft_length).tokens, source)
+        return self.constraint.draft(self.light, self.state.tokens, self.draft_length, self.options.max_draft_tokens,
+                                     source)
+
     def step_llm(self) -> list[TokenTrace]:
         logits, trace = self._llm_pass([])
-        self._observe_llm(logits[0])
-        trace.token = self.sampler.sample(logits[0])
+        logits = apply_mask(logits[0], self._allowed())
+        self._observe_llm(logits)
+        trace.token = self.sampler.sample(logits)
         return [trace]
 
     def step_slm(self) -> list[TokenTrace]:
-        logits = self.state.slm_drafter.next_logits(self.state.tokens)
+        logits = apply_mask(self.state.slm_drafter.next_logits(self.state.tokens), self._allowed())
         return [TokenTrace(-1, self.sampler.sample(logits), "slm", 0.0)]
+
+    def step_forced(self) -> list[TokenTrace]:
+        """The token the grammar forces, if it forces one: no model step (the LLM and the SLM
+        catch up on it in their next pass, as on light-path tokens)."""
+        token = None if self.constraint is None else self.constraint.forced()
+        return [] if token is None else [TokenTrace(-1, token, "grammar", 0.0)]
 
     def step_route(self) -> list[TokenTrace]:
         proposal: Proposal = self.light.propose(self.state.tokens, 1)
         proposal.answer_position = self.stats.new_tokens
+        if self.constraint is not None:
+            proposal = self.constraint.constrain(proposal)
         score = self.router(proposal, 0) if proposal.tokens else 1.0
         format_critical = bool(proposal.tokens) and proposal.tokens[0] in self.options.protected_tokens
         if self._fallback_active() or format_critical or score > self.route_threshold:
@@ -250,32 +282,34 @@ class Decoder:
         return traces
 
     def step_speculate(self) -> list[TokenTrace]:
-        proposal = self.light.propose(self.state.tokens, self.draft_length)
-        draft = proposal.tokens
-        if not draft:
+        draft = self._draft()
+        if not draft.tokens:
             return self.step_llm()
         start = self.state.llm_cache.length
         pending = len(self.state.tokens) - start
-        logits, trace = self._llm_pass(draft)
+        logits, trace = self._llm_pass(draft.tokens)
         traces = []
-        for i, token in enumerate(draft):
-            accepted, chosen = self.sampler.verify_draft(logits[i], token)
+        for i, token in enumerate(draft.tokens):
+            accepted, chosen = self.sampler.verify_draft(apply_mask(logits[i], draft.masks[i]), token)
             if not accepted:
                 break
-            traces.append(TokenTrace(-1, token, f"draft:{self.light.name}", 0.0))
+            traces.append(TokenTrace(-1, token, draft.sources[i], 0.0))
         else:
-            chosen = self.sampler.sample(logits[len(draft)])
+            chosen = self.sampler.sample(apply_mask(logits[len(draft.tokens)], draft.masks[-1]))
         n = len(traces)
-        self._observe_llm(logits[n])
+        self._observe_llm(apply_mask(logits[n], draft.masks[n]))
         self.state.llm_cache.truncate(start + pending + n)  # forget the rejected drafts' K/V
-        self.stats.drafted += len(draft)
-        self.stats.accepted += n
+        # forced tokens in a draft are certain: acceptance counts the light path's guesses only
+        light = [source != "grammar" for source in draft.sources]
+        drafted, accepted = sum(light), sum(light[:n])
+        self.stats.drafted += drafted
+        self.stats.accepted += accepted
         trace.token = chosen
         traces.append(trace)
-        if self.options.adaptive_draft:
-            if n == len(draft):
+        if self.options.adaptive_draft and drafted:
+            if accepted == drafted:
                 self.draft_length = min(self.draft_length + 1, self.options.max_draft_tokens)
-            elif n < len(draft) / 2:
+            elif accepted < drafted / 2:
                 self.draft_length = max(self.draft_length - 1, 1)
         return traces
 
@@ -296,7 +330,7 @@ class Decoder:
         state = self.state
         start = last = time.perf_counter()
         while self.stats.new_tokens < budget and not self.cancel.is_set():
-            for trace in step():
+            for trace in self.step_forced() or step():
                 now = time.perf_counter()
                 trace.position, trace.seconds, last = len(state.tokens), now - last, now
                 if self.stats.new_tokens == 0:
@@ -305,6 +339,10 @@ class Decoder:
                 self.stats.decode_seconds = now - decode_start
                 state.tokens.append(trace.token)
                 self.stats.new_tokens += 1
+                if self.constraint is not None:
+                    self.constraint.advance(trace.token)
+                    self.stats.forced += trace.source == "grammar"
+                    self.stats.grammar_seconds = self.constraint.seconds
                 if trace.source == "llm":
                     self.stats.llm_tokens += 1
                     self.stats.llm_layers_run += trace.layers_run or 0

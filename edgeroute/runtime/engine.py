@@ -22,6 +22,7 @@ from edgeroute.bundle import Bundle, RouterCalibration
 from edgeroute.chat_format import format_messages
 from edgeroute.errors import InputError
 from edgeroute.runtime.calibrated import calibrated_options, format_token_ids
+from edgeroute.runtime.constraints import Constraint, GrammarCompiler
 from edgeroute.runtime.decoding import DecodeOptions, Decoder, GenerationStats, SequenceState, TokenTrace
 from edgeroute.runtime.model import OrtModel
 from edgeroute.runtime.routers import TrainedRouter
@@ -35,7 +36,9 @@ class Generation:
     tokens: list[int]
     stats: GenerationStats = field(default_factory=GenerationStats)
     trace: list[TokenTrace] = field(default_factory=list)
-    finish_reason: str = "length"  # length | eos | stop | cancelled
+    # length | eos | stop | cancelled | incomplete (a response_format's structure is unfinished:
+    # the text is not valid output)
+    finish_reason: str = "length"
 
 
 class Engine:
@@ -58,6 +61,8 @@ class Engine:
         self.options = options or DecodeOptions()
         self._routers: dict[str, TrainedRouter] = {}
         self._format_tokens: frozenset[int] | None = None
+        self.grammars = GrammarCompiler(self.bundle.file(self.bundle.tokenizer["file"]), self.llm.arch.vocab_size,
+                                        self.bundle.tokenizer.get("eos_token_ids") or [])
 
     # -- calibrated defaults --------------------------------------------------------------------
 
@@ -148,6 +153,7 @@ class Session:
         self.messages: list[dict[str, str]] = []
         self._cancel = threading.Event()
         self.last: Generation | None = None
+        self._constraint: Constraint | None = None  # the running generation's response_format
 
     def reset(self) -> None:
         self.state.reset()
@@ -182,6 +188,7 @@ class Session:
     def generate_tokens(self, prompt: str | Messages, **overrides: Any) -> Iterator[TokenTrace]:
         options = self.engine.resolve(self.options.updated(**overrides)) if overrides else self.options
         options.validate(self.engine.llm.num_layers, self.engine.bundle.slm is not None)
+        constraint = self.engine.grammars.compile(options.response_format)  # once per request
         new, drop_eos, messages = self._turn_tokens(prompt)
         room = self.state.capacity - len(self.state.tokens) + drop_eos - options.max_draft_tokens - 1
         if len(new) > room:
@@ -199,7 +206,8 @@ class Session:
         if (options.mode == "slm" or options.light == "slm") and self.state.slm_drafter is None:
             self.state.attach_slm(self.engine.slm)
         self._cancel.clear()
-        decoder = Decoder(self.state, options, self._cancel)
+        decoder = Decoder(self.state, options, self._cancel, constraint)
+        self._constraint = constraint
         self.last = Generation("", [], decoder.stats)
         yield from decoder.run(new, budget, self.engine.eos_ids)
 
@@ -245,6 +253,8 @@ class Session:
                     emitted = text
             if self._cancel.is_set():
                 finish = "cancelled"
+            elif self._constraint is not None and not self._constraint.complete:
+                finish = "incomplete"
             generation.text, generation.finish_reason = emitted, finish
             if self.messages:
                 self.messages.append({"role": "assistant", "content": emitted})
