@@ -67,12 +67,17 @@ def packaged_gguf() -> Path:
 
 
 def resolve_source(spec: str | Path) -> Path:
+    from edgeroute.export.named_sources import NAMED_SOURCES, assemble
+
     if str(spec) == DEFAULT_MODEL:
         return packaged_gguf()
+    if str(spec) in NAMED_SOURCES:
+        return assemble(NAMED_SOURCES[str(spec)])
     path = Path(spec).expanduser()
     if not path.exists():
+        names = ", ".join(repr(n) for n in (DEFAULT_MODEL, *NAMED_SOURCES))
         raise SourceError(f"model source {str(spec)!r} does not exist: give an HF checkpoint directory "
-                          f"(config.json + *.safetensors), a .gguf file, or {DEFAULT_MODEL!r} for the packaged default")
+                          f"(config.json + *.safetensors), a .gguf file, or a named source ({names})")
     return path
 
 
