@@ -20,7 +20,7 @@ feeding a ``MatMul``: TensorRT 10 parses it, and ONNX Runtime fuses it into MatM
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -389,15 +389,16 @@ def build_head(arch: ArchConfig, final_norm: np.ndarray, lm_head: Linear,
 GraphSpec = tuple[str, str, "int | None", Callable[["WeightFile | None"], onnx.ModelProto]]
 
 
-def model_graphs(arch: ArchConfig, weights: ModelWeights) -> list[tuple[str, list[GraphSpec]]]:
+def model_graphs(arch: ArchConfig, weights: ModelWeights) -> Iterator[tuple[str, list[GraphSpec]]]:
     """Groups of (graph name, kind, layer, build(weight_file)); the graphs of one group share
-    one external weight file, so a layer's weights are stored once for its four graphs."""
-    groups: list[tuple[str, list[GraphSpec]]] = [
-        ("embed", [("embed", "embed", None, lambda w: build_embed(arch, weights.embedding, w))])]
+    one external weight file, so a layer's weights are stored once for its four graphs.
+
+    A generator over the layers as they come: build a group's graphs before asking for the
+    next one, and only one layer is ever held."""
+    yield "embed", [("embed", "embed", None, lambda w: build_embed(arch, weights.embedding, w))]
     for i, layer in enumerate(weights.layers):
-        groups.append((f"layer_{i:03d}", [
+        yield f"layer_{i:03d}", [
             (f"{kind}_{i:03d}", kind, i, lambda w, build=build, i=i, layer=layer: build(arch, layer, i, w))
             for kind, build in (("layer", build_layer), ("attn", build_attention), ("mlp", build_mlp),
-                                ("kv", build_kv_fill))]))
-    groups.append(("head", [("head", "head", None, lambda w: build_head(arch, weights.final_norm, weights.lm_head, w))]))
-    return groups
+                                ("kv", build_kv_fill))]
+    yield "head", [("head", "head", None, lambda w: build_head(arch, weights.final_norm, weights.lm_head, w))]

@@ -14,7 +14,9 @@ both ONNX Runtime and TensorRT 10 run. The per-block ``offset`` is how asymmetri
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar, overload
 
 import numpy as np
 
@@ -147,17 +149,64 @@ class LayerWeights:
         return {name: getattr(self, name) for name in self.LINEARS}
 
 
+class LazyLayers(Sequence[LayerWeights]):
+    """Decoder layers made on access (read from the source, quantized, ...) and never kept.
+
+    A model streams through export one layer at a time: a 7B model's layers in float32 alone
+    would take 26 GB, one of them 0.9 GB."""
+
+    def __init__(self, make: Callable[[int], LayerWeights], indices: range) -> None:
+        self._make, self._indices = make, indices
+
+    def __len__(self) -> int:
+        return len(self._indices)
+
+    @overload
+    def __getitem__(self, index: int) -> LayerWeights: ...
+    @overload
+    def __getitem__(self, index: slice) -> LazyLayers: ...
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return LazyLayers(self._make, self._indices[index])
+        return self._make(self._indices[index])
+
+
+def lazy_map(layers: Sequence[LayerWeights], transform: Callable[[LayerWeights], LayerWeights]) -> LazyLayers:
+    """``transform`` applied to each layer when that layer is asked for."""
+    return LazyLayers(lambda i: transform(layers[i]), range(len(layers)))
+
+
+T = TypeVar("T")
+
+
+def _loaded(value: T | Callable[[], T]) -> T:
+    return value() if callable(value) else value
+
+
 @dataclass
 class ModelWeights:
-    embedding: Weight  # [vocab, hidden]; gathered by token id
-    layers: list[LayerWeights]
+    """A model's weights. The embedding and the head may be given as loaders (called on each
+    access, nothing kept) and the layers as a :class:`LazyLayers` or a one-pass iterable
+    (GPTQ's quantized layers, which depend on the ones before), so no more than one layer,
+    the embedding or the head need to be in memory at once."""
+
+    embedding_source: Weight | Callable[[], Weight]  # [vocab, hidden]; gathered by token id
+    layers: Sequence[LayerWeights] | Iterable[LayerWeights]
     final_norm: np.ndarray
-    lm_head: Linear  # [vocab, hidden]
+    lm_head_source: Linear | Callable[[], Linear]  # [vocab, hidden]
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def embedding(self) -> Weight:
+        return _loaded(self.embedding_source)
+
+    @property
+    def lm_head(self) -> Linear:
+        return _loaded(self.lm_head_source)
 
     def truncated(self, n_layers: int) -> ModelWeights:
         """The first ``n_layers`` decoder layers with the same embedding, norm and head."""
-        return ModelWeights(self.embedding, self.layers[:n_layers], self.final_norm, self.lm_head,
+        return ModelWeights(self.embedding_source, self.layers[:n_layers], self.final_norm, self.lm_head_source,
                             [*self.notes, f"truncated to the first {n_layers} layers"])
 
 
