@@ -80,6 +80,12 @@ class WeightFile:
         self._file.close()
 
 
+def _pack_nibbles(q: np.ndarray) -> np.ndarray:
+    """int4 codes [rows, cols] (cols even) as uint8 [rows, cols / 2]: code + 8, even column low."""
+    u = (q.astype(np.int16) + 8).astype(np.uint8)
+    return u[:, 0::2] | (u[:, 1::2] << 4)
+
+
 def _pack_int4(values: np.ndarray) -> bytes:
     nibbles = (values.astype(np.int8).reshape(-1) & 0x0F).astype(np.uint8)
     if nibbles.size % 2:
@@ -356,24 +362,50 @@ def build_embed(arch: ArchConfig, embedding: Weight, weights: WeightFile | None 
         table = g.float_weight(f"{prefix}.weight", embedding.w, embedding.storage)
         hidden = g.op("Gather", [table, ids], name=f"{prefix}/Gather", axis=0)
     else:
-        # int4 codes are stored one per byte: Gather has no int4 kernel, and the table is
-        # only gathered (one row per token), so its size matters more than its bandwidth.
         emb = embedding.with_positive_scales()
-        codes = g.tensor(f"{prefix}.qweight", emb.q.astype(np.int8))
-        rows = g.op("Gather", [codes, ids], name=f"{prefix}/GatherCodes", axis=0)
         scales = g.op("Gather", [g.tensor(f"{prefix}.scales", emb.scale.astype(np.float32)), ids],
                       name=f"{prefix}/GatherScales", axis=0)
-        hidden = g.op("DequantizeLinear", [rows, scales], name=f"{prefix}/DequantizeLinear",
-                      axis=1, block_size=emb.block)
-        if emb.offset is not None:
-            offsets = g.op("Gather", [g.tensor(f"{prefix}.offsets", emb.offset.astype(np.float32)), ids],
-                           name=f"{prefix}/GatherOffsets", axis=0)
-            offsets = g.op("Unsqueeze", [offsets, g.const([-1])], name=f"{prefix}/OffsetUnsqueeze")
-            blocks = g.op("Reshape", [hidden, g.const([0, -1, emb.block])], name=f"{prefix}/Blocks")
-            blocks = g.op("Add", [blocks, offsets], name=f"{prefix}/OffsetAdd")
-            hidden = g.op("Reshape", [blocks, g.const([0, arch.hidden_size])], name=f"{prefix}/Flat")
+        if emb.bits == 4 and arch.hidden_size % 2 == 0:
+            hidden = _gathered_int4_rows(g, arch, emb, ids, scales, prefix)
+        else:
+            codes = g.tensor(f"{prefix}.qweight", emb.q.astype(np.int8))
+            rows = g.op("Gather", [codes, ids], name=f"{prefix}/GatherCodes", axis=0)
+            hidden = g.op("DequantizeLinear", [rows, scales], name=f"{prefix}/DequantizeLinear",
+                          axis=1, block_size=emb.block)
+            if emb.offset is not None:
+                offsets = g.op("Gather", [g.tensor(f"{prefix}.offsets", emb.offset.astype(np.float32)), ids],
+                               name=f"{prefix}/GatherOffsets", axis=0)
+                offsets = g.op("Unsqueeze", [offsets, g.const([-1])], name=f"{prefix}/OffsetUnsqueeze")
+                blocks = g.op("Reshape", [hidden, g.const([0, -1, emb.block])], name=f"{prefix}/Blocks")
+                blocks = g.op("Add", [blocks, offsets], name=f"{prefix}/OffsetAdd")
+                hidden = g.op("Reshape", [blocks, g.const([0, arch.hidden_size])], name=f"{prefix}/Flat")
     g.output(hidden, "hidden", TensorProto.FLOAT, ["tokens", arch.hidden_size])
     return g.build()
+
+
+def _gathered_int4_rows(g: GraphBuilder, arch: ArchConfig, emb: BlockQuantWeight, ids: str, scales: str,
+                        prefix: str) -> str:
+    """Rows of an int4 table stored two codes per byte (Gather has no int4 kernel; one code
+    per byte doubled the 1.5B's table to 233 MB): the gathered bytes are split into nibbles,
+    and ``(code - 8) * scale + offset`` computed in float32 as DequantizeLinear would."""
+    packed = g.tensor(f"{prefix}.qweight_packed", _pack_nibbles(emb.q))
+    rows = g.op("Gather", [packed, ids], name=f"{prefix}/GatherCodes", axis=0)  # [T, d/2] uint8
+    low = g.op("BitwiseAnd", [rows, g.const(15, np.uint8)], name=f"{prefix}/LowNibble")
+    high = g.op("BitShift", [rows, g.const(4, np.uint8)], name=f"{prefix}/HighNibble", direction="RIGHT")
+    pairs = g.op("Concat", [g.op("Unsqueeze", [low, g.const([-1])], name=f"{prefix}/LowUnsqueeze"),
+                            g.op("Unsqueeze", [high, g.const([-1])], name=f"{prefix}/HighUnsqueeze")],
+                 name=f"{prefix}/Interleave", axis=-1)
+    codes = g.op("Cast", [g.op("Reshape", [pairs, g.const([0, -1, emb.block])], name=f"{prefix}/Blocks")],
+                 name=f"{prefix}/Cast", to=TensorProto.FLOAT)
+    signed = g.op("Sub", [codes, g.const(8.0, np.float32)], name=f"{prefix}/Center")
+    scaled = g.op("Mul", [signed, g.op("Unsqueeze", [scales, g.const([-1])], name=f"{prefix}/ScaleUnsqueeze")],
+                  name=f"{prefix}/Scale")
+    if emb.offset is not None:
+        offsets = g.op("Gather", [g.tensor(f"{prefix}.offsets", emb.offset.astype(np.float32)), ids],
+                       name=f"{prefix}/GatherOffsets", axis=0)
+        scaled = g.op("Add", [scaled, g.op("Unsqueeze", [offsets, g.const([-1])], name=f"{prefix}/OffsetUnsqueeze")],
+                      name=f"{prefix}/OffsetAdd")
+    return g.op("Reshape", [scaled, g.const([0, arch.hidden_size])], name=f"{prefix}/Flat")
 
 
 def build_head(arch: ArchConfig, final_norm: np.ndarray, lm_head: Linear,
