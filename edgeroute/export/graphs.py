@@ -80,6 +80,12 @@ class WeightFile:
         self._file.close()
 
 
+def _exact_in_fp16(values: np.ndarray) -> bool:
+    values = np.asarray(values, np.float32)
+    with np.errstate(over="ignore"):
+        return bool(np.array_equal(values.astype(np.float16).astype(np.float32), values))
+
+
 def _pack_nibbles(q: np.ndarray) -> np.ndarray:
     """int4 codes [rows, cols] (cols even) as uint8 [rows, cols / 2]: code + 8, even column low."""
     u = (q.astype(np.int16) + 8).astype(np.uint8)
@@ -159,6 +165,21 @@ class GraphBuilder:
             return self.op("Cast", [stored], name=f"{name}/Cast", to=TensorProto.FLOAT)
         return self.tensor(name, w.astype(np.float32))
 
+    def block_params(self, name: str, values: np.ndarray) -> str:
+        """Block scales or offsets: stored as fp16 where every value is exactly an fp16 (GGUF
+        Q4_0/Q5_0/Q8_0 scales are), half the bytes on disk; ONNX Runtime folds the Cast, so
+        its fused kernel still gets the same fp32 values (measured: still MatMulNBits)."""
+        return self.float_weight(name, values, "fp16" if _exact_in_fp16(values) else "fp32")
+
+    def gathered_rows(self, name: str, table: np.ndarray, ids: str) -> str:
+        """Rows of a per-row table for the gathered token ids, stored as fp16 where exact
+        (cast after the gather, so the table stays fp16 in memory too)."""
+        if not _exact_in_fp16(table):
+            return self.op("Gather", [self.tensor(name, table.astype(np.float32)), ids], name=f"{name}/Gather", axis=0)
+        rows = self.op("Gather", [self.tensor(f"{name}.fp16", table.astype(np.float16)), ids], name=f"{name}/Gather",
+                       axis=0)
+        return self.op("Cast", [rows], name=f"{name}/Cast", to=TensorProto.FLOAT)
+
     def linear(self, x: str, linear: Linear, name: str) -> str:
         if linear.input_order is not None:
             order = self.tensor(f"{name}.input_order", linear.input_order.astype(np.int64))
@@ -186,7 +207,7 @@ class GraphBuilder:
 
     def _block_quant_matmul(self, x: str, weight: BlockQuantWeight, name: str) -> str:
         codes = self.int_tensor(f"{name}.qweight", weight.q.T, weight.bits)
-        scales = self.tensor(f"{name}.scales", weight.scale.T.astype(np.float32))
+        scales = self.block_params(f"{name}.scales", weight.scale.T)
         w = self.op("DequantizeLinear", [codes, scales], name=f"{name}/DequantizeLinear",
                     axis=0, block_size=weight.block)
         y = self.op("MatMul", [x, w], name=f"{name}/MatMul")
@@ -196,7 +217,7 @@ class GraphBuilder:
         n_blocks = weight.offset.shape[1]
         blocks = self.op("Reshape", [x, self.const([-1, n_blocks, weight.block])], name=f"{name}/Blocks")
         sums = self.op("ReduceSum", [blocks, self.const([-1])], name=f"{name}/BlockSums", keepdims=0)
-        offsets = self.tensor(f"{name}.offsets", weight.offset.T.astype(np.float32))
+        offsets = self.block_params(f"{name}.offsets", weight.offset.T)
         return self.op("Gemm", [sums, offsets, y], name=f"{name}/OffsetGemm")
 
     def rms_norm(self, x: str, weight: np.ndarray, eps: float, name: str) -> str:
@@ -363,8 +384,7 @@ def build_embed(arch: ArchConfig, embedding: Weight, weights: WeightFile | None 
         hidden = g.op("Gather", [table, ids], name=f"{prefix}/Gather", axis=0)
     else:
         emb = embedding.with_positive_scales()
-        scales = g.op("Gather", [g.tensor(f"{prefix}.scales", emb.scale.astype(np.float32)), ids],
-                      name=f"{prefix}/GatherScales", axis=0)
+        scales = g.gathered_rows(f"{prefix}.scales", emb.scale, ids)
         if emb.bits == 4 and arch.hidden_size % 2 == 0:
             hidden = _gathered_int4_rows(g, arch, emb, ids, scales, prefix)
         else:
@@ -373,8 +393,7 @@ def build_embed(arch: ArchConfig, embedding: Weight, weights: WeightFile | None 
             hidden = g.op("DequantizeLinear", [rows, scales], name=f"{prefix}/DequantizeLinear",
                           axis=1, block_size=emb.block)
             if emb.offset is not None:
-                offsets = g.op("Gather", [g.tensor(f"{prefix}.offsets", emb.offset.astype(np.float32)), ids],
-                               name=f"{prefix}/GatherOffsets", axis=0)
+                offsets = g.gathered_rows(f"{prefix}.offsets", emb.offset, ids)
                 offsets = g.op("Unsqueeze", [offsets, g.const([-1])], name=f"{prefix}/OffsetUnsqueeze")
                 blocks = g.op("Reshape", [hidden, g.const([0, -1, emb.block])], name=f"{prefix}/Blocks")
                 blocks = g.op("Add", [blocks, offsets], name=f"{prefix}/OffsetAdd")
@@ -401,8 +420,7 @@ def _gathered_int4_rows(g: GraphBuilder, arch: ArchConfig, emb: BlockQuantWeight
     scaled = g.op("Mul", [signed, g.op("Unsqueeze", [scales, g.const([-1])], name=f"{prefix}/ScaleUnsqueeze")],
                   name=f"{prefix}/Scale")
     if emb.offset is not None:
-        offsets = g.op("Gather", [g.tensor(f"{prefix}.offsets", emb.offset.astype(np.float32)), ids],
-                       name=f"{prefix}/GatherOffsets", axis=0)
+        offsets = g.gathered_rows(f"{prefix}.offsets", emb.offset, ids)
         scaled = g.op("Add", [scaled, g.op("Unsqueeze", [offsets, g.const([-1])], name=f"{prefix}/OffsetUnsqueeze")],
                       name=f"{prefix}/OffsetAdd")
     return g.op("Reshape", [scaled, g.const([0, arch.hidden_size])], name=f"{prefix}/Flat")
