@@ -75,8 +75,9 @@ class BlockQuantWeight:
             return self
         if self.q.shape[1] % self.block:
             raise ValueError("negative scales need the input size to be a multiple of the block")
-        flip = np.repeat(negative, self.block, axis=1)
-        q = np.where(flip, -self.q.astype(np.int16) - 1, self.q).astype(np.int8)
+        q = self.q.copy()
+        blocks = q.reshape(q.shape[0], -1, self.block)
+        np.invert(blocks, out=blocks, where=negative[..., None])  # ~q == -q - 1 in two's complement
         scale = np.abs(self.scale)
         offset = np.zeros_like(scale) if self.offset is None else self.offset.copy()
         offset[negative] += scale[negative]
