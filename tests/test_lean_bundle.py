@@ -56,3 +56,20 @@ def test_scales_that_are_fp16_values_are_stored_as_fp16_and_still_fuse(tmp_path)
     x = rng.normal(size=(3, 64)).astype(np.float32)
     reference = x @ BlockQuantWeight(codes, fp16_scales, 8, 32).dequantize().T
     np.testing.assert_allclose(session.run(None, {"x": x})[0], reference, rtol=1e-2, atol=1e-2 * np.abs(reference).max())
+
+
+def test_negative_scales_of_int8_blocks_are_absorbed_by_negated_codes_without_an_offset():
+    rng = np.random.default_rng(3)
+    codes = rng.integers(-32, 32, (8, 64)).astype(np.int8)  # Q6_K codes in int8 storage
+    scale = rng.uniform(-0.1, 0.1, (8, 4)).astype(np.float32)
+    weight = BlockQuantWeight(codes, scale, 8, 16, origin="gguf:Q6_K")
+    positive = weight.with_positive_scales()
+    assert (positive.scale >= 0).all() and positive.offset is None
+    np.testing.assert_array_equal(positive.dequantize(), weight.dequantize())
+
+
+def test_a_block_holding_the_minimum_code_keeps_the_offset_form():
+    codes = np.full((1, 32), -8, np.int8)  # int4: -(-8) is out of range
+    weight = BlockQuantWeight(codes, np.array([[-0.5]], np.float32), 4, 32).with_positive_scales()
+    assert weight.offset is not None and (weight.q == 7).all()
+    np.testing.assert_array_equal(weight.dequantize(), np.full((1, 32), 4.0, np.float32))

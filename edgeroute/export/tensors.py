@@ -68,8 +68,10 @@ class BlockQuantWeight:
     def with_positive_scales(self) -> BlockQuantWeight:
         """The same matrix with every scale >= 0 (TensorRT rejects negative Q/DQ scales).
 
-        A block with scale s < 0 is rewritten exactly as |s| * (-q - 1) + |s|: the flipped
-        codes stay inside the signed range and the per-block offset absorbs the shift."""
+        A block with scale s < 0 becomes |s| * (-q) when no code is the range's minimum (5/6/8
+        -bit GGUF codes sit in int8 with room to spare, so this is the usual case; no offset,
+        none to read per token), else |s| * (-q - 1) + |s|: the flipped codes stay inside the
+        signed range and the per-block offset absorbs the shift."""
         negative = self.scale < 0
         if not negative.any():
             return self
@@ -77,10 +79,14 @@ class BlockQuantWeight:
             raise ValueError("negative scales need the input size to be a multiple of the block")
         q = self.q.copy()
         blocks = q.reshape(q.shape[0], -1, self.block)
-        np.invert(blocks, out=blocks, where=negative[..., None])  # ~q == -q - 1 in two's complement
+        shifted = negative & (blocks == QUANT_RANGES[self.bits][0]).any(axis=2)
+        np.negative(blocks, out=blocks, where=(negative & ~shifted)[..., None])
+        np.invert(blocks, out=blocks, where=shifted[..., None])  # ~q == -q - 1 in two's complement
         scale = np.abs(self.scale)
-        offset = np.zeros_like(scale) if self.offset is None else self.offset.copy()
-        offset[negative] += scale[negative]
+        offset = self.offset
+        if shifted.any():
+            offset = np.zeros_like(scale) if offset is None else offset.copy()
+            offset[shifted] += scale[shifted]
         return BlockQuantWeight(q, scale, self.bits, self.block, offset, self.origin)
 
     @property
