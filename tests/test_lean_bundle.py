@@ -11,6 +11,7 @@ import pytest
 from edgeroute.arch import ArchConfig
 from edgeroute.export.graphs import GraphBuilder, build_embed
 from edgeroute.export.tensors import BlockQuantWeight, Linear
+from edgeroute.runtime.model import session_options
 
 ARCH = ArchConfig(family="qwen2", hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,
                   intermediate_size=128, vocab_size=300, rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=64)
@@ -26,7 +27,7 @@ def test_packed_int4_embedding_gathers_exactly_the_dequantized_rows(with_offset)
     model = build_embed(ARCH, table)
     packed = [t for t in model.graph.initializer if t.name.endswith("qweight_packed")]
     assert packed and packed[0].dims == [ARCH.vocab_size, ARCH.hidden_size // 2]  # half a byte per code
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(model.SerializeToString(), session_options(), providers=["CPUExecutionProvider"])
     ids = np.array([0, 299, 17, 17, 150], np.int64)
     got = session.run(None, {"input_ids": ids})[0]
     np.testing.assert_array_equal(got, table.dequantize()[ids])
@@ -48,8 +49,7 @@ def test_scales_that_are_fp16_values_are_stored_as_fp16_and_still_fuse(tmp_path)
     assert {t.name for t in lean.graph.initializer} >= {"/proj.scales.fp16"}
     assert "/proj.scales" in {t.name for t in other.graph.initializer}  # not fp16 values: kept fp32
 
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options = session_options()
     options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
     session = ort.InferenceSession(lean.SerializeToString(), options, providers=["CPUExecutionProvider"])
     assert [n.op_type for n in onnx.load(str(tmp_path / "optimized.onnx")).graph.node] == ["MatMulNBits"]

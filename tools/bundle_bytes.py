@@ -30,9 +30,10 @@ MB = 1e6
 
 def optimized_initializer_bytes(graph: Path) -> tuple[int, Counter]:
     """Bytes of the initializers of ``graph`` after ORT's full optimization, and its op counts."""
+    from edgeroute.runtime.model import session_options
+
     with tempfile.TemporaryDirectory() as tmp:
-        options = ort.SessionOptions()
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        options = session_options()  # the runtime's: same optimizations, same (shared) thread pool
         options.log_severity_level = 3
         options.optimized_model_filepath = str(Path(tmp) / "opt.onnx")
         options.add_session_config_entry("session.optimized_model_external_initializers_file_name", "opt.data")

@@ -171,14 +171,13 @@ class GraphBuilder:
         its fused kernel still gets the same fp32 values (measured: still MatMulNBits)."""
         return self.float_weight(name, values, "fp16" if _exact_in_fp16(values) else "fp32")
 
-    def gathered_rows(self, name: str, table: np.ndarray, ids: str) -> str:
+    def gathered_rows(self, name: str, table: np.ndarray, ids: str, node: str) -> str:
         """Rows of a per-row table for the gathered token ids, stored as fp16 where exact
         (cast after the gather, so the table stays fp16 in memory too)."""
         if not _exact_in_fp16(table):
-            return self.op("Gather", [self.tensor(name, table.astype(np.float32)), ids], name=f"{name}/Gather", axis=0)
-        rows = self.op("Gather", [self.tensor(f"{name}.fp16", table.astype(np.float16)), ids], name=f"{name}/Gather",
-                       axis=0)
-        return self.op("Cast", [rows], name=f"{name}/Cast", to=TensorProto.FLOAT)
+            return self.op("Gather", [self.tensor(name, table.astype(np.float32)), ids], name=node, axis=0)
+        rows = self.op("Gather", [self.tensor(f"{name}.fp16", table.astype(np.float16)), ids], name=node, axis=0)
+        return self.op("Cast", [rows], name=f"{node}/Cast", to=TensorProto.FLOAT)
 
     def linear(self, x: str, linear: Linear, name: str) -> str:
         if linear.input_order is not None:
@@ -384,16 +383,16 @@ def build_embed(arch: ArchConfig, embedding: Weight, weights: WeightFile | None 
         hidden = g.op("Gather", [table, ids], name=f"{prefix}/Gather", axis=0)
     else:
         emb = embedding.with_positive_scales()
-        scales = g.gathered_rows(f"{prefix}.scales", emb.scale, ids)
         if emb.bits == 4 and arch.hidden_size % 2 == 0:
-            hidden = _gathered_int4_rows(g, arch, emb, ids, scales, prefix)
+            hidden = _gathered_int4_rows(g, arch, emb, ids, prefix)
         else:
             codes = g.tensor(f"{prefix}.qweight", emb.q.astype(np.int8))
             rows = g.op("Gather", [codes, ids], name=f"{prefix}/GatherCodes", axis=0)
+            scales = g.gathered_rows(f"{prefix}.scales", emb.scale, ids, f"{prefix}/GatherScales")
             hidden = g.op("DequantizeLinear", [rows, scales], name=f"{prefix}/DequantizeLinear",
                           axis=1, block_size=emb.block)
             if emb.offset is not None:
-                offsets = g.gathered_rows(f"{prefix}.offsets", emb.offset, ids)
+                offsets = g.gathered_rows(f"{prefix}.offsets", emb.offset, ids, f"{prefix}/GatherOffsets")
                 offsets = g.op("Unsqueeze", [offsets, g.const([-1])], name=f"{prefix}/OffsetUnsqueeze")
                 blocks = g.op("Reshape", [hidden, g.const([0, -1, emb.block])], name=f"{prefix}/Blocks")
                 blocks = g.op("Add", [blocks, offsets], name=f"{prefix}/OffsetAdd")
@@ -402,13 +401,13 @@ def build_embed(arch: ArchConfig, embedding: Weight, weights: WeightFile | None 
     return g.build()
 
 
-def _gathered_int4_rows(g: GraphBuilder, arch: ArchConfig, emb: BlockQuantWeight, ids: str, scales: str,
-                        prefix: str) -> str:
+def _gathered_int4_rows(g: GraphBuilder, arch: ArchConfig, emb: BlockQuantWeight, ids: str, prefix: str) -> str:
     """Rows of an int4 table stored two codes per byte (Gather has no int4 kernel; one code
     per byte doubled the 1.5B's table to 233 MB): the gathered bytes are split into nibbles,
     and ``(code - 8) * scale + offset`` computed in float32 as DequantizeLinear would."""
     packed = g.tensor(f"{prefix}.qweight_packed", _pack_nibbles(emb.q))
     rows = g.op("Gather", [packed, ids], name=f"{prefix}/GatherCodes", axis=0)  # [T, d/2] uint8
+    scales = g.gathered_rows(f"{prefix}.scales", emb.scale, ids, f"{prefix}/GatherScales")
     low = g.op("BitwiseAnd", [rows, g.const(15, np.uint8)], name=f"{prefix}/LowNibble")
     high = g.op("BitShift", [rows, g.const(4, np.uint8)], name=f"{prefix}/HighNibble", direction="RIGHT")
     pairs = g.op("Concat", [g.op("Unsqueeze", [low, g.const([-1])], name=f"{prefix}/LowUnsqueeze"),
@@ -420,7 +419,7 @@ def _gathered_int4_rows(g: GraphBuilder, arch: ArchConfig, emb: BlockQuantWeight
     scaled = g.op("Mul", [signed, g.op("Unsqueeze", [scales, g.const([-1])], name=f"{prefix}/ScaleUnsqueeze")],
                   name=f"{prefix}/Scale")
     if emb.offset is not None:
-        offsets = g.gathered_rows(f"{prefix}.offsets", emb.offset, ids)
+        offsets = g.gathered_rows(f"{prefix}.offsets", emb.offset, ids, f"{prefix}/GatherOffsets")
         scaled = g.op("Add", [scaled, g.op("Unsqueeze", [offsets, g.const([-1])], name=f"{prefix}/OffsetUnsqueeze")],
                       name=f"{prefix}/OffsetAdd")
     return g.op("Reshape", [scaled, g.const([0, arch.hidden_size])], name=f"{prefix}/Flat")
