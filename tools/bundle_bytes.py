@@ -59,10 +59,10 @@ def bundle_figures(bundle: Path, role: str) -> dict:
     from edgeroute.runtime.model import OrtModel
 
     b = Bundle.open(bundle, verify=False)
-    graphs = [g for g in b.models[role].graphs if g["kind"] in ("layer", "head")]
+    graphs = [g for g in b.models[role].graphs.values() if g.kind in ("layer", "head")]
     step_bytes, ops = 0, Counter()
     for g in graphs:
-        n, counts = optimized_initializer_bytes(bundle / g["file"])
+        n, counts = optimized_initializer_bytes(b.file(g.file))
         step_bytes += n
         ops += counts
     gc.collect()
