@@ -15,8 +15,10 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import multiprocessing
 import tempfile
 from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import onnx
@@ -97,7 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     manifest = json.loads((args.bundle / "manifest.json").read_text())
     results = {}
     for role in manifest["models"]:
-        results[role] = {"bundle": bundle_figures(args.bundle, role)}
+        # a fresh process per model: memory freed by the previous one would hide the next one's
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            results[role] = {"bundle": pool.submit(bundle_figures, args.bundle, role).result()}
         if role in sources:
             results[role]["gguf"] = gguf_figures(sources[role])
 
