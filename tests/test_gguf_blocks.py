@@ -149,3 +149,15 @@ def test_smollm2_gguf_tensors_match_gguf_py() -> None:
         w = decode_gguf_tensor(t.data, t.tensor_type, shape)
         check_block_weight(w, qtype.name, shape)
         assert_matches_reference(w.dequantize(), t.data, qtype)
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q4_1"])
+def test_decoding_in_row_chunks_equals_decoding_at_once(name: str, monkeypatch) -> None:
+    from edgeroute.export import gguf_blocks
+
+    raw = random_raw(name, (64, 512), np.random.default_rng(2))
+    whole = decode_gguf_tensor(raw, T[name], (64, 512))
+    monkeypatch.setattr(gguf_blocks, "DECODE_ROWS", 5)  # 13 chunks, the last one short
+    chunked = decode_gguf_tensor(raw, T[name], (64, 512))
+    for field in ("q", "scale", "offset"):
+        np.testing.assert_array_equal(getattr(chunked, field), getattr(whole, field))

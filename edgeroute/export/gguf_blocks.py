@@ -33,6 +33,7 @@ _BLOCK_SIZES = {
     "Q6_K": (256, 210),
 }
 SUPPORTED_GGUF_TYPES: tuple[str, ...] = (*FLOAT_TYPES, *_BLOCK_SIZES)
+DECODE_ROWS = 4096
 
 
 class UnsupportedTensorFormat(ValueError):
@@ -143,10 +144,20 @@ def decode_gguf_tensor(
             f"GGUF tensor type {name} has no exact block-quantized form here; "
             f"supported types: {', '.join(SUPPORTED_GGUF_TYPES)}"
         )
-    q, scale, offset, bits, block = _decode_blocks(_blocks(raw, shape, *_BLOCK_SIZES[name]), name)
-    weight = BlockQuantWeight(
-        _rows(q), _rows(scale).astype(np.float32), bits, block,
-        None if offset is None else _rows(offset).astype(np.float32), origin=f"gguf:{name}",
-    )
+    blocks = _blocks(raw, shape, *_BLOCK_SIZES[name])
+    q = scale = offset = None
+    # row chunks bound the decoding temporaries (several int arrays per element) for a
+    # 150k-row vocabulary matrix to a few MB instead of ~1 GB
+    for start in range(0, shape[0], DECODE_ROWS):
+        cq, cs, co, bits, block = _decode_blocks(blocks[start:start + DECODE_ROWS], name)
+        if q is None:
+            q = np.empty(shape, np.int8)
+            scale = np.empty((shape[0], _rows(cs).shape[1]), np.float32)
+            offset = None if co is None else np.empty_like(scale)
+        q[start:start + DECODE_ROWS] = _rows(cq)
+        scale[start:start + DECODE_ROWS] = _rows(cs)
+        if offset is not None:
+            offset[start:start + DECODE_ROWS] = _rows(co)
+    weight = BlockQuantWeight(q, scale, bits, block, offset, origin=f"gguf:{name}")
     # files may hold negative d (Q4_0 stores max / -8) or negative Q6_K sub-scales
     return weight.with_positive_scales()

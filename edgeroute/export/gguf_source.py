@@ -10,7 +10,7 @@ from edgeroute.arch import ArchConfig, check_supported
 from edgeroute.errors import SourceError
 from edgeroute.export.gguf_blocks import UnsupportedTensorFormat, decode_gguf_tensor
 from edgeroute.export.sources import SourceModel, file_sha256, gguf_tokenizer
-from edgeroute.export.tensors import BlockQuantWeight, FloatWeight, LayerWeights, Linear, ModelWeights
+from edgeroute.export.tensors import BlockQuantWeight, FloatWeight, LayerWeights, LazyLayers, Linear, ModelWeights
 
 
 def _field(reader, key: str, default=None):
@@ -59,6 +59,9 @@ def _unpermute_rows(n_rows: int, n_heads: int) -> np.ndarray:
 
 
 def load_gguf(path: Path) -> SourceModel:
+    """The GGUF as a source whose tensors are read from the file when asked for (plain reads
+    into memory that is freed after use, not the reader's memory map, whose touched pages
+    would stay resident): export holds one layer at a time."""
     import gguf
 
     try:
@@ -66,21 +69,23 @@ def load_gguf(path: Path) -> SourceModel:
     except (ValueError, OSError, EOFError) as err:
         raise SourceError(f"{path} is not a readable GGUF file ({err}): is it complete and a GGUF v2/v3 file?") from err
     arch = gguf_arch_config(reader, str(path))
-    tensors = {t.name: t for t in reader.tensors}
-    formats: set[str] = set()
+    tensors = {t.name: (t.tensor_type, tuple(int(d) for d in reversed(t.shape.tolist())), int(t.data_offset),
+                        int(t.n_bytes)) for t in reader.tensors}
+    formats = sorted({t.tensor_type.name for t in reader.tensors})
+    tokenizer = gguf_tokenizer(path, reader)
+    del reader
 
     def weight(name: str) -> BlockQuantWeight | FloatWeight:
-        t = tensors.get(name)
-        if t is None:
+        if name not in tensors:
             raise SourceError(f"{path}: GGUF has no tensor {name}")
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        qtype, shape, offset, n_bytes = tensors[name]
+        raw = np.fromfile(path, dtype=np.uint8, count=n_bytes, offset=offset)
         try:
-            decoded = decode_gguf_tensor(t.data, t.tensor_type, shape)
+            decoded = decode_gguf_tensor(raw, qtype, shape)
         except UnsupportedTensorFormat as err:
             raise SourceError(f"{path}: tensor {name}: {err}") from err
-        formats.add(t.tensor_type.name)
         if isinstance(decoded, BlockQuantWeight):
-            decoded.origin = f"gguf:{t.tensor_type.name}"
+            decoded.origin = f"gguf:{qtype.name}"
             return decoded
         return FloatWeight(np.asarray(decoded, np.float32).reshape(shape))
 
@@ -98,10 +103,10 @@ def load_gguf(path: Path) -> SourceModel:
 
     # convert_hf_to_gguf permutes Q/K rows for Llama only (ggml runs its RoPE interleaved)
     permuted = arch.family == "llama"
-    layers = []
-    for i in range(arch.num_layers):
+
+    def layer(i: int) -> LayerWeights:
         b = f"blk.{i}"
-        layers.append(LayerWeights(
+        return LayerWeights(
             attn_norm=vector(f"{b}.attn_norm.weight"),
             q_proj=linear(f"{b}.attn_q", arch.num_heads if permuted else None),
             k_proj=linear(f"{b}.attn_k", arch.num_kv_heads if permuted else None),
@@ -113,10 +118,13 @@ def load_gguf(path: Path) -> SourceModel:
             down_proj=linear(f"{b}.ffn_down"),
             q_norm=vector(f"{b}.attn_q_norm.weight"),
             k_norm=vector(f"{b}.attn_k_norm.weight"),
-        ))
-    embedding = weight("token_embd.weight")
-    head = Linear(embedding) if arch.tie_word_embeddings else linear("output")
-    weights = ModelWeights(embedding, layers, vector("output_norm.weight"), head)
+        )
+
+    def head() -> Linear:
+        return Linear(weight("token_embd.weight")) if arch.tie_word_embeddings else linear("output")
+
+    weights = ModelWeights(lambda: weight("token_embd.weight"), LazyLayers(layer, range(arch.num_layers)),
+                           vector("output_norm.weight"), head)
     quantized = any(f not in ("F32", "F16", "BF16") for f in formats)
-    return SourceModel(path.stem, path, "gguf", arch, weights, gguf_tokenizer(path, reader), file_sha256([path]),
-                       quantized, notes=[f"GGUF tensor types: {', '.join(sorted(formats))}"])
+    return SourceModel(path.stem, path, "gguf", arch, weights, tokenizer, file_sha256([path]),
+                       quantized, notes=[f"GGUF tensor types: {', '.join(formats)}"])

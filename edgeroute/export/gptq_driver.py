@@ -33,20 +33,24 @@ def _single_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-@torch.no_grad()
-def gptq_model(arch: ArchConfig, weights: ModelWeights, calibration_ids: np.ndarray, block: int,
-               progress: Callable[[str, int, int], None]) -> list[LayerWeights]:
+def gptq_layers(arch: ArchConfig, weights: ModelWeights, calibration_ids: np.ndarray, block: int,
+                progress: Callable[[str, int, int], None]) -> Iterator[LayerWeights]:
+    """The quantized layers in order, each yielded as soon as it is done: only the calibration
+    hidden states (tokens x hidden) and one layer are held, never the whole model."""
     reference = ReferenceModel(arch, weights)
-    chunks = [calibration_ids[i:i + SEQUENCE] for i in range(0, len(calibration_ids), SEQUENCE)]
-    states = [reference.embed(c) for c in chunks if len(c) > 1]
-    quantized_layers = []
-    for i, layer in enumerate(weights.layers):
+    with torch.no_grad():
+        embedded = reference.embed(calibration_ids)
+    states = [embedded[i:i + SEQUENCE] for i in range(0, len(calibration_ids), SEQUENCE)
+              if len(calibration_ids[i:i + SEQUENCE]) > 1]
+    for i in range(len(weights.layers)):
+        layer = weights.layers[i]
         hessians = {name: HessianAccumulator() for name in set(INPUT_OF.values())}
         def capture(name: str, value: torch.Tensor, hessians=hessians) -> None:
             hessians[name].add(value)
 
-        for x in states:
-            reference.layer(i, x, layer, capture=capture)
+        with torch.no_grad():
+            for x in states:
+                reference.layer(i, x, layer, capture=capture)
         replaced = {}
         for name, linear in layer.linears().items():
             if isinstance(linear.weight, FloatWeight):
@@ -54,7 +58,7 @@ def gptq_model(arch: ArchConfig, weights: ModelWeights, calibration_ids: np.ndar
                     q = gptq_quantize(linear.weight.w, hessians[INPUT_OF[name]].hessian(), bits=4, block=block)
                 replaced[name] = dataclasses.replace(linear, weight=q)
         new_layer = dataclasses.replace(layer, **replaced)
-        states = [reference.layer(i, x, new_layer) for x in states]
-        quantized_layers.append(new_layer)
+        with torch.no_grad():
+            states = [reference.layer(i, x, new_layer) for x in states]
         progress("gptq", i + 1, len(weights.layers))
-    return quantized_layers
+        yield new_layer

@@ -27,7 +27,7 @@ feeding a ``MatMul``: TensorRT 10 parses it, and ONNX Runtime fuses it into MatM
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -87,6 +87,18 @@ class WeightFile:
 
     def close(self) -> None:
         self._file.close()
+
+
+def _exact_in_fp16(values: np.ndarray) -> bool:
+    values = np.asarray(values, np.float32)
+    with np.errstate(over="ignore"):
+        return bool(np.array_equal(values.astype(np.float16).astype(np.float32), values))
+
+
+def _pack_nibbles(q: np.ndarray) -> np.ndarray:
+    """int4 codes [rows, cols] (cols even) as uint8 [rows, cols / 2]: code + 8, even column low."""
+    u = (q + np.int8(8)).view(np.uint8)  # -8..7 -> 0..15, no wider temporary for a 233M-code table
+    return u[:, 0::2] | (u[:, 1::2] << 4)
 
 
 def _pack_int4(values: np.ndarray) -> bytes:
@@ -162,6 +174,20 @@ class GraphBuilder:
             return self.op("Cast", [stored], name=f"{name}/Cast", to=TensorProto.FLOAT)
         return self.tensor(name, w.astype(np.float32))
 
+    def block_params(self, name: str, values: np.ndarray) -> str:
+        """Block scales or offsets: stored as fp16 where every value is exactly an fp16 (GGUF
+        Q4_0/Q5_0/Q8_0 scales are), half the bytes on disk; ONNX Runtime folds the Cast, so
+        its fused kernel still gets the same fp32 values (measured: still MatMulNBits)."""
+        return self.float_weight(name, values, "fp16" if _exact_in_fp16(values) else "fp32")
+
+    def gathered_rows(self, name: str, table: np.ndarray, ids: str, node: str) -> str:
+        """Rows of a per-row table for the gathered token ids, stored as fp16 where exact
+        (cast after the gather, so the table stays fp16 in memory too)."""
+        if not _exact_in_fp16(table):
+            return self.op("Gather", [self.tensor(name, table.astype(np.float32)), ids], name=node, axis=0)
+        rows = self.op("Gather", [self.tensor(f"{name}.fp16", table.astype(np.float16)), ids], name=node, axis=0)
+        return self.op("Cast", [rows], name=f"{node}/Cast", to=TensorProto.FLOAT)
+
     def linear(self, x: str, linear: Linear, name: str) -> str:
         if linear.input_order is not None:
             order = self.tensor(f"{name}.input_order", linear.input_order.astype(np.int64))
@@ -189,7 +215,7 @@ class GraphBuilder:
 
     def _block_quant_matmul(self, x: str, weight: BlockQuantWeight, name: str) -> str:
         codes = self.int_tensor(f"{name}.qweight", weight.q.T, weight.bits)
-        scales = self.tensor(f"{name}.scales", weight.scale.T.astype(np.float32))
+        scales = self.block_params(f"{name}.scales", weight.scale.T)
         w = self.op("DequantizeLinear", [codes, scales], name=f"{name}/DequantizeLinear",
                     axis=0, block_size=weight.block)
         y = self.op("MatMul", [x, w], name=f"{name}/MatMul")
@@ -199,7 +225,7 @@ class GraphBuilder:
         n_blocks = weight.offset.shape[1]
         blocks = self.op("Reshape", [x, self.const([-1, n_blocks, weight.block])], name=f"{name}/Blocks")
         sums = self.op("ReduceSum", [blocks, self.const([-1])], name=f"{name}/BlockSums", keepdims=0)
-        offsets = self.tensor(f"{name}.offsets", weight.offset.T.astype(np.float32))
+        offsets = self.block_params(f"{name}.offsets", weight.offset.T)
         return self.op("Gemm", [sums, offsets, y], name=f"{name}/OffsetGemm")
 
     def rms_norm(self, x: str, weight: np.ndarray, eps: float, name: str) -> str:
@@ -434,24 +460,47 @@ def build_embed(arch: ArchConfig, embedding: Weight, weights: WeightFile | None 
         table = g.float_weight(f"{prefix}.weight", embedding.w, embedding.storage)
         hidden = g.op("Gather", [table, ids], name=f"{prefix}/Gather", axis=0)
     else:
-        # int4 codes are stored one per byte: Gather has no int4 kernel, and the table is
-        # only gathered (one row per token), so its size matters more than its bandwidth.
         emb = embedding.with_positive_scales()
-        codes = g.tensor(f"{prefix}.qweight", emb.q.astype(np.int8))
-        rows = g.op("Gather", [codes, ids], name=f"{prefix}/GatherCodes", axis=0)
-        scales = g.op("Gather", [g.tensor(f"{prefix}.scales", emb.scale.astype(np.float32)), ids],
-                      name=f"{prefix}/GatherScales", axis=0)
-        hidden = g.op("DequantizeLinear", [rows, scales], name=f"{prefix}/DequantizeLinear",
-                      axis=1, block_size=emb.block)
-        if emb.offset is not None:
-            offsets = g.op("Gather", [g.tensor(f"{prefix}.offsets", emb.offset.astype(np.float32)), ids],
-                           name=f"{prefix}/GatherOffsets", axis=0)
-            offsets = g.op("Unsqueeze", [offsets, g.const([-1])], name=f"{prefix}/OffsetUnsqueeze")
-            blocks = g.op("Reshape", [hidden, g.const([0, -1, emb.block])], name=f"{prefix}/Blocks")
-            blocks = g.op("Add", [blocks, offsets], name=f"{prefix}/OffsetAdd")
-            hidden = g.op("Reshape", [blocks, g.const([0, arch.hidden_size])], name=f"{prefix}/Flat")
+        if emb.bits == 4 and arch.hidden_size % 2 == 0:
+            hidden = _gathered_int4_rows(g, arch, emb, ids, prefix)
+        else:
+            codes = g.tensor(f"{prefix}.qweight", emb.q.astype(np.int8))
+            rows = g.op("Gather", [codes, ids], name=f"{prefix}/GatherCodes", axis=0)
+            scales = g.gathered_rows(f"{prefix}.scales", emb.scale, ids, f"{prefix}/GatherScales")
+            hidden = g.op("DequantizeLinear", [rows, scales], name=f"{prefix}/DequantizeLinear",
+                          axis=1, block_size=emb.block)
+            if emb.offset is not None:
+                offsets = g.gathered_rows(f"{prefix}.offsets", emb.offset, ids, f"{prefix}/GatherOffsets")
+                offsets = g.op("Unsqueeze", [offsets, g.const([-1])], name=f"{prefix}/OffsetUnsqueeze")
+                blocks = g.op("Reshape", [hidden, g.const([0, -1, emb.block])], name=f"{prefix}/Blocks")
+                blocks = g.op("Add", [blocks, offsets], name=f"{prefix}/OffsetAdd")
+                hidden = g.op("Reshape", [blocks, g.const([0, arch.hidden_size])], name=f"{prefix}/Flat")
     g.output(hidden, "hidden", TensorProto.FLOAT, ["tokens", arch.hidden_size])
     return g.build()
+
+
+def _gathered_int4_rows(g: GraphBuilder, arch: ArchConfig, emb: BlockQuantWeight, ids: str, prefix: str) -> str:
+    """Rows of an int4 table stored two codes per byte (Gather has no int4 kernel; one code
+    per byte doubled the 1.5B's table to 233 MB): the gathered bytes are split into nibbles,
+    and ``(code - 8) * scale + offset`` computed in float32 as DequantizeLinear would."""
+    packed = g.tensor(f"{prefix}.qweight_packed", _pack_nibbles(emb.q))
+    rows = g.op("Gather", [packed, ids], name=f"{prefix}/GatherCodes", axis=0)  # [T, d/2] uint8
+    scales = g.gathered_rows(f"{prefix}.scales", emb.scale, ids, f"{prefix}/GatherScales")
+    low = g.op("BitwiseAnd", [rows, g.const(15, np.uint8)], name=f"{prefix}/LowNibble")
+    high = g.op("BitShift", [rows, g.const(4, np.uint8)], name=f"{prefix}/HighNibble", direction="RIGHT")
+    pairs = g.op("Concat", [g.op("Unsqueeze", [low, g.const([-1])], name=f"{prefix}/LowUnsqueeze"),
+                            g.op("Unsqueeze", [high, g.const([-1])], name=f"{prefix}/HighUnsqueeze")],
+                 name=f"{prefix}/Interleave", axis=-1)
+    codes = g.op("Cast", [g.op("Reshape", [pairs, g.const([0, -1, emb.block])], name=f"{prefix}/Blocks")],
+                 name=f"{prefix}/Cast", to=TensorProto.FLOAT)
+    signed = g.op("Sub", [codes, g.const(8.0, np.float32)], name=f"{prefix}/Center")
+    scaled = g.op("Mul", [signed, g.op("Unsqueeze", [scales, g.const([-1])], name=f"{prefix}/ScaleUnsqueeze")],
+                  name=f"{prefix}/Scale")
+    if emb.offset is not None:
+        offsets = g.gathered_rows(f"{prefix}.offsets", emb.offset, ids, f"{prefix}/GatherOffsets")
+        scaled = g.op("Add", [scaled, g.op("Unsqueeze", [offsets, g.const([-1])], name=f"{prefix}/OffsetUnsqueeze")],
+                      name=f"{prefix}/OffsetAdd")
+    return g.op("Reshape", [scaled, g.const([0, arch.hidden_size])], name=f"{prefix}/Flat")
 
 
 def build_head(arch: ArchConfig, final_norm: np.ndarray, lm_head: Linear,
@@ -467,19 +516,19 @@ def build_head(arch: ArchConfig, final_norm: np.ndarray, lm_head: Linear,
 GraphSpec = tuple[str, str, "int | None", Callable[["WeightFile | None"], onnx.ModelProto]]
 
 
-def model_graphs(arch: ArchConfig, weights: ModelWeights) -> list[tuple[str, list[GraphSpec]]]:
+def model_graphs(arch: ArchConfig, weights: ModelWeights) -> Iterator[tuple[str, list[GraphSpec]]]:
     """Groups of (graph name, kind, layer, build(weight_file)); the graphs of one group share
-    one external weight file, so a layer's weights are stored once for its four graphs."""
-    groups: list[tuple[str, list[GraphSpec]]] = [
-        ("embed", [("embed", "embed", None, lambda w: build_embed(arch, weights.embedding, w))])]
+    one external weight file, so a layer's weights are stored once for its four graphs.
+
+    A generator over the layers as they come: build a group's graphs before asking for the
+    next one, and only one layer is ever held."""
+    yield "embed", [("embed", "embed", None, lambda w: build_embed(arch, weights.embedding, w))]
     for i, layer in enumerate(weights.layers):
-        specs: list[GraphSpec] = [
-            (f"{kind}_{i:03d}", kind, i, lambda w, build=build, i=i, layer=layer: build(arch, layer, i, w))
-            for kind, build in (("layer", build_layer), ("attn", build_attention), ("mlp", build_mlp),
-                                ("kv", build_kv_fill))]
-        specs += [(f"{kind}_{i:03d}_ort", kind, i,
-                   lambda w, build=build, i=i, layer=layer: build(arch, layer, i, w, flavour="ort"))
-                  for kind, build in (("layer", build_layer), ("attn", build_attention))]
-        groups.append((f"layer_{i:03d}", specs))
-    groups.append(("head", [("head", "head", None, lambda w: build_head(arch, weights.final_norm, weights.lm_head, w))]))
-    return groups
+        yield f"layer_{i:03d}", [
+            *((f"{kind}_{i:03d}", kind, i, lambda w, build=build, i=i, layer=layer: build(arch, layer, i, w))
+              for kind, build in (("layer", build_layer), ("attn", build_attention), ("mlp", build_mlp),
+                                  ("kv", build_kv_fill))),
+            *((f"{kind}_{i:03d}_ort", kind, i,
+               lambda w, build=build, i=i, layer=layer: build(arch, layer, i, w, flavour="ort"))
+              for kind, build in (("layer", build_layer), ("attn", build_attention)))]
+    yield "head", [("head", "head", None, lambda w: build_head(arch, weights.final_norm, weights.lm_head, w))]

@@ -20,13 +20,14 @@ from edgeroute.export.chat import derive_chat_format
 from edgeroute.export.graphs import OPSET, WeightFile, model_graphs
 from edgeroute.export.quantize import rtn_quantize
 from edgeroute.export.sources import SourceModel, TokenizerInfo, load_source
-from edgeroute.export.tensors import FloatWeight, Linear, ModelWeights, Weight
+from edgeroute.export.tensors import FloatWeight, LayerWeights, Linear, ModelWeights, Weight, lazy_map
 from edgeroute.export.writer import BundleWriter
 
 QUANT_METHODS = ("int4-gptq", "int4-rtn", "fp16", "fp32")
 HEAD_FORMATS = ("int8", "int4", "fp16", "fp32")
 BLOCK_SIZES = (32, 64, 128)
 DEFAULT_OUT = Path("bundles/smollm2-demo")
+PARITY_CHUNK = 32  # tokens per ONNX Runtime call in the parity check
 DEFAULT_SLM_LAYERS = 12  # an SLM cut from the LLM itself (the offline demo): first 12 layers
 
 
@@ -89,52 +90,68 @@ Progress = Callable[[str, int, int], None]  # (task, done, total)
 def quantize_weights(source: SourceModel, weights: ModelWeights, method: str, head: str, block: int,
                      calibration_ids: np.ndarray | None, progress: Progress) -> ModelWeights:
     """Apply the quantization setting; weights already quantized in the source are carried
-    over unchanged (never quantized twice) unless a float format is asked for."""
+    over unchanged (never quantized twice) unless a float format is asked for.
+
+    Lazy: each layer (and the embedding and head) is quantized when the graph writer asks
+    for it, so the model streams through export one layer at a time."""
     if method in ("fp32", "fp16"):
         def convert(lin: Linear) -> Linear:  # dequantize() restores the model's own input order
             return Linear(FloatWeight(lin.dequantize(), method), lin.bias)
-        layers = [dataclasses.replace(layer, **{n: convert(lin) for n, lin in layer.linears().items()})
-                  for layer in weights.layers]
-        return ModelWeights(FloatWeight(weights.embedding.dequantize(), method), layers, weights.final_norm,
-                            convert(weights.lm_head), weights.notes)
+        layers = lazy_map(weights.layers, lambda layer: dataclasses.replace(
+            layer, **{n: convert(lin) for n, lin in layer.linears().items()}))
+        return ModelWeights(lambda: FloatWeight(weights.embedding.dequantize(), method), layers, weights.final_norm,
+                            lambda: convert(weights.lm_head), weights.notes)
 
-    if method == "int4-gptq" and any(isinstance(lin.weight, FloatWeight)
-                                     for layer in weights.layers for lin in layer.linears().values()):
-        from edgeroute.export.gptq_driver import gptq_model
+    # sources are float or quantized throughout: the first layer tells which
+    if method == "int4-gptq" and any(isinstance(lin.weight, FloatWeight) for lin in weights.layers[0].linears().values()):
+        from edgeroute.export.gptq_driver import gptq_layers
 
-        layers = gptq_model(source.arch, weights, calibration_ids, block, progress)
+        layers = gptq_layers(source.arch, weights, calibration_ids, block, progress)
     else:
-        layers = []
-        for i, layer in enumerate(weights.layers):
-            layers.append(dataclasses.replace(layer, **{
-                n: dataclasses.replace(lin, weight=rtn_quantize(lin.weight.w, 4, block))
-                for n, lin in layer.linears().items() if isinstance(lin.weight, FloatWeight)}))
-            progress("quantize", i + 1, len(weights.layers))
+        layers = lazy_map(weights.layers, lambda layer: dataclasses.replace(layer, **{
+            n: dataclasses.replace(lin, weight=rtn_quantize(lin.weight.w, 4, block))
+            for n, lin in layer.linears().items() if isinstance(lin.weight, FloatWeight)}))
 
-    embedding = weights.embedding
-    if isinstance(embedding, FloatWeight):
+    def embedding() -> Weight:
         # gathered, never multiplied: int8 blocks keep it compact at no measurable quality cost
-        embedding = rtn_quantize(embedding.w, 8, 32)
-    lm_head = weights.lm_head
-    if isinstance(lm_head.weight, FloatWeight):
+        e = weights.embedding
+        return rtn_quantize(e.w, 8, 32) if isinstance(e, FloatWeight) else e
+
+    def lm_head() -> Linear:
+        lin = weights.lm_head
+        if not isinstance(lin.weight, FloatWeight):
+            return lin
         if head in ("fp16", "fp32"):
-            lm_head = dataclasses.replace(lm_head, weight=FloatWeight(lm_head.weight.w, head))
-        else:
-            lm_head = dataclasses.replace(lm_head, weight=rtn_quantize(lm_head.weight.w, 8 if head == "int8" else 4,
-                                                                       32 if head == "int8" else block))
+            return dataclasses.replace(lin, weight=FloatWeight(lin.weight.w, head))
+        return dataclasses.replace(lin, weight=rtn_quantize(lin.weight.w, 8 if head == "int8" else 4,
+                                                            32 if head == "int8" else block))
     return ModelWeights(embedding, layers, weights.final_norm, lm_head, weights.notes)
 
 
-def weight_formats(weights: ModelWeights) -> dict[str, int]:
-    def describe(w: Weight) -> str:
-        if isinstance(w, FloatWeight):
-            return w.storage
-        return f"int{w.bits}/b{w.block}" + ("+offset" if w.offset is not None else "") + f" ({w.origin})"
+def describe_weight(w: Weight) -> str:
+    if isinstance(w, FloatWeight):
+        return w.storage
+    return f"int{w.bits}/b{w.block}" + ("+offset" if w.offset is not None else "") + f" ({w.origin})"
 
-    counts = Counter(describe(lin.weight) for layer in weights.layers for lin in layer.linears().values())
-    counts[f"embedding: {describe(weights.embedding)}"] += 1
-    counts[f"lm_head: {describe(weights.lm_head.weight)}"] += 1
-    return dict(counts)
+
+def counting_formats(weights: ModelWeights, counts: Counter) -> ModelWeights:
+    """The same model, counting every weight's format into ``counts`` as it streams past (a
+    second pass would read, or for GPTQ recompute, the whole model again)."""
+    def layers() -> Iterator[LayerWeights]:
+        for layer in weights.layers:
+            counts.update(describe_weight(lin.weight) for lin in layer.linears().values())
+            yield layer
+
+    def embedding() -> Weight:
+        e = weights.embedding
+        counts[f"embedding: {describe_weight(e)}"] += 1
+        return e
+
+    def lm_head() -> Linear:
+        lin = weights.lm_head
+        counts[f"lm_head: {describe_weight(lin.weight)}"] += 1
+        return lin
+    return ModelWeights(embedding, layers(), weights.final_norm, lm_head, weights.notes)
 
 
 # -- export -------------------------------------------------------------------------------------
@@ -163,7 +180,12 @@ def parity(bundle_path: Path, role: str, source: SourceModel, weights: ModelWeig
     from edgeroute.runtime.model import OrtModel
 
     model = OrtModel(Bundle.open(bundle_path, verify=False), role)
-    got = model.forward(model.new_cache(), ids, all_logits=True)
+    cache = model.new_cache()
+    # in chunks: each session's arena keeps what its largest call needed (measured on the
+    # 1.5B: +1.8 GB after one 256-token pass), and the reference runs after the sessions go
+    got = np.concatenate([model.forward(cache, ids[i:i + PARITY_CHUNK], all_logits=True)
+                          for i in range(0, len(ids), PARITY_CHUNK)])
+    del model, cache
     want = ReferenceModel(source.arch, weights).logits(ids)
     agreement = float((got.argmax(-1) == want.argmax(-1)).mean())
     return agreement, float(np.abs(got - want).max() / np.abs(want).max())
@@ -207,14 +229,13 @@ def export_bundle(options: ExportOptions, progress: Progress | None = None) -> E
         for role, source, weights, method in plans:
             if source.quantized and method.startswith("int4"):
                 report.notes.append(f"{role}: {source.name} is already quantized; its blocks are carried over exactly")
-            with _stage(report, "quantize"):
-                quantized = quantize_weights(source, weights, method, options.head, options.block_size,
-                                             calibration, lambda t, d, n, r=role: progress(f"{r}: {t}", d, n))
+            quantized = quantize_weights(source, weights, method, options.head, options.block_size,
+                                         calibration, lambda t, d, n, r=role: progress(f"{r}: {t}", d, n))
+            counts: Counter = Counter()
             arch = dataclasses.replace(source.arch, num_layers=len(weights.layers))
             graphs = []
-            with _stage(report, "write graphs"):
-                groups = model_graphs(arch, quantized)
-                for done, (group, specs) in enumerate(groups, 1):
+            with _stage(report, "quantize + write graphs"):
+                for done, (group, specs) in enumerate(model_graphs(arch, counting_formats(quantized, counts)), 1):
                     weight_file = WeightFile(writer.path(f"{role}/{group}.weights"))
                     for name, kind, layer, build in specs:
                         rel = f"{role}/{name}.onnx"
@@ -222,8 +243,8 @@ def export_bundle(options: ExportOptions, progress: Progress | None = None) -> E
                                        **writer.write_graph(rel, build(weight_file))})
                     weight_file.close()
                     writer.record(f"{role}/{group}.weights")
-                    progress(f"{role}: graphs", done, len(groups))
-            formats = weight_formats(quantized)
+                    progress(f"{role}: graphs", done, arch.num_layers + 2)
+            formats = dict(counts)
             manifest_models[role] = model_section(
                 arch,
                 source={"name": source.name, "path": str(source.path), "format": source.format,

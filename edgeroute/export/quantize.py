@@ -6,6 +6,8 @@ import numpy as np
 
 from edgeroute.export.tensors import QUANT_RANGES, BlockQuantWeight
 
+RTN_ROWS = 8192
+
 
 def block_scales(w: np.ndarray, bits: int, block: int) -> np.ndarray:
     """Per-block positive scale [out, ceil(in/block)] (TensorRT rejects negative scales).
@@ -31,6 +33,14 @@ def quantize_with_scales(w: np.ndarray, scale: np.ndarray, bits: int, block: int
 
 
 def rtn_quantize(w: np.ndarray, bits: int = 4, block: int = 32) -> BlockQuantWeight:
+    """Row chunks bound the float temporaries (a 7B model's 152k x 3584 head is 2.2 GB in
+    float32; each step here would copy it once more); rows are independent, so the result
+    is the same as in one go."""
     w = np.asarray(w, np.float32)
-    scale = block_scales(w, bits, block)
-    return BlockQuantWeight(quantize_with_scales(w, scale, bits, block), scale, bits, block, origin="rtn")
+    q = np.empty(w.shape, np.int8)
+    scale = np.empty((w.shape[0], -(-w.shape[1] // block)), np.float32)
+    for start in range(0, w.shape[0], RTN_ROWS):
+        rows = slice(start, start + RTN_ROWS)
+        scale[rows] = block_scales(w[rows], bits, block)
+        q[rows] = quantize_with_scales(w[rows], scale[rows], bits, block)
+    return BlockQuantWeight(q, scale, bits, block, origin="rtn")

@@ -17,7 +17,7 @@ import numpy as np
 
 from edgeroute.arch import ArchConfig, check_supported
 from edgeroute.errors import SourceError
-from edgeroute.export.tensors import BlockQuantWeight, FloatWeight, LayerWeights, Linear, ModelWeights
+from edgeroute.export.tensors import FloatWeight, LayerWeights, LazyLayers, Linear, ModelWeights
 
 DEFAULT_MODEL = "smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -67,12 +67,17 @@ def packaged_gguf() -> Path:
 
 
 def resolve_source(spec: str | Path) -> Path:
+    from edgeroute.export.named_sources import NAMED_SOURCES, assemble
+
     if str(spec) == DEFAULT_MODEL:
         return packaged_gguf()
+    if str(spec) in NAMED_SOURCES:
+        return assemble(NAMED_SOURCES[str(spec)])
     path = Path(spec).expanduser()
     if not path.exists():
+        names = ", ".join(repr(n) for n in (DEFAULT_MODEL, *NAMED_SOURCES))
         raise SourceError(f"model source {str(spec)!r} does not exist: give an HF checkpoint directory "
-                          f"(config.json + *.safetensors), a .gguf file, or {DEFAULT_MODEL!r} for the packaged default")
+                          f"(config.json + *.safetensors), a .gguf file, or a named source ({names})")
     return path
 
 
@@ -124,17 +129,31 @@ def hf_arch_config(config: dict, where: str) -> ArchConfig:
     )
 
 
-def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
-    from safetensors.torch import load_file  # torch reads bf16, which numpy cannot
+class SafetensorsTensors:
+    """The tensors of a checkpoint directory by name, each read from its file when asked for
+    (float as float32: torch reads bf16, which numpy cannot)."""
 
-    tensors: dict[str, np.ndarray] = {}
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise SourceError(f"{path} has a config.json but no *.safetensors weights")
-    for f in files:
-        for name, t in load_file(str(f)).items():
-            tensors[name] = t.float().numpy() if t.is_floating_point() else t.numpy()
-    return tensors
+    def __init__(self, path: Path) -> None:
+        from safetensors import safe_open
+
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise SourceError(f"{path} has a config.json but no *.safetensors weights")
+        self._handles = [safe_open(str(f), framework="pt") for f in files]
+        self._where = {name: handle for handle in self._handles for name in handle.keys()}  # noqa: SIM118
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        t = self._where[name].get_tensor(name)
+        return t.float().numpy() if t.is_floating_point() else t.numpy()
+
+    def get(self, name: str) -> np.ndarray | None:
+        return self[name] if name in self._where else None
+
+    def names(self) -> list[str]:
+        return list(self._where)
 
 
 def hf_tokenizer(path: Path) -> TokenizerInfo:
@@ -163,7 +182,7 @@ def hf_tokenizer(path: Path) -> TokenizerInfo:
     return TokenizerInfo(tokenizer_json, template, bos, eos_ids, bool(tok_config.get("add_bos_token", False)))
 
 
-def _hf_linear(tensors: dict[str, np.ndarray], name: str, quant_config: dict | None) -> Linear:
+def _hf_linear(tensors: SafetensorsTensors, name: str, quant_config: dict | None) -> Linear:
     bias = tensors.get(f"{name}.bias")
     if f"{name}.qweight" in tensors:
         from edgeroute.export.gptq_format import unpack_gptq_linear
@@ -194,22 +213,27 @@ def load_hf_dir(path: Path) -> SourceModel:
     if quant_config and quant_config.get("quant_method", "gptq") != "gptq":
         raise SourceError(f"{path}: quantization method {quant_config.get('quant_method')!r} is not supported "
                           "(supported: float checkpoints and 4-bit GPTQ checkpoints)")
-    tensors = _read_safetensors(path)
-    layers = []
-    for i in range(arch.num_layers):
+    tensors = SafetensorsTensors(path)
+
+    def layer(i: int) -> LayerWeights:
         p = f"model.layers.{i}"
         lin = {n: _hf_linear(tensors, f"{p}.self_attn.{n}", quant_config) for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
         lin |= {n: _hf_linear(tensors, f"{p}.mlp.{n}", quant_config) for n in ("gate_proj", "up_proj", "down_proj")}
-        layers.append(LayerWeights(
+        return LayerWeights(
             attn_norm=tensors[f"{p}.input_layernorm.weight"], mlp_norm=tensors[f"{p}.post_attention_layernorm.weight"],
             q_norm=tensors.get(f"{p}.self_attn.q_norm.weight"), k_norm=tensors.get(f"{p}.self_attn.k_norm.weight"),
             **lin,
-        ))
-    embedding = FloatWeight(tensors["model.embed_tokens.weight"])
-    head = Linear(embedding) if "lm_head.weight" not in tensors else _hf_linear(tensors, "lm_head", None)
-    weights = ModelWeights(embedding, layers, tensors["model.norm.weight"], head)
+        )
+
+    def embedding() -> FloatWeight:
+        return FloatWeight(tensors["model.embed_tokens.weight"])
+
+    def head() -> Linear:
+        return Linear(embedding()) if "lm_head.weight" not in tensors else _hf_linear(tensors, "lm_head", None)
+
+    weights = ModelWeights(embedding, LazyLayers(layer, range(arch.num_layers)), tensors["model.norm.weight"], head)
     files = [path / "config.json", *path.glob("*.safetensors")]
-    quantized = any(isinstance(lin.weight, BlockQuantWeight) for layer in layers for lin in layer.linears().values())
+    quantized = any(name.endswith(".qweight") for name in tensors.names())
     return SourceModel(path.name, path, "gptq" if quantized else "hf", arch, weights, hf_tokenizer(path),
                        file_sha256(files), quantized)
 

@@ -14,7 +14,9 @@ both ONNX Runtime and TensorRT 10 run. The per-block ``offset`` is how asymmetri
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar, overload
 
 import numpy as np
 
@@ -66,18 +68,25 @@ class BlockQuantWeight:
     def with_positive_scales(self) -> BlockQuantWeight:
         """The same matrix with every scale >= 0 (TensorRT rejects negative Q/DQ scales).
 
-        A block with scale s < 0 is rewritten exactly as |s| * (-q - 1) + |s|: the flipped
-        codes stay inside the signed range and the per-block offset absorbs the shift."""
+        A block with scale s < 0 becomes |s| * (-q) when no code is the range's minimum (5/6/8
+        -bit GGUF codes sit in int8 with room to spare, so this is the usual case; no offset,
+        none to read per token), else |s| * (-q - 1) + |s|: the flipped codes stay inside the
+        signed range and the per-block offset absorbs the shift."""
         negative = self.scale < 0
         if not negative.any():
             return self
         if self.q.shape[1] % self.block:
             raise ValueError("negative scales need the input size to be a multiple of the block")
-        flip = np.repeat(negative, self.block, axis=1)
-        q = np.where(flip, -self.q.astype(np.int16) - 1, self.q).astype(np.int8)
+        q = self.q.copy()
+        blocks = q.reshape(q.shape[0], -1, self.block)
+        shifted = negative & (blocks == QUANT_RANGES[self.bits][0]).any(axis=2)
+        np.negative(blocks, out=blocks, where=(negative & ~shifted)[..., None])
+        np.invert(blocks, out=blocks, where=shifted[..., None])  # ~q == -q - 1 in two's complement
         scale = np.abs(self.scale)
-        offset = np.zeros_like(scale) if self.offset is None else self.offset.copy()
-        offset[negative] += scale[negative]
+        offset = self.offset
+        if shifted.any():
+            offset = np.zeros_like(scale) if offset is None else offset.copy()
+            offset[shifted] += scale[shifted]
         return BlockQuantWeight(q, scale, self.bits, self.block, offset, self.origin)
 
     @property
@@ -147,17 +156,64 @@ class LayerWeights:
         return {name: getattr(self, name) for name in self.LINEARS}
 
 
+class LazyLayers(Sequence[LayerWeights]):
+    """Decoder layers made on access (read from the source, quantized, ...) and never kept.
+
+    A model streams through export one layer at a time: a 7B model's layers in float32 alone
+    would take 26 GB, one of them 0.9 GB."""
+
+    def __init__(self, make: Callable[[int], LayerWeights], indices: range) -> None:
+        self._make, self._indices = make, indices
+
+    def __len__(self) -> int:
+        return len(self._indices)
+
+    @overload
+    def __getitem__(self, index: int) -> LayerWeights: ...
+    @overload
+    def __getitem__(self, index: slice) -> LazyLayers: ...
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return LazyLayers(self._make, self._indices[index])
+        return self._make(self._indices[index])
+
+
+def lazy_map(layers: Sequence[LayerWeights], transform: Callable[[LayerWeights], LayerWeights]) -> LazyLayers:
+    """``transform`` applied to each layer when that layer is asked for."""
+    return LazyLayers(lambda i: transform(layers[i]), range(len(layers)))
+
+
+T = TypeVar("T")
+
+
+def _loaded(value: T | Callable[[], T]) -> T:
+    return value() if callable(value) else value
+
+
 @dataclass
 class ModelWeights:
-    embedding: Weight  # [vocab, hidden]; gathered by token id
-    layers: list[LayerWeights]
+    """A model's weights. The embedding and the head may be given as loaders (called on each
+    access, nothing kept) and the layers as a :class:`LazyLayers` or a one-pass iterable
+    (GPTQ's quantized layers, which depend on the ones before), so no more than one layer,
+    the embedding or the head need to be in memory at once."""
+
+    embedding_source: Weight | Callable[[], Weight]  # [vocab, hidden]; gathered by token id
+    layers: Sequence[LayerWeights] | Iterable[LayerWeights]
     final_norm: np.ndarray
-    lm_head: Linear  # [vocab, hidden]
+    lm_head_source: Linear | Callable[[], Linear]  # [vocab, hidden]
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def embedding(self) -> Weight:
+        return _loaded(self.embedding_source)
+
+    @property
+    def lm_head(self) -> Linear:
+        return _loaded(self.lm_head_source)
 
     def truncated(self, n_layers: int) -> ModelWeights:
         """The first ``n_layers`` decoder layers with the same embedding, norm and head."""
-        return ModelWeights(self.embedding, self.layers[:n_layers], self.final_norm, self.lm_head,
+        return ModelWeights(self.embedding_source, self.layers[:n_layers], self.final_norm, self.lm_head_source,
                             [*self.notes, f"truncated to the first {n_layers} layers"])
 
 

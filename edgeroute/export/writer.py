@@ -27,7 +27,7 @@ def _signature(values) -> list[dict[str, Any]]:
              "shape": [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]} for v in values]
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -54,7 +54,7 @@ class BundleWriter:
     def _remove_stale_partials(self) -> None:
         for stale in self.out.parent.glob(f".{self.out.name}.partial-*"):
             pid = stale.name.rsplit("-", 1)[-1]
-            if not pid.isdigit() or not _pid_alive(int(pid)):
+            if not pid.isdigit() or not pid_alive(int(pid)):
                 shutil.rmtree(stale, ignore_errors=True)
 
     def record(self, rel: str) -> None:

@@ -1,0 +1,127 @@
+"""What a bundle costs against its GGUF source: size on disk, resident memory once loaded,
+and the weight bytes one decode step reads, next to llama.cpp's for the same file.
+
+A decode step runs every layer graph and the head once; what it reads is the initializers
+of those graphs *after* ONNX Runtime's optimizations (DequantizeLinear + MatMul fused into
+MatMulNBits: packed codes, fp32 scales, plus the offset Gemm's fp32 offsets), measured by
+saving each optimized graph. llama.cpp reads every ``blk.*`` tensor and the output matrix
+(the embedding is gathered, one row per token, for both).
+
+    python tools/bundle_bytes.py bundles/qwen-pair --gguf llm=qwen2.5-coder-1.5b --gguf slm=qwen2.5-coder-0.5b
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import multiprocessing
+import tempfile
+from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import onnx
+import onnxruntime as ort
+from onnx.external_data_helper import uses_external_data
+from rich.console import Console
+from rich.table import Table
+
+MB = 1e6
+
+
+def optimized_initializer_bytes(graph: Path) -> tuple[int, Counter]:
+    """Bytes of the initializers of ``graph`` after ORT's full optimization, and its op counts."""
+    from edgeroute.runtime.model import session_options
+
+    with tempfile.TemporaryDirectory() as tmp:
+        options = session_options()  # the runtime's: same optimizations, same (shared) thread pool
+        options.log_severity_level = 3
+        options.optimized_model_filepath = str(Path(tmp) / "opt.onnx")
+        options.add_session_config_entry("session.optimized_model_external_initializers_file_name", "opt.data")
+        options.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "64")
+        ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"])
+        model = onnx.load(str(Path(tmp) / "opt.onnx"), load_external_data=False)
+    total = 0
+    for t in model.graph.initializer:
+        if uses_external_data(t):
+            total += int({e.key: e.value for e in t.external_data}["length"])
+        else:
+            total += onnx.numpy_helper.to_array(t).nbytes
+    return total, Counter(n.op_type for n in model.graph.node)
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def bundle_figures(bundle: Path, role: str) -> dict:
+    from edgeroute.bundle import Bundle
+    from edgeroute.runtime.model import OrtModel
+
+    b = Bundle.open(bundle, verify=False)
+    graphs = [g for g in b.models[role].graphs.values() if g.kind in ("layer", "head")]
+    step_bytes, ops = 0, Counter()
+    for g in graphs:
+        n, counts = optimized_initializer_bytes(b.file(g.file))
+        step_bytes += n
+        ops += counts
+    gc.collect()
+    before = resident_bytes()
+    model = OrtModel(b, role)
+    loaded = resident_bytes() - before
+    del model
+    return {"disk_bytes": b.total_bytes(f"{role}/"), "resident_bytes": loaded, "step_bytes": step_bytes,
+            "matmul_ops": {k: v for k, v in ops.items() if "MatMul" in k or k == "Gemm"}}
+
+
+def gguf_figures(spec: str) -> dict:
+    import gguf
+
+    from edgeroute.export.sources import resolve_source
+
+    path = resolve_source(spec)
+    reader = gguf.GGUFReader(str(path))
+    sizes = {t.name: int(t.n_bytes) for t in reader.tensors}
+    head = "output.weight" if "output.weight" in sizes else "token_embd.weight"
+    step = sum(n for name, n in sizes.items() if name.startswith("blk.")) + sizes[head]
+    return {"path": str(path), "disk_bytes": path.stat().st_size, "step_bytes": step}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("bundle", type=Path)
+    parser.add_argument("--gguf", action="append", default=[], help="ROLE=SOURCE (a .gguf path or a named source)")
+    parser.add_argument("--json", type=Path, default=Path("bench-results/bundle-bytes.json"))
+    args = parser.parse_args(argv)
+    sources = dict(item.split("=", 1) for item in args.gguf)
+    manifest = json.loads((args.bundle / "manifest.json").read_text())
+    results = {}
+    for role in manifest["models"]:
+        # a fresh process per model: memory freed by the previous one would hide the next one's
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            results[role] = {"bundle": pool.submit(bundle_figures, args.bundle, role).result()}
+        if role in sources:
+            results[role]["gguf"] = gguf_figures(sources[role])
+
+    table = Table(title=f"{args.bundle}: bundle vs GGUF (MB)")
+    for column in ("model", "bundle disk", "GGUF disk", "ratio", "resident after load", "bytes / decode step",
+                   "llama.cpp / step", "ratio"):
+        table.add_column(column)
+    for role, r in results.items():
+        b, g = r["bundle"], r.get("gguf")
+        table.add_row(role, f"{b['disk_bytes'] / MB:,.0f}", f"{g['disk_bytes'] / MB:,.0f}" if g else "-",
+                      f"{b['disk_bytes'] / g['disk_bytes']:.2f}x" if g else "-", f"{b['resident_bytes'] / MB:,.0f}",
+                      f"{b['step_bytes'] / MB:,.0f}", f"{g['step_bytes'] / MB:,.0f}" if g else "-",
+                      f"{b['step_bytes'] / g['step_bytes']:.2f}x" if g else "-")
+    Console().print(table)
+    for role, r in results.items():
+        Console().print(f"{role}: matmul kernels after ORT optimization: {r['bundle']['matmul_ops']}")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
