@@ -229,7 +229,7 @@ class Decoder:
     def step_route(self) -> list[TokenTrace]:
         proposal: Proposal = self.light.propose(self.state.tokens, 1)
         score = self.router(proposal, 0) if proposal.tokens else 1.0
-        if self._fallback_active() or score > self.options.route_threshold:
+        if self._fallback_active() or not proposal.tokens or score > self.options.route_threshold:
             traces = self.step_llm()
         else:
             token, p = proposal.tokens[0], proposal.probabilities[0]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -20,6 +21,7 @@ import onnxruntime as ort
 from edgeroute.bundle import Bundle, ModelEntry
 from edgeroute.errors import InputError
 from edgeroute.rope import rope_tables
+from edgeroute.runtime.vocab import HeadVocabulary
 
 ATTENTION_OUTPUTS = ["hidden_out", "key", "value"]
 KV_OUTPUTS = ["key", "value"]
@@ -115,12 +117,16 @@ class OrtModel:
         self.layer_sessions = [self._load("layer", i) for i in layers]
         self.kv_sessions = [self._load("kv", i) for i in layers]
         self.head_session = self._load("head")
+        self.head_vocab = HeadVocabulary.load(bundle, role)  # None: the head covers the whole vocabulary
         # sub-layer graphs only serve MLP-only skipping and tests: loaded on first use
         self._attn_sessions: list[ort.InferenceSession | None] = [None] * self.arch.num_layers
         self._mlp_sessions: list[ort.InferenceSession | None] = [None] * self.arch.num_layers
         self._zero_row = np.zeros((1, self.capacity), np.float32)
         self.cos, self.sin = rope_tables(self.capacity, self.arch.head_dim, self.arch.rope_theta,
                                          self.arch.rope_scaling)
+        # profiling hook: when set, called as timings(kind, seconds) after every graph call
+        # (kind: embed, layer, attn, mlp, kv, head); None costs nothing on the hot path
+        self.timings: Callable[[str, float], None] | None = None
 
     def _load(self, kind: str, layer: int | None = None) -> ort.InferenceSession:
         path = self._bundle.file(self.entry.graph(kind, layer).file)
@@ -144,40 +150,50 @@ class OrtModel:
 
     # -- graph calls ----------------------------------------------------------------------------
 
+    def _run(self, session: ort.InferenceSession, kind: str, feeds: dict[str, np.ndarray],
+             outputs: list[str] | None = None) -> list[np.ndarray]:
+        if self.timings is None:
+            return session.run(outputs, feeds)
+        start = time.perf_counter()
+        try:
+            return session.run(outputs, feeds)
+        finally:
+            self.timings(kind, time.perf_counter() - start)
+
     def embed(self, ids: np.ndarray) -> np.ndarray:
-        return self.embed_session.run(None, {"input_ids": np.asarray(ids, np.int64).reshape(-1)})[0]
+        return self._run(self.embed_session, "embed", {"input_ids": np.asarray(ids, np.int64).reshape(-1)})[0]
 
     def layer(self, layer: int, hidden: np.ndarray, cache: KVCache, start: int, bias: np.ndarray) -> np.ndarray:
         """The whole decoder layer (attention + MLP) in one call."""
-        return self._attend(self.layer_sessions[layer], layer, hidden, cache, start, bias)
+        return self._attend(self.layer_sessions[layer], "layer", layer, hidden, cache, start, bias)
 
     def attention(self, layer: int, hidden: np.ndarray, cache: KVCache, start: int, bias: np.ndarray) -> np.ndarray:
         """The attention sub-layer alone (its residual included)."""
-        return self._attend(self._lazy(self._attn_sessions, "attn", layer), layer, hidden, cache, start, bias)
+        return self._attend(self._lazy(self._attn_sessions, "attn", layer), "attn", layer, hidden, cache, start, bias)
 
-    def _attend(self, session: ort.InferenceSession, layer: int, hidden: np.ndarray, cache: KVCache, start: int,
-                bias: np.ndarray) -> np.ndarray:
+    def _attend(self, session: ort.InferenceSession, kind: str, layer: int, hidden: np.ndarray, cache: KVCache,
+                start: int, bias: np.ndarray) -> np.ndarray:
         t = hidden.shape[0]
-        out, key, value = session.run(ATTENTION_OUTPUTS, {
+        out, key, value = self._run(session, kind, {
             "hidden": hidden, "cos": self.cos[start:start + t], "sin": self.sin[start:start + t],
             "attn_bias": bias, "past_key": cache.keys[layer, :start], "past_value": cache.values[layer, :start],
-        })
+        }, ATTENTION_OUTPUTS)
         cache.keys[layer, start:start + t] = key
         cache.values[layer, start:start + t] = value
         return out
 
     def mlp(self, layer: int, hidden: np.ndarray) -> np.ndarray:
-        return self._lazy(self._mlp_sessions, "mlp", layer).run(None, {"hidden": hidden})[0]
+        return self._run(self._lazy(self._mlp_sessions, "mlp", layer), "mlp", {"hidden": hidden})[0]
 
     def kv_fill(self, layer: int, hidden: np.ndarray, cache: KVCache, start: int) -> None:
         t = hidden.shape[0]
-        key, value = self.kv_sessions[layer].run(KV_OUTPUTS, {
-            "hidden": hidden, "cos": self.cos[start:start + t], "sin": self.sin[start:start + t]})
+        key, value = self._run(self.kv_sessions[layer], "kv", {
+            "hidden": hidden, "cos": self.cos[start:start + t], "sin": self.sin[start:start + t]}, KV_OUTPUTS)
         cache.keys[layer, start:start + t] = key
         cache.values[layer, start:start + t] = value
 
     def head(self, hidden: np.ndarray) -> np.ndarray:
-        return self.head_session.run(None, {"hidden": np.ascontiguousarray(hidden)})[0]
+        return self._run(self.head_session, "head", {"hidden": np.ascontiguousarray(hidden)})[0]
 
     # -- steps ----------------------------------------------------------------------------------
 
