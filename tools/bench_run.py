@@ -12,7 +12,7 @@ sharing the LLM sessions. The configurations are interleaved prompt by prompt (t
 rotates from one prompt to the next), so a change in the machine's load hits all of them
 alike: compare ratios within one run.
 
-    python tools/bench_run.py --bundle bundles/pair --gguf /work/cache/gguf/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf \
+    python -m tools.bench_run --bundle bundles/pair --gguf /work/cache/gguf/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf \
         --slm-gguf /work/cache/gguf/qwen2.5-coder-0.5b-instruct.gguf --slm-bundle bundles/pair-v32k \
         --prompts 3 --max-new-tokens 64 --no-rss --profile-graphs
 
@@ -74,9 +74,9 @@ configuration through the runtime's timing hook (``OrtModel.timings``) and repor
 graph kind and the share of decode time spent outside ONNX Runtime calls (orchestration:
 Python, numpy, drafters, routers, the KV copies).
 
-    python tools/bench_run.py                      # all prompts, 128 tokens -> bench-results/
-    python tools/bench_run.py --prompts 5 --profile-graphs
-    python tools/bench_run.py --quick              # smoke run: 2 prompts, 24 tokens, fewer configurations
+    python -m tools.bench_run                      # all prompts, 128 tokens -> bench-results/
+    python -m tools.bench_run --prompts 5 --profile-graphs
+    python -m tools.bench_run --quick              # smoke run: 2 prompts, 24 tokens, fewer configurations
 """
 
 from __future__ import annotations
@@ -345,12 +345,12 @@ def rss_probe(args: argparse.Namespace) -> int:
 def measure_rss(args: argparse.Namespace, footprints: list[str], probe: dict, console: Console) -> dict:
     results = {}
     for footprint in footprints:
-        cmd = [sys.executable, __file__, "--rss-probe", footprint, "--probe", json.dumps(probe),
-               "--bundle", str(args.bundle), "--gguf", str(args.gguf), "--slm-gguf", str(args.slm_gguf),
-               "--draft-tokens", str(args.draft_tokens), "--threads", str(args.threads),
-               "--n-ctx", str(args.n_ctx), "--activations", args.activations, "--lookup-tokens", str(args.lookup_tokens),
-               "--max-new-tokens", str(args.max_new_tokens)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        cmd = [sys.executable, "-m", "tools.bench_run", "--rss-probe", footprint, "--probe", json.dumps(probe),
+               "--bundle", str(args.bundle), "--gguf", str(args.gguf), "--draft-tokens", str(args.draft_tokens),
+               "--threads", str(args.threads), "--n-ctx", str(args.n_ctx), "--activations", args.activations,
+               "--lookup-tokens", str(args.lookup_tokens), "--max-new-tokens", str(args.max_new_tokens),
+               *(["--slm-gguf", str(args.slm_gguf)] if args.slm_gguf else [])]
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)  # this checkout's edgeroute
         if proc.returncode != 0:
             console.print(f"[red]RSS probe {footprint} failed[/]: {proc.stderr.strip().splitlines()[-1:]}")
             continue
@@ -539,6 +539,18 @@ def print_tables(summary: dict, num_layers: int, console: Console) -> None:
                 f"{s['near_tie_divergences']}/{s['divergences']}", _fmt(s.get("task_pass_rate"), ".0%"),
                 "-" if not s.get("task_checked") else str(s["task_echoes"]))
         console.print(table)
+
+
+def print_slm_agreement(slm_tf: dict, console: Console) -> None:
+    if not slm_tf:
+        return
+    table = Table(title="SLM vs the LLM's greedy answers (teacher-forced over full's tokens)")
+    for column in ("SLM", "workload", "positions", "TF agreement", "rest column wins"):
+        table.add_column(column, justify="left" if column in ("SLM", "workload") else "right")
+    for label, per_workload in slm_tf.items():
+        for workload, a in per_workload.items():
+            table.add_row(label, workload, str(a["positions"]), _fmt(a["tf_agreement"], ".1%"), _fmt(a["rest_wins"], ".1%"))
+    console.print(table)
 
 
 def print_targets(targets: list[dict], console: Console) -> None:
@@ -732,6 +744,36 @@ def load_engines(args: argparse.Namespace) -> dict[bool, object]:
     return engines
 
 
+def slm_agreement(engines: dict[bool, object], alt_label: str | None, workloads: dict[str, list[dict]],
+                  runs: dict) -> dict:
+    """Teacher-forced agreement of each SLM with the LLM's greedy answers (full's tokens): the
+    share of answer positions where the SLM's argmax (over its head, in token ids) is full's
+    token; for a reduced head also the share where its rest column wins (no draft there)."""
+    result: dict[str, dict[str, dict]] = {}
+    for alt, engine in engines.items():
+        slm = engine.slm
+        if slm is None:
+            continue
+        label = f"slm[{alt_label}]" if alt else "slm"
+        per_workload = {}
+        for workload, prompts in workloads.items():
+            matches = positions = rest = 0
+            for index, prompt in enumerate(prompts):
+                ids = engine.encode_prompt(prompt["messages"])
+                answer = runs[workload]["full"][index]["tokens"]
+                logits = slm.forward(slm.new_cache(len(ids) + len(answer)), ids + answer, all_logits=True)
+                rows = logits[len(ids) - 1:len(ids) - 1 + len(answer)]
+                vocab = slm.head_vocab
+                chosen = rows.argmax(-1) if vocab is None else vocab.expand(rows).argmax(-1)
+                matches += int((chosen == np.asarray(answer)).sum())
+                positions += len(answer)
+                rest += 0 if vocab is None else int(vocab.rest_wins(rows).sum())
+            per_workload[workload] = {"tf_agreement": matches / positions if positions else None,
+                                      "rest_wins": rest / positions if positions else None, "positions": positions}
+        result[label] = per_workload
+    return result
+
+
 def answer_checks(engine, workloads: dict[str, list[dict]], runs: dict, configs: list[Config]) -> None:
     """Each run's answer text and its task check (against full's answer for json)."""
     for workload, prompts in workloads.items():
@@ -838,6 +880,7 @@ def main(argv: list[str] | None = None) -> int:
                 runs[workload][name][index]["agreement"] = {**a, "full_tokens": len(full)}
 
     answer_checks(engine, workloads, runs, configs)
+    slm_tf = slm_agreement(engines, args.slm_label, workloads, runs) if engine.bundle.slm is not None else {}
 
     rss = {}
     if not args.no_rss:
@@ -856,6 +899,7 @@ def main(argv: list[str] | None = None) -> int:
     print_tables(summary, num_layers, console)
     if profile:
         print_profile(profile, console)
+    print_slm_agreement(slm_tf, console)
     print_targets(targets, console)
 
     plots = [] if args.no_plots else make_plots(summary, configs, args.plots, console)
@@ -870,7 +914,7 @@ def main(argv: list[str] | None = None) -> int:
                      "skip_ratio": args.skip_ratio,
                      "configs": [asdict(c) for c in configs]},
         "machine": info, "num_layers": num_layers, "wall_seconds": time.perf_counter() - wall, "summary": summary,
-        "targets": targets, "rss": rss, "profile": profile, "plots": plots, "runs": runs,
+        "targets": targets, "slm_agreement": slm_tf, "rss": rss, "profile": profile, "plots": plots, "runs": runs,
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=1, default=float) + "\n")
