@@ -96,6 +96,7 @@ from pathlib import Path
 
 import numpy as np
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -445,7 +446,7 @@ def run_profile(args: argparse.Namespace, engines: dict[bool, object], console: 
 def print_profile(profile: dict, console: Console) -> None:
     for name, p in profile.items():
         tokens = max(p["decode_tokens"], 1)
-        table = Table(title=f"per-graph decode profile: {name} ({p['prompts']} prompts, {p['decode_tokens']} decode "
+        table = Table(title=f"per-graph decode profile: {escape(name)} ({p['prompts']} prompts, {p['decode_tokens']} decode "
                             f"tokens, {p['tokens_per_second'] or 0:.1f} tok/s)")
         for column in ("graph", "calls/token", "us/call", "ms/token", "share of decode"):
             table.add_column(column, justify="right" if column != "graph" else "left")
@@ -530,7 +531,7 @@ def print_tables(summary: dict, num_layers: int, console: Console) -> None:
         for name, s in rows.items():
             tps = s["tokens_per_second"]
             table.add_row(
-                name, _fmt(tps, ".1f"), _fmt(tps / full if tps and full else None, ".2f"),
+                escape(name), _fmt(tps, ".1f"), _fmt(tps / full if tps and full else None, ".2f"),
                 _fmt(s.get("paired_median_vs_full"), ".2f"),
                 _fmt(s["ttft_mean"], ".0f", 1e3), _fmt(s["itl_p50"], ".1f", 1e3), _fmt(s["itl_p99"], ".1f", 1e3),
                 _fmt(s["peak_rss_bytes"], ".0f", 1 / 2**20), _fmt(s["llm_share"], ".0%"),
@@ -549,7 +550,8 @@ def print_slm_agreement(slm_tf: dict, console: Console) -> None:
         table.add_column(column, justify="left" if column in ("SLM", "workload") else "right")
     for label, per_workload in slm_tf.items():
         for workload, a in per_workload.items():
-            table.add_row(label, workload, str(a["positions"]), _fmt(a["tf_agreement"], ".1%"), _fmt(a["rest_wins"], ".1%"))
+            table.add_row(escape(label), workload, str(a["positions"]), _fmt(a["tf_agreement"], ".1%"),
+                          _fmt(a["rest_wins"], ".1%"))
     console.print(table)
 
 
