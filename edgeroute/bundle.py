@@ -38,9 +38,13 @@ def sha256_file(path: Path) -> str:
 
 
 def model_section(arch: ArchConfig, source: dict[str, Any], quantization: dict[str, Any],
-                  graphs: list[dict[str, Any]]) -> dict[str, Any]:
-    """One model's manifest entry (``models.llm`` / ``models.slm``)."""
-    return {"arch": arch.to_dict(), "source": source, "quantization": quantization, "graphs": graphs}
+                  graphs: list[dict[str, Any]], head_vocab: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One model's manifest entry (``models.llm`` / ``models.slm``); ``head_vocab`` only for a
+    reduced-vocabulary SLM head."""
+    section = {"arch": arch.to_dict(), "source": source, "quantization": quantization, "graphs": graphs}
+    if head_vocab is not None:
+        section["head_vocab"] = head_vocab
+    return section
 
 
 def build_manifest(*, edgeroute_version: str, created: str, opset: int, tokenizer: dict[str, Any],

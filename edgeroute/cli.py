@@ -86,6 +86,8 @@ def export(
     slm_quant: str = typer.Option(None, help="the SLM's setting (default: --quant)"),
     block_size: int = typer.Option(32, help="int4 block size: 32, 64 or 128"),
     head: str = typer.Option("int8", help="LM head format for float sources: int8 | int4 | fp16 | fp32"),
+    slm_vocab: int = typer.Option(None, help="give the SLM a head over the N most frequent token ids of the "
+                                  "calibration text (+ special and chat-template tokens); default: the whole vocabulary"),
     context_length: int = typer.Option(2048, help="KV capacity the runtime allocates"),
     calibration_tokens: int = typer.Option(2048, help="GPTQ calibration tokens"),
     parity_tokens: int = typer.Option(256, help="tokens of held-out text for the parity check (0: skip)"),
@@ -96,7 +98,8 @@ def export(
     from edgeroute.export import ExportOptions, export_bundle
 
     options = ExportOptions(llm=llm, slm=None if no_slm else slm, slm_layers=slm_layers, quant=quant,
-                            slm_quant=slm_quant, block_size=block_size, head=head, context_length=context_length,
+                            slm_quant=slm_quant, block_size=block_size, head=head, slm_vocab=slm_vocab,
+                            context_length=context_length,
                             calibration_tokens=calibration_tokens, parity_tokens=parity_tokens, out=out, force=force)
     with _clear_errors(), _progress_bars() as update:
         report = export_bundle(options, update)

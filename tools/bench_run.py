@@ -1,11 +1,20 @@
-"""Benchmark `edgeroute run`'s decoding modes against llama.cpp on the three kept workloads.
+"""Benchmark `edgeroute run`'s decoding modes against llama.cpp on the four workloads.
 
-Same machine, one run, batch 1, greedy. For every workload in ``tools/workloads/`` (templated,
-grounded, open) and every configuration (``full``, ``speculate`` and ``route`` with the n-gram
-and the SLM light paths, a ``skip`` sweep, llama.cpp plain and with prompt lookup), each prompt
-is generated with up to ``--max-new-tokens`` new tokens (stop at end of turn). The
-configurations are interleaved prompt by prompt (their order rotates from one prompt to the
-next), so a change in the machine's load hits all of them alike: compare ratios within one run.
+Same machine, one run, batch 1, greedy, the same thread count for both runtimes (``--threads``,
+default: every core). For every workload in ``tools/workloads/`` (templated, json, grounded,
+open) and every configuration (``full``, ``slm``, ``speculate`` and ``route`` with the n-gram
+and the SLM light paths, a ``skip`` sweep; llama.cpp on the LLM's GGUF, plain, with prompt
+lookup and with the SLM's GGUF as draft model (``--slm-gguf``: the fair peer of
+``speculate+slm``), and llama.cpp on the SLM's GGUF alone), each prompt is generated with up to
+``--max-new-tokens`` new tokens (stop at end of turn). ``--slm-bundle`` runs the SLM modes again
+with a second bundle's SLM (tagged ``[its directory name]``), e.g. a reduced-vocabulary head,
+sharing the LLM sessions. The configurations are interleaved prompt by prompt (their order
+rotates from one prompt to the next), so a change in the machine's load hits all of them
+alike: compare ratios within one run.
+
+    python -m tools.bench_run --bundle bundles/pair --gguf /work/cache/gguf/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf \
+        --slm-gguf /work/cache/gguf/qwen2.5-coder-0.5b-instruct.gguf --slm-bundle bundles/pair-v32k \
+        --prompts 3 --max-new-tokens 64 --no-rss --profile-graphs
 
 What is measured, and how (the same for every configuration):
 
@@ -55,14 +64,19 @@ What is measured, and how (the same for every configuration):
   magnitude it is a near-tie, a rounding difference rather than a decision; the JSON keeps
   every gap (``divergence_gap``).
 
-``--profile-graphs`` then times every ONNX Runtime ``run`` call of a few decodes per profiled
-configuration (wrappers around the model's sessions, installed for this measurement only, on a
-separate engine) and reports the time per graph kind and the share of decode time spent outside
-ONNX Runtime calls (orchestration: Python, numpy, drafters, routers, the KV copies).
+- **task pass**: templated and json prompts only (see ``tools/benchlib/tasks.py``): a templated
+  answer carries the record's values, a json answer parses with the asked keys and full's keys
+  and values, and no answer echoes the prompt's instruction; **echoes** counts the answers that
+  repeat it. The JSON keeps every answer's text and the reason of each failed check.
 
-    python tools/bench_run.py                      # all prompts, 128 tokens -> bench-results/
-    python tools/bench_run.py --prompts 5 --profile-graphs
-    python tools/bench_run.py --quick              # smoke run: 2 prompts, 24 tokens, fewer configurations
+``--profile-graphs`` then times every ONNX Runtime call of a few decodes per profiled
+configuration through the runtime's timing hook (``OrtModel.timings``) and reports the time per
+graph kind and the share of decode time spent outside ONNX Runtime calls (orchestration:
+Python, numpy, drafters, routers, the KV copies).
+
+    python -m tools.bench_run                      # all prompts, 128 tokens -> bench-results/
+    python -m tools.bench_run --prompts 5 --profile-graphs
+    python -m tools.bench_run --quick              # smoke run: 2 prompts, 24 tokens, fewer configurations
 """
 
 from __future__ import annotations
@@ -82,12 +96,16 @@ from pathlib import Path
 
 import numpy as np
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKLOAD_DIR = Path(__file__).resolve().parent / "workloads"
-WORKLOADS = ("templated", "grounded", "open")
-NEAR_TIE = 1e-3
+WORKLOADS = ("templated", "json", "grounded", "open")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib, when run as a script
+from benchlib.metrics import GraphClock, common_prefix, summarize  # noqa: E402
+from benchlib.tasks import task_check  # noqa: E402
 
 # -- configurations -----------------------------------------------------------------------------
 
@@ -96,27 +114,36 @@ NEAR_TIE = 1e-3
 class Config:
     name: str
     runtime: str  # edgeroute | llama
-    options: dict = field(default_factory=dict)
+    options: dict = field(default_factory=dict)  # edgeroute: session options; llama: model, lookup, draft
     footprint: str = "edgeroute-llm"  # which RSS probe stands for it
     curve: str | None = None  # trade-off curve it belongs to
     param: float | None = None  # the swept threshold on that curve
+    alt_slm: bool = False  # edgeroute with the SLM of --slm-bundle (e.g. a reduced-vocabulary head)
 
 
 SKIP_THRESHOLDS = (0.3, 0.5, 0.7, 0.9)
 ROUTE_SLM_THRESHOLDS = (0.05, 0.15, 0.3)
 
 
-def all_configs(skip_ratio: float, lookup_tokens: int) -> list[Config]:
+def all_configs(skip_ratio: float, lookup_tokens: int, draft_tokens: int = 4, alt_slm: str | None = None) -> list[Config]:
+    """Every configuration; ``alt_slm`` (a label, e.g. "v32k") adds the SLM modes again on the
+    SLM of --slm-bundle; the llama.cpp SLM peers need --slm-gguf (dropped without it)."""
     configs = [
-        Config("llama.cpp", "llama", {"lookup": 0}, "llama"),
-        Config("llama.cpp+lookup", "llama", {"lookup": lookup_tokens}, "llama-lookup"),
+        Config("llama.cpp", "llama", {"model": "llm", "lookup": 0}, "llama"),
+        Config("llama.cpp-slm", "llama", {"model": "slm", "lookup": 0}, "llama"),
+        Config("llama.cpp+draft-slm", "llama", {"model": "llm", "lookup": 0, "draft": draft_tokens}, "llama-draft"),
+        Config("llama.cpp+lookup", "llama", {"model": "llm", "lookup": lookup_tokens}, "llama-lookup"),
         Config("full", "edgeroute", {"mode": "full"}),
         Config("speculate+ngram", "edgeroute", {"mode": "speculate", "light": "ngram"}),
-        Config("speculate+slm", "edgeroute", {"mode": "speculate", "light": "slm"}, "edgeroute-llm+slm"),
         Config("route+ngram", "edgeroute", {"mode": "route", "light": "ngram"}),
     ]
-    configs += [Config(f"route+slm@{t}", "edgeroute", {"mode": "route", "light": "slm", "route_threshold": t},
-                       "edgeroute-llm+slm", "route+slm", t) for t in ROUTE_SLM_THRESHOLDS]
+    for alt in (False, True) if alt_slm else (False,):
+        tag = f"[{alt_slm}]" if alt else ""
+        configs += [Config(f"slm{tag}", "edgeroute", {"mode": "slm"}, "edgeroute-llm+slm", alt_slm=alt),
+                    Config(f"speculate+slm{tag}", "edgeroute", {"mode": "speculate", "light": "slm"}, "edgeroute-llm+slm",
+                           alt_slm=alt)]
+        configs += [Config(f"route+slm@{t}{tag}", "edgeroute", {"mode": "route", "light": "slm", "route_threshold": t},
+                           "edgeroute-llm+slm", f"route+slm{tag}", t, alt_slm=alt) for t in ROUTE_SLM_THRESHOLDS]
     for granularity in ("layer", "mlp"):
         configs += [Config(f"skip-{granularity}@{t}", "edgeroute",
                            {"mode": "skip", "importance_threshold": t, "skip_ratio": skip_ratio, "granularity": granularity},
@@ -124,7 +151,7 @@ def all_configs(skip_ratio: float, lookup_tokens: int) -> list[Config]:
     return configs
 
 
-QUICK_CONFIGS = ("llama.cpp", "llama.cpp+lookup", "full", "speculate+ngram", "speculate+slm", "route+ngram",
+QUICK_CONFIGS = ("llama.cpp", "llama.cpp+draft-slm", "full", "speculate+ngram", "speculate+slm", "route+ngram",
                  "route+slm@0.15", "skip-layer@0.5", "skip-mlp@0.5")
 PROFILE_CONFIGS = ("full", "speculate+ngram", "route+ngram")
 
@@ -190,20 +217,48 @@ class CountingDraft:
         return draft
 
 
+class ModelDraft:
+    """llama.cpp speculative decoding with a draft *model*: a second ``Llama`` (the SLM's GGUF)
+    drafts ``tokens`` greedy tokens. ``Llama.generate`` keeps the longest common prefix of its
+    cache, so each call evaluates only the tokens the draft model has not seen."""
+
+    def __init__(self, gguf: Path, threads: int, n_ctx: int, tokens: int) -> None:
+        from llama_cpp import Llama
+
+        self.model = Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx, verbose=False)
+        self.tokens = tokens
+
+    def __call__(self, input_ids, /, **kwargs):
+        draft = []
+        generator = self.model.generate(list(map(int, input_ids)), temp=0.0, top_k=1, top_p=1.0, min_p=0.0,
+                                        repeat_penalty=1.0)
+        try:
+            for token in generator:
+                draft.append(int(token))
+                if len(draft) >= self.tokens:
+                    break
+        finally:
+            generator.close()
+        return np.array(draft, np.intc)
+
+
 class LlamaRunner:
-    def __init__(self, gguf: Path, threads: int, n_ctx: int, lookup: int, num_layers: int) -> None:
+    def __init__(self, gguf: Path, threads: int, n_ctx: int, lookup: int, num_layers: int,
+                 draft_gguf: Path | None = None, draft_tokens: int = 0) -> None:
         from llama_cpp import Llama
 
         self.draft = None
-        if lookup:
+        if lookup or draft_tokens:
             from llama_cpp.llama_speculative import LlamaDraftModel, LlamaPromptLookupDecoding
 
-            inner = LlamaPromptLookupDecoding(num_pred_tokens=lookup)
-            counting = type("CountingPromptLookup", (CountingDraft, LlamaDraftModel), {})
+            inner = (ModelDraft(draft_gguf, threads, n_ctx, draft_tokens) if draft_tokens
+                     else LlamaPromptLookupDecoding(num_pred_tokens=lookup))
+            counting = type("CountingDraftModel", (CountingDraft, LlamaDraftModel), {})
             self.draft = counting(inner)
         self.llm = Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx,
                          draft_model=self.draft, verbose=False)
         self.num_layers = num_layers
+        self.source = "draft:slm" if draft_tokens else "draft:lookup"
 
     def run(self, ids: list[int], eos_ids: set[int], budget: int) -> Run:
         self.llm.reset()  # no prompt-prefix reuse between prompts: a fresh prefill, as edgeroute does
@@ -232,7 +287,7 @@ class LlamaRunner:
             accepted = max(len(tokens) - passes, 0)
         return Run(tokens, times[0], float(sum(times[1:])), times[1:], len(tokens) - accepted, passes,
                    passes * self.num_layers, drafted, accepted, 0,
-                   {"llm": len(tokens) - accepted, **({"draft:lookup": accepted} if accepted else {})})
+                   {"llm": len(tokens) - accepted, **({self.source: accepted} if accepted else {})})
 
 
 # -- peak RSS probes (separate processes) -------------------------------------------------------
@@ -241,7 +296,9 @@ FOOTPRINTS = {
     "edgeroute-llm": "edgeroute, LLM only (full / ngram / skip)",
     "edgeroute-llm+slm": "edgeroute, LLM + SLM",
     "llama": "llama.cpp",
+    "llama-slm": "llama.cpp, the SLM's GGUF",
     "llama-lookup": "llama.cpp + prompt lookup",
+    "llama-draft": "llama.cpp + the SLM as draft model",
 }
 
 
@@ -271,8 +328,9 @@ def rss_probe(args: argparse.Namespace) -> int:
         loaded = _proc_status_bytes("VmRSS")
         run = EdgerouteRunner(engine).run(probe["messages"], options, args.max_new_tokens)
     else:  # token ids from the caller: nothing of edgeroute's is loaded in this process
-        runner = LlamaRunner(Path(args.gguf), args.threads, args.n_ctx,
-                             args.lookup_tokens if footprint == "llama-lookup" else 0, probe["num_layers"])
+        runner = LlamaRunner(Path(args.slm_gguf if footprint == "llama-slm" else args.gguf), args.threads, args.n_ctx,
+                             args.lookup_tokens if footprint == "llama-lookup" else 0, probe["num_layers"],
+                             args.slm_gguf, args.draft_tokens if footprint == "llama-draft" else 0)
         loaded = _proc_status_bytes("VmRSS")
         run = runner.run(probe["ids"], set(probe["eos_ids"]), args.max_new_tokens)
     # ru_maxrss survives fork + exec on Linux (a child starts with its parent's high-water mark),
@@ -288,11 +346,12 @@ def rss_probe(args: argparse.Namespace) -> int:
 def measure_rss(args: argparse.Namespace, footprints: list[str], probe: dict, console: Console) -> dict:
     results = {}
     for footprint in footprints:
-        cmd = [sys.executable, __file__, "--rss-probe", footprint, "--probe", json.dumps(probe),
-               "--bundle", str(args.bundle), "--gguf", str(args.gguf), "--threads", str(args.threads),
-               "--n-ctx", str(args.n_ctx), "--activations", args.activations, "--lookup-tokens", str(args.lookup_tokens),
-               "--max-new-tokens", str(args.max_new_tokens)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        cmd = [sys.executable, "-m", "tools.bench_run", "--rss-probe", footprint, "--probe", json.dumps(probe),
+               "--bundle", str(args.bundle), "--gguf", str(args.gguf), "--draft-tokens", str(args.draft_tokens),
+               "--threads", str(args.threads), "--n-ctx", str(args.n_ctx), "--activations", args.activations,
+               "--lookup-tokens", str(args.lookup_tokens), "--max-new-tokens", str(args.max_new_tokens),
+               *(["--slm-gguf", str(args.slm_gguf)] if args.slm_gguf else [])]
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)  # this checkout's edgeroute
         if proc.returncode != 0:
             console.print(f"[red]RSS probe {footprint} failed[/]: {proc.stderr.strip().splitlines()[-1:]}")
             continue
@@ -302,14 +361,6 @@ def measure_rss(args: argparse.Namespace, footprints: list[str], probe: dict, co
 
 
 # -- agreement with full ------------------------------------------------------------------------
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 def agreement_for_prompt(llm, prompt_ids: list[int], full: list[int], others: dict[str, list[int]]) -> dict[str, dict]:
@@ -350,71 +401,23 @@ def agreement_for_prompt(llm, prompt_ids: list[int], full: list[int], others: di
 # -- profiling ----------------------------------------------------------------------------------
 
 
-class GraphClock:
-    def __init__(self) -> None:
-        self.phase = "prefill"
-        self.seconds: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-        self.calls: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-
-    def add(self, kind: str, seconds: float) -> None:
-        self.seconds[self.phase][kind] += seconds
-        self.calls[self.phase][kind] += 1
-
-
-class TimedSession:
-    """An ``ort.InferenceSession`` stand-in that times ``run`` (profiling only)."""
-
-    def __init__(self, inner, kind: str, clock: GraphClock) -> None:
-        self._inner, self._kind, self._clock = inner, kind, clock
-
-    def run(self, *args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return self._inner.run(*args, **kwargs)
-        finally:
-            self._clock.add(self._kind, time.perf_counter() - start)
-
-    def __getattr__(self, name: str):
-        return getattr(self._inner, name)
-
-
-def instrument(model, prefix: str, clock: GraphClock) -> None:
-    """Wrap every ONNX Runtime session an OrtModel holds (``x_session`` attributes and
-    ``x_sessions`` lists, lazily filled ones included) so each ``run`` is timed as kind x."""
-    import onnxruntime as ort
-
-    for attr, value in list(vars(model).items()):
-        kind = prefix + attr.strip("_").removesuffix("_sessions").removesuffix("_session")
-        if isinstance(value, ort.InferenceSession):
-            setattr(model, attr, TimedSession(value, kind, clock))
-        elif isinstance(value, list) and attr.endswith("_sessions"):
-            value[:] = [TimedSession(s, kind, clock) if isinstance(s, ort.InferenceSession) else s for s in value]
-    load = getattr(model, "_load", None)
-    if callable(load):  # sessions loaded on first use get wrapped too
-        def timed_load(kind: str, layer: int | None = None, _load=load):
-            return TimedSession(_load(kind, layer), prefix + kind, clock)
-        model._load = timed_load
-
-
-def profile_graphs(args: argparse.Namespace, configs: list[Config], prompts: list[dict], console: Console) -> dict:
-    from edgeroute.runtime import Engine
-
-    engine = Engine(args.bundle, activations=args.activations)
-    clocks = {}
+def profile_graphs(engines: dict[bool, object], configs: list[Config], prompts: list[dict], max_new_tokens: int,
+                   console: Console) -> dict:
+    """Decode time per graph kind through the models' ``timings`` hook (engines: by alt_slm)."""
+    profiles = {}
     for config in configs:
+        engine = engines[config.alt_slm]
         clock = GraphClock()
-        clocks[config.name] = clock
-        instrument(engine.llm, "", clock)
-        if config.options.get("light") == "slm":
-            instrument(engine.slm, "slm.", clock)
+        engine.llm.timings = clock.hook()
+        if config.options.get("light") == "slm" or config.options.get("mode") == "slm":
+            engine.slm.timings = clock.hook("slm.")
         engine.generate(prompts[0]["messages"], max_new_tokens=8, **config.options)  # warm-up, discarded
-        clock.seconds.clear()
-        clock.calls.clear()
+        clock.clear()
         decode_seconds = prefill_seconds = 0.0
         decode_tokens = 0
         for prompt in prompts:
             clock.phase = "prefill"
-            session = engine.session(max_new_tokens=args.max_new_tokens, **config.options)
+            session = engine.session(max_new_tokens=max_new_tokens, **config.options)
             for i, _trace in enumerate(session.generate_tokens(prompt["messages"])):
                 if i == 0:
                     clock.phase = "decode"
@@ -422,44 +425,28 @@ def profile_graphs(args: argparse.Namespace, configs: list[Config], prompts: lis
             decode_seconds += stats.decode_seconds
             prefill_seconds += stats.time_to_first_token
             decode_tokens += max(stats.new_tokens - 1, 0)
-        # unwrap for the next configuration (re-instrumenting wraps the inner sessions)
-        for model in (engine.llm, engine._slm):
-            if model is None:
-                continue
-            for attr, value in list(vars(model).items()):
-                if isinstance(value, TimedSession):
-                    setattr(model, attr, value._inner)
-                elif isinstance(value, list) and attr.endswith("_sessions"):
-                    value[:] = [s._inner if isinstance(s, TimedSession) else s for s in value]
-            if "_load" in vars(model):
-                del model._load
-        decode = clock.seconds.get("decode", {})
-        ort_seconds = sum(decode.values())
-        clocks[config.name] = {
-            "prompts": len(prompts), "decode_tokens": decode_tokens, "decode_seconds": decode_seconds,
-            "prefill_seconds": prefill_seconds,
-            "graphs": {kind: {"calls": clock.calls["decode"][kind], "seconds": s} for kind, s in sorted(decode.items())},
-            "ort_seconds": ort_seconds,
-            "orchestration_seconds": decode_seconds - ort_seconds,
-            "orchestration_share": (decode_seconds - ort_seconds) / decode_seconds if decode_seconds else None,
-            "tokens_per_second": decode_tokens / decode_seconds if decode_seconds else None,
-        }
+        engine.llm.timings = None
+        if engine.bundle.slm is not None:
+            engine.slm.timings = None
+        profiles[config.name] = {"prompts": len(prompts), "prefill_seconds": prefill_seconds,
+                                 **clock.decode_profile(decode_seconds, decode_tokens)}
         console.print(f"  profiled {config.name}: {decode_tokens} decode tokens")
-    return clocks
+    return profiles
 
 
-def run_profile(args: argparse.Namespace, console: Console) -> dict:
+def run_profile(args: argparse.Namespace, engines: dict[bool, object], console: Console) -> dict:
     console.print("per-graph profile ...")
     wanted = [n.strip() for n in args.profile_configs.split(",") if n.strip()]
-    profiled = [c for c in all_configs(args.skip_ratio, args.lookup_tokens) if c.name in wanted and c.runtime == "edgeroute"]
+    profiled = [c for c in all_configs(args.skip_ratio, args.lookup_tokens, args.draft_tokens, args.slm_label)
+                if c.name in wanted and c.runtime == "edgeroute" and c.alt_slm in engines]
     prompts = load_workloads(args.workload_dir, ["templated"], args.profile_prompts)["templated"]
-    return profile_graphs(args, profiled, prompts, console)
+    return profile_graphs(engines, profiled, prompts, args.max_new_tokens, console)
 
 
 def print_profile(profile: dict, console: Console) -> None:
     for name, p in profile.items():
         tokens = max(p["decode_tokens"], 1)
-        table = Table(title=f"per-graph decode profile: {name} ({p['prompts']} prompts, {p['decode_tokens']} decode "
+        table = Table(title=f"per-graph decode profile: {escape(name)} ({p['prompts']} prompts, {p['decode_tokens']} decode "
                             f"tokens, {p['tokens_per_second'] or 0:.1f} tok/s)")
         for column in ("graph", "calls/token", "us/call", "ms/token", "share of decode"):
             table.add_column(column, justify="right" if column != "graph" else "left")
@@ -478,52 +465,6 @@ def print_profile(profile: dict, console: Console) -> None:
 # -- aggregation --------------------------------------------------------------------------------
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    return float(np.percentile(values, q)) if values else None
-
-
-def _tokens_per_second(run: dict) -> float | None:
-    steps = len(run["tokens"]) - 1
-    return steps / run["decode_seconds"] if steps > 0 and run["decode_seconds"] > 0 else None
-
-
-def summarize(runs: list[dict], num_layers: int, rss: dict | None, full_runs: list[dict] | None = None) -> dict:
-    ratios = []  # per prompt, against full's run of the same prompt (run next to it in time)
-    for run, full in zip(runs, full_runs or [], strict=False):
-        mine, theirs = _tokens_per_second(run), _tokens_per_second(full)
-        if mine and theirs:
-            ratios.append(mine / theirs)
-    new = sum(len(r["tokens"]) for r in runs)
-    decode_tokens = sum(max(len(r["tokens"]) - 1, 0) for r in runs)
-    decode_seconds = sum(r["decode_seconds"] for r in runs)
-    gaps = [g for r in runs for g in r["gaps"]]
-    llm_tokens = sum(r["llm_tokens"] for r in runs)
-    layers = sum(r["llm_layers_run"] for r in runs)
-    drafted = sum(r["drafted"] for r in runs)
-    full_tokens = sum(r["agreement"]["full_tokens"] for r in runs)
-    tf_positions = sum(r["agreement"]["tf_positions"] for r in runs)
-    gaps_at_divergence = [r["agreement"]["divergence_gap"] for r in runs if r["agreement"]["divergence_gap"] is not None]
-    return {
-        "prompts": len(runs), "new_tokens": new, "decode_tokens": decode_tokens, "decode_seconds": decode_seconds,
-        "tokens_per_second": decode_tokens / decode_seconds if decode_seconds else None,
-        "paired_median_vs_full": float(np.median(ratios)) if ratios else None,
-        "ttft_mean": float(np.mean([r["ttft"] for r in runs])), "ttft_p50": percentile([r["ttft"] for r in runs], 50),
-        "itl_p50": percentile(gaps, 50), "itl_p99": percentile(gaps, 99),
-        "peak_rss_bytes": rss.get("peak_rss_bytes") if rss else None,
-        "llm_share": llm_tokens / new if new else None,
-        "layers_per_llm_token": layers / llm_tokens if llm_tokens else None,
-        "llm_calls_per_token": sum(r["llm_calls"] for r in runs) / new if new else None,
-        "saved_compute": 1 - layers / (num_layers * new) if new else None,
-        "acceptance": sum(r["accepted"] for r in runs) / drafted if drafted else None,
-        "fallbacks": sum(r["fallbacks"] for r in runs),
-        "prefix_agreement": sum(r["agreement"]["prefix"] for r in runs) / full_tokens if full_tokens else None,
-        "tf_agreement": sum(r["agreement"]["tf_matches"] for r in runs) / tf_positions if tf_positions else None,
-        "identical": sum(r["agreement"]["identical"] for r in runs),
-        "divergences": len(gaps_at_divergence),
-        "near_tie_divergences": sum(abs(g) < NEAR_TIE for g in gaps_at_divergence),
-    }
-
-
 def evaluate_targets(summary: dict[str, dict[str, dict]], profile: dict | None) -> list[dict]:
     targets = []
 
@@ -536,7 +477,15 @@ def evaluate_targets(summary: dict[str, dict[str, dict]], profile: dict | None) 
             ratio = full / llama
             paired = get(workload, "llama.cpp", "paired_median_vs_full")
             value = f"{ratio:.2f}x" + (f" (paired median {1 / paired:.2f}x)" if paired else "")
-            targets.append({"target": f"full >= 1.2x llama.cpp tok/s ({workload})", "value": value, "pass": ratio >= 1.2})
+            targets.append({"target": f"full >= 1.0x llama.cpp tok/s ({workload})", "value": value, "pass": ratio >= 1.0})
+        spec = get(workload, "speculate+slm", "tokens_per_second")
+        if full and spec:
+            peer = get(workload, "llama.cpp+draft-slm", "tokens_per_second")
+            identical, n = get(workload, "speculate+slm", "identical"), get(workload, "speculate+slm", "prompts")
+            value = (f"{spec / full:.2f}x full" + (f", {spec / peer:.2f}x llama.cpp+draft-slm" if peer else "")
+                     + f", {identical}/{n} identical")
+            targets.append({"target": f"speculate+slm faster than full and llama.cpp+draft-slm ({workload})",
+                            "value": value, "pass": spec > full and (peer is None or spec > peer)})
     if "templated" in summary:
         full = get("templated", "full", "tokens_per_second")
         spec = get("templated", "speculate+ngram", "tokens_per_second")
@@ -576,24 +525,38 @@ def print_tables(summary: dict, num_layers: int, console: Console) -> None:
         table = Table(title=f"workload {workload} ({next(iter(rows.values()))['prompts']} prompts)")
         columns = ("config", "tok/s", "x full", "x full p.med", "TTFT ms", "ITL p50 ms", "ITL p99 ms", "peak RSS MiB",
                    "LLM share", f"layers/LLM tok (of {num_layers})", "saved", "accept", "prefix agr", "TF agr", "identical",
-                   "near-tie div")
+                   "near-tie div", "task pass", "echoes")
         for column in columns:
             table.add_column(column, justify="left" if column == "config" else "right")
         for name, s in rows.items():
             tps = s["tokens_per_second"]
             table.add_row(
-                name, _fmt(tps, ".1f"), _fmt(tps / full if tps and full else None, ".2f"),
+                escape(name), _fmt(tps, ".1f"), _fmt(tps / full if tps and full else None, ".2f"),
                 _fmt(s.get("paired_median_vs_full"), ".2f"),
                 _fmt(s["ttft_mean"], ".0f", 1e3), _fmt(s["itl_p50"], ".1f", 1e3), _fmt(s["itl_p99"], ".1f", 1e3),
                 _fmt(s["peak_rss_bytes"], ".0f", 1 / 2**20), _fmt(s["llm_share"], ".0%"),
                 _fmt(s["layers_per_llm_token"], ".1f"), _fmt(s["saved_compute"], ".0%"), _fmt(s["acceptance"], ".0%"),
                 _fmt(s["prefix_agreement"], ".1%"), _fmt(s["tf_agreement"], ".1%"), f"{s['identical']}/{s['prompts']}",
-                f"{s['near_tie_divergences']}/{s['divergences']}")
+                f"{s['near_tie_divergences']}/{s['divergences']}", _fmt(s.get("task_pass_rate"), ".0%"),
+                "-" if not s.get("task_checked") else str(s["task_echoes"]))
         console.print(table)
 
 
+def print_slm_agreement(slm_tf: dict, console: Console) -> None:
+    if not slm_tf:
+        return
+    table = Table(title="SLM vs the LLM's greedy answers (teacher-forced over full's tokens)")
+    for column in ("SLM", "workload", "positions", "TF agreement", "rest column wins"):
+        table.add_column(column, justify="left" if column in ("SLM", "workload") else "right")
+    for label, per_workload in slm_tf.items():
+        for workload, a in per_workload.items():
+            table.add_row(escape(label), workload, str(a["positions"]), _fmt(a["tf_agreement"], ".1%"),
+                          _fmt(a["rest_wins"], ".1%"))
+    console.print(table)
+
+
 def print_targets(targets: list[dict], console: Console) -> None:
-    table = Table(title="targets (issue 3)")
+    table = Table(title="targets")
     for column in ("target", "measured", "verdict"):
         table.add_column(column)
     for t in targets:
@@ -698,7 +661,9 @@ def machine_info() -> dict:
 
 
 def select_configs(args: argparse.Namespace) -> list[Config]:
-    configs = all_configs(args.skip_ratio, args.lookup_tokens)
+    configs = all_configs(args.skip_ratio, args.lookup_tokens, args.draft_tokens, args.slm_label)
+    if args.slm_gguf is None:  # no SLM GGUF: no llama.cpp SLM peers
+        configs = [c for c in configs if c.options.get("model") != "slm" and not c.options.get("draft")]
     if args.quick and not args.configs:
         configs = [c for c in configs if c.name in QUICK_CONFIGS]
     if args.configs:
@@ -714,6 +679,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--bundle", type=Path, default=ROOT / "bundles" / "smollm2-demo")
     parser.add_argument("--gguf", type=Path, default=None, help="llama.cpp's model (default: the packaged SmolLM2 GGUF)")
+    parser.add_argument("--slm-gguf", type=Path, default=None,
+                        help="the SLM's GGUF: adds llama.cpp on it alone and as llama.cpp's draft model")
+    parser.add_argument("--draft-tokens", type=int, default=4, help="llama.cpp draft model: tokens per draft")
+    parser.add_argument("--slm-bundle", type=Path, default=None,
+                        help="a second bundle whose SLM (e.g. a reduced-vocabulary head) runs the SLM modes again")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated names under --workload-dir")
     parser.add_argument("--workload-dir", type=Path, default=WORKLOAD_DIR)
     parser.add_argument("--prompts", type=int, default=None, help="use the first N prompts of each workload")
@@ -724,7 +694,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--activations", choices=("int8", "fp32"), default="int8",
                         help="edgeroute's int4 kernels: int8 activations (fast, the default) or fp32")
     parser.add_argument("--skip-ratio", type=float, default=0.3)
-    parser.add_argument("--threads", type=int, default=2, help="llama.cpp threads (edgeroute: EDGEROUTE_THREADS)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count(),
+                        help="threads of both runtimes (llama.cpp n_threads; edgeroute's EDGEROUTE_THREADS)")
     parser.add_argument("--n-ctx", type=int, default=2048)
     parser.add_argument("--lookup-tokens", type=int, default=2,
                         help="llama.cpp prompt lookup: tokens per draft (2: llama-cpp-python's advice for CPU-only)")
@@ -751,7 +722,70 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         from edgeroute.export.sources import packaged_gguf
 
         args.gguf = packaged_gguf()
+    args.slm_label = None if args.slm_bundle is None else args.slm_bundle.name
+    # equal thread counts: ORT's pool is sized from this when the first session is created
+    os.environ["EDGEROUTE_THREADS"] = str(args.threads)
     return args
+
+
+def load_engines(args: argparse.Namespace) -> dict[bool, object]:
+    """The engine (key False) and, with --slm-bundle, a view of it whose SLM is that bundle's
+    (key True; the LLM sessions are shared, not loaded twice)."""
+    import copy
+
+    from edgeroute.bundle import Bundle
+    from edgeroute.runtime import Engine
+    from edgeroute.runtime.model import OrtModel
+
+    engine = Engine(args.bundle, activations=args.activations)
+    engines = {False: engine}
+    if args.slm_bundle is not None:
+        alt = copy.copy(engine)
+        alt._slm = OrtModel(Bundle.open(args.slm_bundle), "slm", activations=args.activations)
+        engines[True] = alt
+    return engines
+
+
+def slm_agreement(engines: dict[bool, object], alt_label: str | None, workloads: dict[str, list[dict]],
+                  runs: dict) -> dict:
+    """Teacher-forced agreement of each SLM with the LLM's greedy answers (full's tokens): the
+    share of answer positions where the SLM's argmax (over its head, in token ids) is full's
+    token; for a reduced head also the share where its rest column wins (no draft there)."""
+    result: dict[str, dict[str, dict]] = {}
+    for alt, engine in engines.items():
+        slm = engine.slm
+        if slm is None:
+            continue
+        label = f"slm[{alt_label}]" if alt else "slm"
+        per_workload = {}
+        for workload, prompts in workloads.items():
+            matches = positions = rest = 0
+            for index, prompt in enumerate(prompts):
+                ids = engine.encode_prompt(prompt["messages"])
+                answer = runs[workload]["full"][index]["tokens"]
+                logits = slm.forward(slm.new_cache(len(ids) + len(answer)), ids + answer, all_logits=True)
+                rows = logits[len(ids) - 1:len(ids) - 1 + len(answer)]
+                vocab = slm.head_vocab
+                chosen = rows.argmax(-1) if vocab is None else vocab.expand(rows).argmax(-1)
+                matches += int((chosen == np.asarray(answer)).sum())
+                positions += len(answer)
+                rest += 0 if vocab is None else int(vocab.rest_wins(rows).sum())
+            per_workload[workload] = {"tf_agreement": matches / positions if positions else None,
+                                      "rest_wins": rest / positions if positions else None, "positions": positions}
+        result[label] = per_workload
+    return result
+
+
+def answer_checks(engine, workloads: dict[str, list[dict]], runs: dict, configs: list[Config]) -> None:
+    """Each run's answer text and its task check (against full's answer for json)."""
+    for workload, prompts in workloads.items():
+        for index, prompt in enumerate(prompts):
+            full_answer = engine.decode(runs[workload]["full"][index]["tokens"])
+            for config in configs:
+                run = runs[workload][config.name][index]
+                run["answer"] = engine.decode(run["tokens"])
+                check = task_check(workload, prompt, run["answer"], None if config.name == "full" else full_answer)
+                run["task"] = None if check is None else asdict(check)
 
 
 def report_from_json(args: argparse.Namespace, console: Console) -> int:
@@ -781,7 +815,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.from_json:
         return report_from_json(args, console)
     if args.profile_only:
-        profile = run_profile(args, console)
+        profile = run_profile(args, load_engines(args), console)
         print_profile(profile, console)
         for t in evaluate_targets({}, profile):
             print(f"{'PASS' if t['pass'] else 'MISS'}: {t['target']}: {t['value']}")
@@ -790,8 +824,6 @@ def main(argv: list[str] | None = None) -> int:
             args.json.write_text(json.dumps({"machine": machine_info(), "profile": profile}, indent=1) + "\n")
             console.print(f"wrote {args.json}")
         return 0
-    from edgeroute.runtime import Engine
-
     wall = time.perf_counter()
     names = [n.strip() for n in args.workloads.split(",") if n.strip()]
     workloads = load_workloads(args.workload_dir, names, args.prompts)
@@ -801,17 +833,19 @@ def main(argv: list[str] | None = None) -> int:
                   f"<= {args.max_new_tokens} new tokens, {info['cpu_count']} CPUs, load average "
                   f"{' '.join(f'{x:.1f}' for x in info['load_average'])}")
 
-    engine = Engine(args.bundle, activations=args.activations)
+    engines = load_engines(args)
+    engine = engines[False]
     num_layers = engine.llm.num_layers
     eos_ids = set(engine.eos_ids)
-    runner = EdgerouteRunner(engine)
-    llamas = {c.name: LlamaRunner(args.gguf, args.threads, args.n_ctx, c.options["lookup"], num_layers)
+    runners = {alt: EdgerouteRunner(e) for alt, e in engines.items()}
+    llamas = {c.name: LlamaRunner(args.slm_gguf if c.options["model"] == "slm" else args.gguf, args.threads, args.n_ctx,
+                                  c.options["lookup"], num_layers, args.slm_gguf, c.options.get("draft", 0))
               for c in configs if c.runtime == "llama"}
 
     def generate(config: Config, prompt: dict, ids: list[int], budget: int) -> Run:
         if config.runtime == "llama":
             return llamas[config.name].run(ids, eos_ids, budget)
-        return runner.run(prompt["messages"], config.options, budget)
+        return runners[config.alt_slm].run(prompt["messages"], config.options, budget)
 
     first = next(iter(workloads.values()))[0]
     first_ids = engine.encode_prompt(first["messages"])
@@ -847,6 +881,9 @@ def main(argv: list[str] | None = None) -> int:
             for name, a in agreement.items():
                 runs[workload][name][index]["agreement"] = {**a, "full_tokens": len(full)}
 
+    answer_checks(engine, workloads, runs, configs)
+    slm_tf = slm_agreement(engines, args.slm_label, workloads, runs) if engine.bundle.slm is not None else {}
+
     rss = {}
     if not args.no_rss:
         console.print("peak RSS probes (one process per runtime footprint) ...")
@@ -856,7 +893,7 @@ def main(argv: list[str] | None = None) -> int:
                  "eos_ids": sorted(eos_ids), "num_layers": num_layers}
         rss = measure_rss(args, sorted({c.footprint for c in configs}), probe, console)
 
-    profile = run_profile(args, console) if args.profile_graphs else None
+    profile = run_profile(args, engines, console) if args.profile_graphs else None
 
     summary = {w: {c.name: summarize(runs[w][c.name], num_layers, rss.get(c.footprint), runs[w]["full"]) for c in configs}
                for w in workloads}
@@ -864,19 +901,22 @@ def main(argv: list[str] | None = None) -> int:
     print_tables(summary, num_layers, console)
     if profile:
         print_profile(profile, console)
+    print_slm_agreement(slm_tf, console)
     print_targets(targets, console)
 
     plots = [] if args.no_plots else make_plots(summary, configs, args.plots, console)
     info["load_average_after"] = os.getloadavg()
     result = {
         "settings": {"bundle": str(args.bundle), "gguf": str(args.gguf), "max_new_tokens": args.max_new_tokens,
+                     "slm_bundle": str(args.slm_bundle) if args.slm_bundle else None,
+                     "slm_gguf": str(args.slm_gguf) if args.slm_gguf else None, "draft_tokens": args.draft_tokens,
                      "prompts_per_workload": {w: len(p) for w, p in workloads.items()}, "llama_threads": args.threads,
-                     "edgeroute_threads": int(os.environ.get("EDGEROUTE_THREADS", 0)) or os.cpu_count(),
+                     "edgeroute_threads": int(os.environ["EDGEROUTE_THREADS"]),
                      "n_ctx": args.n_ctx, "activations": args.activations, "lookup_tokens": args.lookup_tokens,
                      "skip_ratio": args.skip_ratio,
                      "configs": [asdict(c) for c in configs]},
         "machine": info, "num_layers": num_layers, "wall_seconds": time.perf_counter() - wall, "summary": summary,
-        "targets": targets,        "rss": rss, "profile": profile, "plots": plots, "runs": runs,
+        "targets": targets, "slm_agreement": slm_tf, "rss": rss, "profile": profile, "plots": plots, "runs": runs,
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=1, default=float) + "\n")

@@ -1,6 +1,6 @@
 """Benchmark structured output (``response_format``) on the json workload: voice command -> intent.
 
-Same machine, one run, batch 1, greedy. Every prompt of ``tools/workloads/json.json`` (a system
+Same machine, one run, batch 1, greedy. Every prompt of ``tools/workloads/intents.json`` (a system
 message carrying the intent's JSON schema, a spoken command) is answered by each configuration,
 configurations interleaved prompt by prompt (their order rotating), so a change in the
 machine's load hits all alike: compare ratios within one run.
@@ -263,7 +263,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--bundle", type=Path, default=REPO / "bundles" / "smollm2-demo")
     parser.add_argument("--gguf", type=Path, default=None, help="the LLM's GGUF for the llama.cpp rows (none: skip)")
-    parser.add_argument("--workload", type=Path, default=REPO / "tools" / "workloads" / "json.json")
+    parser.add_argument("--workload", type=Path, default=REPO / "tools" / "workloads" / "intents.json")
     parser.add_argument("--limit", type=int, default=None, help="first N prompts only")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--draft-tokens", type=int, default=6)

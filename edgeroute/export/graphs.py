@@ -509,7 +509,7 @@ def build_head(arch: ArchConfig, final_norm: np.ndarray, lm_head: Linear,
     hidden = g.input("hidden", TensorProto.FLOAT, ["tokens", arch.hidden_size])
     normed = g.rms_norm(hidden, final_norm, arch.rms_norm_eps, "/model/norm")
     logits = g.linear(normed, lm_head, "/lm_head")
-    g.output(logits, "logits", TensorProto.FLOAT, ["tokens", arch.vocab_size])
+    g.output(logits, "logits", TensorProto.FLOAT, ["tokens", lm_head.weight.shape[0]])  # reduced heads: fewer
     return g.build()
 
 

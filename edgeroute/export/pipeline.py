@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -21,6 +23,7 @@ from edgeroute.export.graphs import OPSET, WeightFile, model_graphs
 from edgeroute.export.quantize import rtn_quantize
 from edgeroute.export.sources import SourceModel, TokenizerInfo, load_source
 from edgeroute.export.tensors import FloatWeight, LayerWeights, Linear, ModelWeights, Weight, lazy_map
+from edgeroute.export.vocab import reduced_head, required_ids, select_vocabulary
 from edgeroute.export.writer import BundleWriter
 
 QUANT_METHODS = ("int4-gptq", "int4-rtn", "fp16", "fp32")
@@ -43,6 +46,7 @@ class ExportOptions:
     # the fp32-head bundle / decode tok/s): fp32 97.3% / 73, fp16 97.4% / 79, int8 96.6% / 79 at
     # 32 MB instead of 57-113, int4 81.3% / 99. int4 is faster but costs too much quality.
     head: str = "int8"
+    slm_vocab: int | None = None  # a reduced SLM head over this many token ids (None: the whole vocabulary)
     context_length: int = 2048
     calibration_tokens: int = 2048
     parity_tokens: int = 256
@@ -55,6 +59,8 @@ class ExportOptions:
                                      ("block_size", self.block_size, BLOCK_SIZES)):
             if value not in allowed:
                 raise EdgerouteError(f"--{name.replace('_', '-')} {value!r} is not one of {', '.join(map(str, allowed))}")
+        if self.slm_vocab is not None and self.slm is None:
+            raise EdgerouteError("--slm-vocab needs an SLM: drop --no-slm or the --slm-vocab option")
         if self.context_length < 16:
             raise EdgerouteError(f"--context-length {self.context_length} is too small (minimum 16)")
 
@@ -172,6 +178,10 @@ def _tokenize(tokenizer: TokenizerInfo, text: str, limit: int) -> np.ndarray:
     return np.asarray(ids[:limit], np.int64)
 
 
+def _reduced_head(weights: ModelWeights, ids: np.ndarray) -> Linear:
+    return reduced_head(weights.lm_head, ids)
+
+
 def parity(bundle_path: Path, role: str, source: SourceModel, weights: ModelWeights, ids: np.ndarray) -> tuple[float, float]:
     """Teacher-forced top-1 agreement and max relative logit difference of the exported graphs
     (ONNX Runtime) against a torch forward of the source's float weights."""
@@ -185,10 +195,36 @@ def parity(bundle_path: Path, role: str, source: SourceModel, weights: ModelWeig
     # 1.5B: +1.8 GB after one 256-token pass), and the reference runs after the sessions go
     got = np.concatenate([model.forward(cache, ids[i:i + PARITY_CHUNK], all_logits=True)
                           for i in range(0, len(ids), PARITY_CHUNK)])
+    vocab = model.head_vocab
     del model, cache
     want = ReferenceModel(source.arch, weights).logits(ids)
-    agreement = float((got.argmax(-1) == want.argmax(-1)).mean())
+    if vocab is not None:  # a reduced head: its choice in token ids; logits compared where it has columns
+        agreement = float((vocab.expand(got).argmax(-1) == want.argmax(-1)).mean())
+        got, want = got[:, :len(vocab)], want[:, vocab.ids]
+    else:
+        agreement = float((got.argmax(-1) == want.argmax(-1)).mean())
     return agreement, float(np.abs(got - want).max() / np.abs(want).max())
+
+
+def _head_vocabulary(source: SourceModel, size: int, writer: BundleWriter) -> dict[str, Any]:
+    """Choose the reduced head's ids (calibration text, never the evaluation text), store them
+    as a bundle file and return the manifest entry (with the ids under "ids", for the caller)."""
+    from edgeroute.chat_format import format_messages
+    from edgeroute.texts import calibration_text
+
+    tok = source.tokenizer
+    chat_format = derive_chat_format(tok.chat_template)
+    probe = [{"role": "system", "content": "x"}, {"role": "user", "content": "x"},
+             {"role": "assistant", "content": "x"}, {"role": "user", "content": "x"}]
+    # with and without a system turn: a template's default system prompt is tokens of every prompt
+    template_text = "".join(format_messages(chat_format, m) for m in (probe, probe[1:])) if chat_format else ""
+    required = required_ids(tok.tokenizer_json, template_text, tok.eos_token_ids, tok.bos_token_id)
+    ids = select_vocabulary(tok.tokenizer_json, size, calibration_text(), required, source.arch.vocab_size)
+    rel = "slm/head_vocab.json"
+    writer.path(rel).write_text(json.dumps(ids.tolist()))
+    writer.record(rel)
+    return {"file": rel, "size": len(ids), "vocab_size": source.arch.vocab_size, "rest_column": True,
+            "chosen_from": "calibration text frequency + special and chat-template tokens", "ids": ids}
 
 
 @contextmanager
@@ -232,6 +268,12 @@ def export_bundle(options: ExportOptions, progress: Progress | None = None) -> E
             quantized = quantize_weights(source, weights, method, options.head, options.block_size,
                                          calibration, lambda t, d, n, r=role: progress(f"{r}: {t}", d, n))
             counts: Counter = Counter()
+            head_vocab = None
+            if role == "slm" and options.slm_vocab:
+                with _stage(report, "reduce head"):
+                    head_vocab = _head_vocabulary(source, options.slm_vocab, writer)
+                    quantized = dataclasses.replace(quantized, lm_head_source=functools.partial(
+                        _reduced_head, quantized, head_vocab.pop("ids")))
             arch = dataclasses.replace(source.arch, num_layers=len(weights.layers))
             graphs = []
             with _stage(report, "quantize + write graphs"):
@@ -252,7 +294,7 @@ def export_bundle(options: ExportOptions, progress: Progress | None = None) -> E
                         "notes": [*source.notes, *weights.notes]},
                 quantization={"method": method, "block_size": options.block_size, "head": options.head,
                               "carried_over": source.quantized and method.startswith("int4"), "formats": formats},
-                graphs=graphs)
+                graphs=graphs, head_vocab=head_vocab)
             exported[role] = weights
             report.models.append(ModelReport(role, source.name, len(weights.layers),
                                              sum(f["bytes"] for rel, f in writer.files.items() if rel.startswith(role)),

@@ -18,6 +18,7 @@ import numpy as np
 
 from edgeroute.arch import ArchConfig
 from edgeroute.runtime.model import LayerPlan
+from edgeroute.runtime.vocab import HeadVocabulary
 
 
 @runtime_checkable
@@ -47,6 +48,7 @@ class ModelBackend(Protocol):
     arch: ArchConfig
     capacity: int  # the default cache capacity (the bundle's context length)
     flavour: str  # the attention graphs it runs: portable | ort
+    head_vocab: HeadVocabulary | None  # a reduced-vocabulary head's token ids (None: the whole vocabulary)
 
     @property
     def num_layers(self) -> int: ...

@@ -271,7 +271,7 @@ class Decoder:
             proposal = self.constraint.constrain(proposal)
         score = self.router(proposal, 0) if proposal.tokens else 1.0
         format_critical = bool(proposal.tokens) and proposal.tokens[0] in self.options.protected_tokens
-        if self._fallback_active() or format_critical or score > self.route_threshold:
+        if self._fallback_active() or not proposal.tokens or format_critical or score > self.route_threshold:
             traces = self.step_llm()
         else:
             token, p = proposal.tokens[0], proposal.probabilities[0]

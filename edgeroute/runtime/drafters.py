@@ -3,7 +3,9 @@
 - :class:`NgramDrafter` (prompt lookup): continue the longest earlier match of the sequence's
   suffix in the prompt and history. Zero model compute; strong when answers echo the request
   (destinations, names, numbers, JSON keys).
-- :class:`SlmDrafter`: the bundle's small model, greedy, with its own KV cache.
+- :class:`SlmDrafter`: the bundle's small model, greedy, with its own KV cache. With a
+  reduced-vocabulary head it maps the head's columns back to token ids and never drafts a
+  token outside them: where the head's "rest" column wins, the draft stops there.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ class SlmDrafter:
         self.model = model
         self.cache: Cache = model.new_cache(capacity)
         self.seen: list[int] = []  # the tokens whose K/V the cache holds
-        self.last_logits: np.ndarray | None = None
+        self.last_logits: np.ndarray | None = None  # the head's own columns (reduced or full)
         self.last_hidden: np.ndarray | None = None  # [d], the last hidden state behind last_logits
 
     def reset(self) -> None:
@@ -82,7 +84,7 @@ class SlmDrafter:
             del self.seen[keep:]
             self.last_logits = None
 
-    def next_logits(self, tokens: list[int]) -> np.ndarray:
+    def _head_logits(self, tokens: list[int]) -> np.ndarray:
         self.sync(tokens)
         new = tokens[len(self.seen):]
         if new or self.last_logits is None:
@@ -91,11 +93,21 @@ class SlmDrafter:
             self.seen.extend(new)
         return self.last_logits
 
+    def next_logits(self, tokens: list[int]) -> np.ndarray:
+        """Logits over the full vocabulary (-inf for tokens outside a reduced head)."""
+        logits = self._head_logits(tokens)
+        vocab = self.model.head_vocab
+        return logits if vocab is None else vocab.expand(logits)
+
     def propose(self, tokens: list[int], k: int) -> Proposal:
-        """k greedy tokens of the SLM (catching up on tokens it has not seen first)."""
+        """Up to k greedy tokens of the SLM (catching up on tokens it has not seen first);
+        fewer when a reduced head's rest column wins (a token it cannot draft comes next)."""
         proposal = Proposal([], [])
         sequence = list(tokens)
+        vocab = self.model.head_vocab
         for _ in range(k):
+            if vocab is not None and vocab.rest_wins(self._head_logits(sequence)):
+                break
             p = softmax(self.next_logits(sequence))
             token = int(np.argmax(p))
             proposal.tokens.append(token)

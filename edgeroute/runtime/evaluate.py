@@ -76,6 +76,8 @@ def teacher_forced(model: OrtModel, ids: np.ndarray, window: int = DEFAULT_WINDO
     for start in range(0, len(ids) - 1, window):
         chunk = ids[start:min(start + window, len(ids) - 1)]  # positions whose next token exists
         logits = model.forward(model.new_cache(len(chunk)), chunk, all_logits=True)
+        if model.head_vocab is not None:
+            logits = model.head_vocab.expand(logits)
         positions = slice(start, start + len(chunk))
         top1[positions] = logits.argmax(-1)
         logprob[positions] = _log_softmax_at(logits, ids[start + 1:start + 1 + len(chunk)])

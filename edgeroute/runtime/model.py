@@ -14,7 +14,9 @@ import ctypes
 import ctypes.util
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
@@ -23,6 +25,7 @@ from edgeroute.bundle import Bundle, ModelEntry
 from edgeroute.errors import InputError
 from edgeroute.rope import rope_tables
 from edgeroute.runtime.attention import FLAVOURS, KVCache
+from edgeroute.runtime.vocab import HeadVocabulary
 
 KV_OUTPUTS = ["key", "value"]
 # A long prompt (or catch-up) runs in passes of at most this many tokens: attention's
@@ -140,11 +143,15 @@ class OrtModel:
         self.layer_sessions = [self._load("layer", i, self.flavour) for i in layers]
         self.kv_sessions = [self._load("kv", i) for i in layers]
         self.head_session = self._load("head")
+        self.head_vocab = HeadVocabulary.load(bundle, role)  # None: the head covers the whole vocabulary
         # sub-layer graphs only serve MLP-only skipping and tests: loaded on first use
         self._attn_sessions: list[ort.InferenceSession | None] = [None] * self.arch.num_layers
         self._mlp_sessions: list[ort.InferenceSession | None] = [None] * self.arch.num_layers
         self.cos, self.sin = rope_tables(self.capacity, self.arch.head_dim, self.arch.rope_theta,
                                          self.arch.rope_scaling)
+        # profiling hook: when set, called as timings(kind, seconds) after every graph call
+        # (kind: embed, layer, attn, mlp, kv, head); None costs nothing on the hot path
+        self.timings: Callable[[str, float], None] | None = None
 
     def _load(self, kind: str, layer: int | None = None, flavour: str = "portable") -> ort.InferenceSession:
         path = self._bundle.file(self.entry.graph(kind, layer, flavour).file)
@@ -168,32 +175,49 @@ class OrtModel:
 
     # -- graph calls ----------------------------------------------------------------------------
 
+    def _timed(self, kind: str, call: Callable[[], Any]) -> Any:
+        if self.timings is None:
+            return call()
+        start = time.perf_counter()
+        try:
+            return call()
+        finally:
+            self.timings(kind, time.perf_counter() - start)
+
+    def _run(self, session: ort.InferenceSession, kind: str, feeds: dict[str, np.ndarray],
+             outputs: list[str] | None = None) -> list[np.ndarray]:
+        return self._timed(kind, lambda: session.run(outputs, feeds))
+
     def embed(self, ids: np.ndarray) -> np.ndarray:
-        return self.embed_session.run(None, {"input_ids": np.asarray(ids, np.int64).reshape(-1)})[0]
+        return self._run(self.embed_session, "embed", {"input_ids": np.asarray(ids, np.int64).reshape(-1)})[0]
 
     def _rope(self, start: int, t: int) -> dict[str, np.ndarray]:
         return {"cos": self.cos[start:start + t], "sin": self.sin[start:start + t]}
 
     def layer(self, layer: int, hidden: np.ndarray, cache: KVCache, start: int) -> np.ndarray:
         """The whole decoder layer (attention + MLP) in one call."""
-        return self._attention.run(self.layer_sessions[layer], "layer", layer, cache, start,
-                                   {"hidden": hidden, **self._rope(start, hidden.shape[0])})
+        return self._attend(self.layer_sessions[layer], "layer", layer, hidden, cache, start)
 
     def attention(self, layer: int, hidden: np.ndarray, cache: KVCache, start: int) -> np.ndarray:
         """The attention sub-layer alone (its residual included)."""
-        session = self._lazy(self._attn_sessions, "attn", layer, self.flavour)
-        return self._attention.run(session, "attn", layer, cache, start,
-                                   {"hidden": hidden, **self._rope(start, hidden.shape[0])})
+        return self._attend(self._lazy(self._attn_sessions, "attn", layer, self.flavour), "attn", layer, hidden, cache,
+                            start)
+
+    def _attend(self, session: ort.InferenceSession, kind: str, layer: int, hidden: np.ndarray, cache: KVCache,
+                start: int) -> np.ndarray:
+        feeds = {"hidden": hidden, **self._rope(start, hidden.shape[0])}
+        return self._timed(kind, lambda: self._attention.run(session, kind, layer, cache, start, feeds))
 
     def mlp(self, layer: int, hidden: np.ndarray) -> np.ndarray:
-        return self._lazy(self._mlp_sessions, "mlp", layer).run(None, {"hidden": hidden})[0]
+        return self._run(self._lazy(self._mlp_sessions, "mlp", layer), "mlp", {"hidden": hidden})[0]
 
     def kv_fill(self, layer: int, hidden: np.ndarray, cache: KVCache, start: int) -> None:
-        key, value = self.kv_sessions[layer].run(KV_OUTPUTS, {"hidden": hidden, **self._rope(start, hidden.shape[0])})
+        key, value = self._run(self.kv_sessions[layer], "kv", {"hidden": hidden, **self._rope(start, hidden.shape[0])},
+                               KV_OUTPUTS)
         cache.write(layer, start, key, value)
 
     def head(self, hidden: np.ndarray) -> np.ndarray:
-        return self.head_session.run(None, {"hidden": np.ascontiguousarray(hidden)})[0]
+        return self._run(self.head_session, "head", {"hidden": np.ascontiguousarray(hidden)})[0]
 
     # -- steps ----------------------------------------------------------------------------------
 
