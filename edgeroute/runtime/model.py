@@ -97,6 +97,22 @@ class KVCache:
             self.dropped[:, length:] = False
         self.length = length
 
+    def clone(self) -> KVCache:
+        """A compact copy of the cached positions (capacity = length), e.g. a shared prompt
+        prefix (computed with every layer run: no dropped positions to carry)."""
+        n = self.length
+        return KVCache(self.keys[:, :n].copy(), self.values[:, :n].copy(), n)
+
+    def copy_from(self, source: KVCache) -> None:
+        """Become a copy of ``source``'s cached positions (a session starting from a shared prefix)."""
+        n = source.length
+        if n > self.capacity:
+            raise ValueError(f"a cache of {n} tokens does not fit a capacity of {self.capacity}")
+        self.keys[:, :n] = source.keys[:, :n]
+        self.values[:, :n] = source.values[:, :n]
+        self.truncate(0)  # clears any dropped-position mask
+        self.length = n
+
 
 class OrtModel:
     def __init__(self, bundle: Bundle, role: str = "llm", providers: Sequence[str] | None = None,
