@@ -116,6 +116,9 @@ def run(
     mode: str = typer.Option(None, help="full (default) | slm | route | speculate | skip | route+skip | speculate+skip"),
     light: str = typer.Option(None, help="light path for route/speculate: ngram (default) | slm"),
     profile: str = typer.Option(None, help="device or task profile (name in profiles/ or a JSON file)"),
+    context_length: int = typer.Option(None, help="KV capacity per session (default: the device profile's, at most "
+                                                  "the bundle's)"),
+    no_slm: bool = typer.Option(False, "--no-slm", help="never load the bundle's SLM (less memory)"),
     max_tokens: int = typer.Option(None, help="maximum new tokens (default: the bundle's)"),
     temperature: float = typer.Option(None, help="0 (default): greedy"),
     top_p: float = typer.Option(None),
@@ -135,6 +138,7 @@ def run(
     """Generate text from a bundle on ONNX Runtime (no torch)."""
     import json
 
+    from edgeroute.bundle import Bundle
     from edgeroute.runtime import Engine
     from edgeroute.runtime.profiles import load_profile
 
@@ -148,7 +152,11 @@ def run(
         if not prompt and not chat:
             raise EdgerouteError("give --prompt 'What is the capital of France?' or --chat")
         settings = load_profile(profile) if profile else None
-        engine = Engine(bundle, providers=settings.providers if settings else None)
+        opened = Bundle.open(bundle)
+        if context_length is None and settings and settings.context_length:
+            context_length = min(settings.context_length, int(opened.generation["context_length"]))
+        engine = Engine(opened, providers=settings.providers if settings else None, context_length=context_length,
+                        memory_budget=settings.memory_budget if settings else None, slm=not no_slm)
         session = engine.session(**{**(settings.decoding if settings else {}), **overrides})
         trace_file = open(trace, "w") if trace else None  # noqa: SIM115 - closed below
 

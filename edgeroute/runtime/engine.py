@@ -22,6 +22,7 @@ from edgeroute.bundle import Bundle
 from edgeroute.chat_format import format_messages
 from edgeroute.errors import InputError, SessionBusy
 from edgeroute.runtime.decoding import DecodeOptions, Decoder, GenerationStats, SequenceState, TokenTrace
+from edgeroute.runtime.memory import check_fit
 from edgeroute.runtime.model import KVCache, OrtModel
 from edgeroute.runtime.text_stream import IncrementalDetokenizer, StopFilter
 
@@ -41,11 +42,24 @@ class Engine:
     """A loaded bundle: tokenizer and ONNX Runtime sessions, shared by every session."""
 
     def __init__(self, bundle: str | Path | Bundle, providers: Sequence[str] | None = None, verify: bool = True,
-                 options: DecodeOptions | None = None, activations: str = "int8") -> None:
+                 options: DecodeOptions | None = None, activations: str = "int8", context_length: int | None = None,
+                 memory_budget: int | None = None, slm: bool = True) -> None:
         """``activations``: "int8" (fast int4 kernels that quantize activations, like
         llama.cpp) or "fp32" (slower, but a multi-token verification pass then rounds like a
-        one-token step, so speculation reproduces full decoding except at near-ties)."""
+        one-token step, so speculation reproduces full decoding except at near-ties).
+        ``context_length``: the KV capacity each session allocates (default and maximum: the
+        bundle's). ``memory_budget`` (bytes, e.g. a device profile's): refuse, before loading
+        anything, a bundle whose weights, KV caches and working memory would exceed it, saying
+        what would fit. ``slm=False`` never loads the bundle's SLM."""
         self.bundle = bundle if isinstance(bundle, Bundle) else Bundle.open(bundle, verify=verify)
+        exported = int(self.bundle.generation["context_length"])
+        self.context_length = context_length or exported
+        if not 1 <= self.context_length <= exported:
+            raise InputError(f"context_length {self.context_length} is outside 1..{exported}: the bundle was exported "
+                             f"with --context-length {exported}; export again for a longer one")
+        self.use_slm = slm and self.bundle.slm is not None
+        if memory_budget is not None:
+            check_fit(self.bundle, self.context_length, memory_budget, slm=self.use_slm)
         self.tokenizer = Tokenizer.from_file(str(self.bundle.file(self.bundle.tokenizer["file"])))
         self.providers, self.activations = providers, activations
         self.llm = OrtModel(self.bundle, "llm", providers, activations)
@@ -58,8 +72,8 @@ class Engine:
 
     @property
     def slm(self) -> OrtModel | None:
-        """The SLM's sessions, loaded on first use (a bundle without one returns None)."""
-        if self.bundle.slm is None:
+        """The SLM's sessions, loaded on first use (None without one, or with ``slm=False``)."""
+        if not self.use_slm:
             return None
         with self._slm_lock:
             if self._slm is None:
@@ -119,7 +133,7 @@ class Engine:
         tokens = tuple(self.encode_prompt([{"role": "system", "content": system}]))
         with self._prefix_lock:
             if tokens not in self._prefixes:
-                cache = self.llm.new_cache()
+                cache = self.llm.new_cache(self.context_length)
                 self.llm.forward(cache, tokens)
                 self._prefixes[tokens] = cache.clone()
         return len(tokens)
@@ -179,8 +193,8 @@ class Session:
         if system is not None and not system.strip():
             raise InputError("the system prompt is empty: leave system=None for none")
         self.engine, self.options, self.chat, self.context_policy = engine, options, chat, context_policy
-        options.validate(engine.llm.num_layers, engine.bundle.slm is not None)
-        self.state = SequenceState(engine.llm)  # the SLM joins on the first call that needs it
+        options.validate(engine.llm.num_layers, engine.use_slm)
+        self.state = SequenceState(engine.llm, engine.context_length)  # the SLM joins on the first call that needs it
         self._opening = [{"role": "system", "content": system}] if system is not None else []
         self.messages: list[dict[str, str]] = list(self._opening)
         self._cancel = threading.Event()
@@ -305,7 +319,7 @@ class Session:
 
     def _options(self, overrides: dict[str, Any]) -> DecodeOptions:
         options = self.options.updated(**overrides) if overrides else self.options
-        options.validate(self.engine.llm.num_layers, self.engine.bundle.slm is not None)
+        options.validate(self.engine.llm.num_layers, self.engine.use_slm)
         return options
 
     # -- generation -----------------------------------------------------------------------------
