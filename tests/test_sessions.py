@@ -109,7 +109,7 @@ def test_drop_oldest_keeps_a_conversation_going_and_equals_a_fresh_session_fed_t
     prefix = len(tiny_engine.encode_prompt([{"role": "system", "content": SYSTEM}]))
     calls = record_forward(monkeypatch, tiny_engine.llm)
     dropped = 0
-    for i, text in enumerate(TURNS[:14]):
+    for i, text in enumerate(TURNS[:24]):
         before = len(chat.messages)
         first_call = len(calls)
         answer = chat.generate(text, max_new_tokens=24)
@@ -126,6 +126,7 @@ def test_drop_oldest_keeps_a_conversation_going_and_equals_a_fresh_session_fed_t
         again = fresh.generate(kept, max_new_tokens=24)
         assert fresh.state.tokens == chat.state.tokens, f"turn {i}"
         assert again.tokens == answer.tokens
+        assert len(chat.state.tokens) - len(answer.tokens) + 24 + 9 <= chat.state.capacity // 2  # down to half
     assert dropped >= 3
     assert len(chat.state.tokens) <= chat.state.capacity
 

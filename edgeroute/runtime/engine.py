@@ -120,9 +120,9 @@ class Engine:
         ``system`` opens the conversation (it survives ``reset()`` and the context policy);
         when ``share_prefix`` computed it, the session starts from a copy of its K/V.
         ``context_policy`` says what a turn that does not fit the context does: "error" (the
-        default) raises; "drop_oldest" forgets the oldest user/assistant exchanges until the
-        turn and its answer budget fit, keeps the system prompt, and recomputes the cache from
-        the first token that changed."""
+        default) raises; "drop_oldest" forgets the oldest user/assistant exchanges (down to half
+        the context), keeps the system prompt, and recomputes the cache from the first token
+        that changed."""
         return Session(self, self.options.updated(**options), chat=True, system=system, context_policy=context_policy)
 
     def share_prefix(self, system: str) -> int:
@@ -264,10 +264,12 @@ class Session:
         return options.max_new_tokens or int(self.engine.bundle.generation["max_new_tokens"]), options.max_draft_tokens + 1
 
     def _drop_oldest(self, turn: Turn, options: DecodeOptions) -> Turn:
-        """The ``drop_oldest`` context policy: forget the oldest user/assistant exchanges
-        (never the system prompt) until the turn and its whole answer budget fit. The tokens
+        """The ``drop_oldest`` context policy: when the turn and its whole answer budget do not
+        fit, forget the oldest user/assistant exchanges (never the system prompt) until the
+        conversation fills at most half the context, or only the new turn is left. The tokens
         are those of a fresh session fed the kept messages; the cache keeps what they share
-        with the sequence so far (the system prompt) and the rest is recomputed."""
+        with the sequence so far (the system prompt) and recomputes the rest, so going down to
+        half makes that recomputation rare (once per half a context of conversation)."""
         wanted, reserve = self._answer_room(options)
         capacity = self.state.capacity
         if self.context_policy == "error" or turn.keep + len(turn.new) + wanted + reserve <= capacity:
@@ -277,14 +279,17 @@ class Session:
                              "text: use engine.chat(), or reset() the session")
         opening = turn.messages[:1] if turn.messages[0]["role"] == "system" else []
         exchanges, latest = turn.messages[len(opening):-1], turn.messages[-1:]
-        while exchanges:
-            exchanges = exchanges[2:]  # one user message and the answer to it
-            messages = opening + exchanges + latest
+        if not exchanges:
+            return turn  # the turn alone does not fit: the usual error follows
+        for dropped in range(2, len(exchanges) + 2, 2):  # one user message and the answer to it at a time
+            messages = opening + exchanges[dropped:] + latest
             tokens = self.engine.encode_prompt(messages)
-            if len(tokens) + wanted + reserve <= capacity:
-                keep = min(_common_prefix(self.state.tokens, tokens), len(tokens) - 1)
-                return Turn(keep, tokens[keep:], messages)
-        return turn  # even alone the turn does not fit: the usual error follows
+            if len(tokens) + wanted + reserve <= capacity // 2:
+                break
+        if len(tokens) + wanted + reserve > capacity:
+            return turn
+        keep = min(_common_prefix(self.state.tokens, tokens), len(tokens) - 1)
+        return Turn(keep, tokens[keep:], messages)
 
     def _begin(self, prompt: str | Messages, options: DecodeOptions) -> tuple[Generation, Iterator[TokenTrace]]:
         """Check the turn, then set the sequence up for it: the first point of no return."""

@@ -1,0 +1,190 @@
+"""Long voice sessions: memory over many chat turns and one long generation, and the time to
+first token of a new session with and without a shared system-prompt prefix.
+
+Scenarios (one process, batch 1, greedy; the machine may be shared: compare within one run):
+
+- **chat**: ``--turns`` user turns (short in-car voice commands, cycled) in ONE ``engine.chat()``
+  per mode, ``--answer-tokens`` new tokens each (stop at end of turn), with the context
+  policy ``drop_oldest`` (``--policy reset`` instead resets the session when the next turn
+  would not fit). RSS (resident set, /proc/self/statm) is sampled after every turn.
+- **long**: one generation of ``--tokens`` new tokens (end of text ignored, so it runs to the
+  end), RSS sampled every ``--every`` tokens. Needs a bundle whose context holds them
+  (``edgeroute export --context-length 12000 --out bundles/smollm2-12k``).
+- **prefix**: TTFT of the first turn of a new chat session with a ~400-token system prompt,
+  without and with ``engine.share_prefix`` (two engines on the same bundle, runs interleaved),
+  ``--repeats`` times each; medians.
+
+Flatness: after the warm-up (the first ``--warmup`` share of turns or tokens), the spread
+(max - min) of RSS relative to RSS at the end of the warm-up; the target is within +-5%.
+
+    python tools/bench_sessions.py chat --bundle bundles/smollm2-demo --modes full,speculate
+    python tools/bench_sessions.py long --bundle bundles/smollm2-12k --tokens 10000
+    python tools/bench_sessions.py prefix --bundle bundles/smollm2-demo
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from edgeroute.runtime import Engine
+
+MIB = 1 << 20
+COMMANDS = ["Navigate to 221B Baker Street.", "Call Anna Schmidt.", "Set the temperature to 21 degrees.",
+            "Play some jazz.", "How far is the next charging station?", "Remind me to buy milk at six.",
+            "Turn on the seat heating.", "Read my last message.", "What is the battery level?",
+            "Find a parking garage near the museum.", "Skip this song.", "Open the sunroof halfway."]
+SYSTEM = "You are the voice assistant of a car. Answer the driver in one short sentence."
+VEHICLE_STATE = ("Vehicle state: battery 64 percent, range 210 km, cabin 22 C, outside 9 C, tyre pressure normal, "
+                 "next service in 3,400 km, driver profile Anna, seat position 2, navigation idle, media Bluetooth "
+                 "(phone: Anna's phone), windows closed, doors locked, lights auto. ")
+TOOLS = ("Tools: navigate(destination), call(contact), message(contact, text), set_climate(zone, temperature), "
+         "play(query), remind(text, time), seat_heating(level), sunroof(position), find_parking(near). ")
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def long_system_prompt(engine: Engine, tokens: int = 400) -> str:
+    text = SYSTEM + " " + TOOLS
+    while len(engine.encode(text)) < tokens:
+        text += VEHICLE_STATE
+    return text
+
+
+def flatness(samples: list[int], warmup: float) -> dict:
+    start = max(1, int(len(samples) * warmup))
+    base, after = samples[start - 1], samples[start:]
+    return {"warm_rss_mib": base / MIB, "min_mib": min(after) / MIB, "max_mib": max(after) / MIB,
+            "end_mib": samples[-1] / MIB, "spread_pct": 100 * (max(after) - min(after)) / base,
+            "end_drift_pct": 100 * (samples[-1] - base) / base}
+
+
+def progress_bar(console: Console) -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=console, transient=True)
+
+
+def run_chat(args: argparse.Namespace, console: Console) -> dict:
+    engine = Engine(args.bundle, verify=False)
+    loaded = rss()
+    results = {"load_rss_mib": loaded / MIB, "modes": {}}
+    for mode in args.modes.split(","):
+        policy = "drop_oldest" if args.policy == "drop_oldest" else "error"
+        chat = engine.chat(system=SYSTEM, context_policy=policy, mode=mode)
+        samples, resets, seconds, ttfts = [], 0, [], []
+        with progress_bar(console) as bar:
+            task = bar.add_task(f"chat {mode}", total=args.turns)
+            for turn in range(args.turns):
+                text = COMMANDS[turn % len(COMMANDS)]
+                start = time.perf_counter()
+                try:
+                    generation = chat.generate(text, max_new_tokens=args.answer_tokens)
+                except Exception as err:  # the context filled (policy reset): start over
+                    if policy != "error" or "context" not in str(err):
+                        raise
+                    chat.reset()
+                    resets += 1
+                    generation = chat.generate(text, max_new_tokens=args.answer_tokens)
+                seconds.append(time.perf_counter() - start)
+                ttfts.append(generation.stats.time_to_first_token)
+                samples.append(rss())
+                bar.advance(task)
+        results["modes"][mode] = {"rss_mib": [s / MIB for s in samples], "resets": resets,
+                                  "turn_seconds_median": statistics.median(seconds),
+                                  "turn_seconds_max": max(seconds), "ttft_median": statistics.median(ttfts),
+                                  **flatness(samples, args.warmup)}
+    return results
+
+
+def run_long(args: argparse.Namespace, console: Console) -> dict:
+    engine = Engine(args.bundle, verify=False)
+    engine.eos_ids = set()  # run to the end: the measurement is about length, not about the answer
+    loaded = rss()
+    session = engine.session()
+    samples, stamps = [], []
+    with progress_bar(console) as bar:
+        task = bar.add_task("long generation", total=args.tokens)
+
+        def on_token(trace) -> None:
+            bar.advance(task)
+            if (trace.position - session.last.stats.prompt_tokens + 1) % args.every == 0:
+                samples.append(rss())
+                stamps.append(time.perf_counter())
+
+        generation = session.generate("Once upon a time, in a small town by the sea,", on_token=on_token,
+                                      max_new_tokens=args.tokens)
+    rates = [args.every / (b - a) for a, b in zip(stamps, stamps[1:], strict=False)]
+    return {"load_rss_mib": loaded / MIB, "tokens": len(generation.tokens), "every": args.every,
+            "rss_mib": [s / MIB for s in samples], "tok_s_by_window": rates, **flatness(samples, args.warmup)}
+
+
+def run_prefix(args: argparse.Namespace, console: Console) -> dict:
+    plain, shared = Engine(args.bundle, verify=False), Engine(args.bundle, verify=False)
+    system = long_system_prompt(plain)
+    prefix_tokens = shared.share_prefix(system)
+    ttft: dict[str, list[float]] = {"prefilled": [], "shared prefix": []}
+    for _ in range(args.repeats):
+        for name, engine in (("prefilled", plain), ("shared prefix", shared)):
+            generation = engine.chat(system=system).generate(COMMANDS[0], max_new_tokens=1)
+            ttft[name].append(generation.stats.time_to_first_token)
+    return {"system_prompt_tokens": prefix_tokens, "ttft_s": ttft,
+            "ttft_median_s": {k: statistics.median(v) for k, v in ttft.items()}}
+
+
+def show(scenario: str, result: dict, console: Console) -> None:
+    table = Table(title=f"bench_sessions {scenario}")
+    if scenario == "prefix":
+        for column in ("new session", "TTFT median", "runs"):
+            table.add_column(column)
+        for name, values in result["ttft_s"].items():
+            table.add_row(name, f"{result['ttft_median_s'][name] * 1000:.0f} ms", str(len(values)))
+        console.print(table)
+        console.print(f"system prompt: {result['system_prompt_tokens']} tokens")
+        return
+    rows = result["modes"].items() if scenario == "chat" else [("generation", result)]
+    for column in ("run", "load", "after warm-up", "min..max after", "end", "spread", "end drift"):
+        table.add_column(column)
+    for name, r in rows:
+        table.add_row(name, f"{result['load_rss_mib']:.0f} MiB", f"{r['warm_rss_mib']:.0f} MiB",
+                      f"{r['min_mib']:.0f}..{r['max_mib']:.0f} MiB", f"{r['end_mib']:.0f} MiB",
+                      f"{r['spread_pct']:.1f}%", f"{r['end_drift_pct']:+.1f}%")
+    console.print(table)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("scenario", choices=["chat", "long", "prefix"])
+    parser.add_argument("--bundle", default="bundles/smollm2-demo")
+    parser.add_argument("--modes", default="full,speculate", help="chat: decoding modes, one session each")
+    parser.add_argument("--turns", type=int, default=400)
+    parser.add_argument("--answer-tokens", type=int, default=24)
+    parser.add_argument("--policy", choices=["drop_oldest", "reset"], default="drop_oldest")
+    parser.add_argument("--tokens", type=int, default=10_000, help="long: new tokens")
+    parser.add_argument("--every", type=int, default=250, help="long: sample RSS every N tokens")
+    parser.add_argument("--warmup", type=float, default=0.1, help="share of turns/tokens before flatness counts")
+    parser.add_argument("--repeats", type=int, default=5, help="prefix: runs per configuration")
+    parser.add_argument("--out", type=Path, default=Path("bench-results"))
+    args = parser.parse_args(argv)
+    console = Console()
+    result = {"chat": run_chat, "long": run_long, "prefix": run_prefix}[args.scenario](args, console)
+    result["args"] = {k: str(v) for k, v in vars(args).items()}
+    show(args.scenario, result, console)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"sessions-{args.scenario}.json"
+    path.write_text(json.dumps(result, indent=1))
+    console.print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
