@@ -19,32 +19,35 @@ class IncrementalDetokenizer:
 
     Decoding a token alone loses what depends on its neighbours (a leading space a
     SentencePiece decoder drops at the start of a text, the other bytes of a multi-byte
-    character), so each step decodes a window that starts a few tokens back, at the last
-    point where the text was complete, and keeps what the new tokens add to it. A token that
-    ends inside a character adds nothing until the character is complete.
+    character), so each step decodes a window that starts one step back, at the last point
+    where the text was complete, and returns what is new in it. Text is released up to a
+    character whose bytes are still incomplete (U+FFFD at the end), the rest once they are.
     """
 
     def __init__(self, decode: Decode) -> None:
         self.decode = decode
         self.tokens: list[int] = []
-        self._window = 0  # the window starts here; its text up to _read is already released
-        self._read = 0
+        self._window = 0  # the window's first token
+        self._read = 0  # the window's text up to this token was complete when released
+        self._released = 0  # characters of the window's text already returned
 
     def add(self, token: int) -> str:
         self.tokens.append(token)
-        before = self.decode(self.tokens[self._window:self._read])
         text = self.decode(self.tokens[self._window:])
-        if len(text) <= len(before) or text.endswith(INCOMPLETE):
-            return ""
-        self._window, self._read = self._read, len(self.tokens)
-        return text[len(before):]
+        complete = len(text.rstrip(INCOMPLETE))
+        piece = text[self._released:complete]
+        self._released = max(self._released, complete)
+        if complete == len(text):  # a clean boundary: the next window starts at the previous one
+            self._window, self._read = self._read, len(self.tokens)
+            self._released = len(self.decode(self.tokens[self._window:self._read]))
+        return piece
 
     def flush(self) -> str:
         """What is still held back at the end (an incomplete character stays U+FFFD)."""
-        before = self.decode(self.tokens[self._window:self._read])
-        text = self.decode(self.tokens[self._window:])
+        piece = self.decode(self.tokens[self._window:])[self._released:]
         self._window = self._read = len(self.tokens)
-        return text[len(before):]
+        self._released = 0
+        return piece
 
 
 def _stop_prefix(text: str, stops: Sequence[str]) -> int:
