@@ -212,6 +212,15 @@ def test_a_second_thread_on_a_busy_session_gets_a_clear_error_and_changes_nothin
     assert chat.messages == alone.messages
 
 
+def test_generate_tokens_records_the_answer_so_the_conversation_goes_on(tiny_engine):
+    chat = tiny_engine.chat()
+    tokens = [t.token for t in chat.generate_tokens(TURNS[0], max_new_tokens=6)]
+    assert chat.messages == [*user(TURNS[0]), {"role": "assistant", "content": tiny_engine.decode(tokens)}]
+    assert chat.last.tokens == tokens
+    chat.generate(TURNS[1], max_new_tokens=4)
+    assert [m["role"] for m in chat.messages] == ["user", "assistant"] * 2
+
+
 def test_a_call_from_its_own_token_callback_is_refused(tiny_engine):
     session, refused = tiny_engine.session(), []
 
