@@ -100,6 +100,9 @@ def run_chat(args: argparse.Namespace, console: Console) -> dict:
                 ttfts.append(generation.stats.time_to_first_token)
                 samples.append(rss())
                 bar.advance(task)
+                if (turn + 1) % args.log_every == 0:
+                    console.log(f"{mode} turn {turn + 1}: RSS {samples[-1] / MIB:.0f} MiB, resets {resets}, "
+                                f"turn {seconds[-1]:.2f} s")
         results["modes"][mode] = {"rss_mib": [s / MIB for s in samples], "resets": resets,
                                   "turn_seconds_median": statistics.median(seconds),
                                   "turn_seconds_max": max(seconds), "ttft_median": statistics.median(ttfts),
@@ -121,6 +124,8 @@ def run_long(args: argparse.Namespace, console: Console) -> dict:
             if (trace.position - session.last.stats.prompt_tokens + 1) % args.every == 0:
                 samples.append(rss())
                 stamps.append(time.perf_counter())
+                if len(samples) % max(1, args.log_every // 10) == 0:
+                    console.log(f"{trace.position} tokens in context: RSS {samples[-1] / MIB:.0f} MiB")
 
         generation = session.generate("Once upon a time, in a small town by the sea,", on_token=on_token,
                                       max_new_tokens=args.tokens)
@@ -174,6 +179,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--every", type=int, default=250, help="long: sample RSS every N tokens")
     parser.add_argument("--warmup", type=float, default=0.1, help="share of turns/tokens before flatness counts")
     parser.add_argument("--repeats", type=int, default=5, help="prefix: runs per configuration")
+    parser.add_argument("--log-every", type=int, default=20, help="print progress every N turns (long: N/10 samples)")
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
     args = parser.parse_args(argv)
     console = Console()
