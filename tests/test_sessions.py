@@ -171,6 +171,22 @@ def test_a_session_from_the_shared_prefix_equals_one_that_prefilled_it(tiny_slm_
         shared.generate(TURNS[1], max_new_tokens=8)  # writes past the prefix in its own copy
 
 
+def test_the_slm_starts_from_the_shared_prefix_too(tiny_slm_bundle, monkeypatch):
+    engine = Engine(tiny_slm_bundle)
+    want = engine.chat(system=SYSTEM, mode="speculate", light="slm").generate(TURNS[0], max_new_tokens=16)
+    n = engine.share_prefix(SYSTEM)
+    calls = record_forward(monkeypatch, engine.slm)
+    for first in (True, False):
+        calls.clear()
+        chat = engine.chat(system=SYSTEM, mode="speculate", light="slm")
+        got = chat.generate(TURNS[0], max_new_tokens=16)
+        assert got.tokens == want.tokens and got.stats.drafted > 0
+        if first:  # the SLM's K/V of the prefix, computed once, for the first session that needs it
+            prefill = calls.pop(0)
+            assert prefill.start == 0 and len(prefill.ids) == n
+        assert calls[0].start == n and chat.state.slm_drafter.seen[:n] == chat.state.tokens[:n]
+
+
 def test_shared_prefix_serves_only_sessions_that_start_with_it(tiny_slm_bundle, monkeypatch):
     engine = Engine(tiny_slm_bundle)
     engine.share_prefix(SYSTEM)

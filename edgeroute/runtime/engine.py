@@ -67,7 +67,7 @@ class Engine:
         self._slm_lock = threading.Lock()
         self.eos_ids = set(self.bundle.tokenizer.get("eos_token_ids") or [])
         self.options = options or DecodeOptions()
-        self._prefixes: dict[tuple[int, ...], KVCache] = {}  # shared system prompts -> their K/V
+        self._prefixes: dict[tuple[int, ...], dict[str, KVCache]] = {}  # shared system prompt -> role -> K/V
         self._prefix_lock = threading.Lock()
 
     @property
@@ -128,23 +128,34 @@ class Engine:
     def share_prefix(self, system: str) -> int:
         """Compute a system prompt's K/V once for this engine: every ``chat(system=...)`` with
         the same text then starts from a copy instead of prefilling it, so its first turn's
-        time to first token does not pay for the system prompt. The K/V stays in memory for
-        the engine's life. Returns the prefix length in tokens."""
+        time to first token does not pay for the system prompt (the SLM's K/V, when a mode
+        uses it, is computed once too, for the first session that needs it). The K/V stays in
+        memory for the engine's life. Returns the prefix length in tokens."""
         tokens = tuple(self.encode_prompt([{"role": "system", "content": system}]))
         with self._prefix_lock:
             if tokens not in self._prefixes:
-                cache = self.llm.new_cache(self.context_length)
-                self.llm.forward(cache, tokens)
-                self._prefixes[tokens] = cache.clone()
+                self._prefixes[tokens] = {"llm": self._prefill(self.llm, tokens)}
         return len(tokens)
 
-    def _copy_shared_prefix(self, tokens: Sequence[int], cache: KVCache) -> None:
-        """Start an empty cache from the longest shared prefix that ``tokens`` begin with (at
-        least one token must stay to be computed: its logits pick the first new token)."""
+    def _prefill(self, model: OrtModel, tokens: Sequence[int]) -> KVCache:
+        cache = model.new_cache(self.context_length)
+        model.forward(cache, tokens)
+        return cache.clone()
+
+    def _copy_shared_prefix(self, tokens: Sequence[int], cache: KVCache, role: str = "llm") -> int:
+        """Start an empty cache of the LLM or the SLM from the longest shared prefix that
+        ``tokens`` begin with (at least one token must stay to be computed: its logits pick
+        the next token). Returns the number of positions copied."""
         with self._prefix_lock:
             matches = [p for p in self._prefixes if len(p) < len(tokens) and tuple(tokens[:len(p)]) == p]
-            if matches:
-                cache.copy_from(self._prefixes[max(matches, key=len)])
+            if not matches:
+                return 0
+            prefix = max(matches, key=len)
+            caches = self._prefixes[prefix]
+            if role not in caches:
+                caches[role] = self._prefill(self.slm, prefix)
+            cache.copy_from(caches[role])
+            return len(prefix)
 
     def generate(self, prompt: str | Messages, **options: Any) -> Generation:
         """One-shot generation in a fresh session; options override the engine's defaults."""
@@ -312,6 +323,10 @@ class Session:
         self.messages = turn.messages
         if (options.mode == "slm" or options.light == "slm") and state.slm_drafter is None:
             state.attach_slm(self.engine.slm)
+        drafter = state.slm_drafter
+        if drafter is not None and not drafter.seen:
+            sequence = state.tokens + turn.new
+            drafter.seen = sequence[:self.engine._copy_shared_prefix(sequence, drafter.cache, "slm")]
         decoder = Decoder(state, options, self._cancel)
         self.last = Generation("", [], decoder.stats)
         return self.last, decoder.run(turn.new, budget, self.engine.eos_ids)
