@@ -13,6 +13,8 @@ Scenarios (one process, batch 1, greedy; the machine may be shared: compare with
 - **prefix**: TTFT of the first turn of a new chat session with a ~400-token system prompt,
   without and with ``engine.share_prefix`` (two engines on the same bundle, runs interleaved),
   ``--repeats`` times each; medians.
+- **detokenize**: the text of answers of 500 / 2,000 / 8,000 tokens (held-out prose, no
+  model), decoded whole at every token as ``Session.stream`` used to, and incrementally.
 
 Flatness: after the warm-up (the first ``--warmup`` share of turns or tokens), the spread
 (max - min) of RSS relative to RSS at the end of the warm-up; the target is within +-5%.
@@ -30,12 +32,16 @@ import os
 import statistics
 import time
 from pathlib import Path
+from pydoc_data.topics import topics
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from tokenizers import Tokenizer
 
+from edgeroute.bundle import Bundle
 from edgeroute.runtime import Engine
+from edgeroute.runtime.text_stream import IncrementalDetokenizer
 
 MIB = 1 << 20
 COMMANDS = ["Navigate to 221B Baker Street.", "Call Anna Schmidt.", "Set the temperature to 21 degrees.",
@@ -147,6 +153,32 @@ def run_prefix(args: argparse.Namespace, console: Console) -> dict:
             "ttft_median_s": {k: statistics.median(v) for k, v in ttft.items()}}
 
 
+def run_detokenize(args: argparse.Namespace, console: Console) -> dict:
+    """Streaming text for answers of n tokens (held-out prose, no model): decoding the whole
+    answer at every token (what ``Session.stream`` did) against the incremental detokenizer."""
+    bundle = Bundle.open(args.bundle, verify=False)
+    tokenizer = Tokenizer.from_file(str(bundle.file(bundle.tokenizer["file"])))
+
+    def decode(ids):
+        return tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    ids = tokenizer.encode(" ".join(topics.values()), add_special_tokens=False).ids
+    rows = {}
+    for n in (500, 2000, 8000):
+        answer = ids[:n]
+        start = time.perf_counter()
+        for i in range(1, n + 1):
+            decode(answer[:i])
+        whole = time.perf_counter() - start
+        start = time.perf_counter()
+        detokenizer = IncrementalDetokenizer(decode)
+        text = "".join(detokenizer.add(t) for t in answer) + detokenizer.flush()
+        incremental = time.perf_counter() - start
+        assert text == decode(answer)
+        rows[n] = {"whole_us_per_token": whole / n * 1e6, "incremental_us_per_token": incremental / n * 1e6}
+    return {"tokens": rows}
+
+
 def show(scenario: str, result: dict, console: Console) -> None:
     table = Table(title=f"bench_sessions {scenario}")
     if scenario == "prefix":
@@ -156,6 +188,13 @@ def show(scenario: str, result: dict, console: Console) -> None:
             table.add_row(name, f"{result['ttft_median_s'][name] * 1000:.0f} ms", str(len(values)))
         console.print(table)
         console.print(f"system prompt: {result['system_prompt_tokens']} tokens")
+        return
+    if scenario == "detokenize":
+        for column in ("answer tokens", "whole answer per token", "incremental"):
+            table.add_column(column)
+        for n, r in result["tokens"].items():
+            table.add_row(str(n), f"{r['whole_us_per_token']:.0f} us/token", f"{r['incremental_us_per_token']:.0f} us/token")
+        console.print(table)
         return
     rows = result["modes"].items() if scenario == "chat" else [("generation", result)]
     for column in ("run", "load", "after warm-up", "min..max after", "end", "spread", "end drift"):
@@ -169,7 +208,7 @@ def show(scenario: str, result: dict, console: Console) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("scenario", choices=["chat", "long", "prefix"])
+    parser.add_argument("scenario", choices=["chat", "long", "prefix", "detokenize"])
     parser.add_argument("--bundle", default="bundles/smollm2-demo")
     parser.add_argument("--modes", default="full,speculate", help="chat: decoding modes, one session each")
     parser.add_argument("--turns", type=int, default=400)
@@ -183,7 +222,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
     args = parser.parse_args(argv)
     console = Console()
-    result = {"chat": run_chat, "long": run_long, "prefix": run_prefix}[args.scenario](args, console)
+    scenarios = {"chat": run_chat, "long": run_long, "prefix": run_prefix, "detokenize": run_detokenize}
+    result = scenarios[args.scenario](args, console)
     result["args"] = {k: str(v) for k, v in vars(args).items()}
     show(args.scenario, result, console)
     args.out.mkdir(parents=True, exist_ok=True)
