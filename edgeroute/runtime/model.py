@@ -55,6 +55,10 @@ def session_options(activations: str = "int8") -> ort.SessionOptions:
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", ACTIVATION_PRECISION[activations])
+    # Without the CPU arena, a long prompt's transient activations go back to the system after
+    # the pass; each session's arena would keep its peak for the life of the process (measured:
+    # RSS 1,197 vs 430 MiB after a 500-token prompt on the SmolLM2 demo, 242 MiB after load).
+    options.enable_cpu_mem_arena = False
     if _shared_thread_pool():
         options.use_per_session_threads = False
     return options
