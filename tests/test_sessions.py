@@ -269,3 +269,13 @@ def test_cancel_while_idle_does_nothing_and_cancel_before_the_first_token_yields
     monkeypatch.setattr(tiny_engine, "encode_prompt", original)
     session.reset()
     assert len(session.generate("The capital of France is", max_new_tokens=6).tokens) == 6
+
+
+def test_a_long_prompt_hands_freed_memory_back_and_a_short_one_does_not(tiny_engine, monkeypatch):
+    trims = []
+    monkeypatch.setattr("edgeroute.runtime.engine._return_freed_memory", lambda: trims.append(1))
+    session = tiny_engine.session()
+    session.generate("word " * 80, max_new_tokens=2)
+    assert trims == [1]
+    session.generate(" and more", max_new_tokens=2)
+    assert trims == [1]

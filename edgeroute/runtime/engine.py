@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -166,6 +168,24 @@ class Engine:
 
 
 CONTEXT_POLICIES = ("error", "drop_oldest")
+LONG_PREFILL = 64  # prompt tokens after which a turn hands freed memory back to the system
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: nothing to trim
+        return None
+
+
+def _return_freed_memory() -> None:
+    """glibc keeps the freed blocks of a long prefill's transient activations in its heap, so
+    RSS would step up with every longer prompt (measured: 483 -> 333 MiB after a 600-token
+    prompt on the SmolLM2 demo, 242 MiB after load): hand them back to the system."""
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
 
 
 @dataclass
@@ -332,6 +352,8 @@ class Session:
         return self.last, decoder.run(turn.new, budget, self.engine.eos_ids)
 
     def _finish(self, generation: Generation, text: str, finish: str) -> None:
+        if generation.stats.prompt_tokens >= LONG_PREFILL:
+            _return_freed_memory()
         generation.text = text
         generation.finish_reason = "cancelled" if self._cancel.is_set() else finish
         if self.messages:
