@@ -189,6 +189,12 @@ def run(
                              " | auto (the calibrated choice for the task profile)"),
     light: str = typer.Option(None, help="light path for route/speculate: ngram (default) | slm"),
     profile: str = typer.Option(None, help="device or task profile (name in profiles/ or a JSON file)"),
+    context_length: int = typer.Option(None, help="KV capacity per session (default: the device profile's, at most "
+                                                  "the bundle's)"),
+    no_slm: bool = typer.Option(False, "--no-slm", help="never load the bundle's SLM (less memory)"),
+    system: str = typer.Option(None, help="system prompt that opens the conversation (chat template only)"),
+    context_policy: str = typer.Option("error", help="a turn that does not fit the context: error | drop_oldest "
+                                                     "(forget the oldest exchanges, keep the system prompt)"),
     max_tokens: int = typer.Option(None, help="maximum new tokens (default: the bundle's)"),
     temperature: float = typer.Option(None, help="0 (default): greedy"),
     top_p: float = typer.Option(None),
@@ -213,6 +219,7 @@ def run(
     is complete is reported as an error (exit code 3)."""
     import json
 
+    from edgeroute.bundle import Bundle
     from edgeroute.runtime import Engine
     from edgeroute.runtime.profiles import load_profile
 
@@ -229,11 +236,21 @@ def run(
         structure = _response_format(json_schema, regex, grammar)
         if structure is not None:
             overrides["response_format"] = structure
-        engine = Engine(bundle, providers=settings.providers if settings else None)
-        if mode == "auto" and "task" not in (settings.decoding if settings else {}):
+        opened = Bundle.open(bundle)
+        if context_length is None and settings and settings.context_length:
+            context_length = min(settings.context_length, int(opened.generation["context_length"]))
+        engine = Engine(opened, providers=settings.providers if settings else None, context_length=context_length,
+                        memory_budget=settings.memory_budget if settings else None, slm=not no_slm)
+        decoding = {**(settings.decoding if settings else {}), **overrides}
+        if mode == "auto" and "task" not in decoding:
             raise EdgerouteError("--mode auto picks the calibrated configuration of a task profile: add "
                                  "--profile TASK (voice-command, templated, json, grounded, dialogue, code)")
-        session = engine.session(**{**(settings.decoding if settings else {}), **overrides})
+        if raw or not engine.bundle.tokenizer.get("chat_format"):
+            if system is not None:
+                raise EdgerouteError("--system needs the bundle's chat template: drop --raw")
+            session = engine.session(**decoding)
+        else:
+            session = engine.chat(system=system, context_policy=context_policy, **decoding)
         trace_file = open(trace, "w") if trace else None  # noqa: SIM115 - closed below
 
         def on_token(record) -> None:
@@ -241,8 +258,7 @@ def run(
                 trace_file.write(json.dumps(record.to_dict()) + "\n")
 
         def turn(text: str) -> None:
-            message = text if raw or not engine.bundle.tokenizer.get("chat_format") else [{"role": "user", "content": text}]
-            for piece in session.stream(message, on_token=on_token):
+            for piece in session.stream(text, on_token=on_token):
                 sys.stdout.write(piece)
                 sys.stdout.flush()
             sys.stdout.write("\n")

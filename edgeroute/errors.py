@@ -23,3 +23,7 @@ class BundleError(EdgerouteError):
 
 class InputError(EdgerouteError):
     """A bad argument at run time: prompt, threshold, option."""
+
+
+class SessionBusy(EdgerouteError):
+    """A Session got a second call while one was running (one call at a time per session)."""

@@ -42,3 +42,15 @@ def test_run_rejects_bad_options_with_a_clear_error(tiny_slm_bundle):
         assert result.exit_code == 2, result.output
         assert "error:" in result.output and message in " ".join(result.output.split())
         assert "Traceback" not in result.output
+
+
+def test_run_chat_keeps_the_system_prompt_and_drops_old_turns_when_asked(tiny_slm_bundle, tiny_engine):
+    turns = "\n".join(["Where is charging station number 7?"] * 8) + "\n/exit\n"
+    args = ["run", str(tiny_slm_bundle), "--chat", "--system", "Answer briefly.", "--max-tokens", "24"]
+    dropped = runner.invoke(app, [*args, "--context-policy", "drop_oldest"], input=turns)
+    assert dropped.exit_code == 0, dropped.output
+    assert dropped.output.count("tokens,") == 8  # one summary per answered turn
+    refused = runner.invoke(app, args, input=turns)
+    assert refused.exit_code == 2 and "drop_oldest" in " ".join(refused.output.split())
+    chat = tiny_engine.chat(system="Answer briefly.")
+    assert chat.generate("Where is charging station number 7?", max_new_tokens=24).text in dropped.output

@@ -161,10 +161,10 @@ class GenerationStats:
 class SequenceState:
     """What one conversation keeps between calls: its tokens and the models' caches."""
 
-    def __init__(self, llm: ModelBackend) -> None:
+    def __init__(self, llm: ModelBackend, capacity: int | None = None) -> None:
         self.llm = llm
         self.tokens: list[int] = []
-        self.llm_cache: Cache = llm.new_cache()
+        self.llm_cache: Cache = llm.new_cache(capacity)
         self.slm_drafter: SlmDrafter | None = None  # attach_slm() when a mode needs it
         self.ngram_drafter = NgramDrafter()
 

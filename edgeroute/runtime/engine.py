@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,12 +21,14 @@ from tokenizers import Tokenizer
 
 from edgeroute.bundle import Bundle, RouterCalibration
 from edgeroute.chat_format import format_messages
-from edgeroute.errors import InputError
+from edgeroute.errors import InputError, SessionBusy
 from edgeroute.runtime.calibrated import calibrated_options, format_token_ids
 from edgeroute.runtime.constraints import Constraint, GrammarCompiler
 from edgeroute.runtime.decoding import DecodeOptions, Decoder, GenerationStats, SequenceState, TokenTrace
-from edgeroute.runtime.model import OrtModel
+from edgeroute.runtime.memory import check_fit
+from edgeroute.runtime.model import KVCache, OrtModel, release_freed_memory
 from edgeroute.runtime.routers import TrainedRouter
+from edgeroute.runtime.text_stream import IncrementalDetokenizer, StopFilter
 
 Messages = Sequence[dict[str, str]]
 
@@ -45,13 +48,25 @@ class Engine:
     """A loaded bundle: tokenizer and ONNX Runtime sessions, shared by every session."""
 
     def __init__(self, bundle: str | Path | Bundle, providers: Sequence[str] | None = None, verify: bool = True,
-                 options: DecodeOptions | None = None, activations: str = "int8", attention: str = "auto") -> None:
+                 options: DecodeOptions | None = None, activations: str = "int8", context_length: int | None = None,
+                 memory_budget: int | None = None, slm: bool = True, attention: str = "auto") -> None:
         """``activations``: "int8" (fast int4 kernels that quantize activations, like
         llama.cpp) or "fp32" (slower, but a multi-token verification pass then rounds like a
         one-token step, so speculation reproduces full decoding except at near-ties).
-        ``attention``: the attention graphs' flavour, "portable", "ort" or "auto" (ort on
-        the CPU provider when the bundle has it, see ``OrtModel``)."""
+        ``context_length``: the KV capacity each session allocates (default and maximum: the
+        bundle's). ``memory_budget`` (bytes, e.g. a device profile's): refuse, before loading
+        anything, a bundle whose weights, KV caches and working memory would exceed it, saying
+        what would fit. ``slm=False`` never loads the bundle's SLM. ``attention``: the attention
+        graphs' flavour, "portable", "ort" or "auto" (see ``OrtModel``)."""
         self.bundle = bundle if isinstance(bundle, Bundle) else Bundle.open(bundle, verify=verify)
+        exported = int(self.bundle.generation["context_length"])
+        self.context_length = context_length or exported
+        if not 1 <= self.context_length <= exported:
+            raise InputError(f"context_length {self.context_length} is outside 1..{exported}: the bundle was exported "
+                             f"with --context-length {exported}; export again for a longer one")
+        self.use_slm = slm and self.bundle.slm is not None
+        if memory_budget is not None:
+            check_fit(self.bundle, self.context_length, memory_budget, slm=self.use_slm)
         self.tokenizer = Tokenizer.from_file(str(self.bundle.file(self.bundle.tokenizer["file"])))
         self.providers, self.activations, self.attention = providers, activations, attention
         self.llm = OrtModel(self.bundle, "llm", providers, activations, attention)
@@ -59,10 +74,22 @@ class Engine:
         self._slm_lock = threading.Lock()
         self.eos_ids = set(self.bundle.tokenizer.get("eos_token_ids") or [])
         self.options = options or DecodeOptions()
+        self._prefixes: dict[tuple[int, ...], dict[str, KVCache]] = {}  # shared system prompt -> role -> K/V
+        self._prefix_lock = threading.Lock()
         self._routers: dict[str, TrainedRouter] = {}
         self._format_tokens: frozenset[int] | None = None
         self.grammars = GrammarCompiler(self.bundle.file(self.bundle.tokenizer["file"]), self.llm.arch.vocab_size,
                                         self.bundle.tokenizer.get("eos_token_ids") or [])
+
+    @property
+    def slm(self) -> OrtModel | None:
+        """The SLM's sessions, loaded on first use (None without one, or with ``slm=False``)."""
+        if not self.use_slm:
+            return None
+        with self._slm_lock:
+            if self._slm is None:
+                self._slm = OrtModel(self.bundle, "slm", self.providers, self.activations, self.attention)
+        return self._slm
 
     # -- calibrated defaults --------------------------------------------------------------------
 
@@ -80,16 +107,6 @@ class Engine:
                 self._format_tokens = format_token_ids(self.tokenizer.get_vocab())
             options = dataclasses.replace(options, protected_tokens=self._format_tokens)
         return options
-
-    @property
-    def slm(self) -> OrtModel | None:
-        """The SLM's sessions, loaded on first use (a bundle without one returns None)."""
-        if self.bundle.slm is None:
-            return None
-        with self._slm_lock:
-            if self._slm is None:
-                self._slm = OrtModel(self.bundle, "slm", self.providers, self.activations, self.attention)
-        return self._slm
 
     # -- text <-> tokens ------------------------------------------------------------------------
 
@@ -125,9 +142,49 @@ class Engine:
         string prompt is plain text (a continuation)."""
         return Session(self, self.resolve(self.options.updated(**options)))
 
-    def chat(self, **options: Any) -> Session:
-        """Like ``session``, but a string prompt is a user turn in the chat template."""
-        return Session(self, self.resolve(self.options.updated(**options)), chat=True)
+    def chat(self, system: str | None = None, context_policy: str = "error", **options: Any) -> Session:
+        """Like ``session``, but a string prompt is a user turn in the chat template.
+
+        ``system`` opens the conversation (it survives ``reset()`` and the context policy);
+        when ``share_prefix`` computed it, the session starts from a copy of its K/V.
+        ``context_policy`` says what a turn that does not fit the context does: "error" (the
+        default) raises; "drop_oldest" forgets the oldest user/assistant exchanges (down to half
+        the context), keeps the system prompt, and recomputes the cache from the first token
+        that changed."""
+        return Session(self, self.resolve(self.options.updated(**options)), chat=True, system=system,
+                       context_policy=context_policy)
+
+    def share_prefix(self, system: str) -> int:
+        """Compute a system prompt's K/V once for this engine: every ``chat(system=...)`` with
+        the same text then starts from a copy instead of prefilling it, so its first turn's
+        time to first token does not pay for the system prompt (the SLM's K/V, when a mode
+        uses it, is computed once too, for the first session that needs it). The K/V stays in
+        memory for the engine's life. Returns the prefix length in tokens."""
+        tokens = tuple(self.encode_prompt([{"role": "system", "content": system}]))
+        with self._prefix_lock:
+            if tokens not in self._prefixes:
+                self._prefixes[tokens] = {"llm": self._prefill(self.llm, tokens)}
+        return len(tokens)
+
+    def _prefill(self, model: OrtModel, tokens: Sequence[int]) -> KVCache:
+        cache = model.new_cache(len(tokens))  # exactly the prefix: it is only ever copied from
+        model.forward(cache, tokens)
+        return cache
+
+    def _copy_shared_prefix(self, tokens: Sequence[int], cache: KVCache, role: str = "llm") -> int:
+        """Start an empty cache of the LLM or the SLM from the longest shared prefix that
+        ``tokens`` begin with (at least one token must stay to be computed: its logits pick
+        the next token). Returns the number of positions copied."""
+        with self._prefix_lock:
+            matches = [p for p in self._prefixes if len(p) < len(tokens) and tuple(tokens[:len(p)]) == p]
+            if not matches:
+                return 0
+            prefix = max(matches, key=len)
+            caches = self._prefixes[prefix]
+            if role not in caches:
+                caches[role] = self._prefill(self.slm, prefix)
+            cache.copy_from(caches[role])
+            return len(prefix)
 
     def generate(self, prompt: str | Messages, **options: Any) -> Generation:
         """One-shot generation in a fresh session; options override the engine's defaults."""
@@ -137,127 +194,248 @@ class Engine:
         return self.session(**options).stream(prompt)
 
 
-def _stop_prefix(text: str, stops: Sequence[str]) -> int:
-    """Length of the longest tail of ``text`` that begins one of the stop strings."""
-    return max((k for s in stops for k in range(len(s) - 1, 0, -1) if text.endswith(s[:k])), default=0)
+CONTEXT_POLICIES = ("error", "drop_oldest")
+LONG_PREFILL = 64  # prompt tokens after which a turn hands freed memory back to the system
+
+
+@dataclass
+class Turn:
+    """What a turn does to the sequence: keep its first ``keep`` tokens, append ``new``, and
+    make ``messages`` the conversation so far (the new user message included)."""
+
+    keep: int
+    new: list[int]
+    messages: list[dict[str, str]]
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 class Session:
     """One conversation. Chat turns append to the cached sequence, so each new user turn
-    prefills only its own tokens; ``reset()`` starts over. Thread-safe to cancel."""
+    prefills only its own tokens; ``reset()`` starts over.
 
-    def __init__(self, engine: Engine, options: DecodeOptions, chat: bool = False) -> None:
-        self.engine, self.options, self.chat = engine, options, chat
-        options.validate(engine.llm.num_layers, engine.bundle.slm is not None)
-        self.state = SequenceState(engine.llm)  # the SLM joins on the first call that needs it
-        self.messages: list[dict[str, str]] = []
+    One call at a time: ``generate``, ``stream``, ``generate_tokens`` or ``reset`` while a
+    generation runs (from another thread, or from its own ``on_token`` callback) raises
+    :class:`SessionBusy` and changes nothing; give each thread its own session.
+
+    ``cancel()`` may come from any thread and stops the generation in progress within one
+    token. A generation is in progress from the moment ``generate`` is called (or a
+    ``stream`` / ``generate_tokens`` iterator is first advanced) until it returns; a cancel in
+    that window before the first token ends it with no new tokens (finish_reason
+    "cancelled"). A cancel while the session is idle does nothing: it never stops a later call.
+    """
+
+    def __init__(self, engine: Engine, options: DecodeOptions, chat: bool = False, system: str | None = None,
+                 context_policy: str = "error") -> None:
+        if context_policy not in CONTEXT_POLICIES:
+            raise InputError(f"context policy {context_policy!r} is not one of {', '.join(CONTEXT_POLICIES)}")
+        if system is not None and not system.strip():
+            raise InputError("the system prompt is empty: leave system=None for none")
+        self.engine, self.options, self.chat, self.context_policy = engine, options, chat, context_policy
+        options.validate(engine.llm.num_layers, engine.use_slm)
+        self.state = SequenceState(engine.llm, engine.context_length)  # the SLM joins on the first call that needs it
+        self._opening = [{"role": "system", "content": system}] if system is not None else []
+        self.messages: list[dict[str, str]] = list(self._opening)
         self._cancel = threading.Event()
+        self._guard = threading.Lock()  # guards _busy and the cancel flag
+        self._busy = False
         self.last: Generation | None = None
         self._constraint: Constraint | None = None  # the running generation's response_format
 
-    def reset(self) -> None:
-        self.state.reset()
-        self.messages = []
+    # -- one call at a time ---------------------------------------------------------------------
+
+    @contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        with self._guard:
+            if self._busy:
+                raise SessionBusy("this Session is already generating (in another thread, or this call comes from "
+                                  "its own on_token callback): give each thread its own engine.session() or "
+                                  "engine.chat(), or wait until the running call returns")
+            self._busy = True
+            self._cancel.clear()
+        try:
+            yield
+        finally:
+            with self._guard:
+                self._busy = False
 
     def cancel(self) -> None:
-        """Stop the running generation within one token (callable from any thread)."""
-        self._cancel.set()
+        """Stop the generation in progress within one token (callable from any thread; does
+        nothing while the session is idle)."""
+        with self._guard:
+            if self._busy:
+                self._cancel.set()
 
-    def _turn_tokens(self, prompt: str | Messages) -> tuple[list[int], bool, list[dict[str, str]]]:
-        """The tokens a turn appends, whether it first drops the previous answer's end-of-turn
-        marker, and the messages it adds. Changes nothing: a rejected turn leaves no trace."""
-        engine = self.engine
-        if isinstance(prompt, str) and self.chat:
-            prompt = [{"role": "user", "content": prompt}]
-        if isinstance(prompt, str) and not self.messages and not self.state.tokens:
-            return engine.encode_prompt(prompt), False, []
-        if isinstance(prompt, str) and self.state.tokens and not self.messages:
+    def reset(self) -> None:
+        """Start over (a system prompt given to ``chat`` stays)."""
+        with self._exclusive():
+            self.state.reset()
+            self.messages = list(self._opening)
+
+    # -- turns ----------------------------------------------------------------------------------
+
+    def _next_turn(self, prompt: str | Messages) -> Turn:
+        """The turn appended to the conversation as it is. Changes nothing: a rejected turn
+        leaves no trace."""
+        engine, tokens = self.engine, self.state.tokens
+        if isinstance(prompt, str) and not (self.chat or self.messages):
+            if not tokens:
+                return Turn(0, engine.encode_prompt(prompt), [])
             if not prompt.strip():
                 raise InputError("the prompt is empty")
-            return engine.encode(prompt), False, []  # plain-text continuation
+            return Turn(len(tokens), engine.encode(prompt), [])  # plain-text continuation
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-        if not self.state.tokens:
-            return engine.encode_prompt(messages), False, messages
-        # a later chat turn: close the assistant's answer and append only the new messages
-        if any(m["role"] != "user" for m in messages) or not all(m["content"].strip() for m in messages):
+        if not any(m.get("content", "").strip() for m in messages):
+            raise InputError("the messages are empty")
+        if not tokens:
+            if self._opening and messages[0].get("role") == "system":
+                raise InputError("this chat already has a system prompt (chat(system=...)): send user messages only")
+            return Turn(0, engine.encode_prompt(self.messages + messages), self.messages + messages)
+        # a later chat turn: close the assistant's answer and append only the new message
+        if len(messages) != 1 or messages[0]["role"] != "user" or not messages[0]["content"].strip():
             raise InputError("a follow-up chat turn takes one non-empty user message")
-        drop_eos = self.state.tokens[-1] in engine.eos_ids  # the template's text below closes the turn
+        drop_eos = tokens[-1] in engine.eos_ids  # the template's text below closes the turn
         fmt = engine.chat_format
-        return engine.encode(fmt["assistant_to_user"] + messages[0]["content"] + fmt["user_suffix"]), drop_eos, messages
+        new = engine.encode(fmt["assistant_to_user"] + messages[0]["content"] + fmt["user_suffix"])
+        return Turn(len(tokens) - drop_eos, new, self.messages + messages)
 
-    def generate_tokens(self, prompt: str | Messages, **overrides: Any) -> Iterator[TokenTrace]:
-        options = self.engine.resolve(self.options.updated(**overrides)) if overrides else self.options
-        options.validate(self.engine.llm.num_layers, self.engine.bundle.slm is not None)
+    def _answer_room(self, options: DecodeOptions) -> tuple[int, int]:
+        """(tokens an answer wants, positions kept free for speculative drafts)."""
+        return options.max_new_tokens or int(self.engine.bundle.generation["max_new_tokens"]), options.max_draft_tokens + 1
+
+    def _drop_oldest(self, turn: Turn, options: DecodeOptions) -> Turn:
+        """The ``drop_oldest`` context policy: when the turn and its whole answer budget do not
+        fit, forget the oldest user/assistant exchanges (never the system prompt) until the
+        conversation fills at most half the context, or only the new turn is left. The tokens
+        are those of a fresh session fed the kept messages; the cache keeps what they share
+        with the sequence so far (the system prompt) and recomputes the rest, so going down to
+        half makes that recomputation rare (once per half a context of conversation)."""
+        wanted, reserve = self._answer_room(options)
+        capacity = self.state.capacity
+        if self.context_policy == "error" or turn.keep + len(turn.new) + wanted + reserve <= capacity:
+            return turn
+        if not turn.messages:
+            raise InputError("the drop_oldest context policy works on chat messages; this session continues plain "
+                             "text: use engine.chat(), or reset() the session")
+        opening = turn.messages[:1] if turn.messages[0]["role"] == "system" else []
+        exchanges, latest = turn.messages[len(opening):-1], turn.messages[-1:]
+        if not exchanges:
+            return turn  # the turn alone does not fit: the usual error follows
+        for dropped in range(2, len(exchanges) + 2, 2):  # one user message and the answer to it at a time
+            messages = opening + exchanges[dropped:] + latest
+            tokens = self.engine.encode_prompt(messages)
+            if len(tokens) + wanted + reserve <= capacity // 2:
+                break
+        if len(tokens) + wanted + reserve > capacity:
+            return turn
+        keep = min(_common_prefix(self.state.tokens, tokens), len(tokens) - 1)
+        return Turn(keep, tokens[keep:], messages)
+
+    def _begin(self, prompt: str | Messages, options: DecodeOptions) -> tuple[Generation, Iterator[TokenTrace]]:
+        """Check the turn, then set the sequence up for it: the first point of no return."""
         constraint = self.engine.grammars.compile(options.response_format)  # once per request
-        new, drop_eos, messages = self._turn_tokens(prompt)
-        room = self.state.capacity - len(self.state.tokens) + drop_eos - options.max_draft_tokens - 1
-        if len(new) > room:
-            raise InputError(f"the prompt needs {len(new)} tokens but only {max(room, 0)} fit in the bundle's "
-                             f"context of {self.state.capacity}: shorten it, reset() the session, "
-                             "or export with a larger --context-length")
-        budget = min(options.max_new_tokens or int(self.engine.bundle.generation["max_new_tokens"]), room - len(new))
+        turn = self._drop_oldest(self._next_turn(prompt), options)
+        state = self.state
+        wanted, reserve = self._answer_room(options)
+        room = state.capacity - turn.keep - reserve
+        if len(turn.new) > room:
+            raise InputError(f"the prompt needs {len(turn.new)} tokens but only {max(room, 0)} fit in the bundle's "
+                             f"context of {state.capacity}: shorten it, reset() the session, use "
+                             "engine.chat(context_policy='drop_oldest'), or export with a larger --context-length")
+        budget = min(wanted, room - len(turn.new))
         if budget < 1:
             raise InputError("no room left in the context for new tokens: reset() the session")
-        if drop_eos:
-            self.state.tokens.pop()
-            # an accepted draft may have put the marker's K/V in the cache: forget it with the token
-            self.state.llm_cache.truncate(min(self.state.llm_cache.length, len(self.state.tokens)))
-        self.messages.extend(messages)
-        if (options.mode == "slm" or options.light == "slm") and self.state.slm_drafter is None:
-            self.state.attach_slm(self.engine.slm)
-        self._cancel.clear()
-        decoder = Decoder(self.state, options, self._cancel, constraint)
+        del state.tokens[turn.keep:]
+        # a previous answer's end-of-turn marker (or turns the policy dropped) may be cached: forget them
+        state.llm_cache.truncate(min(state.llm_cache.length, turn.keep))
+        if state.llm_cache.length == 0:
+            self.engine._copy_shared_prefix(state.tokens + turn.new, state.llm_cache)
+        self.messages = turn.messages
+        if (options.mode == "slm" or options.light == "slm") and state.slm_drafter is None:
+            state.attach_slm(self.engine.slm)
+        drafter = state.slm_drafter
+        if drafter is not None and not drafter.seen:
+            sequence = state.tokens + turn.new
+            drafter.seen = sequence[:self.engine._copy_shared_prefix(sequence, drafter.cache, "slm")]
+        decoder = Decoder(state, options, self._cancel, constraint)
         self._constraint = constraint
         self.last = Generation("", [], decoder.stats)
-        yield from decoder.run(new, budget, self.engine.eos_ids)
+        return self.last, decoder.run(turn.new, budget, self.engine.eos_ids)
+
+    def _finish(self, generation: Generation, text: str, finish: str) -> None:
+        if generation.stats.prompt_tokens >= LONG_PREFILL:
+            release_freed_memory()
+        generation.text = text
+        if self._cancel.is_set():
+            finish = "cancelled"
+        elif self._constraint is not None and not self._constraint.complete:
+            finish = "incomplete"
+        generation.finish_reason = finish
+        if self.messages:
+            self.messages.append({"role": "assistant", "content": text})
+
+    def _options(self, overrides: dict[str, Any]) -> DecodeOptions:
+        options = self.engine.resolve(self.options.updated(**overrides)) if overrides else self.options
+        options.validate(self.engine.llm.num_layers, self.engine.use_slm)
+        return options
+
+    # -- generation -----------------------------------------------------------------------------
+
+    def generate_tokens(self, prompt: str | Messages, **overrides: Any) -> Iterator[TokenTrace]:
+        """The new tokens' traces as they are decoded, with no text (benchmarks, token-level
+        apps); ``self.last`` holds the generation."""
+        options = self._options(overrides)
+        with self._exclusive():
+            generation, traces = self._begin(prompt, options)
+            try:
+                for trace in traces:
+                    generation.tokens.append(trace.token)
+                    generation.trace.append(trace)
+                    yield trace
+            finally:
+                finish = "eos" if generation.tokens and generation.tokens[-1] in self.engine.eos_ids else "length"
+                self._finish(generation, self.engine.decode(generation.tokens), finish)
 
     def stream(self, prompt: str | Messages, on_token: Callable[[TokenTrace], None] | None = None,
                **overrides: Any) -> Iterator[str]:
-        """Text pieces as they are decoded (a voice app speaks while the model writes)."""
-        options = self.options.updated(**overrides) if overrides else self.options
-        engine, emitted, decoded, finish = self.engine, "", "", "length"
-        generation = None
-        for trace in self.generate_tokens(prompt, **overrides):
-            generation = self.last
-            generation.trace.append(trace)
-            if trace.token in engine.eos_ids:
-                generation.tokens.append(trace.token)
-                if on_token is not None:  # the trace covers every generated token, the end marker too
-                    on_token(trace)
-                finish = "eos"
-                break
-            generation.tokens.append(trace.token)
-            text = engine.decode(generation.tokens)
-            trace.text, decoded = text[len(decoded):], text
-            if on_token is not None:
-                on_token(trace)
-            stop_at = min((i for s in options.stop if (i := text.find(s)) >= 0), default=-1)
-            if stop_at >= 0:
-                text, finish = text[:stop_at], "stop"
-            else:
-                # hold back a tail that may be the start of a stop string, or a multi-byte
-                # character that is still incomplete
-                text = text[:len(text) - _stop_prefix(text, options.stop)]
-                if text.endswith("\ufffd"):
-                    continue
-            if len(text) > len(emitted):
-                yield text[len(emitted):]
-                emitted = text
-            if finish == "stop":
-                break
-        if generation is not None:
-            if finish != "stop":  # the end: what was held back is final now
-                text = engine.decode(generation.tokens)
-                if len(text) > len(emitted):
-                    yield text[len(emitted):]
-                    emitted = text
-            if self._cancel.is_set():
-                finish = "cancelled"
-            elif self._constraint is not None and not self._constraint.complete:
-                finish = "incomplete"
-            generation.text, generation.finish_reason = emitted, finish
-            if self.messages:
-                self.messages.append({"role": "assistant", "content": emitted})
+        """Text pieces as they are decoded (a voice app speaks while the model writes). Each
+        token's text is decoded once, from a short window; a tail that may begin a stop string
+        is held back until it is known not to."""
+        options = self._options(overrides)
+        with self._exclusive():
+            generation, traces = self._begin(prompt, options)
+            detokenizer, stops = IncrementalDetokenizer(self.engine.decode), StopFilter(options.stop)
+            shown: list[str] = []
+            finish, last_text = "length", None
+            try:
+                for trace in traces:
+                    generation.tokens.append(trace.token)
+                    generation.trace.append(trace)
+                    ended = trace.token in self.engine.eos_ids
+                    if not ended:
+                        trace.text, last_text = detokenizer.add(trace.token), trace
+                    if on_token is not None:  # the trace covers every generated token, the end marker too
+                        on_token(trace)
+                    if ended:
+                        finish = "eos"
+                        break
+                    if piece := stops.push(trace.text):
+                        shown.append(piece)
+                        yield piece
+                    if stops.stopped:
+                        finish = "stop"
+                        break
+                if finish != "stop":  # the end: what was held back is final now
+                    tail = detokenizer.flush()
+                    if last_text is not None:
+                        last_text.text += tail
+                    if piece := stops.push(tail) + stops.flush():
+                        shown.append(piece)
+                        yield piece
+            finally:
+                self._finish(generation, "".join(shown), finish)
 
     def generate(self, prompt: str | Messages, **overrides: Any) -> Generation:
         for _ in self.stream(prompt, **overrides):

@@ -1,7 +1,13 @@
-"""Device and task profiles: data (JSON under ``profiles/``), not code.
+"""Device and task profiles: data (JSON), not code, validated when loaded.
 
-A device profile chooses execution providers (and their options); a task profile chooses
-decoding settings. ``--profile cpu,templated`` merges several, later ones winning.
+A device profile chooses execution providers (and their options) and may declare the memory
+the process can use and the device's default context; a task profile chooses decoding
+settings. ``--profile jetson-orin-nano-8gb,templated`` merges several, later ones winning; a
+profile may ``extend`` another.
+
+Where they are found, first match wins: ``$EDGEROUTE_PROFILES``, the package's own copy
+(``edgeroute/profiles/`` in an installed wheel: setuptools maps the repository's top-level
+``profiles/`` there), and the top-level ``profiles/`` of a source checkout.
 """
 
 from __future__ import annotations
@@ -9,13 +15,19 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from edgeroute.errors import InputError
+from edgeroute.runtime.decoding import DecodeOptions
 
-PROFILE_DIRS = [Path(os.environ["EDGEROUTE_PROFILES"])] if os.environ.get("EDGEROUTE_PROFILES") else []
-PROFILE_DIRS.append(Path(__file__).resolve().parents[2] / "profiles")
+if TYPE_CHECKING:
+    from importlib.abc import Traversable
+
+GIB = 1 << 30
+FIELDS = {"name": str, "description": str, "extends": str, "providers": list, "decoding": dict, "memory": dict}
+MEMORY_FIELDS = {"usable_gib": (int, float), "default_context": int, "note": str}
 
 
 @dataclass
@@ -23,29 +35,105 @@ class Profile:
     names: list[str] = field(default_factory=list)
     providers: list[Any] | None = None  # names, or [name, {options}] pairs as onnxruntime takes them
     decoding: dict[str, Any] = field(default_factory=dict)
+    memory_budget: int | None = None  # bytes the process may use (CPU and GPU share it on Jetson)
+    context_length: int | None = None  # the device's default context
 
 
-def _find(name: str) -> Path:
+def profile_roots() -> list[Traversable]:
+    roots: list[Traversable] = []
+    if os.environ.get("EDGEROUTE_PROFILES"):
+        roots.append(Path(os.environ["EDGEROUTE_PROFILES"]))
+    packaged = resources.files("edgeroute") / "profiles"
+    checkout = Path(__file__).resolve().parents[2] / "profiles"
+    roots += [root for root in (packaged, checkout) if root.is_dir()]
+    return roots
+
+
+def known_profiles() -> dict[str, Traversable]:
+    """Profile name -> file, over every root (kind folders: devices/, tasks/)."""
+    found: dict[str, Traversable] = {}
+    for root in profile_roots():
+        for kind in sorted((k for k in root.iterdir() if k.is_dir()), key=lambda k: k.name):
+            for file in sorted((f for f in kind.iterdir() if f.name.endswith(".json")), key=lambda f: f.name):
+                found.setdefault(file.name[:-len(".json")], file)
+    return found
+
+
+def _find(name: str) -> Traversable:
     path = Path(name)
     if path.suffix == ".json" and path.is_file():
         return path
-    for root in PROFILE_DIRS:
-        for candidate in root.glob(f"*/{name}.json"):
-            return candidate
-    known = sorted(p.stem for root in PROFILE_DIRS for p in root.glob("*/*.json"))
-    raise InputError(f"profile {name!r} not found; known profiles: {', '.join(known) or 'none'}")
+    known = known_profiles()
+    if name not in known:
+        raise InputError(f"profile {name!r} not found; known profiles: {', '.join(sorted(known)) or 'none'}")
+    return known[name]
+
+
+def _check_providers(providers: list[Any], source: str) -> None:
+    for p in providers:
+        pair = isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], dict)
+        if not (isinstance(p, str) or pair):
+            raise InputError(f"profile {source}: provider {p!r} must be a name or a [name, {{options}}] pair")
+
+
+def _check_memory(memory: dict[str, Any], source: str) -> None:
+    for key, value in memory.items():
+        if key not in MEMORY_FIELDS:
+            raise InputError(f"profile {source}: unknown memory key {key!r} (known: {', '.join(MEMORY_FIELDS)})")
+        if not isinstance(value, MEMORY_FIELDS[key]) or isinstance(value, bool):
+            raise InputError(f"profile {source}: memory.{key} has the wrong type ({value!r})")
+    if memory.get("usable_gib", 1) <= 0 or memory.get("default_context", 1) < 1:
+        raise InputError(f"profile {source}: memory.usable_gib must be > 0 and memory.default_context >= 1 "
+                         f"(got {memory})")
+
+
+def validate_profile(data: Any, source: str) -> None:
+    """Raise an InputError naming the file, the key and the value when a profile is malformed."""
+    if not isinstance(data, dict):
+        raise InputError(f"profile {source} must be a JSON object")
+    for key, value in data.items():
+        if key not in FIELDS:
+            raise InputError(f"profile {source}: unknown key {key!r} (known: {', '.join(FIELDS)})")
+        if not isinstance(value, FIELDS[key]):
+            raise InputError(f"profile {source}: {key!r} must be a JSON {FIELDS[key].__name__} (got {value!r})")
+    _check_providers(data.get("providers", []), source)
+    _check_memory(data.get("memory", {}), source)
+    try:
+        DecodeOptions().updated(**data.get("decoding", {}))
+    except (InputError, TypeError) as err:
+        raise InputError(f"profile {source}: {err}") from err
+
+
+def _read(name: str, seen: tuple[str, ...] = ()) -> dict[str, Any]:
+    """One profile's data, validated, with the profile it extends merged underneath."""
+    if name in seen:
+        raise InputError(f"profile {name!r} extends itself (through {' -> '.join(seen)})")
+    file = _find(name)
+    try:
+        data = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise InputError(f"profile {file} is not valid JSON: {err}") from err
+    validate_profile(data, str(file))
+    if "extends" not in data:
+        return data
+    base = _read(data["extends"], (*seen, name))
+    merged = {**base, **data}
+    merged["decoding"] = {**base.get("decoding", {}), **data.get("decoding", {})}
+    merged["memory"] = {**base.get("memory", {}), **data.get("memory", {})}
+    return merged
 
 
 def load_profile(spec: str) -> Profile:
     profile = Profile()
     for name in [n.strip() for n in spec.split(",") if n.strip()]:
-        path = _find(name)
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as err:
-            raise InputError(f"profile {path} is not valid JSON: {err}") from err
+        data = _read(name)
         profile.names.append(data.get("name", name))
         if "providers" in data:
             profile.providers = [tuple(p) if isinstance(p, list) else p for p in data["providers"]]
         profile.decoding.update(data.get("decoding", {}))
+        memory = data.get("memory", {})
+        if "usable_gib" in memory:
+            profile.memory_budget = int(memory["usable_gib"] * GIB)
+        if "default_context" in memory:
+            profile.context_length = memory["default_context"]
     return profile

@@ -1,0 +1,105 @@
+"""The fit check before load: a bundle's need (weights, KV at the context, working memory)
+against a device profile's budget; a refusal says what would fit."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from edgeroute.arch import ArchConfig
+from edgeroute.bundle import Bundle
+from edgeroute.cli import app
+from edgeroute.errors import InputError
+from edgeroute.runtime import Engine
+from edgeroute.runtime.memory import RESIDENT_FACTOR, check_fit, estimate, kv_cache_bytes
+from edgeroute.runtime.profiles import load_profile
+
+QWEN_15B = dict(family="qwen2", hidden_size=1536, num_layers=28, num_heads=12, num_kv_heads=2, head_dim=128,
+                intermediate_size=8960, vocab_size=151936, rms_norm_eps=1e-6, rope_theta=1e6,
+                max_position_embeddings=32768, attention_bias=True)
+QWEN_05B = dict(QWEN_15B, hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64,
+                intermediate_size=4864)
+
+
+def qwen_pair(context: int) -> Bundle:
+    """The real pair's manifest as the fit check reads it (no files needed): the 1.5B LLM's
+    1,797 MB and the 0.5B SLM's ~700 MB of graphs."""
+    model = {"graphs": [], "quantization": {}, "source": {}}
+    manifest = {"models": {"llm": {**model, "arch": QWEN_15B}, "slm": {**model, "arch": QWEN_05B}},
+                "files": {"llm/layer.weights": {"bytes": 1_797_000_000}, "slm/layer.weights": {"bytes": 700_000_000},
+                          "tokenizer.json": {"bytes": 7_000_000}},
+                "generation": {"context_length": context}}
+    return Bundle(Path("bundles/qwen-pair"), manifest)
+
+
+def test_kv_bytes_are_layers_capacity_kv_heads_head_dim_k_and_v_bytes():
+    arch = ArchConfig(**QWEN_15B)
+    assert kv_cache_bytes(arch, 32768) == 28 * 32768 * 2 * 128 * 2 * 4
+    assert kv_cache_bytes(arch, 32768, "float16") == kv_cache_bytes(arch, 32768) // 2
+
+
+def test_need_adds_weights_kv_of_both_models_and_working_memory():
+    bundle = qwen_pair(4096)
+    need, alone = estimate(bundle, 4096), estimate(bundle, 4096, slm=False)
+    assert need.weights == int((1_797_000_000 + 700_000_000) * RESIDENT_FACTOR)
+    assert need.kv == kv_cache_bytes(bundle.llm.arch, 4096) + kv_cache_bytes(bundle.slm.arch, 4096)
+    assert alone.kv == kv_cache_bytes(bundle.llm.arch, 4096) and alone.weights < need.weights
+    assert need.total == need.weights + need.kv + need.working and need.working > 96 << 20
+    assert estimate(bundle, 8192).total > need.total
+
+
+def test_orin_nano_refuses_the_pair_at_32k_and_says_what_would_fit_while_orin_nx_accepts_it():
+    bundle = qwen_pair(32768)
+    nano, nx = load_profile("jetson-orin-nano-8gb"), load_profile("jetson-orin-nx-16gb")
+    with pytest.raises(InputError, match="more than the memory budget of 5,632 MiB") as err:
+        check_fit(bundle, 32768, nano.memory_budget)
+    message = str(err.value)
+    assert "bundles/qwen-pair needs about" in message and "KV cache at context 32768" in message
+    assert "What would fit: a context of" in message and "fp16 KV cache" in message
+    shorter = int(message.split("a context of ")[1].split(" ")[0])
+    assert 2048 <= shorter < 32768 and shorter % 256 == 0
+    assert check_fit(bundle, shorter, nano.memory_budget).total <= nano.memory_budget
+    assert estimate(bundle, shorter + 256).total > nano.memory_budget  # the longest that fits
+    assert check_fit(bundle, 32768, nx.memory_budget).total <= nx.memory_budget
+    assert check_fit(bundle, nano.context_length, nano.memory_budget)  # the device's default context fits
+
+
+def test_a_bundle_that_fits_nothing_says_so():
+    with pytest.raises(InputError, match="nothing at this size: export a smaller model or use a larger device"):
+        check_fit(qwen_pair(4096), 4096, 1 << 30)
+
+
+def test_engine_refuses_before_loading_and_accepts_what_the_message_offers(tiny_slm_bundle, monkeypatch):
+    bundle = Bundle.open(tiny_slm_bundle)
+    need, alone = estimate(bundle, 256), estimate(bundle, 256, slm=False)
+    loads = []
+    monkeypatch.setattr("edgeroute.runtime.engine.OrtModel", lambda *a, **k: loads.append(a) or None)
+    with pytest.raises(InputError, match="What would fit: .*no SLM") as err:
+        Engine(bundle, memory_budget=need.total - 1)
+    assert loads == [] and "slm=False" in str(err.value)
+    Engine(bundle, memory_budget=alone.total, slm=False)
+    Engine(bundle, memory_budget=need.total)
+    assert len(loads) == 2
+
+
+def test_engine_context_length_sets_each_sessions_capacity(tiny_slm_bundle):
+    engine = Engine(tiny_slm_bundle, context_length=64)
+    session = engine.session(mode="speculate", light="slm")
+    session.generate("The capital of France is", max_new_tokens=4)
+    assert session.state.llm_cache.capacity == 64 and session.state.slm_drafter.cache.capacity == 64
+    with pytest.raises(InputError, match="context"):
+        session.generate("word " * 60)
+    with pytest.raises(InputError, match="context_length 512 is outside 1..256.*--context-length 256"):
+        Engine(tiny_slm_bundle, context_length=512)
+
+
+def test_run_with_a_device_profile_over_budget_is_a_clear_error(tiny_slm_bundle, tmp_path):
+    profile = tmp_path / "small-board.json"
+    profile.write_text(json.dumps({"name": "small-board", "memory": {"usable_gib": 0.05, "default_context": 128}}))
+    result = CliRunner().invoke(app, ["run", str(tiny_slm_bundle), "--prompt", "hi", "--profile", str(profile)])
+    assert result.exit_code == 2, result.output
+    output = " ".join(result.output.split())
+    assert "error:" in output and "more than the memory budget of 51 MiB" in output and "Traceback" not in output

@@ -1,0 +1,110 @@
+"""Profiles: validated on load with clear errors, device profiles carry their memory, and
+they ship inside the package (an installed wheel finds them)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from edgeroute.errors import InputError
+from edgeroute.runtime.profiles import GIB, known_profiles, load_profile
+
+REPO = Path(__file__).resolve().parents[1]
+JETSONS = {"jetson-orin-nano-8gb": (5.5, 2048), "jetson-orin-nx-16gb": (13.0, 4096),
+           "jetson-agx-orin-64gb": (56.0, 8192), "jetson-thor": (112.0, 16384)}
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in REPO.glob("profiles/*/*.json")))
+def test_every_shipped_profile_loads(name):
+    assert load_profile(name).names == [json.loads(known_profiles()[name].read_text())["name"]]
+
+
+@pytest.mark.parametrize("name", JETSONS)
+def test_jetson_profiles_carry_usable_memory_default_context_and_tensorrt(name):
+    profile = load_profile(f"{name},templated")
+    usable, context = JETSONS[name]
+    assert profile.memory_budget == int(usable * GIB) and profile.context_length == context
+    assert profile.providers[0][0] == "TensorrtExecutionProvider" and profile.providers[-1] == "CPUExecutionProvider"
+    assert profile.decoding["mode"] == "speculate"
+
+
+@pytest.mark.parametrize("data, message", [
+    ([1, 2], "must be a JSON object"),
+    ({"provider": ["CPUExecutionProvider"]}, "unknown key 'provider'.*known: name"),
+    ({"providers": "CPUExecutionProvider"}, "'providers' must be a JSON list"),
+    ({"providers": [["TensorrtExecutionProvider", "fp16"]]}, r"provider .* must be a name or a \[name, \{options\}\]"),
+    ({"decoding": {"mode": "speculate", "draft_tokns": 4}}, "unknown decoding option.*draft_tokns"),
+    ({"memory": {"usable_gb": 4}}, "unknown memory key 'usable_gb'"),
+    ({"memory": {"usable_gib": "4"}}, "memory.usable_gib has the wrong type"),
+    ({"memory": {"usable_gib": -1}}, "usable_gib must be > 0"),
+    ({"memory": {"default_context": 0}}, "default_context >= 1"),
+    ({"extends": "nosuch"}, "profile 'nosuch' not found; known profiles: .*jetson-orin"),
+])
+def test_malformed_profile_is_an_input_error_naming_the_file_and_key(data, message, tmp_path):
+    path = tmp_path / "device.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(InputError, match=message) as err:
+        load_profile(str(path))
+    assert str(path) in str(err.value) or "nosuch" in message
+
+
+def test_invalid_json_and_a_cycle_of_extends_are_input_errors(tmp_path, monkeypatch):
+    (tmp_path / "devices").mkdir()
+    (tmp_path / "devices" / "a.json").write_text('{"extends": "b"}')
+    (tmp_path / "devices" / "b.json").write_text('{"extends": "a"}')
+    (tmp_path / "devices" / "broken.json").write_text('{"name": ')
+    monkeypatch.setenv("EDGEROUTE_PROFILES", str(tmp_path))
+    with pytest.raises(InputError, match="extends itself"):
+        load_profile("a")
+    with pytest.raises(InputError, match="broken.json is not valid JSON"):
+        load_profile("broken")
+
+
+def _wheel(tmp_path: Path) -> Path:
+    """Build the package's wheel from a copy of the source (no build files in the checkout)."""
+    source = tmp_path / "source"
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for part in ("edgeroute", "profiles"):
+        shutil.copytree(REPO / part, source / part, ignore=ignore)
+    for part in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / part, source / part)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(tmp_path / "dist"), str(source)], check=True, capture_output=True)
+    return next((tmp_path / "dist").glob("edgeroute-*.whl"))
+
+
+def test_profiles_load_from_an_installed_wheel(tmp_path):
+    wheel = _wheel(tmp_path)
+    names = set(zipfile.ZipFile(wheel).namelist())
+    packages = {p.parent.relative_to(REPO).as_posix() for p in (REPO / "edgeroute").rglob("__init__.py")}
+    assert {f"{p}/__init__.py" for p in packages} <= names, "a package is missing from pyproject's package list"
+    shipped = {f"edgeroute/{p.relative_to(REPO).as_posix()}" for p in REPO.glob("profiles/*/*.json")}
+    assert shipped <= names, "a profile folder is missing from pyproject's package list"
+
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)],
+                   check=True, capture_output=True)
+    script = textwrap.dedent("""
+        import json, edgeroute
+        from edgeroute.runtime.profiles import known_profiles, load_profile
+        profile = load_profile("jetson-orin-nano-8gb,templated")
+        print(json.dumps({"package": edgeroute.__file__, "files": sorted(str(f) for f in known_profiles().values()),
+                          "names": profile.names, "budget": profile.memory_budget, "decoding": profile.decoding}))
+    """)
+    env = {k: v for k, v in os.environ.items() if k not in ("EDGEROUTE_PROFILES", "PYTHONPATH")}
+    env["PYTHONPATH"] = str(site)
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["package"].startswith(str(site))
+    assert result["files"] and all(f.startswith(str(site / "edgeroute" / "profiles")) for f in result["files"])
+    assert result["names"] == ["jetson-orin-nano-8gb", "templated"]
+    assert result["budget"] == int(5.5 * GIB) and result["decoding"]["mode"] == "speculate"
