@@ -4,6 +4,7 @@ shared system-prompt prefix, and one call at a time (SessionBusy, cancel semanti
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -171,11 +172,23 @@ def test_a_session_from_the_shared_prefix_equals_one_that_prefilled_it(tiny_slm_
         shared.generate(TURNS[1], max_new_tokens=8)  # writes past the prefix in its own copy
 
 
+def record_passes(monkeypatch, model) -> list[SimpleNamespace]:
+    """(cache start, ids) of every pass over the model, with or without its LM head (the SLM
+    drafter reads the hidden states behind its logits)."""
+    calls = []
+    for name in ("forward", "hidden_states"):
+        def recorded(cache, ids, *args, _original=getattr(model, name), **kwargs):
+            calls.append(SimpleNamespace(start=cache.length, ids=list(ids)))
+            return _original(cache, ids, *args, **kwargs)
+        monkeypatch.setattr(model, name, recorded)
+    return calls
+
+
 def test_the_slm_starts_from_the_shared_prefix_too(tiny_slm_bundle, monkeypatch):
     engine = Engine(tiny_slm_bundle)
     want = engine.chat(system=SYSTEM, mode="speculate", light="slm").generate(TURNS[0], max_new_tokens=16)
     n = engine.share_prefix(SYSTEM)
-    calls = record_forward(monkeypatch, engine.slm)
+    calls = record_passes(monkeypatch, engine.slm)
     for first in (True, False):
         calls.clear()
         chat = engine.chat(system=SYSTEM, mode="speculate", light="slm")
@@ -273,7 +286,7 @@ def test_cancel_while_idle_does_nothing_and_cancel_before_the_first_token_yields
 
 def test_a_long_prompt_hands_freed_memory_back_and_a_short_one_does_not(tiny_engine, monkeypatch):
     trims = []
-    monkeypatch.setattr("edgeroute.runtime.engine._return_freed_memory", lambda: trims.append(1))
+    monkeypatch.setattr("edgeroute.runtime.engine.release_freed_memory", lambda: trims.append(1))
     session = tiny_engine.session()
     session.generate("word " * 80, max_new_tokens=2)
     assert trims == [1]

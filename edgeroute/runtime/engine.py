@@ -78,7 +78,7 @@ class Engine:
         self._prefix_lock = threading.Lock()
         self._routers: dict[str, TrainedRouter] = {}
         self._format_tokens: frozenset[int] | None = None
-        self.grammars = GrammarCompiler(self.bundle.file(self.bundle.tokenizer["file"]), self.llm.arch.vocab_size,
+        self.grammars = GrammarCompiler(self.bundle.file(self.bundle.tokenizer["file"]), self.bundle.llm.arch.vocab_size,
                                         self.bundle.tokenizer.get("eos_token_ids") or [])
 
     @property
