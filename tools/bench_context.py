@@ -190,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     for runtime in runtimes:
         kept = summary[last][runtime]["decode_tok_s"] / summary[first][runtime]["decode_tok_s"]
         print(f"{runtime}: decode at {last} = {kept:.0%} of at {first}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "summary": summary,
                                     "records": records, "load_average": os.getloadavg()}, indent=1))
     print(f"\nwrote {args.out} (load average now {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
