@@ -6,8 +6,9 @@ import json
 
 import pytest
 
+from edgeroute.calibration.checks import echoes_instructions, parse_json_object
 from tools.benchlib.metrics import GraphClock, common_prefix, summarize, tokens_per_second
-from tools.benchlib.tasks import echoes, parse_json_answer, record_values, split_prompt, task_check
+from tools.benchlib.tasks import record_values, split_prompt, task_check
 
 RECORD = {"messages": [{"role": "user", "content": "Confirm this navigation request to the driver in one sentence.\n"
                                                    "intent: navigate\ndestination: 221B Baker Street, London\n"
@@ -43,12 +44,12 @@ def test_an_answer_that_repeats_the_instruction_fails_as_an_echo():
     answer = ("Calling Maria Lopez at +1 415 555 0172. Write a one-sentence confirmation for the driver: done.")
     check = task_check("templated", REQUEST, answer)
     assert check.echo and not check.passed and "echoes" in check.reason
-    assert not echoes("Write a one-sentence confirmation for the driver", "Here is a confirmation for the driver.")
+    assert not echoes_instructions("Here is a confirmation for the driver.", "Write a one-sentence confirmation for the driver")
 
 
 def test_json_answer_in_a_code_fence_parses_and_needs_the_keys_and_listed_values():
-    assert parse_json_answer('```json\n{"intent": "volume", "volume": 18}\n```') == {"intent": "volume", "volume": 18}
-    assert parse_json_answer('{"intent": "volume", "volume": 1') is None  # left unclosed
+    assert parse_json_object('```json\n{"intent": "volume", "volume": 18}\n```') == {"intent": "volume", "volume": 18}
+    assert parse_json_object('{"intent": "volume", "volume": 1') is None  # left unclosed
     assert task_check("json", JSON_PROMPT, '{"intent": "set_volume", "volume": 18}').passed
     assert "wrong values" in task_check("json", JSON_PROMPT, '{"intent": "set_volume", "volume": 12}').reason
     assert "missing keys" in task_check("json", JSON_PROMPT, '{"volume": 18}').reason

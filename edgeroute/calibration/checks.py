@@ -9,17 +9,20 @@ import re
 
 from edgeroute.calibration.prompts import CalibrationPrompt
 
-ECHO_WORDS = 6  # this many consecutive words of the instructions in an answer is an echo
+ECHO_WORDS = 8  # this many consecutive words of the instructions (all, if fewer) in an answer is an echo
+_WORD = re.compile(r"[A-Za-z0-9]+(?:[.,:][0-9]+)*")  # numbers keep their separators: 14:35, 21.5
 
 
-def _words(text: str) -> list[str]:
-    return re.findall(r"[\w.']+", text.lower())
+def words(text: str) -> list[str]:
+    return [w.lower() for w in _WORD.findall(text)]
 
 
-def echoes_instructions(answer: str, instructions: str) -> bool:
-    words, said = _words(instructions), " ".join(_words(answer))
-    n = min(ECHO_WORDS, len(words))
-    return n > 0 and any(" ".join(words[i:i + n]) in said for i in range(len(words) - n + 1))
+def echoes_instructions(answer: str, instructions: str, window: int = ECHO_WORDS) -> bool:
+    """The answer repeats ``window`` consecutive words of the instructions (all of them if
+    shorter), matched on whole words."""
+    said, heard = words(instructions), f" {' '.join(words(answer))} "
+    size = min(window, len(said))
+    return size > 0 and any(f" {' '.join(said[i:i + size])} " in heard for i in range(len(said) - size + 1))
 
 
 def parse_json_object(text: str) -> dict | None:

@@ -17,11 +17,11 @@ Other workloads (grounded, open) have no task check.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 
-ECHO_WORDS = 8
+from edgeroute.calibration.checks import echoes_instructions, parse_json_object, words
+
 _RECORD_LINE = re.compile(r"^\s*([A-Za-z_]+):\s*(.+?)\s*$")
 _QUOTED_KEY = re.compile(r'"([A-Za-z_]+)"')
 _WORD = re.compile(r"[A-Za-z0-9]+(?:[.,:][0-9]+)*")
@@ -33,10 +33,6 @@ class TaskCheck:
     passed: bool  # the task is done and nothing is echoed
     echo: bool  # the answer repeats the prompt's instruction
     reason: str = ""  # why it failed ("" when it passed)
-
-
-def _words(text: str) -> list[str]:
-    return [w.lower() for w in _WORD.findall(text)]
 
 
 def split_prompt(prompt: dict) -> tuple[str, str]:
@@ -61,29 +57,8 @@ def record_values(prompt: dict) -> list[str]:
     matches = [_RECORD_LINE.match(line) for line in data.splitlines()]
     if any(matches):
         return [m.group(2) for m in matches if m and m.group(1).lower() != "intent"]
-    words = _WORD.findall(data)[1:]
-    return [w for w in words if w[0].isdigit() or w[0].isupper()]
-
-
-def echoes(instruction: str, answer: str, window: int = ECHO_WORDS) -> bool:
-    """The answer repeats ``window`` consecutive words of the instruction (all of it if shorter)."""
-    said, heard = _words(instruction), " ".join(_words(answer))
-    if not said:
-        return False
-    size = min(window, len(said))
-    return any(f" {' '.join(said[i:i + size])} " in f" {heard} " for i in range(len(said) - size + 1))
-
-
-def parse_json_answer(answer: str) -> dict | None:
-    """The JSON object in an answer (the span from the first "{" to the last "}"), or None."""
-    start, end = answer.find("{"), answer.rfind("}")
-    if start < 0 or end <= start:
-        return None
-    try:
-        value = json.loads(answer[start:end + 1])
-    except json.JSONDecodeError:
-        return None
-    return value if isinstance(value, dict) else None
+    candidates = _WORD.findall(data)[1:]
+    return [w for w in candidates if w[0].isdigit() or w[0].isupper()]
 
 
 def _same(a, b) -> bool:
@@ -102,7 +77,7 @@ def is_json_prompt(prompt: dict, workload: str) -> bool:
 
 def check_json(prompt: dict, answer: str, full_answer: str | None) -> str:
     """"" when the answer passes the json check, else the reason."""
-    value = parse_json_answer(answer)
+    value = parse_json_object(answer)
     if value is None:
         return "no JSON object"
     missing = [k for k in expected_keys(prompt) if k not in value]
@@ -111,7 +86,7 @@ def check_json(prompt: dict, answer: str, full_answer: str | None) -> str:
     wrong = [k for k, v in prompt.get("values", {}).items() if not _same(value.get(k), v)]
     if wrong:
         return f"wrong values for {wrong}"
-    reference = parse_json_answer(full_answer) if full_answer is not None else None
+    reference = parse_json_object(full_answer) if full_answer is not None else None
     if reference is not None:
         if set(value) != set(reference):
             return f"keys {sorted(value)} differ from full's {sorted(reference)}"
@@ -122,8 +97,8 @@ def check_json(prompt: dict, answer: str, full_answer: str | None) -> str:
 
 
 def check_templated(prompt: dict, answer: str) -> str:
-    heard = set(_words(answer))
-    missing = [v for v in record_values(prompt) if not set(_words(v)) <= heard]
+    heard = set(words(answer))
+    missing = [v for v in record_values(prompt) if not set(words(v)) <= heard]
     return f"missing {missing}" if missing else ""
 
 
@@ -134,7 +109,7 @@ def task_check(workload: str, prompt: dict, answer: str, full_answer: str | None
         return None
     kind = "json" if is_json_prompt(prompt, workload) else "templated"
     reason = check_json(prompt, answer, full_answer) if kind == "json" else check_templated(prompt, answer)
-    echo = echoes(split_prompt(prompt)[0], answer)
+    echo = echoes_instructions(answer, split_prompt(prompt)[0])
     if echo:
         reason = "; ".join(filter(None, [reason, "echoes the instruction"]))
     return TaskCheck(kind, not reason, echo, reason)
