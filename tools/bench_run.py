@@ -104,6 +104,7 @@ WORKLOAD_DIR = Path(__file__).resolve().parent / "workloads"
 WORKLOADS = ("templated", "json", "grounded", "open")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib, when run as a script
+from benchlib.llama import greedy_tokens  # noqa: E402
 from benchlib.metrics import GraphClock, common_prefix, summarize  # noqa: E402
 from benchlib.tasks import task_check  # noqa: E402
 
@@ -261,24 +262,9 @@ class LlamaRunner:
         self.source = "draft:slm" if draft_tokens else "draft:lookup"
 
     def run(self, ids: list[int], eos_ids: set[int], budget: int) -> Run:
-        self.llm.reset()  # no prompt-prefix reuse between prompts: a fresh prefill, as edgeroute does
         if self.draft is not None:
             self.draft.calls = self.draft.drafted = 0
-        tokens, times = [], []
-        start = last = time.perf_counter()
-        generator = self.llm.generate(list(ids), temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0,
-                                      reset=True)
-        try:
-            for token in generator:
-                now = time.perf_counter()
-                times.append(now - last)
-                last = now
-                tokens.append(int(token))
-                if token in eos_ids or len(tokens) >= budget:
-                    break
-        finally:
-            generator.close()
-        del start
+        tokens, times = greedy_tokens(self.llm, ids, eos_ids, budget)
         passes = len(tokens)
         drafted = accepted = 0
         if self.draft is not None:  # one pass for the prompt, then one per draft (empty drafts included)

@@ -47,6 +47,8 @@ from rich.table import Table
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from tools.benchlib.llama import greedy_tokens  # noqa: E402
+
 EDGEROUTE_CONFIGS = {
     "full": dict(mode="full"),
     "full+schema": dict(mode="full", constrained=True),
@@ -110,25 +112,13 @@ class LlamaRunner:
     def answer(self, ids: list[int], eos_ids: set[int], schema: dict | None, decode) -> Answer:
         from llama_cpp import LlamaGrammar
 
-        start = last = time.perf_counter()
+        start = time.perf_counter()
         grammar = LlamaGrammar.from_json_schema(json.dumps(schema), verbose=False) if schema is not None else None
-        self.llm.reset()
-        tokens, seconds = [], []
-        generator = self.llm.generate(list(ids), temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0,
-                                      reset=True, grammar=grammar)
-        try:
-            for token in generator:
-                now = time.perf_counter()
-                seconds.append(now - last)
-                last = now
-                tokens.append(int(token))
-                if token in eos_ids or len(tokens) >= self.budget:
-                    break
-        finally:
-            generator.close()
+        tokens, seconds = greedy_tokens(self.llm, ids, eos_ids, self.budget, grammar)
+        wall = time.perf_counter() - start
         n, decode_seconds = _decode_span(seconds, [True] * len(seconds))
         finish = "eos" if tokens and tokens[-1] in eos_ids else "length"
-        return Answer(decode([t for t in tokens if t not in eos_ids]), len(tokens), last - start, n, decode_seconds,
+        return Answer(decode([t for t in tokens if t not in eos_ids]), len(tokens), wall, n, decode_seconds,
                       llm_calls=len(tokens), finish=finish, sources={"llm": len(tokens)})
 
 
