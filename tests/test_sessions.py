@@ -286,7 +286,7 @@ def test_cancel_while_idle_does_nothing_and_cancel_before_the_first_token_yields
 
 def test_a_long_prompt_hands_freed_memory_back_and_a_short_one_does_not(tiny_engine, monkeypatch):
     trims = []
-    monkeypatch.setattr("edgeroute.runtime.engine.release_freed_memory", lambda: trims.append(1))
+    monkeypatch.setattr("edgeroute.runtime.model.release_freed_memory", lambda: trims.append(1))
     session = tiny_engine.session()
     session.generate("word " * 80, max_new_tokens=2)
     assert trims == [1]

@@ -26,7 +26,7 @@ from edgeroute.runtime.calibrated import calibrated_options, format_token_ids
 from edgeroute.runtime.constraints import Constraint, GrammarCompiler
 from edgeroute.runtime.decoding import DecodeOptions, Decoder, GenerationStats, SequenceState, TokenTrace
 from edgeroute.runtime.memory import check_fit
-from edgeroute.runtime.model import KVCache, OrtModel, release_freed_memory
+from edgeroute.runtime.model import KVCache, OrtModel
 from edgeroute.runtime.routers import TrainedRouter
 from edgeroute.runtime.text_stream import IncrementalDetokenizer, StopFilter
 
@@ -195,7 +195,6 @@ class Engine:
 
 
 CONTEXT_POLICIES = ("error", "drop_oldest")
-LONG_PREFILL = 64  # prompt tokens after which a turn hands freed memory back to the system
 
 
 @dataclass
@@ -365,8 +364,6 @@ class Session:
         return self.last, decoder.run(turn.new, budget, self.engine.eos_ids)
 
     def _finish(self, generation: Generation, text: str, finish: str) -> None:
-        if generation.stats.prompt_tokens >= LONG_PREFILL:
-            release_freed_memory()
         generation.text = text
         if self._cancel.is_set():
             finish = "cancelled"
