@@ -307,7 +307,7 @@ def rss_probe(args: argparse.Namespace) -> int:
     if footprint.startswith("edgeroute"):
         from edgeroute.runtime import Engine
 
-        engine = Engine(args.bundle, activations=args.activations)
+        engine = Engine(args.bundle, activations=args.activations, exact_steps=args.exact_steps)
         options = {"mode": "speculate", "light": "slm"} if footprint == "edgeroute-llm+slm" else {"mode": "full"}
         if footprint == "edgeroute-llm+slm":
             engine.slm  # noqa: B018 (loads the SLM sessions)
@@ -335,6 +335,7 @@ def measure_rss(args: argparse.Namespace, footprints: list[str], probe: dict, co
         cmd = [sys.executable, "-m", "tools.bench_run", "--rss-probe", footprint, "--probe", json.dumps(probe),
                "--bundle", str(args.bundle), "--gguf", str(args.gguf), "--draft-tokens", str(args.draft_tokens),
                "--threads", str(args.threads), "--n-ctx", str(args.n_ctx), "--activations", args.activations,
+               *(["--exact-steps"] if args.exact_steps else []),
                "--lookup-tokens", str(args.lookup_tokens), "--max-new-tokens", str(args.max_new_tokens),
                *(["--slm-gguf", str(args.slm_gguf)] if args.slm_gguf else [])]
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)  # this checkout's edgeroute
@@ -679,6 +680,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--configs", default=None, help="comma-separated names or globs (full is always kept)")
     parser.add_argument("--activations", choices=("int8", "fp32"), default="int8",
                         help="edgeroute's int4 kernels: int8 activations (fast, the default) or fp32")
+    parser.add_argument("--exact-steps", action="store_true",
+                        help="the LLM's one-token steps run as two rows, so speculation reproduces full exactly")
     parser.add_argument("--skip-ratio", type=float, default=0.3)
     parser.add_argument("--threads", type=int, default=os.cpu_count(),
                         help="threads of both runtimes (llama.cpp n_threads; edgeroute's EDGEROUTE_THREADS)")
@@ -723,7 +726,7 @@ def load_engines(args: argparse.Namespace) -> dict[bool, object]:
     from edgeroute.runtime import Engine
     from edgeroute.runtime.model import OrtModel
 
-    engine = Engine(args.bundle, activations=args.activations)
+    engine = Engine(args.bundle, activations=args.activations, exact_steps=args.exact_steps)
     engines = {False: engine}
     if args.slm_bundle is not None:
         alt = copy.copy(engine)
@@ -898,7 +901,8 @@ def main(argv: list[str] | None = None) -> int:
                      "slm_gguf": str(args.slm_gguf) if args.slm_gguf else None, "draft_tokens": args.draft_tokens,
                      "prompts_per_workload": {w: len(p) for w, p in workloads.items()}, "llama_threads": args.threads,
                      "edgeroute_threads": int(os.environ["EDGEROUTE_THREADS"]),
-                     "n_ctx": args.n_ctx, "activations": args.activations, "lookup_tokens": args.lookup_tokens,
+                     "n_ctx": args.n_ctx, "activations": args.activations, "exact_steps": args.exact_steps,
+                     "lookup_tokens": args.lookup_tokens,
                      "skip_ratio": args.skip_ratio,
                      "configs": [asdict(c) for c in configs]},
         "machine": info, "num_layers": num_layers, "wall_seconds": time.perf_counter() - wall, "summary": summary,

@@ -49,7 +49,8 @@ class Engine:
 
     def __init__(self, bundle: str | Path | Bundle, providers: Sequence[str] | None = None, verify: bool = True,
                  options: DecodeOptions | None = None, activations: str = "int8", context_length: int | None = None,
-                 memory_budget: int | None = None, slm: bool = True, attention: str = "auto") -> None:
+                 memory_budget: int | None = None, slm: bool = True, attention: str = "auto",
+                 exact_steps: bool = False) -> None:
         """``activations``: "int8" (fast int4 kernels that quantize activations, like
         llama.cpp) or "fp32" (slower, but a multi-token verification pass then rounds like a
         one-token step, so speculation reproduces full decoding except at near-ties).
@@ -57,7 +58,10 @@ class Engine:
         bundle's). ``memory_budget`` (bytes, e.g. a device profile's): refuse, before loading
         anything, a bundle whose weights, KV caches and working memory would exceed it, saying
         what would fit. ``slm=False`` never loads the bundle's SLM. ``attention``: the attention
-        graphs' flavour, "portable", "ort" or "auto" (see ``OrtModel``)."""
+        graphs' flavour, "portable", "ort" or "auto" (see ``OrtModel``). ``exact_steps``: the LLM's
+        one-token steps run as two rows, so that with int8 activations too a speculative
+        verification pass rounds exactly like them and ``speculate`` reproduces ``full``
+        bit for bit; costs ``full`` decode speed (README), not ``speculate``'s."""
         self.bundle = bundle if isinstance(bundle, Bundle) else Bundle.open(bundle, verify=verify)
         exported = int(self.bundle.generation["context_length"])
         self.context_length = context_length or exported
@@ -69,7 +73,7 @@ class Engine:
             check_fit(self.bundle, self.context_length, memory_budget, slm=self.use_slm)
         self.tokenizer = Tokenizer.from_file(str(self.bundle.file(self.bundle.tokenizer["file"])))
         self.providers, self.activations, self.attention = providers, activations, attention
-        self.llm = OrtModel(self.bundle, "llm", providers, activations, attention)
+        self.llm = OrtModel(self.bundle, "llm", providers, activations, attention, exact_steps=exact_steps)
         self._slm: OrtModel | None = None
         self._slm_lock = threading.Lock()
         self.eos_ids = set(self.bundle.tokenizer.get("eos_token_ids") or [])
