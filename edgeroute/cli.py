@@ -303,14 +303,28 @@ def calibrate(
     work: Path = typer.Option(None, help="label shards and report (default: BUNDLE-calibration beside it)"),
     bound: str = typer.Option("crc", help="crc (conformal risk control) | ltt (learn then test)"),
     delta: float = typer.Option(0.1, help="ltt's failure probability"),
+    prompts_per_task: int = typer.Option(None, help="built-in prompts per task (default 40; the set holds more)"),
+    answer_tokens: int = typer.Option(None, help="longest LLM answer labelled per prompt (default 40)"),
+    path_checks: int = typer.Option(None, help="divergent SLM positions per prompt given the path-following check "
+                                               "(default 3)"),
+    validation_prompts: int = typer.Option(None, help="held-out prompts per task run through the runtime "
+                                                      "(default 6)"),
 ) -> None:
     """Label, train routers, fit thresholds with a bound, confirm on held-out prompts, and write
     the result into the bundle as its defaults. Resumable: rerun after an interruption."""
+    from dataclasses import replace
+
     from edgeroute.bundle import Bundle
     from edgeroute.calibration.calibrate import CalibrateOptions
     from edgeroute.calibration.calibrate import calibrate as run_calibration
 
     options = CalibrateOptions(budget=budget, prompts=prompts, builtin=builtin, work=work, bound=bound, delta=delta)
+    labels = {k: v for k, v in dict(max_answer_tokens=answer_tokens, path_checks=path_checks).items() if v is not None}
+    options.labels = replace(options.labels, **labels)
+    if prompts_per_task is not None:
+        options.builtin_per_task = prompts_per_task
+    if validation_prompts is not None:
+        options.validation_prompts_per_task = validation_prompts
     with _clear_errors(), _progress_bars() as update:
         report = run_calibration(bundle, options, update)
     for message in report.messages:

@@ -62,6 +62,12 @@ class CalibrateOptions:
             raise InputError(f"bound {self.bound!r} is not one of {', '.join(BOUNDS)}")
         if not 0.0 < self.delta < 1.0:
             raise InputError(f"delta must be within (0, 1) (got {self.delta})")
+        for name, value in (("prompts per task", self.builtin_per_task), ("answer tokens", self.labels.max_answer_tokens),
+                            ("validation prompts per task", self.validation_prompts_per_task)):
+            if value < 1:
+                raise InputError(f"{name} must be at least 1 (got {value})")
+        if self.labels.path_checks < 0:
+            raise InputError(f"path checks must be 0 or more (got {self.labels.path_checks})")
 
 
 def split_of(prompt_id: str) -> str:
