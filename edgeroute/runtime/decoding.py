@@ -5,7 +5,9 @@
 - ``step_route``: a light path proposes the next token, a router scores it, and only above
   the threshold does the LLM step replace it. No rollback (R2R / TokenRouter).
 - ``step_speculate``: a light path drafts k tokens; the LLM checks them in the same catch-up
-  pass and keeps the longest agreeing prefix plus its own next token. Lossless.
+  pass and keeps the longest agreeing prefix plus its own next token. Lossless: greedy, it
+  gives ``full``'s tokens bit for bit when the LLM runs exact steps (``OrtModel.exact_steps``;
+  without, ``full``'s one-row int4 products round differently from a verification pass).
 """
 
 from __future__ import annotations
