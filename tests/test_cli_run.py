@@ -35,6 +35,23 @@ def test_run_takes_a_task_profile(tiny_slm_bundle):
     assert "mode speculate" in result.output.replace("\n", " ")
 
 
+def test_attention_flavour_and_exact_steps_come_from_the_profile_or_the_options(tiny_slm_bundle, tmp_path,
+                                                                                monkeypatch):
+    import edgeroute.runtime as runtime
+
+    engines = []
+    monkeypatch.setattr(runtime, "Engine", lambda *a, **kw: engines.append(kw) or runtime.engine.Engine(*a, **kw))
+    device = tmp_path / "device.json"
+    device.write_text(json.dumps({"extends": "cpu", "attention": "ort"}))
+    for args, attention, exact in ((["--profile", str(device)], "ort", False),
+                                   (["--profile", str(device), "--attention", "portable", "--exact-steps"], "portable",
+                                    True)):
+        result = runner.invoke(app, ["run", str(tiny_slm_bundle), "--prompt", "a b a b", "--raw", "--max-tokens", "4",
+                                     *args])
+        assert result.exit_code == 0, result.output
+        assert (engines[-1]["attention"], engines[-1]["exact_steps"]) == (attention, exact)
+
+
 def test_run_rejects_bad_options_with_a_clear_error(tiny_slm_bundle):
     for args, message in ((["--mode", "turbo"], "mode 'turbo'"), (["--skip-ratio", "1.5", "--mode", "skip"], "skip_ratio"),
                           (["--profile", "nosuch"], "profile 'nosuch' not found")):

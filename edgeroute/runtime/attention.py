@@ -178,3 +178,4 @@ class OrtAttention:
 
 
 FLAVOURS = {"portable": PortableAttention, "ort": OrtAttention}
+ATTENTION_CHOICES = ("auto", *FLAVOURS)

@@ -24,7 +24,7 @@ import onnxruntime as ort
 from edgeroute.bundle import Bundle, ModelEntry
 from edgeroute.errors import InputError
 from edgeroute.rope import rope_tables
-from edgeroute.runtime.attention import FLAVOURS, KVCache
+from edgeroute.runtime.attention import ATTENTION_CHOICES, FLAVOURS, KVCache
 from edgeroute.runtime.vocab import HeadVocabulary
 
 KV_OUTPUTS = ["key", "value"]
@@ -54,18 +54,46 @@ def _shared_thread_pool() -> bool:
         return _global_pool
 
 
-def _libc_trim() -> Callable[[], None]:
-    """glibc's ``malloc_trim``, or a no-op elsewhere. With the arena off, ONNX Runtime's
-    large transient tensors come from malloc, and glibc keeps what a long prefill freed
-    (measured: RSS 842 MiB after an 1800-token SmolLM2 prompt without trimming, 324 MiB with)."""
+# glibc's malloc thresholds, fixed once per process (EDGEROUTE_MALLOC_TUNING=0 keeps glibc's
+# defaults): blocks of MMAP_THRESHOLD and more are mapped, and unmapped when freed (a long
+# pass's attention scores, tens of MB, go straight back to the OS); smaller ones (a decode
+# step's, a few MB at most) are reused from the heap, whose free top goes back above
+# TRIM_THRESHOLD. glibc's defaults move: freeing one large mapped block raises both to its
+# size (up to 32 / 64 MB), and from then on freed memory stays in the process.
+MMAP_THRESHOLD = 4 << 20
+TRIM_THRESHOLD = 8 << 20
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
+
+
+def _glibc() -> ctypes.CDLL | None:
     name = ctypes.util.find_library("c")
     libc = ctypes.CDLL(name) if name else None
-    if libc is None or not hasattr(libc, "malloc_trim"):
-        return lambda: None
-    return lambda: libc.malloc_trim(0)
+    return libc if libc is not None and hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt") else None
 
 
-release_freed_memory = _libc_trim()
+_libc = _glibc()
+
+
+def release_freed_memory() -> None:
+    """glibc's ``malloc_trim`` (a no-op elsewhere). With the arena off, ONNX Runtime's large
+    transient tensors come from malloc, and glibc keeps what a long prefill freed (measured:
+    RSS 842 MiB after an 1800-token SmolLM2 prompt without trimming, 324 MiB with)."""
+    if _libc is not None:
+        _libc.malloc_trim(0)
+
+
+_malloc_tuned = False
+
+
+def tune_malloc() -> None:
+    """Fix glibc's thresholds (see MMAP_THRESHOLD), once per process."""
+    global _malloc_tuned
+    with _pool_lock:
+        if _malloc_tuned or _libc is None or os.environ.get("EDGEROUTE_MALLOC_TUNING", "1") == "0":
+            return
+        _libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+        _libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+        _malloc_tuned = True
 
 
 # ONNX Runtime's fused int4 kernel (MatMulNBits) quantizes activations to int8 at accuracy
@@ -104,9 +132,6 @@ def plan_action(plan: Sequence[bool] | LayerPlan | None, layer: int, hidden: np.
     return RUN if plan[layer] else SKIP
 
 
-ATTENTION_CHOICES = ("auto", *FLAVOURS)
-
-
 def choose_flavour(entry: ModelEntry, requested: str = "auto") -> str:
     """The attention flavour to run. ``auto`` is ``portable``: on the CPU provider ONNX
     Runtime's GroupQueryAttention kernel (the ort flavour) measured no faster than the
@@ -136,6 +161,7 @@ class OrtModel:
         self.providers = list(providers or ["CPUExecutionProvider"])
         self.flavour = choose_flavour(self.entry, attention)
         self._attention = FLAVOURS[self.flavour](self.capacity)
+        tune_malloc()
         self._options = session_options(activations)
         # one-token steps run as two rows (see _pass): they then round like a multi-token pass
         self.exact_steps = exact_steps

@@ -1,7 +1,8 @@
 """Device and task profiles: data (JSON), not code, validated when loaded.
 
-A device profile chooses execution providers (and their options) and may declare the memory
-the process can use and the device's default context; a task profile chooses decoding
+A device profile chooses execution providers (and their options), may choose the attention
+graphs' flavour (``attention``: auto, portable or ort, see ``OrtModel``) and may declare the
+memory the process can use and the device's default context; a task profile chooses decoding
 settings. ``--profile jetson-orin-nano-8gb,templated`` merges several, later ones winning; a
 profile may ``extend`` another.
 
@@ -20,13 +21,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from edgeroute.errors import InputError
+from edgeroute.runtime.attention import ATTENTION_CHOICES
 from edgeroute.runtime.decoding import DecodeOptions
 
 if TYPE_CHECKING:
     from importlib.abc import Traversable
 
 GIB = 1 << 30
-FIELDS = {"name": str, "description": str, "extends": str, "providers": list, "decoding": dict, "memory": dict}
+FIELDS = {"name": str, "description": str, "extends": str, "providers": list, "attention": str, "decoding": dict,
+          "memory": dict}
 MEMORY_FIELDS = {"usable_gib": (int, float), "default_context": int, "note": str}
 
 
@@ -34,6 +37,7 @@ MEMORY_FIELDS = {"usable_gib": (int, float), "default_context": int, "note": str
 class Profile:
     names: list[str] = field(default_factory=list)
     providers: list[Any] | None = None  # names, or [name, {options}] pairs as onnxruntime takes them
+    attention: str = "auto"  # the attention graphs' flavour
     decoding: dict[str, Any] = field(default_factory=dict)
     memory_budget: int | None = None  # bytes the process may use (CPU and GPU share it on Jetson)
     context_length: int | None = None  # the device's default context
@@ -97,6 +101,9 @@ def validate_profile(data: Any, source: str) -> None:
         if not isinstance(value, FIELDS[key]):
             raise InputError(f"profile {source}: {key!r} must be a JSON {FIELDS[key].__name__} (got {value!r})")
     _check_providers(data.get("providers", []), source)
+    if data.get("attention", "auto") not in ATTENTION_CHOICES:
+        raise InputError(f"profile {source}: attention {data['attention']!r} is not one of "
+                         f"{', '.join(ATTENTION_CHOICES)}")
     _check_memory(data.get("memory", {}), source)
     try:
         DecodeOptions().updated(**data.get("decoding", {}))
@@ -130,6 +137,7 @@ def load_profile(spec: str) -> Profile:
         profile.names.append(data.get("name", name))
         if "providers" in data:
             profile.providers = [tuple(p) if isinstance(p, list) else p for p in data["providers"]]
+        profile.attention = data.get("attention", profile.attention)
         profile.decoding.update(data.get("decoding", {}))
         memory = data.get("memory", {})
         if "usable_gib" in memory:
