@@ -292,3 +292,30 @@ def test_a_long_prompt_hands_freed_memory_back_and_a_short_one_does_not(tiny_eng
     assert trims == [1]
     session.generate(" and more", max_new_tokens=2)
     assert trims == [1]
+
+
+def test_freed_large_blocks_go_back_to_the_os_after_malloc_is_tuned():
+    """glibc raises its mmap threshold to the size of a freed mapped block, after which a
+    block of nearly that size comes from the heap and stays resident once freed; with the
+    thresholds fixed (tune_malloc, done by every OrtModel) it is unmapped at once."""
+    import subprocess
+    import sys
+
+    script = """if True:
+        import os
+        import numpy as np
+        from edgeroute.runtime.model import tune_malloc
+        def rss():
+            return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") >> 20
+        tune_malloc()
+        first = np.ones(20 << 18, np.float32); del first  # 20 MiB, mapped and freed
+        before = rss()
+        second = np.ones(16 << 18, np.float32); during = rss(); del second
+        print(before, during, rss())
+    """
+    if sys.platform != "linux":
+        pytest.skip("glibc and /proc only on Linux")
+    before, during, after = map(int, subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                                                    check=True).stdout.split())
+    assert during - before >= 15, "the 16 MiB block was never resident: the test would prove nothing"
+    assert after - before <= 1
