@@ -58,10 +58,14 @@ def resident_bytes() -> int:
 
 def bundle_figures(bundle: Path, role: str) -> dict:
     from edgeroute.bundle import Bundle
-    from edgeroute.runtime.model import OrtModel
+    from edgeroute.runtime.model import OrtModel, choose_flavour
 
     b = Bundle.open(bundle, verify=False)
-    graphs = [g for g in b.models[role].graphs.values() if g.kind in ("layer", "head")]
+    flavour = choose_flavour(b.models[role])
+    # one decode step's graphs: every layer in the flavour the runtime runs, and the head (a
+    # bundle also carries the other flavour's layer graphs, over the same weights)
+    graphs = [g for g in b.models[role].graphs.values()
+              if g.kind == "head" or (g.kind == "layer" and g.flavour == flavour)]
     step_bytes, ops = 0, Counter()
     for g in graphs:
         n, counts = optimized_initializer_bytes(b.file(g.file))
