@@ -319,3 +319,18 @@ def test_freed_large_blocks_go_back_to_the_os_after_malloc_is_tuned():
                                                     check=True).stdout.split())
     assert during - before >= 15, "the 16 MiB block was never resident: the test would prove nothing"
     assert after - before <= 1
+
+
+def test_a_kv_cache_is_resident_from_its_allocation():
+    """A cache's memory is all taken when it is allocated, not page by page as positions fill."""
+    from edgeroute.runtime.attention import KVCache
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    before = rss()
+    cache = KVCache.allocate(layers=8, capacity=4096, kv_heads=4, head_dim=64, heads_first=False)  # 2 x 32 MiB
+    grown = rss() - before
+    assert cache.keys.nbytes + cache.values.nbytes == 64 << 20
+    assert grown >= 60 << 20
