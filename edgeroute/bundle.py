@@ -109,6 +109,7 @@ class Calibration:
     routers: dict[str, RouterCalibration]
     profiles: dict[str, dict[str, Any]]  # task -> decoding overrides (mode, light, ...) + figures
     figures: dict[str, Any] = field(default_factory=dict)
+    decoding: dict[str, Any] = field(default_factory=dict)  # fitted defaults of every mode: draft_confidence
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -123,6 +124,9 @@ class Calibration:
         profiles = data["profiles"]
         if not isinstance(profiles, dict) or not all(isinstance(p, dict) and "mode" in p for p in profiles.values()):
             raise ValueError("every task profile needs a 'mode'")
+        confidence = data.get("decoding", {}).get("draft_confidence", 0.0)
+        if not isinstance(confidence, (int, float)) or not 0.0 <= confidence < 1.0:
+            raise ValueError(f"decoding.draft_confidence must be a number within [0, 1) (got {confidence!r})")
         return cls(**{**data, "routers": routers})
 
 

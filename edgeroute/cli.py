@@ -207,6 +207,8 @@ def run(
     router: str = typer.Option(None, help="entropy | top1 | margin | ngram | always"),
     route_threshold: float = typer.Option(None, help="call the LLM above this router score"),
     draft_tokens: int = typer.Option(None, help="initial speculative draft length"),
+    draft_confidence: float = typer.Option(None, help="speculate --light slm: end a draft before a token the SLM "
+                                                      "gives less probability than this (default: calibrated, else 0)"),
     importance_threshold: float = typer.Option(None, help="skip when a token's importance is below this"),
     skip_ratio: float = typer.Option(None, help="cap on the skipped share of layer work"),
     max_free_layers: int = typer.Option(None),
@@ -230,6 +232,7 @@ def run(
     overrides = {k: v for k, v in dict(
         mode=mode, light=light, max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
         stop=tuple(stop or ()), router=router, route_threshold=route_threshold, draft_tokens=draft_tokens,
+        draft_confidence=draft_confidence,
         importance_threshold=importance_threshold, skip_ratio=skip_ratio, max_free_layers=max_free_layers,
         re_eval_interval=re_eval_interval, granularity=granularity, kv_cache_reduction=kv_cache_reduction,
     ).items() if v is not None}

@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 from edgeroute.bundle import MANIFEST, Bundle, Calibration, RouterCalibration
 from edgeroute.calibration.calibrate import CalibrateOptions, calibrate
 from edgeroute.calibration.checks import echoes_instructions, task_pass
+from edgeroute.calibration.drafting import DraftCosts, replay
 from edgeroute.calibration.labels import LabelSettings, label_prompts, plan_shards, rejoins
 from edgeroute.calibration.prompts import TASKS, builtin_prompts
 from edgeroute.calibration.thresholds import BudgetUnreachable, choose_threshold, prompt_risks
@@ -138,6 +139,24 @@ def test_unreachable_budget_names_the_best_achievable_figures():
         choose_threshold(scores, differ, forced, prompt, budget=0.999)
 
 
+def test_replayed_speculation_counts_accepted_prefixes_and_what_drafts_cost():
+    costs = DraftCosts(slm_step=1.0, llm_pass=10.0, llm_row=0.5)
+    agree = np.array([1, 1, 0, 1, 1, 1], bool)
+    confidence = np.array([0.9, 0.9, 0.2, 0.9, 0.9, 0.9])
+    # drafts of 2 without a stop: [0,1] both accepted (+ the LLM's token 2), then [3,4] accepted + 5
+    assert replay(agree, confidence, np.array([0]), 0.0, 2, costs) == (2 * (2 * 1.0 + 10.0 + 2 * 0.5), 6)
+    # a stop at 0.5 changes nothing here: the unsure token 2 is never drafted in this answer
+    assert replay(agree, confidence, np.array([0]), 0.5, 2, costs)[0] == 2 * 13.0
+    # two answers of 3: the draft never runs past an answer's last token
+    seconds, tokens = replay(agree, confidence, np.array([0, 3]), 0.5, 4, costs)
+    assert tokens == 6 and seconds == (2 * 1.0 + 11.0) + (2 * 1.0 + 11.0)
+    # the unsure (and wrong) token at 2 drafted without a stop, skipped with one
+    starts = np.array([0])
+    wrong_first = np.array([0, 1, 1], bool), np.array([0.2, 0.9, 0.9])
+    assert replay(*wrong_first, starts, 0.0, 2, costs)[0] == (2 * 1.0 + 11.0) + (1.0 + 10.5)
+    assert replay(*wrong_first, starts, 0.5, 2, costs)[0] == 10.0 + (1.0 + 10.5)
+
+
 def test_task_checks_catch_unclosed_json_missing_values_and_echoes():
     json_prompt = next(p for p in builtin_prompts(3) if p.task == "json")
     full = '{"intent": "navigate", "street": "Oak Avenue", "city": "Lyon"}'
@@ -167,7 +186,8 @@ def _calibration_with_trained_router(bundle: Path) -> Calibration:
         {"json": {"mode": "route", "light": "slm", "protect_format": True, "config": "route/slm",
                   "figures": {"route/slm": figures, "full": figures}},
          "templated": {"mode": "speculate", "light": "ngram", "config": "speculate/ngram",
-                       "figures": {"speculate/ngram": figures, "full": figures}}})
+                       "figures": {"speculate/ngram": figures, "full": figures}}},
+        decoding={"draft_confidence": 0.35})
     Bundle.open(bundle).with_calibration(calibration, {"calibration/router-slm-test.onnx": router_onnx(net)})
     return calibration
 
@@ -180,6 +200,8 @@ def test_a_calibrated_bundles_defaults_are_used_by_run(slm_bundle_copy):
     assert engine.session(mode="route", light="ngram").options.route_threshold == 0.3
     explicit = engine.session(mode="route", light="slm", router="entropy", route_threshold=0.7).options
     assert explicit.router == "entropy" and explicit.route_threshold == 0.7
+    assert engine.session(mode="speculate", light="slm").options.draft_confidence == 0.35
+    assert engine.session(mode="speculate", light="slm", draft_confidence=0.0).options.draft_confidence == 0.0
     auto = engine.session(mode="auto", task="json").options
     assert (auto.mode, auto.light, auto.protect_format) == ("route", "slm", True) and auto.protected_tokens
     traces = list(engine.session(mode="route", light="slm").generate_tokens("one two three", max_new_tokens=6))
@@ -205,6 +227,7 @@ def test_corrupt_calibration_section_is_a_clear_error(slm_bundle_copy):
     manifest = json.loads((slm_bundle_copy / MANIFEST).read_text())
     for damage, message in ((lambda c: c["routers"]["slm"].update(threshold=7), "threshold 7 outside"),
                             (lambda c: c.pop("profiles"), "profiles"),
+                            (lambda c: c["decoding"].update(draft_confidence=2), "draft_confidence must be"),
                             (lambda c: c["routers"]["slm"].update(file="calibration/gone.onnx"), "does not list")):
         broken = json.loads(json.dumps(manifest))
         damage(broken["calibration"])
@@ -243,6 +266,9 @@ def test_calibrate_end_to_end_writes_a_section_the_runtime_reads(slm_bundle_copy
         assert profile["figures"][profile["config"]]["task_pass"] >= profile["figures"]["full"]["task_pass"]
     for router in calibration.routers.values():
         assert router.figures["bound"]["bound"] <= 1 - 0.8 + 1e-9
+    drafting = calibration.figures["drafting"]
+    assert set(drafting["curve"]) >= {"0.0", "0.5"} and drafting["costs"]["slm_step"] > 0
+    assert "## When the SLM stops drafting" in report.report.read_text()
     assert len(list((tmp_path / "work" / "shards").glob("*.npz"))) == 6
     assert "## Task profiles" in report.report.read_text()
     again = calibrate(slm_bundle_copy, options)  # labels come from the shards on disk

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from edgeroute.errors import InputError
 from edgeroute.export.reference import ReferenceModel, linear, rms_norm, rope
 from edgeroute.export.sources import load_source
 from edgeroute.runtime.drafters import NgramDrafter
@@ -103,6 +104,32 @@ def test_skip_with_nothing_skipped_gives_exactly_fulls_tokens(nothing, granulari
         got = tiny_engine.generate(prompt, mode="skip", max_new_tokens=NEW, **options)
         assert got.tokens == full[prompt], prompt
         assert all(t.layers_skipped == 0 and t.layers_run == 3 for t in got.trace)
+
+
+def test_draft_confidence_ends_slm_drafts_before_unsure_tokens_and_stays_lossless(tiny_engine, full, monkeypatch):
+    from edgeroute.runtime.drafters import SlmDrafter
+
+    proposals = []
+    propose = SlmDrafter.propose
+    monkeypatch.setattr(SlmDrafter, "propose", lambda self, tokens, k: proposals.append(propose(self, tokens, k))
+                        or proposals[-1])
+    drafted, confidence = {}, 0.0
+    for run in ("all", "confident"):
+        proposals.clear()
+        for prompt in PROMPTS:
+            got = tiny_engine.generate(prompt, max_new_tokens=NEW, mode="speculate", light="slm",
+                                       draft_confidence=confidence)
+            assert got.tokens == full[prompt], (confidence, prompt)
+        chosen = [float(max(p)) for proposal in proposals for p in proposal.probabilities]
+        assert all(p >= confidence for p in chosen)
+        drafted[run] = len(chosen)
+        confidence = float(np.median(chosen))  # the random tiny SLM is never sure: half its guesses go
+    assert 0 < drafted["confident"] < drafted["all"], drafted
+
+
+def test_draft_confidence_outside_0_1_is_an_input_error(tiny_engine):
+    with pytest.raises(InputError, match="draft_confidence"):
+        tiny_engine.generate("hi", mode="speculate", light="slm", draft_confidence=1.0)
 
 
 # -- skipping against a torch reference taking the same decisions -------------------------------

@@ -23,12 +23,14 @@ import numpy as np
 from edgeroute import __version__
 from edgeroute.bundle import Bundle, Calibration, RouterCalibration
 from edgeroute.calibration.checks import task_pass
+from edgeroute.calibration.drafting import DraftFit, fit_draft_confidence, measure_costs
 from edgeroute.calibration.labels import DIVERGENT, NEUTRAL, Labels, LabelSettings, label_prompts
 from edgeroute.calibration.prompts import PER_TASK, TASKS, CalibrationPrompt, builtin_prompts, load_prompts, prompts_sha256
 from edgeroute.calibration.report import plot_tradeoff, render
 from edgeroute.calibration.thresholds import BOUNDS, BudgetUnreachable, Choice, choose_threshold, share_at_agreement, tradeoff
 from edgeroute.calibration.train import TrainSettings, roc_auc, router_onnx, train_router
 from edgeroute.errors import InputError
+from edgeroute.runtime.decoding import DecodeOptions
 from edgeroute.runtime.drafters import Proposal
 from edgeroute.runtime.engine import Engine
 from edgeroute.runtime.policies import ngram_router
@@ -37,6 +39,7 @@ from edgeroute.runtime.sampling import softmax
 
 Progress = Callable[[str, int, int], None]
 SPLITS = ("train", "calibration", "validation")
+MIN_REPLAYED_SPEEDUP = 1.01  # a draft stop that replays slower than this is not worth a runtime run
 MIN_SPEEDUP = 1.05  # below this a configuration's gain over full is within the timing noise of a shared machine
 SLM_BASELINES = {"entropy": TOP_K, "top1": TOP_K + 1, "margin": TOP_K + 2}  # column after the hidden state
 
@@ -259,11 +262,33 @@ def choose_profiles(runs: dict[str, list[dict[str, Any]]], configs: list[RunConf
         best = max(qualified, key=lambda c: (figures[c.name]["speed_vs_full"] if c.name != "full" else 1.0))
         if best.name != "full" and figures[best.name]["speed_vs_full"] < MIN_SPEEDUP:
             best = configs[0]
-        options = {k: v for k, v in best.options.items() if k in ("mode", "light")}
+        options = {k: v for k, v in best.options.items() if k in ("mode", "light", "draft_confidence")}
         if task == "json" and options["mode"] == "route":
             options["protect_format"] = True
         profiles[task] = {**options, "config": best.name, "figures": figures}
     return profiles
+
+
+@dataclass
+class DraftingResult:
+    fit: DraftFit | None  # None: stopping drafts early did not pay in the replay
+    why: str
+    figures: dict[str, Any]
+
+
+def fit_drafting(engine: Engine, labels: Labels, splits: np.ndarray) -> DraftingResult:
+    """Fit ``draft_confidence`` (see :mod:`edgeroute.calibration.drafting`) on the SLM labels;
+    kept for the runtime runs only where the replay on validation prompts is faster."""
+    features = labels["slm_features"].astype(np.float32)
+    confidence = np.exp(features[:, features.shape[1] - (TOP_K + 3)])  # the top-1 log-probability
+    fit = fit_draft_confidence(labels["slm_token"] == labels["llm_token"], confidence, labels["prompt"], splits,
+                               measure_costs(engine), DecodeOptions().draft_tokens)
+    figures = fit.to_dict()
+    if fit.draft_confidence == 0.0 or fit.speedup_vs_no_stop < MIN_REPLAYED_SPEEDUP:
+        return DraftingResult(None, f"speculate/slm: ending drafts at low SLM confidence replayed at "
+                                    f"{fit.speedup_vs_no_stop:.3f}x on validation prompts: not used", figures)
+    return DraftingResult(fit, f"speculate/slm: drafts end below SLM confidence {fit.draft_confidence} (replayed "
+                               f"{fit.speedup_vs_no_stop:.3f}x on validation prompts)", figures)
 
 
 # -- the whole calibration -------------------------------------------------------------------------
@@ -318,6 +343,13 @@ def calibrate(bundle_path: str | Path, options: CalibrateOptions | None = None,
         if isinstance(router, TrainedRouter):
             routers[light].figures["cost"] = router_cost(engine, router)
     configs = run_configs(routers, loaded)
+    start = time.perf_counter()
+    drafting = fit_drafting(engine, labels, splits)
+    seconds["draft fit"] = time.perf_counter() - start
+    messages.append(drafting.why)
+    if drafting.fit is not None:
+        configs.append(RunConfig("speculate/slm+stop", {"mode": "speculate", "light": "slm",
+                                                        "draft_confidence": drafting.fit.draft_confidence}))
     validation = [by_id[i] for i in labels.prompt_ids if split_of(i) == "validation"]
     held_out = [p for task in TASKS for p in [q for q in validation if q.task == task][
         :options.validation_prompts_per_task]]
@@ -325,6 +357,15 @@ def calibrate(bundle_path: str | Path, options: CalibrateOptions | None = None,
     runs = confirm(engine, held_out, configs, options.labels.max_answer_tokens, progress)
     seconds["runtime runs"] = time.perf_counter() - start
     profiles = choose_profiles(runs, configs)
+    decoding = {}
+    if drafting.fit is not None:
+        plain, stopping = (summarize(runs[name], runs["full"]) for name in ("speculate/slm", "speculate/slm+stop"))
+        drafting.figures["runtime"] = {"speculate/slm": plain["tok_s"], "speculate/slm+stop": stopping["tok_s"]}
+        if stopping["tok_s"] > plain["tok_s"]:
+            decoding["draft_confidence"] = drafting.fit.draft_confidence
+        else:
+            messages.append(f"draft_confidence {drafting.fit.draft_confidence} did not speed up speculate/slm in the "
+                            f"runtime runs ({stopping['tok_s']:.1f} vs {plain['tok_s']:.1f} tok/s): left at 0")
 
     files, entries = {}, {}
     for light, result in routers.items():
@@ -355,8 +396,8 @@ def calibrate(bundle_path: str | Path, options: CalibrateOptions | None = None,
         data_sha256=hashlib.sha256(provenance.encode()).hexdigest(),
         budget={"tf_agreement": options.budget, "task_pass": "no lower than full", "bound": options.bound,
                 "delta": options.delta if options.bound == "ltt" else None},
-        routers=entries, profiles=profiles,
-        figures={"labels": label_counts, "seconds": dict(seconds),
+        routers=entries, profiles=profiles, decoding=decoding,
+        figures={"labels": label_counts, "seconds": dict(seconds), "drafting": drafting.figures,
                  "routers": {light: {"candidates": r.figures["candidates"], "why": r.figures["why"]}
                              for light, r in routers.items()},
                  "unreachable": [r.unreachable for r in routers.values()

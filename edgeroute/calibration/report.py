@@ -55,6 +55,18 @@ def render(calibration: Calibration, bundle: Path, messages: list[str]) -> str:
             lines.append(f"| {task} | {name}{mark} | {f['prompts']} | {f['speed_vs_full']:.2f}x | "
                          f"{_pct(f['llm_share'], 0)} | {_pct(f['task_pass'], 0)} | "
                          f"{_pct(profile['figures']['full']['task_pass'], 0)} | {_pct(f['same_as_full'], 0)} |")
+    drafting = c.figures.get("drafting")
+    if drafting:
+        costs = drafting["costs"]
+        lines += ["", "## When the SLM stops drafting (speculate/slm)", "",
+                  f"Measured here: SLM step {costs['slm_step'] * 1e3:.1f} ms, LLM pass {costs['llm_pass'] * 1e3:.1f} ms "
+                  f"+ {costs['llm_row'] * 1e3:.1f} ms per drafted row. Greedy speculation replayed over the labels "
+                  f"(tok/s by draft_confidence):", "", "| draft_confidence | calibration | validation |", "|---|---|---|"]
+        lines += [f"| {c_} | {v['calibration']:.1f} | {v['validation']:.1f} |" for c_, v in drafting["curve"].items()]
+        chosen = c.decoding.get("draft_confidence")
+        lines += ["", f"Fitted {drafting['draft_confidence']}; replayed speed-up on validation "
+                      f"{drafting['speedup_vs_no_stop']:.3f}x; runtime runs: {drafting.get('runtime', '-')}; default "
+                      f"written to the bundle: {chosen if chosen is not None else 'none (0)'}."]
     seconds = c.figures["seconds"]
     lines += ["", "Time: " + ", ".join(f"{k} {v:.0f} s" for k, v in seconds.items()) + ".", ""]
     return "\n".join(lines)

@@ -4,6 +4,7 @@
   configuration that met the quality budget on held-out prompts).
 - ``route`` without an explicit router takes the bundle's router for its light path (a
   trained graph or a baseline) and its fitted threshold.
+- ``speculate`` without an explicit ``draft_confidence`` takes the fitted one.
 An explicit option always wins; an uncalibrated bundle keeps the uncalibrated defaults.
 """
 
@@ -19,7 +20,7 @@ from edgeroute.runtime.policies import Router
 
 # characters whose token a JSON answer cannot get wrong and still parse
 FORMAT_CHARACTERS = frozenset('{}[]":,')
-AUTO_KEYS = ("mode", "light", "draft_tokens", "max_draft_tokens", "protect_format")
+AUTO_KEYS = ("mode", "light", "draft_tokens", "max_draft_tokens", "draft_confidence", "protect_format")
 
 
 def auto_options(options: DecodeOptions, calibration: Calibration | None) -> DecodeOptions:
@@ -39,6 +40,8 @@ def calibrated_options(options: DecodeOptions, calibration: Calibration | None,
     """``options`` with mode auto resolved and the calibrated router filled in where unset."""
     if options.mode == "auto":
         options = auto_options(options, calibration)
+    if options.draft_confidence is None and calibration is not None and "draft_confidence" in calibration.decoding:
+        options = dataclasses.replace(options, draft_confidence=calibration.decoding["draft_confidence"])
     entry = calibration.routers.get(options.light) if calibration is not None else None
     if entry is None or options.router not in (None, entry.router):
         return options

@@ -52,6 +52,9 @@ class DecodeOptions:
     draft_tokens: int = 4  # initial draft length; adapts to the acceptance rate
     max_draft_tokens: int = 8
     adaptive_draft: bool = True
+    # the SLM's draft ends before a token it gives less probability than this (0: never; None:
+    # the bundle's calibrated value, else 0), fitted from the cost of an SLM step and an LLM row
+    draft_confidence: float | None = None
     skip: SkipOptions = field(default_factory=SkipOptions)
     fallback: FallbackOptions | None = field(default_factory=FallbackOptions)
     # structured output: a JSON schema, regex or grammar every token must fit (see constraints.py)
@@ -88,6 +91,8 @@ class DecodeOptions:
             raise InputError(f"route_threshold must be within [0, 1] (got {self.route_threshold})")
         if self.temperature < 0 or not 0.0 < self.top_p <= 1.0:
             raise InputError(f"temperature must be >= 0 and top_p within (0, 1] (got {self.temperature}, {self.top_p})")
+        if self.draft_confidence is not None and not 0.0 <= self.draft_confidence < 1.0:
+            raise InputError(f"draft_confidence must be within [0, 1) (got {self.draft_confidence})")
         if not 1 <= self.draft_tokens <= self.max_draft_tokens:
             raise InputError(f"draft_tokens must be between 1 and max_draft_tokens ({self.max_draft_tokens})")
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
@@ -202,6 +207,8 @@ class Decoder:
         self.monitor = FallbackMonitor(options.fallback) if options.fallback and risky else None
         light = state.slm_drafter if options.light == "slm" else state.ngram_drafter
         self.light = state.slm_drafter if base == "slm" else light
+        if state.slm_drafter is not None:
+            state.slm_drafter.min_confidence = (options.draft_confidence or 0.0) if base == "speculate" else 0.0
         router = options.router or ("entropy" if options.light == "slm" else "ngram")
         self.router: Router = ROUTERS[router] if isinstance(router, str) else router
         self.route_threshold = DEFAULT_ROUTE_THRESHOLD if options.route_threshold is None else options.route_threshold

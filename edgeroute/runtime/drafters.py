@@ -67,6 +67,10 @@ class SlmDrafter:
         self.seen: list[int] = []  # the tokens whose K/V the cache holds
         self.last_logits: np.ndarray | None = None  # the head's own columns (reduced or full)
         self.last_hidden: np.ndarray | None = None  # [d], the last hidden state behind last_logits
+        # a draft ends before a token the SLM gives less probability than this (set per
+        # generation from DecodeOptions.draft_confidence): an unsure guess costs an SLM step
+        # and a verification row, and is mostly rejected
+        self.min_confidence = 0.0
 
     def reset(self) -> None:
         self.cache.reset()
@@ -101,7 +105,8 @@ class SlmDrafter:
 
     def propose(self, tokens: list[int], k: int) -> Proposal:
         """Up to k greedy tokens of the SLM (catching up on tokens it has not seen first);
-        fewer when a reduced head's rest column wins (a token it cannot draft comes next)."""
+        fewer when a reduced head's rest column wins (a token it cannot draft comes next) or
+        the next token's probability is below ``min_confidence``."""
         proposal = Proposal([], [])
         sequence = list(tokens)
         vocab = self.model.head_vocab
@@ -110,6 +115,8 @@ class SlmDrafter:
                 break
             p = softmax(self.next_logits(sequence))
             token = int(np.argmax(p))
+            if p[token] < self.min_confidence:
+                break
             proposal.tokens.append(token)
             proposal.probabilities.append(p)
             proposal.hidden.append(self.last_hidden)
