@@ -32,8 +32,9 @@ KV_OUTPUTS = ["key", "value"]
 # transient [heads, T, S] scores stay ~10-20 MB instead of growing with T * S (an 1800-token
 # SmolLM2 prompt in one pass needs ~350 MB of them per layer call).
 PREFILL_CHUNK = 256
-# After a pass of at least this many tokens, freed memory goes back to the OS (25-80 ms for a
-# 256-token chunk of a long prompt; decode steps and short verification passes skip it).
+# After every this many tokens run (one long pass, or many one-token steps), freed memory goes
+# back to the OS: 25-80 ms after a 256-token chunk of a long prompt, ~1 ms during decode
+# (one-token steps allocate blocks that grow with the context, which the heap cannot reuse).
 TRIM_AFTER_TOKENS = 64
 _pool_lock = threading.Lock()
 _global_pool: bool | None = None
@@ -54,14 +55,16 @@ def _shared_thread_pool() -> bool:
         return _global_pool
 
 
-# glibc's malloc thresholds, fixed once per process (EDGEROUTE_MALLOC_TUNING=0 keeps glibc's
-# defaults): blocks of MMAP_THRESHOLD and more are mapped, and unmapped when freed (a long
-# pass's attention scores, tens of MB, go straight back to the OS); smaller ones (a decode
-# step's, a few MB at most) are reused from the heap, whose free top goes back above
-# TRIM_THRESHOLD. glibc's defaults move: freeing one large mapped block raises both to its
-# size (up to 32 / 64 MB), and from then on freed memory stays in the process.
+# glibc's malloc thresholds, fixed per process (EDGEROUTE_MALLOC_TUNING=0 keeps glibc's
+# defaults): blocks of the mmap threshold and more are mapped, and unmapped when freed (a long
+# pass's attention scores, tens of MB, go straight back to the OS); smaller ones are reused
+# from the heap, whose free top goes back above twice the threshold. The threshold sits above
+# the largest block a decode step allocates (the portable attention's past K or V with the new
+# row, capacity x kv x head_dim floats), because a mapped block is page-faulted in afresh on
+# every step (measured: SmolLM2 decode at 5.5-6k tokens of context fell from ~25 to 6.7 tok/s
+# once those blocks crossed a 4 MB threshold). glibc's defaults move instead: freeing one large
+# mapped block raises both to its size (up to 32 / 64 MB), and from then on freed memory stays.
 MMAP_THRESHOLD = 4 << 20
-TRIM_THRESHOLD = 8 << 20
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
 
 
@@ -82,18 +85,20 @@ def release_freed_memory() -> None:
         _libc.malloc_trim(0)
 
 
-_malloc_tuned = False
+_mmap_threshold = 0
 
 
-def tune_malloc() -> None:
-    """Fix glibc's thresholds (see MMAP_THRESHOLD), once per process."""
-    global _malloc_tuned
+def tune_malloc(largest_step_block: int = 0) -> None:
+    """Fix glibc's thresholds above ``largest_step_block`` bytes (see MMAP_THRESHOLD); a
+    later model with larger blocks raises them, nothing lowers them."""
+    global _mmap_threshold
+    threshold = max(MMAP_THRESHOLD, 2 * largest_step_block)
     with _pool_lock:
-        if _malloc_tuned or _libc is None or os.environ.get("EDGEROUTE_MALLOC_TUNING", "1") == "0":
+        if threshold <= _mmap_threshold or _libc is None or os.environ.get("EDGEROUTE_MALLOC_TUNING", "1") == "0":
             return
-        _libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
-        _libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)
-        _malloc_tuned = True
+        _libc.mallopt(_M_MMAP_THRESHOLD, threshold)
+        _libc.mallopt(_M_TRIM_THRESHOLD, 2 * threshold)
+        _mmap_threshold = threshold
 
 
 # ONNX Runtime's fused int4 kernel (MatMulNBits) quantizes activations to int8 at accuracy
@@ -113,6 +118,9 @@ def session_options(activations: str = "int8") -> ort.SessionOptions:
     # after a 500-token prompt on the SmolLM2 demo, 242 MiB after load); plain allocations
     # return a prefill's transient memory at once, and decode allocates only a few small tensors.
     options.enable_cpu_mem_arena = False
+    # nor memory patterns: ONNX Runtime keeps one per distinct set of input shapes, and the past
+    # grows by a token per step (measured: +85 KB of RSS per decoded token, for good)
+    options.enable_mem_pattern = False
     options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", ACTIVATION_PRECISION[activations])
     if _shared_thread_pool():
         options.use_per_session_threads = False
@@ -159,9 +167,10 @@ class OrtModel:
         self.arch = self.entry.arch
         self.capacity = int(bundle.generation["context_length"])
         self.providers = list(providers or ["CPUExecutionProvider"])
+        tune_malloc(self.capacity * self.arch.num_kv_heads * self.arch.head_dim * 4)
+        self._tokens_since_trim = 0
         self.flavour = choose_flavour(self.entry, attention)
         self._attention = FLAVOURS[self.flavour](self.capacity)
-        tune_malloc()
         self._options = session_options(activations)
         # one-token steps run as two rows (see _pass): they then round like a multi-token pass
         self.exact_steps = exact_steps
@@ -297,8 +306,10 @@ class OrtModel:
         for offset in range(0, t, PREFILL_CHUNK):
             chunk = ids[offset:offset + PREFILL_CHUNK]
             hidden = self._pass(cache, chunk, plan)
-            if len(chunk) >= TRIM_AFTER_TOKENS:
+            self._tokens_since_trim += len(chunk)
+            if self._tokens_since_trim >= TRIM_AFTER_TOKENS:
                 release_freed_memory()
+                self._tokens_since_trim = 0
             yield offset, hidden
 
     def _pass(self, cache: KVCache, ids: np.ndarray, plan: Sequence[bool] | LayerPlan | None) -> np.ndarray:
