@@ -269,6 +269,7 @@ def test_calibrate_end_to_end_writes_a_section_the_runtime_reads(slm_bundle_copy
     drafting = calibration.figures["drafting"]
     assert set(drafting["curve"]) >= {"0.0", "0.5"} and drafting["costs"]["slm_step"] > 0
     assert "## When the SLM stops drafting" in report.report.read_text()
+    assert (tmp_path / "work" / "token-layers.png").stat().st_size > 1000
     assert len(list((tmp_path / "work" / "shards").glob("*.npz"))) == 6
     assert "## Task profiles" in report.report.read_text()
     again = calibrate(slm_bundle_copy, options)  # labels come from the shards on disk

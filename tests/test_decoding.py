@@ -103,7 +103,15 @@ def test_skip_with_nothing_skipped_gives_exactly_fulls_tokens(nothing, granulari
     for prompt in PROMPTS:
         got = tiny_engine.generate(prompt, mode="skip", max_new_tokens=NEW, **options)
         assert got.tokens == full[prompt], prompt
-        assert all(t.layers_skipped == 0 and t.layers_run == 3 for t in got.trace)
+        assert all(t.layers_skipped == 0 and t.layers_run == 3 and t.layers == "rrr" for t in got.trace)
+
+
+def test_traces_say_what_each_layer_did(tiny_engine):
+    for granularity, skipped in (("layer", "s"), ("mlp", "m")):
+        got = tiny_engine.generate(PROMPTS[0], mode="skip", max_new_tokens=NEW, **{**SKIPPING,
+                                                                                  "granularity": granularity})
+        assert all(len(t.layers) == 3 and t.layers.count("r") == t.layers_run for t in got.trace)
+        assert any(skipped in t.layers for t in got.trace), "nothing was skipped: the test would prove nothing"
 
 
 def test_draft_confidence_ends_slm_drafts_before_unsure_tokens_and_stays_lossless(tiny_engine, full, monkeypatch):

@@ -26,7 +26,7 @@ from edgeroute.calibration.checks import task_pass
 from edgeroute.calibration.drafting import DraftFit, fit_draft_confidence, measure_costs
 from edgeroute.calibration.labels import DIVERGENT, NEUTRAL, Labels, LabelSettings, label_prompts
 from edgeroute.calibration.prompts import PER_TASK, TASKS, CalibrationPrompt, builtin_prompts, load_prompts, prompts_sha256
-from edgeroute.calibration.report import plot_tradeoff, render
+from edgeroute.calibration.report import plot_token_layers, plot_tradeoff, render
 from edgeroute.calibration.thresholds import BOUNDS, BudgetUnreachable, Choice, choose_threshold, share_at_agreement, tradeoff
 from edgeroute.calibration.train import TrainSettings, roc_auc, router_onnx, train_router
 from edgeroute.errors import InputError
@@ -409,4 +409,22 @@ def calibrate(bundle_path: str | Path, options: CalibrateOptions | None = None,
     for light, result in routers.items():
         if result.curves:
             plot_tradeoff(result, work / f"tradeoff-{light}.png")
+    if held_out:
+        plot_sample_answer(engine, held_out[0], options.labels.max_answer_tokens, work / "token-layers.png")
     return CalibrateReport(bundle.path, calibration, messages, seconds, report)
+
+
+def plot_sample_answer(engine: Engine, prompt: CalibrationPrompt, max_tokens: int, path: Path) -> None:
+    """The token x layer view of one held-out answer in ``route+skip`` with the calibrated
+    router (the SLM's where the bundle has one) and the default skip settings."""
+    light = "slm" if engine.slm is not None else "ngram"
+    messages = [{"role": "user", "content": prompt.content}]
+    mode = "route+skip"
+    try:
+        generation = engine.generate(messages, max_new_tokens=max_tokens, mode=mode, light=light)
+    except InputError:  # a model too shallow for the default protected layers: routing alone
+        mode = "route"
+        generation = engine.generate(messages, max_new_tokens=max_tokens, mode=mode, light=light)
+    plot_token_layers(generation.trace, [engine.decode([t.token]) for t in generation.trace],
+                      engine.llm.num_layers, f"{prompt.id}: {mode}, light path {light} "
+                      f"({generation.stats.llm_share:.0%} LLM share)", path)

@@ -25,7 +25,16 @@ from edgeroute.errors import InputError
 from edgeroute.runtime.backend import Cache, ModelBackend
 from edgeroute.runtime.constraints import Constraint, Draft, ResponseFormat, apply_mask
 from edgeroute.runtime.drafters import NgramDrafter, Proposal, SlmDrafter
-from edgeroute.runtime.policies import ROUTERS, FallbackMonitor, FallbackOptions, Router, SkipController, SkipOptions
+from edgeroute.runtime.model import RUN
+from edgeroute.runtime.policies import (
+    LAYER_LETTERS,
+    ROUTERS,
+    FallbackMonitor,
+    FallbackOptions,
+    Router,
+    SkipController,
+    SkipOptions,
+)
 from edgeroute.runtime.sampling import Sampler, top1_probability
 
 DEFAULT_ROUTE_THRESHOLD = 0.5
@@ -115,6 +124,9 @@ class TokenTrace:
     router_score: float | None = None
     layers_run: int | None = None  # LLM layers this token's pass ran (None: no LLM pass)
     layers_skipped: int | None = None
+    # what each LLM layer did in this token's pass, one letter per layer: r run, m attention
+    # only (MLP skipped), s skipped (K/V filled), d dropped; "" without an LLM pass
+    layers: str = ""
     importance: list[float] = field(default_factory=list)
     fallback: bool = False
     text: str = ""
@@ -234,9 +246,11 @@ class Decoder:
         if plan is not None:
             record = self.skipper.last
             trace.layers_run, trace.layers_skipped = record.layers_run, n - record.layers_run
+            trace.layers = "".join(LAYER_LETTERS[action] for action in record.actions)
             trace.importance = list(record.importance)
         else:
             trace.layers_run, trace.layers_skipped = n, 0
+            trace.layers = LAYER_LETTERS[RUN] * n
         self.stats.llm_calls += 1
         return logits, trace
 

@@ -148,6 +148,10 @@ class SkipOptions:
             raise InputError(str(err)) from None
 
 
+# one letter per layer action in traces (TokenTrace.layers)
+LAYER_LETTERS = {RUN: "r", SKIP_MLP: "m", SKIP: "s", DROP: "d"}
+
+
 @dataclass
 class PassRecord:
     actions: list[str] = field(default_factory=list)
