@@ -48,3 +48,15 @@ def test_speculate_gives_fulls_tokens_with_int8_activations_and_exact_steps(int4
             assert got.tokens == full.tokens, (light, prompt)
             accepted += got.stats.accepted
     assert accepted > 0, "no draft was ever accepted: the test would prove nothing"
+
+
+def test_exact_steps_at_the_last_position_of_the_context_run_one_row(tiny_bundles):
+    """No room for the throw-away row at the context's end: the step runs as one row."""
+    bundle = Bundle.open(tiny_bundles["llama"])
+    model = OrtModel(bundle, exact_steps=True)
+    cache = model.new_cache()
+    model.forward(cache, list(range(3, 3 + cache.capacity - 2)))
+    for token in (7, 8):  # two rows fit, then only one
+        logits = model.forward(cache, [token])
+        assert logits.shape == (bundle.llm.arch.vocab_size,) and np.isfinite(logits).all()
+    assert cache.length == cache.capacity
