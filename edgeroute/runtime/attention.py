@@ -70,6 +70,13 @@ class KVCache:
             self.dropped = np.zeros((self.keys.shape[0], self.capacity), bool)
         self.dropped[layer, start:start + count] = True
 
+    def dropped_before(self, layer: int, start: int) -> np.ndarray | None:
+        """Which of positions [0, start) ``layer`` dropped (kv_cache_reduction), or None when
+        it dropped none of them."""
+        if self.dropped is None or not self.dropped[layer, :start].any():
+            return None
+        return self.dropped[layer, :start]
+
     def truncate(self, length: int) -> None:
         """Forget positions >= length (rejected speculative tokens)."""
         if not 0 <= length <= self.length:
@@ -122,9 +129,7 @@ class PortableAttention:
         """Additive mask [t, start + t]: every cached position, the new ones causally, minus
         the positions this layer dropped (kv_cache_reduction). A one-token step without drops
         (the decode hot path) gets a view of a preallocated zero row."""
-        dropped = None if cache.dropped is None else cache.dropped[layer, :start]
-        if dropped is not None and not dropped.any():
-            dropped = None
+        dropped = cache.dropped_before(layer, start)
         if t == 1 and dropped is None:
             return self._zero_row[:, :start + 1]
         bias = np.zeros((t, start + t), np.float32)
@@ -153,8 +158,8 @@ class OrtAttention:
     def bias(self, cache: KVCache, layer: int, start: int, t: int) -> np.ndarray:
         """Additive bias [1, 1, t, start + t] for the kernel, which masks causally on its own:
         zero but for the positions this layer dropped (kv_cache_reduction)."""
-        dropped = None if cache.dropped is None else cache.dropped[layer, :start]
-        if dropped is None or not dropped.any():
+        dropped = cache.dropped_before(layer, start)
+        if dropped is None:
             return self._zero_row[..., :start + 1] if t == 1 else np.zeros((1, 1, t, start + t), np.float32)
         bias = np.zeros((1, 1, t, start + t), np.float32)
         bias[..., :start][..., dropped] = MASKED
