@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from edgeroute.calibration.report import plot_token_layers
+from edgeroute.calibration.report import plot_generation
 from edgeroute.runtime import Engine
 
 
@@ -28,8 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     generation = engine.generate([{"role": "user", "content": args.prompt}], max_new_tokens=args.max_tokens,
                                  mode=args.mode, light=args.light)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    plot_token_layers(generation.trace, [engine.decode([t.token]) for t in generation.trace], engine.llm.num_layers,
-                      f"{args.bundle.name}: {args.mode}, light path {args.light}", args.out)
+    plot_generation(engine, generation, f"{args.bundle.name}: {args.mode}, light path {args.light}", args.out)
     print(generation.text)
     print(generation.stats.summary(args.mode, engine.llm.num_layers))
     print(f"wrote {args.out}")

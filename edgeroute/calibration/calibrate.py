@@ -26,7 +26,7 @@ from edgeroute.calibration.checks import task_pass
 from edgeroute.calibration.drafting import DraftFit, fit_draft_confidence, measure_costs
 from edgeroute.calibration.labels import DIVERGENT, NEUTRAL, Labels, LabelSettings, label_prompts
 from edgeroute.calibration.prompts import PER_TASK, TASKS, CalibrationPrompt, builtin_prompts, load_prompts, prompts_sha256
-from edgeroute.calibration.report import plot_token_layers, plot_tradeoff, render
+from edgeroute.calibration.report import plot_generation, plot_tradeoff, render
 from edgeroute.calibration.thresholds import BOUNDS, BudgetUnreachable, Choice, choose_threshold, share_at_agreement, tradeoff
 from edgeroute.calibration.train import TrainSettings, roc_auc, router_onnx, train_router
 from edgeroute.errors import InputError
@@ -91,11 +91,17 @@ class LightData:
     scores: dict[str, np.ndarray]
 
 
+def _slm_stats_start(features: np.ndarray) -> int:
+    """The first column after the hidden state in SLM features (slm_features: top-k
+    log-probabilities, entropy, 1 - top1, 1 - margin)."""
+    return features.shape[1] - (TOP_K + 3)
+
+
 def light_data(labels: Labels, light: str, splits: np.ndarray) -> LightData:
     llm = labels["llm_token"]
     if light == "slm":
         features = labels["slm_features"].astype(np.float32)
-        hidden = features.shape[1] - (TOP_K + 3)
+        hidden = _slm_stats_start(features)
         scores = {name: features[:, hidden + column] for name, column in SLM_BASELINES.items()}
         forced = np.zeros(len(llm), bool)
         return LightData(labels["slm_token"] != llm, forced, labels["prompt"], splits, labels["task"],
@@ -276,13 +282,12 @@ class DraftingResult:
     figures: dict[str, Any]
 
 
-def fit_drafting(engine: Engine, labels: Labels, splits: np.ndarray) -> DraftingResult:
+def fit_drafting(engine: Engine, slm: LightData) -> DraftingResult:
     """Fit ``draft_confidence`` (see :mod:`edgeroute.calibration.drafting`) on the SLM labels;
     kept for the runtime runs only where the replay on validation prompts is faster."""
-    features = labels["slm_features"].astype(np.float32)
-    confidence = np.exp(features[:, features.shape[1] - (TOP_K + 3)])  # the top-1 log-probability
-    fit = fit_draft_confidence(labels["slm_token"] == labels["llm_token"], confidence, labels["prompt"], splits,
-                               measure_costs(engine), DecodeOptions().draft_tokens)
+    confidence = np.exp(slm.features[:, _slm_stats_start(slm.features)])  # the top-1 log-probability
+    fit = fit_draft_confidence(~slm.differ, confidence, slm.prompt, slm.split, measure_costs(engine),
+                               DecodeOptions().draft_tokens)
     figures = fit.to_dict()
     if fit.draft_confidence == 0.0 or fit.speedup_vs_no_stop < MIN_REPLAYED_SPEEDUP:
         return DraftingResult(None, f"speculate/slm: ending drafts at low SLM confidence replayed at "
@@ -329,8 +334,8 @@ def calibrate(bundle_path: str | Path, options: CalibrateOptions | None = None,
     messages = []
 
     start = time.perf_counter()
-    routers = {light: calibrate_router(light_data(labels, light, splits), light, labels.prompt_ids, options)
-               for light in ("slm", "ngram")}
+    data = {light: light_data(labels, light, splits) for light in ("slm", "ngram")}
+    routers = {light: calibrate_router(data[light], light, labels.prompt_ids, options) for light in data}
     seconds["routers"] = time.perf_counter() - start
     for result in routers.values():
         messages.append(f"route/{result.light}: {result.figures['why']}")
@@ -344,7 +349,7 @@ def calibrate(bundle_path: str | Path, options: CalibrateOptions | None = None,
             routers[light].figures["cost"] = router_cost(engine, router)
     configs = run_configs(routers, loaded)
     start = time.perf_counter()
-    drafting = fit_drafting(engine, labels, splits)
+    drafting = fit_drafting(engine, data["slm"])
     seconds["draft fit"] = time.perf_counter() - start
     messages.append(drafting.why)
     if drafting.fit is not None:
@@ -425,6 +430,5 @@ def plot_sample_answer(engine: Engine, prompt: CalibrationPrompt, max_tokens: in
     except InputError:  # a model too shallow for the default protected layers: routing alone
         mode = "route"
         generation = engine.generate(messages, max_new_tokens=max_tokens, mode=mode, light=light)
-    plot_token_layers(generation.trace, [engine.decode([t.token]) for t in generation.trace],
-                      engine.llm.num_layers, f"{prompt.id}: {mode}, light path {light} "
-                      f"({generation.stats.llm_share:.0%} LLM share)", path)
+    plot_generation(engine, generation, f"{prompt.id}: {mode}, light path {light} "
+                    f"({generation.stats.llm_share:.0%} LLM share)", path)

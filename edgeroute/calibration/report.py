@@ -105,6 +105,12 @@ LAYER_COLOURS = {"r": 3, "m": 2, "s": 1, "d": 1, "": 0}  # run, attention only, 
 SOURCE_ORDER = ("llm", "slm", "ngram", "draft:slm", "draft:ngram", "grammar")
 
 
+def plot_generation(engine, generation, title: str, path: Path) -> None:
+    """:func:`plot_token_layers` of an ``Engine``'s ``Generation``."""
+    plot_token_layers(generation.trace, [engine.decode([t.token]) for t in generation.trace], engine.llm.num_layers,
+                      title, path)
+
+
 def plot_token_layers(traces: list, texts: list[str], num_layers: int, title: str, path: Path) -> None:
     """The token-tracking view of one answer: per token (x) which path wrote it and the
     router's score (top), and per LLM layer (y) what the token's pass did: run, attention
