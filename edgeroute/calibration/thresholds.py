@@ -64,11 +64,20 @@ def choose_threshold(scores: np.ndarray, differ: np.ndarray, forced: np.ndarray,
                      budget: float, method: str = "crc", delta: float = 0.1) -> Choice:
     """The most permissive threshold whose bound keeps agreement >= ``budget``; raises
     :class:`BudgetUnreachable` naming the best achievable figures otherwise."""
+    thresholds = candidate_thresholds(scores)
+    risks, shares = prompt_risks(scores, differ, forced, prompt, thresholds)
+    return bounded_choice(thresholds, risks, shares, budget, method, delta)
+
+
+def bounded_choice(thresholds: np.ndarray, risks: np.ndarray, shares: np.ndarray, budget: float,
+                   method: str = "crc", delta: float = 0.1, what: str = "routing",
+                   share_name: str = "LLM share") -> Choice:
+    """Of ascending ``thresholds`` (risk growing with them; ``risks`` [thresholds, prompts]),
+    the most permissive whose bound keeps agreement >= ``budget``. ``shares``: the cost each
+    leaves (LLM share for a router, layer work run for skipping), reported with the choice."""
     if method not in BOUNDS:
         raise ValueError(f"bound {method!r} is not one of {', '.join(BOUNDS)}")
     alpha = 1.0 - budget
-    thresholds = candidate_thresholds(scores)
-    risks, shares = prompt_risks(scores, differ, forced, prompt, thresholds)
     n = risks.shape[1]
     mean = risks.mean(axis=1)
     if method == "crc":
@@ -85,9 +94,9 @@ def choose_threshold(scores: np.ndarray, differ: np.ndarray, forced: np.ndarray,
     if chosen is None:
         best = int(np.argmin(bounds))
         raise BudgetUnreachable(
-            f"a teacher-forced agreement of {budget:.1%} cannot be guaranteed with the {method} bound on "
+            f"{what}: a teacher-forced agreement of {budget:.1%} cannot be guaranteed with the {method} bound on "
             f"{n} calibration prompts: the best achievable is {1 - bounds[best]:.2%} (threshold "
-            f"{thresholds[best]:.3f}, LLM share {shares[best]:.0%}, measured agreement {1 - mean[best]:.2%}); "
+            f"{thresholds[best]:.3f}, {share_name} {shares[best]:.0%}, measured agreement {1 - mean[best]:.2%}); "
             f"lower --budget, or add calibration prompts (--prompts FILE.jsonl)")
     return Choice(float(thresholds[chosen]), method, alpha, delta if method == "ltt" else None,
                   float(bounds[chosen]), float(mean[chosen]), float(shares[chosen]), n)

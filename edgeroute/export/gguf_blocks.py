@@ -11,11 +11,12 @@ reader-side dependency.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from edgeroute.export.tensors import BlockQuantWeight
+from edgeroute.export.tensors import BlockFactors, BlockQuantWeight
 
 if TYPE_CHECKING:
     import gguf
@@ -89,23 +90,40 @@ def _decode_float(raw: np.ndarray, name: str, shape: tuple[int, int]) -> np.ndar
     return data.astype(np.float32).reshape(shape)
 
 
-def _decode_blocks(b: np.ndarray, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int, int]:
-    """(q, scale, offset, bits, block) for the raw representation; scales may still be negative."""
+@dataclass
+class _Decoded:
+    """One chunk of rows: codes, scales and offsets, and for K-quants their integer factors
+    (sub-block codes [rows, super-blocks, sub-blocks] times the super-block's fp16 step)."""
+
+    q: np.ndarray
+    scale: np.ndarray
+    offset: np.ndarray | None
+    bits: int
+    block: int
+    scale_codes: np.ndarray | None = None
+    scale_step: np.ndarray | None = None
+    offset_codes: np.ndarray | None = None
+    offset_step: np.ndarray | None = None
+    zero: int = 0
+
+
+def _decode_blocks(b: np.ndarray, name: str) -> _Decoded:
+    """The raw representation; scales may still be negative."""
     f64 = np.float64  # offsets sum two products: one float32 rounding instead of three
     if name in ("Q4_0", "Q4_1"):
         d = _f16(b, 0)
         q = _nibbles(b[..., (4 if name == "Q4_1" else 2):], 16).astype(np.int8) - 8
         offset = None if name == "Q4_0" else _f16(b, 2).astype(f64) + 8 * d.astype(f64)
-        return q, d, offset, 4, 32
+        return _Decoded(q, d, offset, 4, 32)
     if name in ("Q5_0", "Q5_1"):
         d = _f16(b, 0)
         at = 4 if name == "Q5_1" else 2
         high = np.unpackbits(b[..., at:at + 4], axis=-1, bitorder="little")  # bit j -> element j
         q = (_nibbles(b[..., at + 4:], 16) | (high << 4)).astype(np.int8) - 16
         offset = None if name == "Q5_0" else _f16(b, 2).astype(f64) + 16 * d.astype(f64)
-        return q, d, offset, 8, 32
+        return _Decoded(q, d, offset, 8, 32)
     if name == "Q8_0":
-        return np.ascontiguousarray(b[..., 2:]).view(np.int8), _f16(b, 0), None, 8, 32
+        return _Decoded(np.ascontiguousarray(b[..., 2:]).view(np.int8), _f16(b, 0), None, 8, 32)
     if name in ("Q4_K", "Q5_K"):
         d, dmin = _f16(b, 0)[..., None], _f16(b, 2)[..., None]
         sc, m = _scale_min_k4(b[..., 4:16])
@@ -116,17 +134,22 @@ def _decode_blocks(b: np.ndarray, name: str) -> tuple[np.ndarray, np.ndarray, np
             high = np.unpackbits(b[..., 16:48, None], axis=-1, bitorder="little").swapaxes(-1, -2)
             q = (_nibbles(b[..., 48:], 32) | (high.reshape(*b.shape[:-1], 256) << 4)).astype(np.int8) - 16
             zero = 16
+        # both products are exact in float32, so the sum is rounded once, as BlockFactors.table does
         scale = d * sc
-        offset = zero * scale.astype(f64) - dmin.astype(f64) * m
-        return q, scale, offset, 4 if name == "Q4_K" else 8, 32
+        offset = np.float32(zero) * scale + (-dmin) * m
+        return _Decoded(q, scale, offset, 4 if name == "Q4_K" else 8, 32, sc, d, m, -dmin, zero)
     if name == "Q6_K":
         lead = b.shape[:-1]
         ql = (b[..., :128].reshape(*lead, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(2, 1)) & 0x0F
         qh = (b[..., 128:192].reshape(*lead, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 3
         q = (ql.reshape(*lead, 256) | (qh.reshape(*lead, 256) << 4)).astype(np.int8) - 32
-        scale = _f16(b, 208)[..., None] * b[..., 192:208].view(np.int8).astype(np.float32)
-        return q, scale, None, 8, 16
+        d, sc = _f16(b, 208)[..., None], b[..., 192:208].view(np.int8)
+        return _Decoded(q, d * sc.astype(np.float32), None, 8, 16, sc, d)
     raise AssertionError(name)
+
+
+_FIELD_TYPES = {"q": np.int8, "scale": np.float32, "offset": np.float32, "scale_codes": np.int16,
+                "scale_step": np.float32, "offset_codes": np.int16, "offset_step": np.float32}
 
 
 def decode_gguf_tensor(
@@ -145,19 +168,27 @@ def decode_gguf_tensor(
             f"supported types: {', '.join(SUPPORTED_GGUF_TYPES)}"
         )
     blocks = _blocks(raw, shape, *_BLOCK_SIZES[name])
-    q = scale = offset = None
     # row chunks bound the decoding temporaries (several int arrays per element) for a
-    # 150k-row vocabulary matrix to a few MB instead of ~1 GB
+    # 150k-row vocabulary matrix to a few MB instead of ~1 GB; results go straight into
+    # whole-tensor arrays, allocated once the first chunk shows which fields this format has
+    whole: dict[str, np.ndarray] = {}
     for start in range(0, shape[0], DECODE_ROWS):
-        cq, cs, co, bits, block = _decode_blocks(blocks[start:start + DECODE_ROWS], name)
-        if q is None:
-            q = np.empty(shape, np.int8)
-            scale = np.empty((shape[0], _rows(cs).shape[1]), np.float32)
-            offset = None if co is None else np.empty_like(scale)
-        q[start:start + DECODE_ROWS] = _rows(cq)
-        scale[start:start + DECODE_ROWS] = _rows(cs)
-        if offset is not None:
-            offset[start:start + DECODE_ROWS] = _rows(co)
-    weight = BlockQuantWeight(q, scale, bits, block, offset, origin=f"gguf:{name}")
+        chunk = _decode_blocks(blocks[start:start + DECODE_ROWS], name)
+        for field, dtype in _FIELD_TYPES.items():
+            value = getattr(chunk, field)
+            if value is None:
+                continue
+            value = _rows(value)
+            if field not in whole:
+                whole[field] = np.empty((shape[0], value.shape[1]), dtype)
+            whole[field][start:start + DECODE_ROWS] = value
+    scale_factors = offset_factors = None
+    if "scale_codes" in whole:
+        scale_factors = BlockFactors(whole["scale_codes"], whole["scale_step"], chunk.scale_codes.shape[-1])
+    if "offset_codes" in whole:
+        offset_factors = BlockFactors(whole["offset_codes"], whole["offset_step"], chunk.offset_codes.shape[-1],
+                                      chunk.zero)
+    weight = BlockQuantWeight(whole["q"], whole["scale"], chunk.bits, chunk.block, whole.get("offset"),
+                              f"gguf:{name}", scale_factors, offset_factors)
     # files may hold negative d (Q4_0 stores max / -8) or negative Q6_K sub-scales
     return weight.with_positive_scales()

@@ -35,7 +35,9 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from edgeroute.arch import ArchConfig
+from edgeroute.export.packing import PackedCodes, pack_codes
 from edgeroute.export.tensors import (
+    BlockFactors,
     BlockQuantWeight,
     FloatWeight,
     LayerWeights,
@@ -93,6 +95,11 @@ def _exact_in_fp16(values: np.ndarray) -> bool:
     values = np.asarray(values, np.float32)
     with np.errstate(over="ignore"):
         return bool(np.array_equal(values.astype(np.float16).astype(np.float32), values))
+
+
+def _narrow_ints(codes: np.ndarray) -> np.ndarray:
+    """Integer codes in the one-byte type that holds them (signed Q6_K sub-scales, or up to 255)."""
+    return codes.astype(np.int8 if codes.min(initial=0) < 0 else np.uint8)
 
 
 def _pack_nibbles(q: np.ndarray) -> np.ndarray:
@@ -180,6 +187,86 @@ class GraphBuilder:
         its fused kernel still gets the same fp32 values (measured: still MatMulNBits)."""
         return self.float_weight(name, values, "fp16" if _exact_in_fp16(values) else "fp32")
 
+    def block_table(self, name: str, table: np.ndarray, factors: BlockFactors | None, ids: str | None = None,
+                    scale: str | None = None) -> str:
+        """A per-block table [rows, n_blocks] (scales or offsets): every row, or the rows of
+        the token ids ``ids``. With ``factors`` it is stored as integer codes and a step per
+        group (``scale``: the value of the same rows' scales, for offsets that add a multiple
+        of them) and multiplied out in float32: once at load for a weight (ONNX Runtime folds
+        the constants, then still fuses MatMulNBits), per gathered row for an embedding."""
+        if factors is None:
+            return self.block_params(name, table) if ids is None else self.gathered_rows(name, table, ids,
+                                                                                           f"{name}/Gather")
+        codes = self.tensor(f"{name}.codes", _narrow_ints(factors.codes))
+        if ids is None:
+            step = self.block_params(f"{name}.step", factors.step)
+        else:
+            codes = self.op("Gather", [codes, ids], name=f"{name}/GatherCodes", axis=0)
+            step = self.gathered_rows(f"{name}.step", factors.step, ids, f"{name}/GatherStep")
+        codes = self.op("Cast", [codes], name=f"{name}/CodesCast", to=TensorProto.FLOAT)
+        groups = self.op("Reshape", [codes, self.const([0, -1, factors.group])], name=f"{name}/Groups")
+        steps = self.op("Unsqueeze", [step, self.const([-1])], name=f"{name}/StepUnsqueeze")
+        values = self.op("Reshape", [self.op("Mul", [groups, steps], name=f"{name}/Mul"), self.const([0, -1])],
+                         name=f"{name}/Flat")
+        if factors.scale_multiple:
+            multiple = self.op("Mul", [scale, self.const(float(factors.scale_multiple), np.float32)],
+                               name=f"{name}/ScaleMultiple")
+            values = self.op("Add", [multiple, values], name=f"{name}/Add")
+        return values
+
+    def nibble_pairs(self, packed: str, width: int, name: str) -> str:
+        """uint8 [rows, width / 2] bytes -> their nibbles [rows, width], low nibble first."""
+        low = self.op("BitwiseAnd", [packed, self.const(15, np.uint8)], name=f"{name}/LowNibble")
+        high = self.op("BitShift", [packed, self.const(4, np.uint8)], name=f"{name}/HighNibble", direction="RIGHT")
+        pairs = self.op("Concat", [self.op("Unsqueeze", [low, self.const([-1])], name=f"{name}/LowUnsqueeze"),
+                                   self.op("Unsqueeze", [high, self.const([-1])], name=f"{name}/HighUnsqueeze")],
+                        name=f"{name}/Interleave", axis=-1)
+        return self.op("Reshape", [pairs, self.const([0, width])], name=f"{name}/Nibbles")
+
+    def _bits(self, packed: str, name: str) -> str:
+        """uint8 [rows, n] -> its bits [rows, 8 n] as uint8 0/1 (bit j of byte i: element 8 i + j)."""
+        shifted = self.op("BitShift", [self.op("Unsqueeze", [packed, self.const([-1])], name=f"{name}/Unsqueeze"),
+                                       self.const(np.arange(8), np.uint8)], name=f"{name}/Shift", direction="RIGHT")
+        bits = self.op("BitwiseAnd", [shifted, self.const(1, np.uint8)], name=f"{name}/And")
+        return self.op("Reshape", [bits, self.const([0, -1])], name=f"{name}/Flat")
+
+    def unpacked_codes(self, name: str, packed: PackedCodes, ids: str) -> str:
+        """The int8 codes [T, cols] of the rows ``ids`` of ``packed``, unpacked per gathered row.
+
+        Only gathered tables are packed: a linear's codes would be unpacked by constant
+        folding at load, and ONNX Runtime's folding copies each intermediate (measured on the
+        1.5B: its load went from 9 s to 48 s, 9 GB peak for the Q6_K head)."""
+        cols = packed.shape[1]
+
+        def stored(suffix: str, array: np.ndarray) -> str:
+            return self.op("Gather", [self.tensor(f"{name}.{suffix}", np.ascontiguousarray(array)), ids],
+                           name=f"{name}/Gather_{suffix}", axis=0)
+
+        # bits 0-3 from the nibbles, bit k from plane k - 4: disjoint, so OR-ed in uint8
+        u = self.nibble_pairs(stored("nibbles", packed.nibbles), cols, name)
+        for k in range(4, packed.width):
+            plane = self._bits(stored(f"plane{k}", packed.planes[:, k - 4]), f"{name}/Plane{k}")
+            shifted = self.op("BitShift", [plane, self.const(k, np.uint8)], name=f"{name}/Plane{k}/ToBit",
+                              direction="LEFT")
+            u = self.op("BitwiseOr", [u, shifted], name=f"{name}/Plane{k}/Or")
+        codes = self.op("Add", [self.op("Cast", [u], name=f"{name}/Widen", to=TensorProto.INT32),
+                                self.const(packed.low, np.int32)], name=f"{name}/Low")
+        if packed.negated is not None:
+            n_blocks = cols // packed.block
+            flips = self.op("Slice", [self._bits(stored("negated", packed.negated), f"{name}/Signs"),
+                                      self.const([0]), self.const([n_blocks]), self.const([1])],
+                            name=f"{name}/SignSlice")
+            # 1 - 2 * flip: +1 kept, -1 negated
+            signs = self.op("Sub", [self.const(1, np.int32),
+                                    self.op("Mul", [self.op("Cast", [flips], name=f"{name}/SignCast",
+                                                            to=TensorProto.INT32), self.const(2, np.int32)],
+                                            name=f"{name}/SignDouble")], name=f"{name}/Signs")
+            blocks = self.op("Reshape", [codes, self.const([0, n_blocks, packed.block])], name=f"{name}/Blocks")
+            signed = self.op("Mul", [blocks, self.op("Unsqueeze", [signs, self.const([-1])], name=f"{name}/SignsUnsq")],
+                             name=f"{name}/Negate")
+            codes = self.op("Reshape", [signed, self.const([0, cols])], name=f"{name}/Flat")
+        return self.op("Cast", [codes], name=f"{name}/Cast", to=TensorProto.INT8)
+
     def gathered_rows(self, name: str, table: np.ndarray, ids: str, node: str) -> str:
         """Rows of a per-row table for the gathered token ids, stored as fp16 where exact
         (cast after the gather, so the table stays fp16 in memory too)."""
@@ -215,7 +302,7 @@ class GraphBuilder:
 
     def _block_quant_matmul(self, x: str, weight: BlockQuantWeight, name: str) -> str:
         codes = self.int_tensor(f"{name}.qweight", weight.q.T, weight.bits)
-        scales = self.block_params(f"{name}.scales", weight.scale.T)
+        scales, scale_rows = self._weight_table(f"{name}.scales", weight.scale, weight.scale_factors)
         w = self.op("DequantizeLinear", [codes, scales], name=f"{name}/DequantizeLinear",
                     axis=0, block_size=weight.block)
         y = self.op("MatMul", [x, w], name=f"{name}/MatMul")
@@ -225,8 +312,19 @@ class GraphBuilder:
         n_blocks = weight.offset.shape[1]
         blocks = self.op("Reshape", [x, self.const([-1, n_blocks, weight.block])], name=f"{name}/Blocks")
         sums = self.op("ReduceSum", [blocks, self.const([-1])], name=f"{name}/BlockSums", keepdims=0)
-        offsets = self.block_params(f"{name}.offsets", weight.offset.T)
+        if scale_rows is None and weight.offset_factors is not None and weight.offset_factors.scale_multiple:
+            scale_rows = self.op("Transpose", [scales], name=f"{name}/ScaleRows")
+        offsets, _ = self._weight_table(f"{name}.offsets", weight.offset, weight.offset_factors, scale_rows)
         return self.op("Gemm", [sums, offsets, y], name=f"{name}/OffsetGemm")
+
+    def _weight_table(self, name: str, table: np.ndarray, factors: BlockFactors | None,
+                      scale_rows: str | None = None) -> tuple[str, str | None]:
+        """A weight's per-block table as DequantizeLinear and the offset Gemm read it, [n_blocks,
+        out], and for a factored one the [out, n_blocks] value it is transposed from."""
+        if factors is None:
+            return self.block_params(name, table.T), None
+        rows = self.block_table(name, table, factors, scale=scale_rows)
+        return self.op("Transpose", [rows], name=f"{name}/Transpose"), rows
 
     def rms_norm(self, x: str, weight: np.ndarray, eps: float, name: str) -> str:
         # Pow/ReduceMean/Add/Sqrt/Div/Mul: the pattern ORT fuses into SimplifiedLayerNormalization
@@ -464,13 +562,17 @@ def build_embed(arch: ArchConfig, embedding: Weight, weights: WeightFile | None 
         if emb.bits == 4 and arch.hidden_size % 2 == 0:
             hidden = _gathered_int4_rows(g, arch, emb, ids, prefix)
         else:
-            codes = g.tensor(f"{prefix}.qweight", emb.q.astype(np.int8))
-            rows = g.op("Gather", [codes, ids], name=f"{prefix}/GatherCodes", axis=0)
-            scales = g.gathered_rows(f"{prefix}.scales", emb.scale, ids, f"{prefix}/GatherScales")
+            packed = pack_codes(emb.q, emb.block)
+            if packed is None:
+                rows = g.op("Gather", [g.tensor(f"{prefix}.qweight", emb.q.astype(np.int8)), ids],
+                            name=f"{prefix}/GatherCodes", axis=0)
+            else:
+                rows = g.unpacked_codes(f"{prefix}.qweight", packed, ids)
+            scales = g.block_table(f"{prefix}.scales", emb.scale, emb.scale_factors, ids)
             hidden = g.op("DequantizeLinear", [rows, scales], name=f"{prefix}/DequantizeLinear",
                           axis=1, block_size=emb.block)
             if emb.offset is not None:
-                offsets = g.gathered_rows(f"{prefix}.offsets", emb.offset, ids, f"{prefix}/GatherOffsets")
+                offsets = g.block_table(f"{prefix}.offsets", emb.offset, emb.offset_factors, ids, scales)
                 offsets = g.op("Unsqueeze", [offsets, g.const([-1])], name=f"{prefix}/OffsetUnsqueeze")
                 blocks = g.op("Reshape", [hidden, g.const([0, -1, emb.block])], name=f"{prefix}/Blocks")
                 blocks = g.op("Add", [blocks, offsets], name=f"{prefix}/OffsetAdd")
@@ -485,19 +587,15 @@ def _gathered_int4_rows(g: GraphBuilder, arch: ArchConfig, emb: BlockQuantWeight
     and ``(code - 8) * scale + offset`` computed in float32 as DequantizeLinear would."""
     packed = g.tensor(f"{prefix}.qweight_packed", _pack_nibbles(emb.q))
     rows = g.op("Gather", [packed, ids], name=f"{prefix}/GatherCodes", axis=0)  # [T, d/2] uint8
-    scales = g.gathered_rows(f"{prefix}.scales", emb.scale, ids, f"{prefix}/GatherScales")
-    low = g.op("BitwiseAnd", [rows, g.const(15, np.uint8)], name=f"{prefix}/LowNibble")
-    high = g.op("BitShift", [rows, g.const(4, np.uint8)], name=f"{prefix}/HighNibble", direction="RIGHT")
-    pairs = g.op("Concat", [g.op("Unsqueeze", [low, g.const([-1])], name=f"{prefix}/LowUnsqueeze"),
-                            g.op("Unsqueeze", [high, g.const([-1])], name=f"{prefix}/HighUnsqueeze")],
-                 name=f"{prefix}/Interleave", axis=-1)
+    scales = g.block_table(f"{prefix}.scales", emb.scale, emb.scale_factors, ids)
+    pairs = g.nibble_pairs(rows, arch.hidden_size, prefix)
     codes = g.op("Cast", [g.op("Reshape", [pairs, g.const([0, -1, emb.block])], name=f"{prefix}/Blocks")],
                  name=f"{prefix}/Cast", to=TensorProto.FLOAT)
     signed = g.op("Sub", [codes, g.const(8.0, np.float32)], name=f"{prefix}/Center")
     scaled = g.op("Mul", [signed, g.op("Unsqueeze", [scales, g.const([-1])], name=f"{prefix}/ScaleUnsqueeze")],
                   name=f"{prefix}/Scale")
     if emb.offset is not None:
-        offsets = g.gathered_rows(f"{prefix}.offsets", emb.offset, ids, f"{prefix}/GatherOffsets")
+        offsets = g.block_table(f"{prefix}.offsets", emb.offset, emb.offset_factors, ids, scales)
         scaled = g.op("Add", [scaled, g.op("Unsqueeze", [offsets, g.const([-1])], name=f"{prefix}/OffsetUnsqueeze")],
                       name=f"{prefix}/OffsetAdd")
     return g.op("Reshape", [scaled, g.const([0, arch.hidden_size])], name=f"{prefix}/Flat")

@@ -10,6 +10,10 @@ this is exactly ONNX ``DequantizeLinear`` (symmetric, blocked along the input ax
 both ONNX Runtime and TensorRT 10 run. The per-block ``offset`` is how asymmetric formats
 (GGUF Q4_1 / Q4_K, asymmetric GPTQ) are carried over *exactly*: it contributes
 ``blocksum(x) @ offset.T``, a small extra MatMul on the activations' block sums.
+
+K-quant scales and offsets are themselves small integers times a per-super-block fp16 step
+(:class:`BlockFactors`); a weight that keeps them stores the tables that way on disk, a
+quarter of the fp32 bytes, and the graph multiplies them out once when the session loads.
 """
 
 from __future__ import annotations
@@ -23,6 +27,47 @@ import numpy as np
 QUANT_RANGES = {4: (-8, 7), 8: (-128, 127)}
 
 
+@dataclass(frozen=True)
+class BlockFactors:
+    """A per-block table written as integer codes times a per-group step::
+
+        table[o, b] = step[o, b // group] * codes[o, b]  (+ scale_multiple * scale[o, b])
+
+    The K-quant formats store exactly this: 6- or 8-bit sub-block scales (and mins) times the
+    super-block's fp16 ``d`` (``dmin``), and a Q4_K/Q5_K offset is ``zero * scale - dmin * m``.
+    Every product is exact in float32 (an 11-bit significand times an integer under 256), so
+    the graph's float32 ``Mul``/``Add`` reproduce the table bit for bit."""
+
+    codes: np.ndarray  # int16 [out, n_blocks], values inside int8 or uint8
+    step: np.ndarray  # float32 [out, n_blocks // group]
+    group: int
+    scale_multiple: int = 0
+
+    def table(self, scale: np.ndarray) -> np.ndarray:
+        step = np.repeat(self.step, self.group, axis=1)
+        table = step * self.codes.astype(np.float32)
+        if self.scale_multiple:
+            table = np.float32(self.scale_multiple) * scale + table
+        return table.astype(np.float32)
+
+    def take_rows(self, rows: np.ndarray) -> BlockFactors:
+        return BlockFactors(self.codes[rows], self.step[rows], self.group, self.scale_multiple)
+
+    def times(self, factor: float) -> BlockFactors | None:
+        """The table times ``factor``, still exact when ``factor`` is a power of two (else None)."""
+        if np.frexp(np.float32(abs(factor)))[0] != 0.5:
+            return None
+        return BlockFactors(self.codes, self.step * np.float32(factor), self.group, self.scale_multiple)
+
+    @staticmethod
+    def stacked(parts: Sequence[BlockFactors | None]) -> BlockFactors | None:
+        """Factors of row-stacked tables, when every part has compatible ones."""
+        if any(p is None for p in parts) or len({(p.group, p.scale_multiple) for p in parts}) != 1:
+            return None
+        return BlockFactors(np.concatenate([p.codes for p in parts]), np.concatenate([p.step for p in parts]),
+                            parts[0].group, parts[0].scale_multiple)
+
+
 @dataclass
 class BlockQuantWeight:
     q: np.ndarray  # int8 [out, in], values inside QUANT_RANGES[bits]
@@ -31,6 +76,9 @@ class BlockQuantWeight:
     block: int
     offset: np.ndarray | None = None  # float32 [out, in // block]
     origin: str = "rtn"  # how it was made: rtn, gptq, gguf:Q4_1, gptq-checkpoint, ...
+    # how ``scale`` / ``offset`` are stored when they factor exactly (K-quants); None: as floats
+    scale_factors: BlockFactors | None = None
+    offset_factors: BlockFactors | None = None
 
     def __post_init__(self) -> None:
         lo, hi = QUANT_RANGES[self.bits]
@@ -45,6 +93,11 @@ class BlockQuantWeight:
                 raise ValueError(f"offset shape {self.offset.shape} != {(out, n_blocks)}")
         if self.q.size and (self.q.min() < lo or self.q.max() > hi):
             raise ValueError(f"int{self.bits} values out of range [{lo}, {hi}]")
+        if self.scale_factors is not None and not np.array_equal(self.scale_factors.table(self.scale), self.scale):
+            raise ValueError("scale_factors do not reproduce the scales")
+        if self.offset_factors is not None and (
+                self.offset is None or not np.array_equal(self.offset_factors.table(self.scale), self.offset)):
+            raise ValueError("offset_factors do not reproduce the offsets")
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -63,6 +116,7 @@ class BlockQuantWeight:
         return BlockQuantWeight(
             self.q[rows], self.scale[rows], self.bits, self.block,
             None if self.offset is None else self.offset[rows], self.origin,
+            *(None if f is None else f.take_rows(rows) for f in (self.scale_factors, self.offset_factors)),
         )
 
     def with_positive_scales(self) -> BlockQuantWeight:
@@ -87,12 +141,24 @@ class BlockQuantWeight:
         if shifted.any():
             offset = np.zeros_like(scale) if offset is None else offset.copy()
             offset[shifted] += scale[shifted]
-        return BlockQuantWeight(q, scale, self.bits, self.block, offset, self.origin)
+        # |step * code| == |step| * |code|; an offset tied to the flipped scales no longer factors
+        factors = self.scale_factors
+        if factors is not None:
+            factors = BlockFactors(np.abs(factors.codes), np.abs(factors.step), factors.group)
+        return BlockQuantWeight(q, scale, self.bits, self.block, offset, self.origin, factors)
 
     @property
     def nbytes(self) -> int:
         n = self.q.size * self.bits // 8 + self.scale.size * 4
         return n + (0 if self.offset is None else self.offset.size * 4)
+
+    def times(self, factor: float) -> BlockQuantWeight:
+        """The matrix times a constant, exactly on the quantized grid (only scales move)."""
+        f = np.float32(factor)
+        return BlockQuantWeight(self.q, self.scale * f, self.bits, self.block,
+                                None if self.offset is None else self.offset * f, self.origin,
+                                *(None if x is None else x.times(factor)
+                                  for x in (self.scale_factors, self.offset_factors)))
 
 
 @dataclass
@@ -223,8 +289,7 @@ def scale_linear(linear: Linear, factor: float) -> Linear:
     if isinstance(w, FloatWeight):
         scaled: Weight = FloatWeight(w.w * np.float32(factor), w.storage)
     else:
-        scaled = BlockQuantWeight(w.q, w.scale * np.float32(factor), w.bits, w.block,
-                                  None if w.offset is None else w.offset * np.float32(factor), w.origin)
+        scaled = w.times(factor)
     bias = None if linear.bias is None else linear.bias * np.float32(factor)
     return Linear(scaled, bias, linear.input_order)
 
@@ -243,7 +308,9 @@ def fuse_linears(linears: list[Linear]) -> Linear | None:
         if any(w.offset is not None for w in weights):
             offsets = np.concatenate([np.zeros_like(w.scale) if w.offset is None else w.offset for w in weights])
         fused = BlockQuantWeight(np.concatenate([w.q for w in weights]), np.concatenate([w.scale for w in weights]),
-                                 weights[0].bits, weights[0].block, offsets, weights[0].origin)
+                                 weights[0].bits, weights[0].block, offsets, weights[0].origin,
+                                 BlockFactors.stacked([w.scale_factors for w in weights]),
+                                 BlockFactors.stacked([w.offset_factors for w in weights]))
     else:
         return None
     biases = None

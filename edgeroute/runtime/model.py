@@ -181,6 +181,9 @@ class OrtModel:
         self.layer_sessions = [self._load("layer", i, self.flavour) for i in layers]
         self.kv_sessions = [self._load("kv", i) for i in layers]
         self.head_session = self._load("head")
+        # loading folds constants (factored block tables) and prepacks weights: the freed
+        # intermediates go back to the OS (measured on the 1.5B: +2,065 MB after load without)
+        release_freed_memory()
         self.head_vocab = HeadVocabulary.load(bundle, role)  # None: the head covers the whole vocabulary
         # sub-layer graphs only serve MLP-only skipping and tests: loaded on first use
         self._attn_sessions: list[ort.InferenceSession | None] = [None] * self.arch.num_layers
