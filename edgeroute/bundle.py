@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from edgeroute.arch import ArchConfig
-from edgeroute.errors import BundleError
+from edgeroute.errors import BundleError, EdgerouteError
 
 FORMAT_NAME = "edgeroute-bundle"
 # 2 added graph flavours (``flavour`` per graph; ``*_ort`` graphs beside the portable ones) and
@@ -127,6 +127,15 @@ class Calibration:
         confidence = data.get("decoding", {}).get("draft_confidence", 0.0)
         if not isinstance(confidence, (int, float)) or not 0.0 <= confidence < 1.0:
             raise ValueError(f"decoding.draft_confidence must be a number within [0, 1) (got {confidence!r})")
+        skip = data.get("decoding", {}).get("skip")
+        if skip is not None:
+            from edgeroute.runtime.policies import SkipOptions  # the runtime's own checks, imported late
+
+            options = {k: v for k, v in skip.items() if k != "speed_vs_full"}
+            try:
+                SkipOptions(**options).validate(None)
+            except (TypeError, EdgerouteError) as err:
+                raise ValueError(f"decoding.skip is not a valid skip setting: {err}") from None
         return cls(**{**data, "routers": routers})
 
 

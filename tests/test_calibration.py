@@ -228,6 +228,9 @@ def test_corrupt_calibration_section_is_a_clear_error(slm_bundle_copy):
     for damage, message in ((lambda c: c["routers"]["slm"].update(threshold=7), "threshold 7 outside"),
                             (lambda c: c.pop("profiles"), "profiles"),
                             (lambda c: c["decoding"].update(draft_confidence=2), "draft_confidence must be"),
+                            (lambda c: c["decoding"].update(skip={"importance_threshold": 3}),
+                             "decoding.skip is not a valid skip setting: importance_threshold"),
+                            (lambda c: c["decoding"].update(skip={"layers": 3}), "decoding.skip is not a valid"),
                             (lambda c: c["routers"]["slm"].update(file="calibration/gone.onnx"), "does not list")):
         broken = json.loads(json.dumps(manifest))
         damage(broken["calibration"])

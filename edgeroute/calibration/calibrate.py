@@ -27,13 +27,21 @@ from edgeroute.calibration.drafting import DraftFit, fit_draft_confidence, measu
 from edgeroute.calibration.labels import DIVERGENT, NEUTRAL, Labels, LabelSettings, label_prompts
 from edgeroute.calibration.prompts import PER_TASK, TASKS, CalibrationPrompt, builtin_prompts, load_prompts, prompts_sha256
 from edgeroute.calibration.report import plot_generation, plot_tradeoff, render
+from edgeroute.calibration.skipping import (
+    FREE_LAYERS,
+    GRANULARITIES,
+    SKIP_KEYS,
+    SkipVerdict,
+    judge_skipping,
+    observe_skips,
+)
 from edgeroute.calibration.thresholds import BOUNDS, BudgetUnreachable, Choice, choose_threshold, share_at_agreement, tradeoff
 from edgeroute.calibration.train import TrainSettings, roc_auc, router_onnx, train_router
 from edgeroute.errors import InputError
 from edgeroute.runtime.decoding import DecodeOptions
 from edgeroute.runtime.drafters import Proposal
 from edgeroute.runtime.engine import Engine
-from edgeroute.runtime.policies import ngram_router
+from edgeroute.runtime.policies import SkipOptions, ngram_router
 from edgeroute.runtime.routers import NGRAM_FEATURES, SLM_FEATURES, TOP_K, TrainedRouter, ngram_features
 from edgeroute.runtime.sampling import softmax
 
@@ -57,6 +65,9 @@ class CalibrateOptions:
     slm_router: TrainSettings = field(default_factory=TrainSettings)
     ngram_router: TrainSettings = field(default_factory=lambda: TrainSettings(hidden_units=0, dropout=0.0))
     validation_prompts_per_task: int = 6  # runtime runs per task profile (the slow part)
+    # labelled prompts whose answers are observed with skipping (0: skipping is not calibrated);
+    # the conformal bound at 97% needs 33 fitting prompts before it can allow any error
+    skip_prompts: int = 48
 
     def validate(self) -> None:
         if not 0.5 <= self.budget < 1.0:
@@ -71,6 +82,8 @@ class CalibrateOptions:
                 raise InputError(f"{name} must be at least 1 (got {value})")
         if self.labels.path_checks < 0:
             raise InputError(f"path checks must be 0 or more (got {self.labels.path_checks})")
+        if self.skip_prompts < 0:
+            raise InputError(f"skip prompts must be 0 or more (got {self.skip_prompts})")
 
 
 def split_of(prompt_id: str) -> str:
@@ -268,7 +281,7 @@ def choose_profiles(runs: dict[str, list[dict[str, Any]]], configs: list[RunConf
         best = max(qualified, key=lambda c: (figures[c.name]["speed_vs_full"] if c.name != "full" else 1.0))
         if best.name != "full" and figures[best.name]["speed_vs_full"] < MIN_SPEEDUP:
             best = configs[0]
-        options = {k: v for k, v in best.options.items() if k in ("mode", "light", "draft_confidence")}
+        options = {k: v for k, v in best.options.items() if k in ("mode", "light", "draft_confidence", *SKIP_KEYS)}
         if task == "json" and options["mode"] == "route":
             options["protect_format"] = True
         profiles[task] = {**options, "config": best.name, "figures": figures}
@@ -294,6 +307,33 @@ def fit_drafting(engine: Engine, slm: LightData) -> DraftingResult:
                                     f"{fit.speedup_vs_no_stop:.3f}x on validation prompts: not used", figures)
     return DraftingResult(fit, f"speculate/slm: drafts end below SLM confidence {fit.draft_confidence} (replayed "
                                f"{fit.speedup_vs_no_stop:.3f}x on validation prompts)", figures)
+
+
+# -- skipping ----------------------------------------------------------------------------------------
+
+
+def calibrate_skipping(engine: Engine, labels: Labels, by_id: dict[str, CalibrationPrompt], options: CalibrateOptions,
+                       progress: Progress | None) -> list[SkipVerdict]:
+    """Observe skipping on ``skip_prompts`` labelled answers (a stable mix of tasks and
+    splits) for each granularity and judge it (see :mod:`edgeroute.calibration.skipping`)."""
+    chosen = sorted(labels.prompt_ids, key=lambda i: hashlib.sha256(f"skip:{i}".encode()).hexdigest())
+    chosen = chosen[:options.skip_prompts]
+    sequences = []
+    for prompt_id in chosen:
+        rows = np.flatnonzero(labels["prompt"] == labels.prompt_ids.index(prompt_id))
+        answer = labels["llm_token"][rows[np.argsort(labels["position"][rows])]].tolist()
+        sequences.append((engine.encode_prompt([{"role": "user", "content": by_id[prompt_id].content}]), answer))
+    splits = np.asarray([split_of(i) for i in chosen])
+    early = _inner_split(np.arange(len(chosen)), chosen)
+    verdicts = []
+    for granularity in GRANULARITIES:
+        skip = SkipOptions(granularity=granularity, max_free_layers=FREE_LAYERS)
+        observations = observe_skips(engine.llm, sequences, skip,
+                                     None if progress is None else lambda t, d, n, g=granularity: progress(
+                                         f"skip observations ({g})", d, n))
+        verdicts.append(judge_skipping(observations, granularity, splits, early, options.budget, options.bound,
+                                       options.delta))
+    return verdicts
 
 
 # -- the whole calibration -------------------------------------------------------------------------
@@ -355,6 +395,15 @@ def calibrate(bundle_path: str | Path, options: CalibrateOptions | None = None,
     if drafting.fit is not None:
         configs.append(RunConfig("speculate/slm+stop", {"mode": "speculate", "light": "slm",
                                                         "draft_confidence": drafting.fit.draft_confidence}))
+    skipping: list[SkipVerdict] = []
+    if options.skip_prompts and engine.llm.num_layers > SkipOptions().protected_first + SkipOptions().protected_last:
+        start = time.perf_counter()
+        skipping = calibrate_skipping(engine, labels, by_id, options, progress)
+        seconds["skipping"] = time.perf_counter() - start
+        for verdict in skipping:
+            messages.append(f"skip/{verdict.granularity}: {verdict.why}")
+            if verdict.options is not None:
+                configs.append(RunConfig(f"skip/{verdict.granularity}", {"mode": "skip", **verdict.options}))
     validation = [by_id[i] for i in labels.prompt_ids if split_of(i) == "validation"]
     held_out = [p for task in TASKS for p in [q for q in validation if q.task == task][
         :options.validation_prompts_per_task]]
@@ -371,6 +420,18 @@ def calibrate(bundle_path: str | Path, options: CalibrateOptions | None = None,
         else:
             messages.append(f"draft_confidence {drafting.fit.draft_confidence} did not speed up speculate/slm in the "
                             f"runtime runs ({stopping['tok_s']:.1f} vs {plain['tok_s']:.1f} tok/s): left at 0")
+    for verdict in skipping:
+        if verdict.options is None:
+            continue
+        figures = summarize(runs[f"skip/{verdict.granularity}"], runs["full"])
+        verdict.figures["runtime"] = figures
+        if figures["speed_vs_full"] >= MIN_SPEEDUP and figures["task_pass"] >= summarize(runs["full"],
+                                                                                          runs["full"])["task_pass"]:
+            if figures["speed_vs_full"] > decoding.get("skip", {}).get("speed_vs_full", 0.0):
+                decoding["skip"] = {**verdict.options, "speed_vs_full": figures["speed_vs_full"]}
+        else:
+            messages.append(f"skip/{verdict.granularity}: ran at {figures['speed_vs_full']:.2f}x full with task pass "
+                            f"{figures['task_pass']:.0%} on held-out prompts: stays off")
 
     files, entries = {}, {}
     for light, result in routers.items():
@@ -406,7 +467,8 @@ def calibrate(bundle_path: str | Path, options: CalibrateOptions | None = None,
                  "routers": {light: {"candidates": r.figures["candidates"], "why": r.figures["why"]}
                              for light, r in routers.items()},
                  "unreachable": [r.unreachable for r in routers.values()
-                                                                               if r.unreachable]})
+                                                                               if r.unreachable],
+                 "skipping": {v.granularity: {"why": v.why, **v.figures} for v in skipping}})
     bundle.with_calibration(calibration, files)
     work.mkdir(parents=True, exist_ok=True)
     report = work / "report.md"

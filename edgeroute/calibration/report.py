@@ -69,6 +69,24 @@ def render(calibration: Calibration, bundle: Path, messages: list[str]) -> str:
         lines += ["", f"Fitted {drafting['draft_confidence']}; replayed speed-up on validation "
                       f"{drafting['speedup_vs_no_stop']:.3f}x; runtime runs: {drafting.get('runtime', '-')}; default "
                       f"written to the bundle: {chosen if chosen is not None else 'none (0)'}."]
+    skipping = c.figures.get("skipping")
+    if skipping:
+        lines += ["", "## Skipping, observed on this bundle (validation prompts)", "",
+                  "| granularity | scorer | AUC per decision point (min-max) | threshold | guaranteed agreement | "
+                  "agreement | layer work skipped |", "|---|---|---|---|---|---|---|"]
+        for granularity, figures in skipping.items():
+            for scorer, entry in figures["scorers"].items():
+                aucs = [a for a in entry["validation_auc"] if a == a]  # NaN: one class at that point
+                span = f"{min(aucs):.2f}-{max(aucs):.2f}" if aucs else "-"
+                held = entry.get("validation")
+                lines.append(f"| {granularity} | {scorer} | {span} | "
+                             + (f"{entry['threshold']:.3f} | {_pct(1 - entry['bound'], 2)} | "
+                                f"{_pct(held['agreement'], 2)} | {_pct(held['skipped_share'])} |" if held else
+                                "unreachable | - | - | - |"))
+        lines += [""] + [f"- {granularity}: {figures['why']}; top-1 changed by a {figures['free_layers']}-layer "
+                         f"skip at points {figures['points']}: "
+                         + ", ".join(f"{r:.0%}" for r in figures["change_rate"])
+                         for granularity, figures in skipping.items()]
     lines += ["", "![one held-out answer, token by layer](token-layers.png)", ""]
     seconds = c.figures["seconds"]
     lines += ["", "Time: " + ", ".join(f"{k} {v:.0f} s" for k, v in seconds.items()) + ".", ""]

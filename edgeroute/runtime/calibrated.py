@@ -5,6 +5,8 @@
 - ``route`` without an explicit router takes the bundle's router for its light path (a
   trained graph or a baseline) and its fitted threshold.
 - ``speculate`` without an explicit ``draft_confidence`` takes the fitted one.
+- a skip mode whose skip options are all left at their defaults takes the calibrated ones,
+  where calibration found a skip setting that paid (``calibration.decoding["skip"]``).
 An explicit option always wins; an uncalibrated bundle keeps the uncalibrated defaults.
 """
 
@@ -16,11 +18,13 @@ from collections.abc import Callable
 from edgeroute.bundle import Calibration, RouterCalibration
 from edgeroute.errors import InputError
 from edgeroute.runtime.decoding import DecodeOptions
-from edgeroute.runtime.policies import Router
+from edgeroute.runtime.policies import Router, SkipOptions
 
 # characters whose token a JSON answer cannot get wrong and still parse
 FORMAT_CHARACTERS = frozenset('{}[]":,')
 AUTO_KEYS = ("mode", "light", "draft_tokens", "max_draft_tokens", "draft_confidence", "protect_format")
+# skip options a calibrated profile or ``decoding["skip"]`` may set (flat SkipOptions fields)
+SKIP_KEYS = ("granularity", "scorer", "importance_threshold", "max_free_layers", "skip_ratio")
 
 
 def auto_options(options: DecodeOptions, calibration: Calibration | None) -> DecodeOptions:
@@ -32,7 +36,7 @@ def auto_options(options: DecodeOptions, calibration: Calibration | None) -> Dec
     if chosen is None:
         raise InputError(f"the bundle was not calibrated for task {task!r}; calibrated: "
                          f"{', '.join(sorted(calibration.profiles))}")
-    return dataclasses.replace(options, **{k: chosen[k] for k in AUTO_KEYS if k in chosen})
+    return options.updated(**{k: chosen[k] for k in (*AUTO_KEYS, *SKIP_KEYS) if k in chosen})
 
 
 def calibrated_options(options: DecodeOptions, calibration: Calibration | None,
@@ -42,6 +46,9 @@ def calibrated_options(options: DecodeOptions, calibration: Calibration | None,
         options = auto_options(options, calibration)
     if options.draft_confidence is None and calibration is not None and "draft_confidence" in calibration.decoding:
         options = dataclasses.replace(options, draft_confidence=calibration.decoding["draft_confidence"])
+    skip = calibration.decoding.get("skip") if calibration is not None else None
+    if skip is not None and "skip" in options.mode and options.skip == SkipOptions():
+        options = options.updated(**{k: skip[k] for k in SKIP_KEYS if k in skip})
     entry = calibration.routers.get(options.light) if calibration is not None else None
     if entry is None or options.router not in (None, entry.router):
         return options
