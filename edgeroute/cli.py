@@ -314,6 +314,8 @@ def calibrate(
                                                "(default 3)"),
     validation_prompts: int = typer.Option(None, help="held-out prompts per task run through the runtime "
                                                       "(default 6)"),
+    skip_prompts: int = typer.Option(None, help="labelled answers observed with layer skipping (default 48; "
+                                                "0: skipping is not calibrated)"),
 ) -> None:
     """Label, train routers, fit thresholds with a bound, confirm on held-out prompts, and write
     the result into the bundle as its defaults. Resumable: rerun after an interruption."""
@@ -330,6 +332,8 @@ def calibrate(
         options.builtin_per_task = prompts_per_task
     if validation_prompts is not None:
         options.validation_prompts_per_task = validation_prompts
+    if skip_prompts is not None:
+        options.skip_prompts = skip_prompts
     with _clear_errors(), _progress_bars() as update:
         report = run_calibration(bundle, options, update)
     for message in report.messages:

@@ -291,3 +291,5 @@ def test_bad_calibration_inputs_are_clear_errors(tmp_path, tiny_slm_bundle):
         load_prompts(lines)
     result = runner.invoke(app, ["calibrate", str(tiny_slm_bundle), "--budget", "1.5"])
     assert result.exit_code == 2 and "budget" in result.output and "Traceback" not in result.output
+    result = runner.invoke(app, ["calibrate", str(tiny_slm_bundle), "--skip-prompts", "-1"])
+    assert result.exit_code == 2 and "skip prompts" in result.output and "Traceback" not in result.output

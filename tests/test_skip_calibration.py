@@ -137,3 +137,21 @@ def test_the_report_shows_each_granularitys_verdict():
     text = render(calibration, "bundle", [])
     assert "## Skipping, observed on this bundle" in text and "| layer | update |" in text
     assert verdict.why in text and "| layer | cosine | " in text
+
+
+@pytest.mark.slow
+def test_the_resonance_tool_writes_its_table_and_plots(smollm2_bundles, tmp_path):
+    import json
+
+    from tools.skip_resonance import main
+
+    out = tmp_path / "resonance.json"
+    assert main(["--int4", str(smollm2_bundles["int4"][0]), "--fp32", str(smollm2_bundles["fp32"][0]),
+                 "--prompts", "6", "--answer-tokens", "8", "--budget", "0.5", "--json", str(out)]) == 0
+    results = json.loads(out.read_text())
+    for rows in results["rows"].values():
+        assert rows["(a) int4, no skip"]["skipped_share"] == 0.0
+        assert 0.0 < rows["(a) int4, no skip"]["agreement_vs_fp32"] <= 1.0
+    assert set(results["score_medians"]["update"]) == {"int4", "fp32"}
+    assert out.with_suffix(".png").stat().st_size > 1000
+    assert (tmp_path / "resonance-scores.png").stat().st_size > 1000

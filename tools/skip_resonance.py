@@ -110,10 +110,39 @@ def main(argv: list[str] | None = None) -> int:
                           f"{figures['agreement_vs_fp32']:.1%}", f"{figures.get('agreement_vs_own_full', 1.0):.1%}",
                           f"{figures['skipped_share']:.1%}")
     Console().print(table)
+    results["score_medians"] = {scorer: {name: [round(float(v), 4) for v in np.median(o.scores[scorer], axis=0)]
+                                         for name, o in observed.items()} for scorer in SCORERS}
+    results["points"] = observed["int4"].points
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=1))
     plot(results, args.json.with_suffix(".png"))
+    plot_scores(observed, args.json.with_name(args.json.stem + "-scores.png"))
     return 0
+
+
+def plot_scores(observed: dict[str, SkipObservations], path: Path) -> None:
+    """Each scorer's importance distribution, fp32 vs int4, per decision point (the quantile
+    band 10-90% and the median): how far quantization moves what a threshold is compared with."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, len(SCORERS), figsize=(6 * len(SCORERS), 4), squeeze=False)
+    for ax, scorer in zip(axes[0], SCORERS, strict=True):
+        for name, colour in (("fp32", "tab:blue"), ("int4", "tab:orange")):
+            scores = observed[name].scores[scorer]
+            low, median, high = np.quantile(scores, [0.1, 0.5, 0.9], axis=0)
+            points = observed[name].points
+            ax.fill_between(points, low, high, color=colour, alpha=0.25)
+            ax.plot(points, median, color=colour, label=f"{name} (median, 10-90%)")
+        ax.set_xlabel("decision point (layer)")
+        ax.set_ylabel(f"{scorer} importance")
+        ax.set_title(f"{scorer} scores, fp32 vs int4")
+        ax.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
 
 
 def plot(results: dict, path: Path) -> None:
