@@ -35,7 +35,7 @@ def make_tiny_model(family: str, directory: Path, tokenizer_dir: Path, seed: int
                "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
     config_cls, model_cls = classes[family]
     extra = {"head_dim": 32} if family == "qwen3" else {}
-    config = config_cls(vocab_size=49152, tie_word_embeddings=family != "llama", **TINY_COMMON, **extra, **overrides)
+    config = config_cls(vocab_size=49152, tie_word_embeddings=family != "llama", **{**TINY_COMMON, **extra, **overrides})
     torch.manual_seed(seed)
     model = model_cls(config).eval()
     with torch.no_grad():  # larger than the 0.02 init so logits are far from ties

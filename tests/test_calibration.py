@@ -293,3 +293,47 @@ def test_bad_calibration_inputs_are_clear_errors(tmp_path, tiny_slm_bundle):
     assert result.exit_code == 2 and "budget" in result.output and "Traceback" not in result.output
     result = runner.invoke(app, ["calibrate", str(tiny_slm_bundle), "--skip-prompts", "-1"])
     assert result.exit_code == 2 and "skip prompts" in result.output and "Traceback" not in result.output
+
+
+@pytest.fixture(scope="module")
+def six_layer_slm_bundle(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
+    """A tiny Llama deep enough for skip modes (2 + 2 protected layers), with a 1-layer SLM cut."""
+    from tests.conftest import export_tiny, make_tiny_model
+
+    root = tmp_path_factory.mktemp("six-layers")
+    make_tiny_model("llama", root / "src", smollm2_tokenizer_dir, num_hidden_layers=6)
+    export_tiny(root / "src", root / "bundle", slm=str(root / "src"), slm_layers=1)
+    return root / "bundle"
+
+
+def test_a_paying_skip_verdict_is_confirmed_in_runtime_runs_and_recorded(six_layer_slm_bundle, tmp_path,
+                                                                         monkeypatch):
+    """The skip stage runs on the bundle; a verdict that keeps a setting gets its runtime run,
+    and the calibration records it (as the skip modes' default only where it paid)."""
+    from edgeroute.calibration import calibrate as module
+    from edgeroute.calibration.skipping import SkipVerdict
+
+    observed, judge = [], module.judge_skipping
+
+    def judged(observations, granularity, *args):  # the real judgement, then a setting kept for "layer"
+        observed.append((granularity, observations.scores["update"].shape))
+        verdict = judge(observations, granularity, *args)
+        options = {"granularity": granularity, "scorer": "update", "importance_threshold": 0.99,
+                   "max_free_layers": 2, "skip_ratio": 0.2}
+        return SkipVerdict(granularity, verdict.figures, options if granularity == "layer" else None, "kept")
+
+    monkeypatch.setattr(module, "judge_skipping", judged)
+    bundle = Path(shutil.copytree(six_layer_slm_bundle, tmp_path / "bundle"))
+    options = CalibrateOptions(budget=0.8, builtin_per_task=2, labels=SMALL, work=tmp_path / "work",
+                               validation_prompts_per_task=1, skip_prompts=6,
+                               slm_router=TrainSettings(hidden_units=8, epochs=2),
+                               ngram_router=TrainSettings(hidden_units=0, epochs=2, dropout=0.0))
+    report = calibrate(bundle, options)
+    assert [g for g, _ in observed] == ["layer", "mlp"]
+    assert observed[0][1][1] == 1  # one decision point, layer 2: layers 0-1 and 4-5 are protected
+    skipping = report.calibration.figures["skipping"]
+    assert "runtime" in skipping["layer"] and "runtime" not in skipping["mlp"]
+    assert any("skip/layer" in profile["figures"] for profile in report.calibration.profiles.values())
+    skip = report.calibration.decoding.get("skip")
+    assert skip is None or skip["granularity"] == "layer" and skip["speed_vs_full"] >= 1.05
+    Bundle.open(bundle)  # the section written is one the reader accepts

@@ -155,3 +155,13 @@ def test_the_resonance_tool_writes_its_table_and_plots(smollm2_bundles, tmp_path
     assert set(results["score_medians"]["update"]) == {"int4", "fp32"}
     assert out.with_suffix(".png").stat().st_size > 1000
     assert (tmp_path / "resonance-scores.png").stat().st_size > 1000
+
+
+def test_a_sample_without_fitting_prompts_is_unreachable_not_nan():
+    obs = synthetic(prompts=3)
+    with pytest.raises(BudgetUnreachable, match="no prompts to fit"):
+        fit_skip(obs.subset(np.zeros(3, bool)), "update", 0.9)
+    verdict = judge_skipping(obs, "layer", np.asarray(["train", "train", "calibration"]), np.zeros(3, bool),
+                             0.9, "crc", 0.1)
+    assert verdict.options is None
+    assert all(entry.get("validation") is None for entry in verdict.figures["scorers"].values())

@@ -76,13 +76,13 @@ def render(calibration: Calibration, bundle: Path, messages: list[str]) -> str:
                   "agreement | layer work skipped |", "|---|---|---|---|---|---|---|"]
         for granularity, figures in skipping.items():
             for scorer, entry in figures["scorers"].items():
-                aucs = [a for a in entry["validation_auc"] if a == a]  # NaN: one class at that point
+                aucs = [a for a in entry["validation_auc"] if a is not None]  # None: one class at that point
                 span = f"{min(aucs):.2f}-{max(aucs):.2f}" if aucs else "-"
                 held = entry.get("validation")
                 lines.append(f"| {granularity} | {scorer} | {span} | "
                              + (f"{entry['threshold']:.3f} | {_pct(1 - entry['bound'], 2)} | "
-                                f"{_pct(held['agreement'], 2)} | {_pct(held['skipped_share'])} |" if held else
-                                "unreachable | - | - | - |"))
+                                + (f"{_pct(held['agreement'], 2)} | {_pct(held['skipped_share'])} |" if held else
+                                   "- | - |") if "threshold" in entry else "unreachable | - | - | - |"))
         lines += [""] + [f"- {granularity}: {figures['why']}; top-1 changed by a {figures['free_layers']}-layer "
                          f"skip at points {figures['points']}: "
                          + ", ".join(f"{r:.0%}" for r in figures["change_rate"])

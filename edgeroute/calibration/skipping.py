@@ -182,6 +182,9 @@ def candidate_skip_thresholds(observations: SkipObservations, scorer: str, steps
 def fit_skip(observations: SkipObservations, scorer: str, budget: float, method: str = "crc",
              delta: float = 0.1) -> SkipFit:
     """The most permissive threshold for ``scorer`` within the budget (raises BudgetUnreachable)."""
+    if not len(observations.full_tokens):
+        raise BudgetUnreachable(f"skipping with the {scorer} scorer: no prompts to fit a threshold on "
+                                "(raise --skip-prompts)")
     thresholds = candidate_skip_thresholds(observations, scorer)
     wrong, skipped = outcomes(observations, scorer, thresholds)
     risks = _per_prompt(wrong, observations.prompt)
@@ -233,7 +236,14 @@ class SkipVerdict:
     why: str
 
 
-def _held_out(observations: SkipObservations, scorer: str, threshold: float) -> dict[str, float]:
+def _auc(value: float) -> float | None:
+    """Rounded for the manifest; None where one class is missing (JSON has no NaN)."""
+    return None if math.isnan(value) else round(value, 3)
+
+
+def _held_out(observations: SkipObservations, scorer: str, threshold: float) -> dict[str, float] | None:
+    if not len(observations.full_tokens):
+        return None
     wrong, skipped = outcomes(observations, scorer, np.asarray([threshold]))
     return {"agreement": float(1.0 - wrong.mean()), "skipped_share": float(skipped.mean()),
             "tokens_skipping": float((skipped > 0).mean())}
@@ -255,11 +265,11 @@ def judge_skipping(observations: SkipObservations, granularity: str, splits: np.
         "validation_positions": len(held.full_tokens), "points": observations.points,
         "free_layers": int(observations.free_run.max()),
         "change_rate": [round(float(c), 4) for c in observations.changed.mean(axis=0)],
-        "learned_early_stopping_auc": [round(a, 3) for a in early_aucs], "scorers": {}}
+        "learned_early_stopping_auc": [_auc(a) for a in early_aucs], "scorers": {}}
     best: tuple[float, str, float] | None = None
     for scorer in (*SCORERS, "learned"):
         fit_split = splits == "calibration" if scorer == "learned" else splits != "validation"
-        entry: dict[str, Any] = {"validation_auc": [round(roc_auc(held.scores[scorer][:, k], changed[:, k]), 3)
+        entry: dict[str, Any] = {"validation_auc": [_auc(roc_auc(held.scores[scorer][:, k], changed[:, k]))
                                                     for k in range(len(held.points))]}
         try:
             fit = fit_skip(observations.subset(fit_split), scorer, budget, method, delta)
@@ -270,7 +280,7 @@ def judge_skipping(observations: SkipObservations, granularity: str, splits: np.
                          calibration_skipped_share=fit.skipped_share, validation=_held_out(held, scorer,
                                                                                            fit.choice.threshold))
             result = entry["validation"]
-            if scorer != "learned" and result["agreement"] >= budget and (
+            if result is not None and scorer != "learned" and result["agreement"] >= budget and (
                     best is None or result["skipped_share"] > best[0]):
                 best = (result["skipped_share"], scorer, fit.choice.threshold)
         figures["scorers"][scorer] = entry
