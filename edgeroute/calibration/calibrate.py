@@ -477,7 +477,9 @@ def calibrate(bundle_path: str | Path, options: CalibrateOptions | None = None,
         if result.curves:
             plot_tradeoff(result, work / f"tradeoff-{light}.png")
     if held_out:
-        plot_sample_answer(engine, held_out[0], options.labels.max_answer_tokens, work / "token-layers.png")
+        # a grounded answer mixes copied values (light path) and new wording (LLM): the telling picture
+        sample = next((p for p in held_out if p.task == "grounded"), held_out[0])
+        plot_sample_answer(engine, sample, options.labels.max_answer_tokens, work / "token-layers.png")
     return CalibrateReport(bundle.path, calibration, messages, seconds, report)
 
 
