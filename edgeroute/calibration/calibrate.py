@@ -27,17 +27,11 @@ from edgeroute.calibration.drafting import DraftFit, fit_draft_confidence, measu
 from edgeroute.calibration.labels import DIVERGENT, NEUTRAL, Labels, LabelSettings, label_prompts
 from edgeroute.calibration.prompts import PER_TASK, TASKS, CalibrationPrompt, builtin_prompts, load_prompts, prompts_sha256
 from edgeroute.calibration.report import plot_generation, plot_tradeoff, render
-from edgeroute.calibration.skipping import (
-    FREE_LAYERS,
-    GRANULARITIES,
-    SKIP_KEYS,
-    SkipVerdict,
-    judge_skipping,
-    observe_skips,
-)
+from edgeroute.calibration.skipping import FREE_LAYERS, GRANULARITIES, SkipVerdict, judge_skipping, observe_skips
 from edgeroute.calibration.thresholds import BOUNDS, BudgetUnreachable, Choice, choose_threshold, share_at_agreement, tradeoff
 from edgeroute.calibration.train import TrainSettings, roc_auc, router_onnx, train_router
 from edgeroute.errors import InputError
+from edgeroute.runtime.calibrated import SKIP_KEYS
 from edgeroute.runtime.decoding import DecodeOptions
 from edgeroute.runtime.drafters import Proposal
 from edgeroute.runtime.engine import Engine

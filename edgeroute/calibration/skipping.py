@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from edgeroute.calibration.thresholds import BudgetUnreachable, Choice, bounded_choice
+from edgeroute.calibration.thresholds import BudgetUnreachable, Choice, bounded_choice, per_prompt_means
 from edgeroute.calibration.train import TrainSettings, roc_auc, train_router
 from edgeroute.runtime.model import RUN, SKIP, SKIP_MLP, OrtModel
 from edgeroute.runtime.policies import SkipOptions, make_scorer
@@ -159,13 +159,6 @@ def outcomes(observations: SkipObservations, scorer: str, thresholds: np.ndarray
     return token != reference[None, :], skipped
 
 
-def _per_prompt(values: np.ndarray, prompt: np.ndarray) -> np.ndarray:
-    """[thresholds, positions] -> [thresholds, prompts] means."""
-    _, index = np.unique(prompt, return_inverse=True)
-    counts = np.bincount(index)
-    return np.stack([np.bincount(index, weights=row, minlength=len(counts)) for row in values]) / counts
-
-
 @dataclass(frozen=True)
 class SkipFit:
     scorer: str
@@ -187,7 +180,7 @@ def fit_skip(observations: SkipObservations, scorer: str, budget: float, method:
                                 "(raise --skip-prompts)")
     thresholds = candidate_skip_thresholds(observations, scorer)
     wrong, skipped = outcomes(observations, scorer, thresholds)
-    risks = _per_prompt(wrong, observations.prompt)
+    risks = per_prompt_means(wrong, observations.prompt)
     run_share = 1.0 - skipped.mean(axis=1)
     choice = bounded_choice(thresholds, risks, run_share, budget, method, delta,
                             what=f"skipping with the {scorer} scorer", share_name="layer work run")
@@ -201,8 +194,6 @@ GRANULARITIES = ("layer", "mlp")
 FREE_LAYERS = 2  # measured on the 1.5B: an 8-layer free run changes 21-76% of tokens from any point
 MIN_SKIPPED_SHARE = 0.03  # of layer work: below this a skip mode cannot pay for its scoring
 LEARNED_SCORER = TrainSettings(hidden_units=0, dropout=0.0)  # a logistic regression per decision point
-# the runtime skip options a verdict sets (SkipOptions fields)
-SKIP_KEYS = ("granularity", "scorer", "importance_threshold", "max_free_layers", "skip_ratio")
 
 
 def learned_scores(observations: SkipObservations, train: np.ndarray, early: np.ndarray,

@@ -44,16 +44,19 @@ class Choice:
         return asdict(self)
 
 
+def per_prompt_means(values: np.ndarray, prompt: np.ndarray) -> np.ndarray:
+    """[thresholds, positions] -> [thresholds, prompts]: each prompt's mean over its positions."""
+    prompts, index = np.unique(prompt, return_inverse=True)
+    counts = np.bincount(index, minlength=len(prompts))
+    return np.stack([np.bincount(index, weights=row, minlength=len(prompts)) for row in values]) / counts
+
+
 def prompt_risks(scores: np.ndarray, differ: np.ndarray, forced: np.ndarray, prompt: np.ndarray,
                  thresholds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """[thresholds, prompts] risks and [thresholds] LLM shares. ``forced``: positions where the
     LLM runs whatever the score (no light token, e.g. no n-gram match)."""
-    prompts, index = np.unique(prompt, return_inverse=True)
-    counts = np.bincount(index, minlength=len(prompts))
     kept = (scores[None, :] <= thresholds[:, None]) & ~forced[None, :]
-    errors = kept & differ[None, :].astype(bool)
-    risks = np.stack([np.bincount(index, weights=row, minlength=len(prompts)) for row in errors]) / counts
-    return risks, 1.0 - kept.mean(axis=1)
+    return per_prompt_means(kept & differ[None, :].astype(bool), prompt), 1.0 - kept.mean(axis=1)
 
 
 def candidate_thresholds(scores: np.ndarray, steps: int = 200) -> np.ndarray:
