@@ -27,7 +27,14 @@ from edgeroute.calibration.drafting import DraftFit, fit_draft_confidence, measu
 from edgeroute.calibration.labels import DIVERGENT, NEUTRAL, Labels, LabelSettings, label_prompts
 from edgeroute.calibration.prompts import PER_TASK, TASKS, CalibrationPrompt, builtin_prompts, load_prompts, prompts_sha256
 from edgeroute.calibration.report import plot_generation, plot_tradeoff, render
-from edgeroute.calibration.skipping import FREE_LAYERS, GRANULARITIES, SkipVerdict, judge_skipping, observe_skips
+from edgeroute.calibration.skipping import (
+    FREE_LAYERS,
+    GRANULARITIES,
+    SkipVerdict,
+    decision_points,
+    judge_skipping,
+    observe_skips,
+)
 from edgeroute.calibration.thresholds import BOUNDS, BudgetUnreachable, Choice, choose_threshold, share_at_agreement, tradeoff
 from edgeroute.calibration.train import TrainSettings, roc_auc, router_onnx, train_router
 from edgeroute.errors import InputError
@@ -390,7 +397,7 @@ def calibrate(bundle_path: str | Path, options: CalibrateOptions | None = None,
         configs.append(RunConfig("speculate/slm+stop", {"mode": "speculate", "light": "slm",
                                                         "draft_confidence": drafting.fit.draft_confidence}))
     skipping: list[SkipVerdict] = []
-    if options.skip_prompts and engine.llm.num_layers > SkipOptions().protected_first + SkipOptions().protected_last:
+    if options.skip_prompts and decision_points(engine.llm.num_layers, SkipOptions()):
         start = time.perf_counter()
         skipping = calibrate_skipping(engine, labels, by_id, options, progress)
         seconds["skipping"] = time.perf_counter() - start
@@ -414,13 +421,13 @@ def calibrate(bundle_path: str | Path, options: CalibrateOptions | None = None,
         else:
             messages.append(f"draft_confidence {drafting.fit.draft_confidence} did not speed up speculate/slm in the "
                             f"runtime runs ({stopping['tok_s']:.1f} vs {plain['tok_s']:.1f} tok/s): left at 0")
+    full_pass = summarize(runs["full"], runs["full"])["task_pass"]
     for verdict in skipping:
         if verdict.options is None:
             continue
         figures = summarize(runs[f"skip/{verdict.granularity}"], runs["full"])
         verdict.figures["runtime"] = figures
-        if figures["speed_vs_full"] >= MIN_SPEEDUP and figures["task_pass"] >= summarize(runs["full"],
-                                                                                          runs["full"])["task_pass"]:
+        if figures["speed_vs_full"] >= MIN_SPEEDUP and figures["task_pass"] >= full_pass:
             if figures["speed_vs_full"] > decoding.get("skip", {}).get("speed_vs_full", 0.0):
                 decoding["skip"] = {**verdict.options, "speed_vs_full": figures["speed_vs_full"]}
         else:

@@ -164,7 +164,6 @@ class SkipFit:
     scorer: str
     choice: Choice  # threshold, bound, risk; its llm_share is the share of layer work still run
     skipped_share: float  # of layer work, calibration prompts
-    tradeoff: tuple[np.ndarray, np.ndarray]  # skipped share and agreement over candidate thresholds
 
 
 def candidate_skip_thresholds(observations: SkipObservations, scorer: str, steps: int = 120) -> np.ndarray:
@@ -185,7 +184,7 @@ def fit_skip(observations: SkipObservations, scorer: str, budget: float, method:
     choice = bounded_choice(thresholds, risks, run_share, budget, method, delta,
                             what=f"skipping with the {scorer} scorer", share_name="layer work run")
     index = int(np.flatnonzero(thresholds == choice.threshold)[0])
-    return SkipFit(scorer, choice, float(skipped[index].mean()), (skipped.mean(axis=1), 1.0 - wrong.mean(axis=1)))
+    return SkipFit(scorer, choice, float(skipped[index].mean()))
 
 
 # -- the calibration step: scorers compared on held-out prompts, a verdict per granularity --------
@@ -281,6 +280,6 @@ def judge_skipping(observations: SkipObservations, granularity: str, splits: np.
                            f"within the budget on validation prompts (best: {skipped:.1%})")
     share, scorer, threshold = best
     options = {"granularity": granularity, "scorer": scorer, "importance_threshold": threshold,
-               "max_free_layers": FREE_LAYERS, "skip_ratio": math.ceil(share * 100) / 100}
+               "max_free_layers": figures["free_layers"], "skip_ratio": math.ceil(share * 100) / 100}
     return SkipVerdict(granularity, figures, options, f"the {scorer} scorer skips {share:.1%} of layer work within the "
                        "budget on validation prompts")
