@@ -109,7 +109,8 @@ class Calibration:
     routers: dict[str, RouterCalibration]
     profiles: dict[str, dict[str, Any]]  # task -> decoding overrides (mode, light, ...) + figures
     figures: dict[str, Any] = field(default_factory=dict)
-    decoding: dict[str, Any] = field(default_factory=dict)  # fitted defaults of every mode: draft_confidence
+    # fitted defaults of every mode: draft_confidence, draft_tokens + max_draft_tokens, skip
+    decoding: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -127,6 +128,11 @@ class Calibration:
         confidence = data.get("decoding", {}).get("draft_confidence", 0.0)
         if not isinstance(confidence, (int, float)) or not 0.0 <= confidence < 1.0:
             raise ValueError(f"decoding.draft_confidence must be a number within [0, 1) (got {confidence!r})")
+        lengths = [data.get("decoding", {}).get(key) for key in ("draft_tokens", "max_draft_tokens")]
+        if lengths != [None, None] and not (all(isinstance(n, int) and not isinstance(n, bool) for n in lengths)
+                                            and 1 <= lengths[0] <= lengths[1]):
+            raise ValueError("decoding.draft_tokens and max_draft_tokens go together, as integers with "
+                             f"1 <= draft_tokens <= max_draft_tokens (got {lengths[0]!r}, {lengths[1]!r})")
         skip = data.get("decoding", {}).get("skip")
         if skip is not None:
             from edgeroute.runtime.policies import SkipOptions  # the runtime's own checks, imported late

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from edgeroute.bundle import MANIFEST, Bundle, Calibration, RouterCalibration
 from edgeroute.calibration.calibrate import CalibrateOptions, calibrate
 from edgeroute.calibration.checks import echoes_instructions, task_pass
-from edgeroute.calibration.drafting import DraftCosts, replay
+from edgeroute.calibration.drafting import RUNTIME_DEFAULT, DraftCosts, DraftSetting, fit_drafting, replay
 from edgeroute.calibration.labels import LabelSettings, label_prompts, plan_shards, rejoins
 from edgeroute.calibration.prompts import TASKS, builtin_prompts
 from edgeroute.calibration.thresholds import BudgetUnreachable, choose_threshold, prompt_risks
@@ -144,17 +144,45 @@ def test_replayed_speculation_counts_accepted_prefixes_and_what_drafts_cost():
     agree = np.array([1, 1, 0, 1, 1, 1], bool)
     confidence = np.array([0.9, 0.9, 0.2, 0.9, 0.9, 0.9])
     # drafts of 2 without a stop: [0,1] both accepted (+ the LLM's token 2), then [3,4] accepted + 5
-    assert replay(agree, confidence, np.array([0]), 0.0, 2, costs) == (2 * (2 * 1.0 + 10.0 + 2 * 0.5), 6)
+    assert replay(agree, confidence, np.array([0]), DraftSetting(0.0, 2), costs) == (2 * (2 * 1.0 + 10.0 + 2 * 0.5), 6)
     # a stop at 0.5 changes nothing here: the unsure token 2 is never drafted in this answer
-    assert replay(agree, confidence, np.array([0]), 0.5, 2, costs)[0] == 2 * 13.0
+    assert replay(agree, confidence, np.array([0]), DraftSetting(0.5, 2), costs)[0] == 2 * 13.0
     # two answers of 3: the draft never runs past an answer's last token
-    seconds, tokens = replay(agree, confidence, np.array([0, 3]), 0.5, 4, costs)
+    seconds, tokens = replay(agree, confidence, np.array([0, 3]), DraftSetting(0.5, 4), costs)
     assert tokens == 6 and seconds == (2 * 1.0 + 11.0) + (2 * 1.0 + 11.0)
-    # the unsure (and wrong) token at 2 drafted without a stop, skipped with one
+    # the unsure (and wrong) token at 0: drafted without a stop (both rejected: the draft
+    # shrinks to 1), found unsure with one (an SLM step, then the LLM's own step)
     starts = np.array([0])
     wrong_first = np.array([0, 1, 1], bool), np.array([0.2, 0.9, 0.9])
-    assert replay(*wrong_first, starts, 0.0, 2, costs)[0] == (2 * 1.0 + 11.0) + (1.0 + 10.5)
-    assert replay(*wrong_first, starts, 0.5, 2, costs)[0] == 10.0 + (1.0 + 10.5)
+    assert replay(*wrong_first, starts, DraftSetting(0.0, 2), costs)[0] == (2 * 1.0 + 11.0) + (1.0 + 10.5)
+    assert replay(*wrong_first, starts, DraftSetting(0.5, 2), costs)[0] == (1.0 + 10.0) + (1.0 + 10.5)
+
+
+def test_replayed_draft_length_adapts_like_the_runtime():
+    rounds = DraftCosts(slm_step=0.0, llm_pass=1.0, llm_row=0.0)  # seconds = LLM passes
+    right, wrong, sure = np.ones(40, bool), np.zeros(40, bool), np.full(40, 0.9)
+    # all accepted: 4, 5, 6, 7, 8, then the 4 left before the answer's last token
+    assert replay(right, sure, np.array([0]), RUNTIME_DEFAULT, rounds)[0] == 6
+    # drafts of at most 2: three tokens a pass
+    assert replay(right, sure, np.array([0]), DraftSetting(0.0, 2), rounds)[0] == 14
+    # all rejected: 4, 3, 2, then 1 drafted token per pass; drafted rows cost what they cost
+    rows = DraftCosts(slm_step=0.0, llm_pass=0.0, llm_row=1.0)
+    assert replay(wrong, sure, np.array([0]), RUNTIME_DEFAULT, rows)[0] == 4 + 3 + 2 + 37 * 1 - 1
+
+
+def test_draft_fit_prefers_short_sure_drafts_when_verification_rows_are_costly():
+    rng = np.random.default_rng(0)
+    confidence = rng.uniform(0.05, 1.0, 4000)
+    agree = rng.uniform(size=4000) < confidence  # a calibrated SLM: sure tokens are mostly right
+    answer_ids = np.repeat(np.arange(100), 40)
+    splits = np.where(answer_ids % 4 == 0, "validation", "calibration")
+    costs = DraftCosts(slm_step=0.3, llm_pass=1.0, llm_row=0.4)  # the 2-core CPU's proportions
+    fit = fit_drafting(agree, confidence, answer_ids, splits, costs)
+    assert fit.setting.confidence > 0.0 and fit.setting.max_tokens < RUNTIME_DEFAULT.max_tokens
+    assert fit.speedup_vs_default > 1.05
+    assert fit.curve[fit.setting.name]["calibration"] == max(v["calibration"] for v in fit.curve.values())
+    free_rows = fit_drafting(agree, confidence, answer_ids, splits, DraftCosts(0.01, 1.0, 0.0))
+    assert free_rows.setting.max_tokens > fit.setting.max_tokens  # cheap drafts and rows: draft longer
 
 
 def test_task_checks_catch_unclosed_json_missing_values_and_echoes():
@@ -187,7 +215,7 @@ def _calibration_with_trained_router(bundle: Path) -> Calibration:
                   "figures": {"route/slm": figures, "full": figures}},
          "templated": {"mode": "speculate", "light": "ngram", "config": "speculate/ngram",
                        "figures": {"speculate/ngram": figures, "full": figures}}},
-        decoding={"draft_confidence": 0.35})
+        decoding={"draft_confidence": 0.35, "draft_tokens": 2, "max_draft_tokens": 3})
     Bundle.open(bundle).with_calibration(calibration, {"calibration/router-slm-test.onnx": router_onnx(net)})
     return calibration
 
@@ -202,6 +230,10 @@ def test_a_calibrated_bundles_defaults_are_used_by_run(slm_bundle_copy):
     assert explicit.router == "entropy" and explicit.route_threshold == 0.7
     assert engine.session(mode="speculate", light="slm").options.draft_confidence == 0.35
     assert engine.session(mode="speculate", light="slm", draft_confidence=0.0).options.draft_confidence == 0.0
+    fitted = engine.session(mode="speculate", light="slm").options
+    assert (fitted.draft_tokens, fitted.max_draft_tokens) == (2, 3)
+    own = engine.session(mode="speculate", light="slm", max_draft_tokens=6).options
+    assert (own.draft_tokens, own.max_draft_tokens) == (4, 6)
     auto = engine.session(mode="auto", task="json").options
     assert (auto.mode, auto.light, auto.protect_format) == ("route", "slm", True) and auto.protected_tokens
     traces = list(engine.session(mode="route", light="slm").generate_tokens("one two three", max_new_tokens=6))
@@ -228,6 +260,8 @@ def test_corrupt_calibration_section_is_a_clear_error(slm_bundle_copy):
     for damage, message in ((lambda c: c["routers"]["slm"].update(threshold=7), "threshold 7 outside"),
                             (lambda c: c.pop("profiles"), "profiles"),
                             (lambda c: c["decoding"].update(draft_confidence=2), "draft_confidence must be"),
+                            (lambda c: c["decoding"].update(max_draft_tokens=1), "1 <= draft_tokens <= max_draft"),
+                            (lambda c: c["decoding"].pop("draft_tokens"), "go together"),
                             (lambda c: c["decoding"].update(skip={"importance_threshold": 3}),
                              "decoding.skip is not a valid skip setting: importance_threshold"),
                             (lambda c: c["decoding"].update(skip={"layers": 3}), "decoding.skip is not a valid"),
@@ -270,8 +304,8 @@ def test_calibrate_end_to_end_writes_a_section_the_runtime_reads(slm_bundle_copy
     for router in calibration.routers.values():
         assert router.figures["bound"]["bound"] <= 1 - 0.8 + 1e-9
     drafting = calibration.figures["drafting"]
-    assert set(drafting["curve"]) >= {"0.0", "0.5"} and drafting["costs"]["slm_step"] > 0
-    assert "## When the SLM stops drafting" in report.report.read_text()
+    assert set(drafting["curve"]) >= {"0.0/8", "0.5/2"} and drafting["costs"]["slm_step"] > 0
+    assert "## How the SLM drafts" in report.report.read_text() and "| 0.5 | " in report.report.read_text()
     assert (tmp_path / "work" / "token-layers.png").stat().st_size > 1000
     assert len(list((tmp_path / "work" / "shards").glob("*.npz"))) == 6
     assert "## Task profiles" in report.report.read_text()

@@ -23,7 +23,7 @@ import numpy as np
 from edgeroute import __version__
 from edgeroute.bundle import Bundle, Calibration, RouterCalibration
 from edgeroute.calibration.checks import task_pass
-from edgeroute.calibration.drafting import DraftFit, fit_draft_confidence, measure_costs
+from edgeroute.calibration.drafting import RUNTIME_DEFAULT, DraftFit, fit_drafting, measure_costs
 from edgeroute.calibration.labels import DIVERGENT, NEUTRAL, Labels, LabelSettings, label_prompts
 from edgeroute.calibration.prompts import PER_TASK, TASKS, CalibrationPrompt, builtin_prompts, load_prompts, prompts_sha256
 from edgeroute.calibration.report import plot_generation, plot_tradeoff, render
@@ -38,8 +38,7 @@ from edgeroute.calibration.skipping import (
 from edgeroute.calibration.thresholds import BOUNDS, BudgetUnreachable, Choice, choose_threshold, share_at_agreement, tradeoff
 from edgeroute.calibration.train import TrainSettings, roc_auc, router_onnx, train_router
 from edgeroute.errors import InputError
-from edgeroute.runtime.calibrated import SKIP_KEYS
-from edgeroute.runtime.decoding import DecodeOptions
+from edgeroute.runtime.calibrated import AUTO_KEYS, SKIP_KEYS
 from edgeroute.runtime.drafters import Proposal
 from edgeroute.runtime.engine import Engine
 from edgeroute.runtime.policies import SkipOptions, ngram_router
@@ -48,7 +47,8 @@ from edgeroute.runtime.sampling import softmax
 
 Progress = Callable[[str, int, int], None]
 SPLITS = ("train", "calibration", "validation")
-MIN_REPLAYED_SPEEDUP = 1.01  # a draft stop that replays slower than this is not worth a runtime run
+MIN_REPLAYED_SPEEDUP = 1.01  # a draft setting that replays slower than this is not worth a runtime run
+FITTED_DRAFTS = "speculate/slm+fitted"  # the runtime runs' name for speculate/slm with the fitted draft setting
 MIN_SPEEDUP = 1.05  # below this a configuration's gain over full is within the timing noise of a shared machine
 SLM_BASELINES = {"entropy": TOP_K, "top1": TOP_K + 1, "margin": TOP_K + 2}  # column after the hidden state
 
@@ -282,7 +282,7 @@ def choose_profiles(runs: dict[str, list[dict[str, Any]]], configs: list[RunConf
         best = max(qualified, key=lambda c: (figures[c.name]["speed_vs_full"] if c.name != "full" else 1.0))
         if best.name != "full" and figures[best.name]["speed_vs_full"] < MIN_SPEEDUP:
             best = configs[0]
-        options = {k: v for k, v in best.options.items() if k in ("mode", "light", "draft_confidence", *SKIP_KEYS)}
+        options = {k: v for k, v in best.options.items() if k in (*AUTO_KEYS, *SKIP_KEYS)}
         if task == "json" and options["mode"] == "route":
             options["protect_format"] = True
         profiles[task] = {**options, "config": best.name, "figures": figures}
@@ -291,23 +291,24 @@ def choose_profiles(runs: dict[str, list[dict[str, Any]]], configs: list[RunConf
 
 @dataclass
 class DraftingResult:
-    fit: DraftFit | None  # None: stopping drafts early did not pay in the replay
+    fit: DraftFit | None  # None: no setting replayed faster than the runtime's defaults
     why: str
     figures: dict[str, Any]
 
 
-def fit_drafting(engine: Engine, slm: LightData) -> DraftingResult:
-    """Fit ``draft_confidence`` (see :mod:`edgeroute.calibration.drafting`) on the SLM labels;
-    kept for the runtime runs only where the replay on validation prompts is faster."""
+def calibrate_drafting(engine: Engine, slm: LightData) -> DraftingResult:
+    """Fit how speculate/slm drafts (see :mod:`edgeroute.calibration.drafting`) on the SLM
+    labels; kept for the runtime runs only where the replay on validation prompts is faster."""
     confidence = np.exp(slm.features[:, _slm_stats_start(slm.features)])  # the top-1 log-probability
-    fit = fit_draft_confidence(~slm.differ, confidence, slm.prompt, slm.split, measure_costs(engine),
-                               DecodeOptions().draft_tokens)
+    fit = fit_drafting(~slm.differ, confidence, slm.prompt, slm.split, measure_costs(engine))
     figures = fit.to_dict()
-    if fit.draft_confidence == 0.0 or fit.speedup_vs_no_stop < MIN_REPLAYED_SPEEDUP:
-        return DraftingResult(None, f"speculate/slm: ending drafts at low SLM confidence replayed at "
-                                    f"{fit.speedup_vs_no_stop:.3f}x on validation prompts: not used", figures)
-    return DraftingResult(fit, f"speculate/slm: drafts end below SLM confidence {fit.draft_confidence} (replayed "
-                               f"{fit.speedup_vs_no_stop:.3f}x on validation prompts)", figures)
+    setting = fit.setting
+    if setting == RUNTIME_DEFAULT or fit.speedup_vs_default < MIN_REPLAYED_SPEEDUP:
+        return DraftingResult(None, f"speculate/slm: no draft setting replayed faster than the defaults "
+                                    f"({fit.speedup_vs_default:.3f}x on validation prompts): defaults kept", figures)
+    return DraftingResult(fit, f"speculate/slm: drafts of at most {setting.max_tokens} tokens, ending below SLM "
+                               f"confidence {setting.confidence} (replayed {fit.speedup_vs_default:.3f}x the "
+                               f"defaults on validation prompts)", figures)
 
 
 # -- skipping ----------------------------------------------------------------------------------------
@@ -365,6 +366,9 @@ def calibrate(bundle_path: str | Path, options: CalibrateOptions | None = None,
     if len({p.id for p in prompts}) != len(prompts):
         raise InputError("calibration prompt ids must be unique (a --prompts line reuses an id)")
     work = Path(options.work) if options.work else bundle.path.parent / f"{bundle.path.name}-calibration"
+    # the runs compare the runtime's own defaults: an earlier calibration's choices (a draft
+    # setting, a skip setting) must not leak into a re-calibration's baselines
+    bundle.calibration = None
     engine = Engine(bundle)
     seconds: dict[str, float] = {}
     start = time.perf_counter()
@@ -390,12 +394,11 @@ def calibrate(bundle_path: str | Path, options: CalibrateOptions | None = None,
             routers[light].figures["cost"] = router_cost(engine, router)
     configs = run_configs(routers, loaded)
     start = time.perf_counter()
-    drafting = fit_drafting(engine, data["slm"])
+    drafting = calibrate_drafting(engine, data["slm"])
     seconds["draft fit"] = time.perf_counter() - start
     messages.append(drafting.why)
     if drafting.fit is not None:
-        configs.append(RunConfig("speculate/slm+stop", {"mode": "speculate", "light": "slm",
-                                                        "draft_confidence": drafting.fit.draft_confidence}))
+        configs.append(RunConfig(FITTED_DRAFTS, {"mode": "speculate", "light": "slm", **drafting.fit.setting.options()}))
     skipping: list[SkipVerdict] = []
     if options.skip_prompts and decision_points(engine.llm.num_layers, SkipOptions()):
         start = time.perf_counter()
@@ -414,13 +417,13 @@ def calibrate(bundle_path: str | Path, options: CalibrateOptions | None = None,
     profiles = choose_profiles(runs, configs)
     decoding = {}
     if drafting.fit is not None:
-        plain, stopping = (summarize(runs[name], runs["full"]) for name in ("speculate/slm", "speculate/slm+stop"))
-        drafting.figures["runtime"] = {"speculate/slm": plain["tok_s"], "speculate/slm+stop": stopping["tok_s"]}
-        if stopping["tok_s"] > plain["tok_s"]:
-            decoding["draft_confidence"] = drafting.fit.draft_confidence
+        plain, fitted = (summarize(runs[name], runs["full"]) for name in ("speculate/slm", FITTED_DRAFTS))
+        drafting.figures["runtime"] = {"speculate/slm": plain["tok_s"], FITTED_DRAFTS: fitted["tok_s"]}
+        if fitted["tok_s"] > plain["tok_s"]:
+            decoding.update(drafting.fit.setting.options())
         else:
-            messages.append(f"draft_confidence {drafting.fit.draft_confidence} did not speed up speculate/slm in the "
-                            f"runtime runs ({stopping['tok_s']:.1f} vs {plain['tok_s']:.1f} tok/s): left at 0")
+            messages.append(f"draft setting {drafting.fit.setting.name} did not speed up speculate/slm in the runtime "
+                            f"runs ({fitted['tok_s']:.1f} vs {plain['tok_s']:.1f} tok/s): defaults kept")
     full_pass = summarize(runs["full"], runs["full"])["task_pass"]
     for verdict in skipping:
         if verdict.options is None:

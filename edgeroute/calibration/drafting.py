@@ -1,17 +1,24 @@
-"""When the SLM should stop drafting: ``draft_confidence`` fitted on labels and measured costs.
+"""How speculate/slm drafts: ``draft_confidence`` and the draft length, fitted on labels and
+measured costs.
 
 A drafted token costs an SLM step and a row of the LLM's verification pass; it saves an LLM
-step only if it and every draft token before it are accepted. Greedy speculation over the
-labelled answers can be replayed exactly from the teacher-forced labels: at each point the
-SLM drafts from the LLM's own prefix, and a draft is accepted up to its first token that
-differs from the LLM's. (After a wrong token the SLM would draft from its own guess; those
-tokens are rejected whatever they are, and their confidence is taken from the labelled
-position, an approximation of what the SLM would then be sure of.)
+step only if it and every draft token before it are accepted. On a CPU, where a verification
+row costs a good part of a step (measured on the 1.5B, 2 cores: 61 ms a step, +24 ms a row),
+long drafts of unsure tokens lose. Greedy speculation over the labelled answers can be
+replayed exactly from the teacher-forced labels: at each point the SLM drafts from the LLM's
+own prefix, and a draft is accepted up to its first token that differs from the LLM's. (After
+a wrong token the SLM would draft from its own guess; those tokens are rejected whatever they
+are, and their confidence is taken from the labelled position, an approximation of what the
+SLM would then be sure of.) The replay follows the runtime's draft length: it starts at
+``draft_tokens``, grows by one after a fully accepted draft up to ``max_draft_tokens``, and
+shrinks by one when less than half was accepted (``DecodeOptions.adaptive_draft``).
 
-For each candidate confidence the replay gives the decode time of every answer under the
-cost model ``draft * slm_step + llm_pass(1 + draft)``, with the costs measured on this
-machine and this bundle; the fit picks the confidence with the highest tokens per second
-on the calibration split and reports the replayed speed-up on the validation split.
+For each candidate setting (confidence x longest draft) the replay gives the decode time of
+every answer under the cost model ``slm_steps * slm_step + llm_pass(1 + drafted)`` (a draft
+that ends at an unsure token paid the SLM step that found it unsure), with the costs measured
+on this machine and this bundle; the fit picks the setting with the highest tokens per second
+on the calibration split and reports the replayed speed-up over the runtime's defaults on the
+validation split.
 """
 
 from __future__ import annotations
@@ -22,9 +29,11 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from edgeroute.runtime.decoding import DecodeOptions
 from edgeroute.runtime.engine import Engine
 
-CANDIDATES = (0.0, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+CONFIDENCES = (0.0, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+MAX_DRAFT_TOKENS = (1, 2, 3, 4, 6, 8)
 MEASURED_CONTEXT = 96  # tokens before the timed steps (a short prompt and answer)
 
 
@@ -72,50 +81,84 @@ def measure_costs(engine: Engine, repeats: int = 9, extra_rows: int = 4) -> Draf
     return DraftCosts(slm_step=timed_pass(slm, 1), llm_pass=one_row, llm_row=max(rows - one_row, 0.0) / extra_rows)
 
 
-def replay(agree: np.ndarray, confidence: np.ndarray, answers: np.ndarray, threshold: float, draft_tokens: int,
+@dataclass(frozen=True)
+class DraftSetting:
+    """How speculate/slm drafts: the confidence that ends a draft and the longest draft (the
+    runtime starts at ``min(DecodeOptions.draft_tokens, max_tokens)`` and adapts)."""
+
+    confidence: float
+    max_tokens: int
+
+    @property
+    def first_tokens(self) -> int:
+        return min(DEFAULT_OPTIONS.draft_tokens, self.max_tokens)
+
+    @property
+    def name(self) -> str:
+        return f"{self.confidence:.1f}/{self.max_tokens}"
+
+    def options(self) -> dict[str, float | int]:
+        """The DecodeOptions fields of this setting."""
+        return {"draft_confidence": self.confidence, "draft_tokens": self.first_tokens,
+                "max_draft_tokens": self.max_tokens}
+
+
+DEFAULT_OPTIONS = DecodeOptions()
+RUNTIME_DEFAULT = DraftSetting(0.0, DEFAULT_OPTIONS.max_draft_tokens)
+CANDIDATES = tuple(DraftSetting(c, n) for c in CONFIDENCES for n in MAX_DRAFT_TOKENS)
+
+
+def replay(agree: np.ndarray, confidence: np.ndarray, answers: np.ndarray, setting: DraftSetting,
            costs: DraftCosts) -> tuple[float, int]:
     """(seconds, tokens) of greedy speculation over the labelled answers: ``agree[i]`` the SLM's
     token equals the LLM's at position i, ``confidence[i]`` the SLM's probability of its token,
-    ``answers`` the index where each answer starts (in order), drafts of at most ``draft_tokens``."""
+    ``answers`` the index where each answer starts (in order); the draft length adapts as in
+    the runtime, afresh for each answer."""
     seconds, ends = 0.0, [*answers[1:], len(agree)]
     for start, end in zip(answers, ends, strict=True):
-        position = start
+        position, length = start, setting.first_tokens
         while position < end:
-            drafted = 0
-            while drafted < draft_tokens and position + drafted < end - 1 and \
-                    confidence[position + drafted] >= threshold:
+            drafted, unsure = 0, False
+            while drafted < length and position + drafted < end - 1:
+                if confidence[position + drafted] < setting.confidence:
+                    unsure = True
+                    break
                 drafted += 1
             accepted = 0
             while accepted < drafted and agree[position + accepted]:
                 accepted += 1
-            seconds += drafted * costs.slm_step + costs.pass_seconds(drafted)
+            seconds += (drafted + unsure) * costs.slm_step + costs.pass_seconds(drafted)
+            if drafted and accepted == drafted:
+                length = min(length + 1, setting.max_tokens)
+            elif accepted < drafted / 2:
+                length = max(length - 1, 1)
             position += accepted + 1  # the accepted drafts and the LLM's own token
     return seconds, len(agree)
 
 
 @dataclass
 class DraftFit:
-    draft_confidence: float
+    setting: DraftSetting
     costs: DraftCosts
-    curve: dict[str, dict[str, float]]  # candidate -> replayed tok/s on calibration / validation
-    speedup_vs_no_stop: float  # replayed on the validation split
+    curve: dict[str, dict[str, float]]  # setting name -> replayed tok/s on calibration / validation
+    speedup_vs_default: float  # replayed on the validation split, over RUNTIME_DEFAULT
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "costs": asdict(self.costs)}
+        return {**asdict(self), "setting": asdict(self.setting), "costs": asdict(self.costs)}
 
 
-def fit_draft_confidence(agree: np.ndarray, confidence: np.ndarray, answer_ids: np.ndarray, splits: np.ndarray,
-                         costs: DraftCosts, draft_tokens: int) -> DraftFit:
-    """Pick the candidate confidence with the most replayed tokens per second on the
-    calibration split; ``answer_ids`` numbers each position's answer (contiguous runs)."""
-    def rate(split: str, threshold: float) -> float:
+def fit_drafting(agree: np.ndarray, confidence: np.ndarray, answer_ids: np.ndarray, splits: np.ndarray,
+                 costs: DraftCosts) -> DraftFit:
+    """Pick the candidate setting with the most replayed tokens per second on the calibration
+    split; ``answer_ids`` numbers each position's answer (contiguous runs)."""
+    def rate(split: str, setting: DraftSetting) -> float:
         mask = splits == split
         starts = np.flatnonzero(np.diff(answer_ids[mask], prepend=-1) != 0)
-        seconds, tokens = replay(agree[mask], confidence[mask], starts, threshold, draft_tokens, costs)
+        seconds, tokens = replay(agree[mask], confidence[mask], starts, setting, costs)
         return tokens / seconds if seconds else 0.0
 
-    curve = {f"{c:.1f}": {"calibration": rate("calibration", c), "validation": rate("validation", c)}
-             for c in CANDIDATES}
-    best = max(CANDIDATES, key=lambda c: curve[f"{c:.1f}"]["calibration"])
-    speedup = curve[f"{best:.1f}"]["validation"] / max(curve["0.0"]["validation"], 1e-12)
+    curve = {s.name: {"calibration": rate("calibration", s), "validation": rate("validation", s)}
+             for s in CANDIDATES}  # RUNTIME_DEFAULT among them
+    best = max(CANDIDATES, key=lambda s: curve[s.name]["calibration"])
+    speedup = curve[best.name]["validation"] / max(curve[RUNTIME_DEFAULT.name]["validation"], 1e-12)
     return DraftFit(best, costs, curve, speedup)

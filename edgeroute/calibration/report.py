@@ -60,15 +60,17 @@ def render(calibration: Calibration, bundle: Path, messages: list[str]) -> str:
     drafting = c.figures.get("drafting")
     if drafting:
         costs = drafting["costs"]
-        lines += ["", "## When the SLM stops drafting (speculate/slm)", "",
+        lines += ["", "## How the SLM drafts (speculate/slm)", "",
                   f"Measured here: SLM step {costs['slm_step'] * 1e3:.1f} ms, LLM pass {costs['llm_pass'] * 1e3:.1f} ms "
-                  f"+ {costs['llm_row'] * 1e3:.1f} ms per drafted row. Greedy speculation replayed over the labels "
-                  f"(tok/s by draft_confidence):", "", "| draft_confidence | calibration | validation |", "|---|---|---|"]
-        lines += [f"| {c_} | {v['calibration']:.1f} | {v['validation']:.1f} |" for c_, v in drafting["curve"].items()]
-        chosen = c.decoding.get("draft_confidence")
-        lines += ["", f"Fitted {drafting['draft_confidence']}; replayed speed-up on validation "
-                      f"{drafting['speedup_vs_no_stop']:.3f}x; runtime runs: {drafting.get('runtime', '-')}; default "
-                      f"written to the bundle: {chosen if chosen is not None else 'none (0)'}."]
+                  f"+ {costs['llm_row'] * 1e3:.1f} ms per drafted row. Greedy speculation replayed over the labels, "
+                  "tok/s on calibration / validation prompts by draft_confidence (rows) and longest draft (columns):"]
+        lines += _draft_table(drafting["curve"])
+        setting = drafting["setting"]
+        chosen = {k: c.decoding[k] for k in ("draft_confidence", "draft_tokens", "max_draft_tokens") if k in c.decoding}
+        lines += ["", f"Fitted: draft_confidence {setting['confidence']}, drafts of at most {setting['max_tokens']} "
+                      f"tokens; replayed speed-up over the defaults on validation prompts "
+                      f"{drafting['speedup_vs_default']:.3f}x; runtime runs (tok/s): {drafting.get('runtime', '-')}; "
+                      f"written to the bundle: {chosen or 'nothing (defaults kept)'}."]
     skipping = c.figures.get("skipping")
     if skipping:
         lines += ["", "## Skipping, observed on this bundle (validation prompts)", "",
@@ -170,3 +172,17 @@ def plot_token_layers(traces: list, texts: list[str], num_layers: int, title: st
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _draft_table(curve: dict[str, dict[str, float]]) -> list[str]:
+    """The replayed curve (keys ``confidence/max_tokens``) as a confidence x length table."""
+    cells = {tuple(name.split("/")): rates for name, rates in curve.items()}
+    confidences = sorted({c for c, _ in cells}, key=float)
+    lengths = sorted({n for _, n in cells}, key=int)
+    lines = ["", "| draft_confidence | " + " | ".join(f"max {n}" for n in lengths) + " |",
+             "|---|" + "---|" * len(lengths)]
+    for c in confidences:
+        row = [f"{cells[c, n]['calibration']:.1f} / {cells[c, n]['validation']:.1f}" if (c, n) in cells else "-"
+               for n in lengths]
+        lines.append(f"| {c} | " + " | ".join(row) + " |")
+    return lines

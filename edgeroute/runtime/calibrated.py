@@ -4,7 +4,8 @@
   configuration that met the quality budget on held-out prompts).
 - ``route`` without an explicit router takes the bundle's router for its light path (a
   trained graph or a baseline) and its fitted threshold.
-- ``speculate`` without an explicit ``draft_confidence`` takes the fitted one.
+- ``speculate`` without an explicit ``draft_confidence`` takes the fitted one, and with its
+  draft lengths left at their defaults the fitted ones (``draft_tokens``, ``max_draft_tokens``).
 - a skip mode whose skip options are all left at their defaults takes the calibrated ones,
   where calibration found a skip setting that paid (``calibration.decoding["skip"]``).
 An explicit option always wins; an uncalibrated bundle keeps the uncalibrated defaults.
@@ -25,6 +26,7 @@ FORMAT_CHARACTERS = frozenset('{}[]":,')
 AUTO_KEYS = ("mode", "light", "draft_tokens", "max_draft_tokens", "draft_confidence", "protect_format")
 # skip options a calibrated profile or ``decoding["skip"]`` may set (flat SkipOptions fields)
 SKIP_KEYS = ("granularity", "scorer", "importance_threshold", "max_free_layers", "skip_ratio")
+DEFAULT_DRAFT_LENGTHS = (DecodeOptions.draft_tokens, DecodeOptions.max_draft_tokens)
 
 
 def auto_options(options: DecodeOptions, calibration: Calibration | None) -> DecodeOptions:
@@ -44,9 +46,13 @@ def calibrated_options(options: DecodeOptions, calibration: Calibration | None,
     """``options`` with mode auto resolved and the calibrated router filled in where unset."""
     if options.mode == "auto":
         options = auto_options(options, calibration)
-    if options.draft_confidence is None and calibration is not None and "draft_confidence" in calibration.decoding:
-        options = dataclasses.replace(options, draft_confidence=calibration.decoding["draft_confidence"])
-    skip = calibration.decoding.get("skip") if calibration is not None else None
+    fitted = calibration.decoding if calibration is not None else {}
+    if options.draft_confidence is None and "draft_confidence" in fitted:
+        options = dataclasses.replace(options, draft_confidence=fitted["draft_confidence"])
+    if "max_draft_tokens" in fitted and (options.draft_tokens, options.max_draft_tokens) == DEFAULT_DRAFT_LENGTHS:
+        options = dataclasses.replace(options, draft_tokens=fitted["draft_tokens"],
+                                      max_draft_tokens=fitted["max_draft_tokens"])
+    skip = fitted.get("skip")
     if skip is not None and "skip" in options.mode and options.skip == SkipOptions():
         options = options.updated(**{k: skip[k] for k in SKIP_KEYS if k in skip})
     entry = calibration.routers.get(options.light) if calibration is not None else None
