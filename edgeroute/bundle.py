@@ -145,8 +145,16 @@ class Calibration:
         return cls(**{**data, "routers": routers})
 
 
-def _flavour_suffix(flavour: str) -> str:
-    return "" if flavour == PORTABLE else f"_{flavour}"
+KV_DTYPES = ("float32", "float16")
+# the (flavour, KV cache dtype) variants of the attention graphs (layer_i, attn_i) an export
+# writes; the first is the default, and an fp16 cache exists in the portable flavour only
+ATTENTION_VARIANTS = ((PORTABLE, "float32"), ("ort", "float32"), (PORTABLE, "float16"))
+
+
+def attention_graph_name(kind: str, layer: int | None, flavour: str = PORTABLE, kv_dtype: str = "float32") -> str:
+    """``layer_003``, ``layer_003_ort``, ``layer_003_kv16``: a graph's name in the manifest."""
+    name = kind if layer is None else f"{kind}_{layer:03d}"
+    return name + ("" if flavour == PORTABLE else f"_{flavour}") + ("_kv16" if kv_dtype == "float16" else "")
 
 
 @dataclass(frozen=True)
@@ -172,13 +180,14 @@ class ModelEntry:
     def num_layers(self) -> int:
         return self.arch.num_layers
 
-    def has_flavour(self, flavour: str) -> bool:
-        """Whether every layer's attention graphs exist in ``flavour``."""
-        return all(f"{kind}_{i:03d}{_flavour_suffix(flavour)}" in self.graphs
+    def has_attention(self, flavour: str, kv_dtype: str = "float32") -> bool:
+        """Whether every layer's attention graphs exist in ``flavour`` with a ``kv_dtype`` cache."""
+        return all(attention_graph_name(kind, i, flavour, kv_dtype) in self.graphs
                    for kind in ("layer", "attn") for i in range(self.num_layers))
 
-    def graph(self, kind: str, layer: int | None = None, flavour: str = PORTABLE) -> GraphEntry:
-        name = (kind if layer is None else f"{kind}_{layer:03d}") + _flavour_suffix(flavour)
+    def graph(self, kind: str, layer: int | None = None, flavour: str = PORTABLE,
+              kv_dtype: str = "float32") -> GraphEntry:
+        name = attention_graph_name(kind, layer, flavour, kv_dtype)
         if name not in self.graphs:
             raise BundleError(f"the {self.role} model has no graph {name!r}: the bundle was made by another "
                               "edgeroute version; export it again")

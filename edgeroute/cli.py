@@ -194,6 +194,8 @@ def run(
     no_slm: bool = typer.Option(False, "--no-slm", help="never load the bundle's SLM (less memory)"),
     attention: str = typer.Option(None, help="attention graphs: auto | portable | ort (default: the device "
                                              "profile's, else auto)"),
+    kv_dtype: str = typer.Option(None, help="KV cache element type: float32 | float16 (half the memory; portable "
+                                            "attention; default: the device profile's, else float32)"),
     exact_steps: bool = typer.Option(False, "--exact-steps", help="run the LLM's one-token steps as two rows: "
                                      "`full` then gives exactly the tokens `speculate` gives (~10%% slower full)"),
     system: str = typer.Option(None, help="system prompt that opens the conversation (chat template only)"),
@@ -248,7 +250,8 @@ def run(
             context_length = min(settings.context_length, int(opened.generation["context_length"]))
         engine = Engine(opened, providers=settings.providers if settings else None, context_length=context_length,
                         memory_budget=settings.memory_budget if settings else None, slm=not no_slm,
-                        attention=attention or (settings.attention if settings else "auto"), exact_steps=exact_steps)
+                        attention=attention or (settings.attention if settings else "auto"), exact_steps=exact_steps,
+                        kv_dtype=kv_dtype or (settings.kv_dtype if settings else "float32"))
         decoding = {**(settings.decoding if settings else {}), **overrides}
         if mode == "auto" and "task" not in decoding:
             raise EdgerouteError("--mode auto picks the calibrated configuration of a task profile: add "

@@ -35,7 +35,7 @@ def test_run_takes_a_task_profile(tiny_slm_bundle):
     assert "mode speculate" in result.output.replace("\n", " ")
 
 
-def test_attention_flavour_and_exact_steps_come_from_the_profile_or_the_options(tiny_slm_bundle, tmp_path,
+def test_attention_kv_dtype_and_exact_steps_come_from_the_profile_or_the_options(tiny_slm_bundle, tmp_path,
                                                                                 monkeypatch):
     import edgeroute.runtime as runtime
 
@@ -43,18 +43,24 @@ def test_attention_flavour_and_exact_steps_come_from_the_profile_or_the_options(
     monkeypatch.setattr(runtime, "Engine", lambda *a, **kw: engines.append(kw) or runtime.engine.Engine(*a, **kw))
     device = tmp_path / "device.json"
     device.write_text(json.dumps({"extends": "cpu", "attention": "ort"}))
-    for args, attention, exact in ((["--profile", str(device)], "ort", False),
-                                   (["--profile", str(device), "--attention", "portable", "--exact-steps"], "portable",
-                                    True)):
+    narrow = tmp_path / "narrow.json"
+    narrow.write_text(json.dumps({"extends": "cpu", "kv_dtype": "float16"}))
+    for args, attention, exact, kv_dtype in (
+            (["--profile", str(device)], "ort", False, "float32"),
+            (["--profile", str(device), "--attention", "portable", "--exact-steps"], "portable", True, "float32"),
+            (["--profile", str(narrow)], "auto", False, "float16"),
+            (["--kv-dtype", "float16"], "auto", False, "float16")):
         result = runner.invoke(app, ["run", str(tiny_slm_bundle), "--prompt", "a b a b", "--raw", "--max-tokens", "4",
                                      *args])
         assert result.exit_code == 0, result.output
-        assert (engines[-1]["attention"], engines[-1]["exact_steps"]) == (attention, exact)
+        assert (engines[-1]["attention"], engines[-1]["exact_steps"], engines[-1]["kv_dtype"]) == \
+            (attention, exact, kv_dtype)
 
 
 def test_run_rejects_bad_options_with_a_clear_error(tiny_slm_bundle):
     for args, message in ((["--mode", "turbo"], "mode 'turbo'"), (["--skip-ratio", "1.5", "--mode", "skip"], "skip_ratio"),
-                          (["--profile", "nosuch"], "profile 'nosuch' not found")):
+                          (["--profile", "nosuch"], "profile 'nosuch' not found"),
+                          (["--kv-dtype", "int8"], "KV dtype 'int8' is not one of float32, float16")):
         result = runner.invoke(app, ["run", str(tiny_slm_bundle), "--prompt", "hi", *args])
         assert result.exit_code == 2, result.output
         assert "error:" in result.output and message in " ".join(result.output.split())

@@ -28,19 +28,21 @@ def tiny_int4_bundle(tiny_models, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("cpu_flavour", ["portable", "ort"])
+@pytest.mark.parametrize("variant", [("portable", "float32"), ("ort", "float32"), ("portable", "float16")],
+                         ids=["portable", "ort", "portable-kv16"])
 @pytest.mark.parametrize("provider", ["CUDAExecutionProvider", "TensorrtExecutionProvider"])
 @pytest.mark.parametrize("bundle_kind", ["fp32", "int4"])
-def test_gpu_provider_matches_the_cpu(provider, bundle_kind, cpu_flavour, request):
+def test_gpu_provider_matches_the_cpu(provider, bundle_kind, variant, request):
     """The GPU runs the portable graphs (auto picks them off the CPU provider) and agrees with
-    the CPU in each flavour."""
+    the CPU in each flavour; with an fp16 KV cache, with the CPU's fp16 cache."""
     _require_provider(provider)  # before the fixtures: no exports where the test cannot run
     path = request.getfixturevalue("tiny_bundles")["llama"] if bundle_kind == "fp32" \
         else request.getfixturevalue("tiny_int4_bundle")
     bundle = Bundle.open(path)
-    cpu = OrtModel(bundle, attention=cpu_flavour)
-    gpu = OrtModel(bundle, providers=[provider, "CPUExecutionProvider"])
-    assert gpu.flavour == "portable"
+    cpu_flavour, kv_dtype = variant
+    cpu = OrtModel(bundle, attention=cpu_flavour, kv_dtype=kv_dtype)
+    gpu = OrtModel(bundle, providers=[provider, "CPUExecutionProvider"], kv_dtype=kv_dtype)
+    assert gpu.flavour == "portable" and gpu.new_cache().dtype == kv_dtype
     want = cpu.forward(cpu.new_cache(), PROMPT, all_logits=True)
     got = gpu.forward(gpu.new_cache(), PROMPT, all_logits=True)
     assert relative_error(got, want) <= (1e-3 if bundle_kind == "fp32" else 3e-2)
@@ -55,7 +57,9 @@ def test_tensorrt_parses_every_graph_of_an_int4_bundle(request):
         pytest.skip(f"TensorRT has no usable GPU here: {err}")
     bundle = Bundle.open(request.getfixturevalue("tiny_int4_bundle"))
     portable = [graph for graph in bundle.llm.graphs.values() if graph.flavour == "portable"]
-    assert len(portable) == 4 * bundle.llm.num_layers + 2  # the ort flavour's contrib ops are ONNX Runtime's only
+    # per layer: layer, attn, mlp, kv, and layer/attn for an fp16 cache (the ort flavour's contrib
+    # ops are ONNX Runtime's only)
+    assert len(portable) == 6 * bundle.llm.num_layers + 2
     for graph in portable:
         network = builder.create_network(0)
         parser = trt.OnnxParser(network, builder.logger)

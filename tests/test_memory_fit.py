@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
@@ -83,6 +84,23 @@ def test_engine_refuses_before_loading_and_accepts_what_the_message_offers(tiny_
     Engine(bundle, memory_budget=alone.total, slm=False)
     Engine(bundle, memory_budget=need.total)
     assert len(loads) == 2
+    half = estimate(bundle, 256, "float16")
+    assert half.kv == need.kv // 2
+    with pytest.raises(InputError, match="What would fit: .*kv_dtype='float16'"):
+        Engine(bundle, memory_budget=half.total)
+    Engine(bundle, memory_budget=half.total, kv_dtype="float16")
+    assert len(loads) == 3
+
+
+def test_an_fp16_kv_engine_keeps_half_the_cache_and_answers_like_the_fp32_one(tiny_slm_bundle):
+    wide, narrow = Engine(tiny_slm_bundle), Engine(tiny_slm_bundle, kv_dtype="float16")
+    session = narrow.session(mode="speculate", light="slm")
+    answer = session.generate("one two three four")
+    assert session.state.llm_cache.keys.dtype == np.float16 and session.state.slm_drafter.cache.keys.dtype == np.float16
+    assert session.state.llm_cache.keys.nbytes * 2 == wide.session().state.llm_cache.keys.nbytes
+    assert answer.tokens == wide.generate("one two three four", mode="speculate", light="slm").tokens
+    with pytest.raises(InputError, match="ort attention keeps a float32 KV cache only"):
+        Engine(tiny_slm_bundle, kv_dtype="float16", attention="ort")
 
 
 def test_engine_context_length_sets_each_sessions_capacity(tiny_slm_bundle):

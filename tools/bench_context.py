@@ -1,4 +1,5 @@
-"""Speed and memory over context length: edgeroute (each attention flavour) vs llama.cpp.
+"""Speed and memory over context length: edgeroute (each attention flavour, and the portable
+one with an fp16 KV cache: ``edgeroute:portable:float16``) vs llama.cpp.
 
 Every case runs in a fresh subprocess (so one case's memory never shows in another's), and
 the cases are interleaved runtime by runtime and repeated (``--repeats``; medians reported),
@@ -60,10 +61,10 @@ def _text_ids(tokenizer_file: Path, n: int) -> list[int]:
 
 
 class EdgerouteCase:
-    def __init__(self, bundle: Path, flavour: str) -> None:
+    def __init__(self, bundle: Path, flavour: str, kv_dtype: str = "float32") -> None:
         from edgeroute.runtime import Bundle, OrtModel
 
-        self.model = OrtModel(Bundle.open(bundle, verify=False), attention=flavour)
+        self.model = OrtModel(Bundle.open(bundle, verify=False), attention=flavour, kv_dtype=kv_dtype)
         self.cache = self.model.new_cache()
 
     def prefill(self, ids: list[int]):
@@ -102,7 +103,7 @@ def worker(spec: dict) -> dict:
     if spec["runtime"] == "llama.cpp":
         case = LlamaCppCase(Path(spec["gguf"]), spec["threads"], spec["n_ctx"])
     else:
-        case = EdgerouteCase(Path(spec["bundle"]), spec["runtime"].split(":")[1])
+        case = EdgerouteCase(Path(spec["bundle"]), *spec["runtime"].split(":")[1:])  # edgeroute:FLAVOUR[:KV_DTYPE]
     clock = time.process_time if spec["clock"] == "cpu" else time.perf_counter
     load_rss = _status_bytes("VmRSS")
     _reset_peak()

@@ -17,6 +17,8 @@ attention graphs (``layer_i``, ``attn_i``) also come in the *ort* flavour (``lay
 ``attn_i_ort``): ONNX Runtime's contrib ``GroupQueryAttention``, which writes the new K/V
 rows into the runtime's cache buffer in place (bound as both past and present) and reads
 the past where it lies, instead of concatenating and transposing the whole past per token.
+And portable ones for an fp16 KV cache (``layer_i_kv16``, ``attn_i_kv16``): half the cache's
+memory, the same weights (graphs of a layer share one weight file).
 
 Activations are 2-D [T, features] float32; portable caches are [positions, kv_heads,
 head_dim], ort caches [1, kv_heads, capacity, head_dim].
@@ -35,6 +37,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from edgeroute.arch import ArchConfig
+from edgeroute.bundle import ATTENTION_VARIANTS, attention_graph_name
 from edgeroute.export.packing import PackedCodes, pack_codes
 from edgeroute.export.tensors import (
     BlockFactors,
@@ -50,6 +53,7 @@ from edgeroute.export.tensors import (
 
 OPSET = 21
 CONTRIB_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib ops (the ort flavour only)
+KV_TYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}  # the K/V cache's element type
 FLAVOURS = ("portable", "ort")
 EXTERNAL_MIN_BYTES = 1024  # smaller initializers (shape constants) stay inside the graph
 
@@ -382,10 +386,10 @@ def _heads(g: GraphBuilder, arch: ArchConfig, flat: str, n_heads: int, norm: np.
     return g.rope(x, cos, sin, arch.head_dim, f"{name}_rope")
 
 
-def _kv_outputs(g: GraphBuilder, arch: ArchConfig, k: str, v: str) -> None:
+def _kv_outputs(g: GraphBuilder, arch: ArchConfig, k: str, v: str, kv_dtype: str = "float32") -> None:
     shape = ["tokens", arch.num_kv_heads, arch.head_dim]
-    g.output(k, "key", TensorProto.FLOAT, shape)
-    g.output(v, "value", TensorProto.FLOAT, shape)
+    g.output(k, "key", KV_TYPES[kv_dtype], shape)
+    g.output(v, "value", KV_TYPES[kv_dtype], shape)
 
 
 def _prescaled_query(arch: ArchConfig, layer: LayerWeights) -> tuple[Linear, np.ndarray | None]:
@@ -398,12 +402,12 @@ def _prescaled_query(arch: ArchConfig, layer: LayerWeights) -> tuple[Linear, np.
     return scale_linear(layer.q_proj, factor), None
 
 
-def _attention_inputs(g: GraphBuilder, arch: ArchConfig) -> tuple[str, ...]:
+def _attention_inputs(g: GraphBuilder, arch: ArchConfig, kv_dtype: str = "float32") -> tuple[str, ...]:
     hidden, cos, sin = _activation_inputs(g, arch)
     bias = g.input("attn_bias", TensorProto.FLOAT, ["tokens", "total"])
     cache_shape = ["past", arch.num_kv_heads, arch.head_dim]
-    past_k = g.input("past_key", TensorProto.FLOAT, cache_shape)
-    past_v = g.input("past_value", TensorProto.FLOAT, cache_shape)
+    past_k = g.input("past_key", KV_TYPES[kv_dtype], cache_shape)
+    past_v = g.input("past_value", KV_TYPES[kv_dtype], cache_shape)
     return hidden, cos, sin, bias, past_k, past_v
 
 
@@ -434,8 +438,12 @@ def _output_projection(g: GraphBuilder, layer: LayerWeights, hidden: str, ctx: s
 
 
 def add_attention(g: GraphBuilder, arch: ArchConfig, layer: LayerWeights, index: int, hidden: str, cos: str,
-                  sin: str, bias: str, past_k: str, past_v: str) -> str:
+                  sin: str, bias: str, past_k: str, past_v: str, kv_dtype: str = "float32") -> str:
     """Pre-norm self-attention of layer ``index`` incl. the residual; emits key/value (portable).
+
+    With an fp16 cache (``kv_dtype``) the new rows are rounded to fp16 before attention uses
+    them, so a token sees its own K/V as every later token will (a multi-token pass still
+    equals one-token steps), and the cache is widened to fp32 once, after the Concat.
 
     The query heads that share a KV head are folded into the MatMuls' rows ([kv, group*T, hd]):
     a one-token step then multiplies with M = group, not 1, and ONNX Runtime's float MatMul
@@ -444,11 +452,18 @@ def add_attention(g: GraphBuilder, arch: ArchConfig, layer: LayerWeights, index:
     prefix = f"/model/layers.{index}/attn"
     q, k, v = _projections(g, arch, layer, hidden, cos, sin, prefix)
     v = g.heads(v, arch.num_kv_heads, arch.head_dim, f"{prefix}/v_heads")
-    _kv_outputs(g, arch, k, v)
+    narrow = kv_dtype != "float32"
+    if narrow:
+        k = g.op("Cast", [k], name=f"{prefix}/KeyNarrow", to=KV_TYPES[kv_dtype])
+        v = g.op("Cast", [v], name=f"{prefix}/ValueNarrow", to=KV_TYPES[kv_dtype])
+    _kv_outputs(g, arch, k, v, kv_dtype)
 
     kv, group, hd = arch.num_kv_heads, arch.num_heads // arch.num_kv_heads, arch.head_dim
     keys = g.op("Concat", [past_k, k], name=f"{prefix}/KeyConcat", axis=0)  # [S, kv, hd]
     values = g.op("Concat", [past_v, v], name=f"{prefix}/ValueConcat", axis=0)
+    if narrow:
+        keys = g.op("Cast", [keys], name=f"{prefix}/KeyWiden", to=TensorProto.FLOAT)
+        values = g.op("Cast", [values], name=f"{prefix}/ValueWiden", to=TensorProto.FLOAT)
     q = g.op("Reshape", [q, g.const([-1, kv, group, hd])], name=f"{prefix}/QGroups")
     q = g.op("Transpose", [q], name=f"{prefix}/QTranspose", perm=[1, 2, 0, 3])  # [kv, group, T, hd]
     q = g.op("Reshape", [q, g.const([kv, -1, hd])], name=f"{prefix}/QFold")  # [kv, group*T, hd]
@@ -513,23 +528,29 @@ def _hidden_output(g: GraphBuilder, arch: ArchConfig, value: str) -> onnx.ModelP
 
 
 def _attention_graph(name: str, arch: ArchConfig, layer: LayerWeights, index: int, weights: WeightFile | None,
-                     flavour: str, with_mlp: bool) -> onnx.ModelProto:
+                     flavour: str, with_mlp: bool, kv_dtype: str) -> onnx.ModelProto:
     g = GraphBuilder(name, weights)
     inputs, attention = ATTENTION_FLAVOURS[flavour]
-    hidden, *rest = inputs(g, arch)
-    hidden = attention(g, arch, layer, index, hidden, *rest)
+    if kv_dtype == "float32":
+        hidden, *rest = inputs(g, arch)
+        hidden = attention(g, arch, layer, index, hidden, *rest)
+    elif flavour == "portable":
+        hidden, *rest = inputs(g, arch, kv_dtype)
+        hidden = attention(g, arch, layer, index, hidden, *rest, kv_dtype=kv_dtype)
+    else:
+        raise ValueError(f"the {flavour} attention keeps a float32 cache only (asked: {kv_dtype})")
     return _hidden_output(g, arch, add_mlp(g, arch, layer, index, hidden) if with_mlp else hidden)
 
 
 def build_layer(arch: ArchConfig, layer: LayerWeights, index: int, weights: WeightFile | None = None,
-                flavour: str = "portable") -> onnx.ModelProto:
+                flavour: str = "portable", kv_dtype: str = "float32") -> onnx.ModelProto:
     """The whole decoder layer: the runtime's path for a token that skips nothing."""
-    return _attention_graph(f"layer_{index}", arch, layer, index, weights, flavour, with_mlp=True)
+    return _attention_graph(f"layer_{index}", arch, layer, index, weights, flavour, True, kv_dtype)
 
 
 def build_attention(arch: ArchConfig, layer: LayerWeights, index: int, weights: WeightFile | None = None,
-                    flavour: str = "portable") -> onnx.ModelProto:
-    return _attention_graph(f"attn_{index}", arch, layer, index, weights, flavour, with_mlp=False)
+                    flavour: str = "portable", kv_dtype: str = "float32") -> onnx.ModelProto:
+    return _attention_graph(f"attn_{index}", arch, layer, index, weights, flavour, False, kv_dtype)
 
 
 def build_mlp(arch: ArchConfig, layer: LayerWeights, index: int, weights: WeightFile | None = None) -> onnx.ModelProto:
@@ -626,7 +647,8 @@ def model_graphs(arch: ArchConfig, weights: ModelWeights) -> Iterator[tuple[str,
             *((f"{kind}_{i:03d}", kind, i, lambda w, build=build, i=i, layer=layer: build(arch, layer, i, w))
               for kind, build in (("layer", build_layer), ("attn", build_attention), ("mlp", build_mlp),
                                   ("kv", build_kv_fill))),
-            *((f"{kind}_{i:03d}_ort", kind, i,
-               lambda w, build=build, i=i, layer=layer: build(arch, layer, i, w, flavour="ort"))
+            *((attention_graph_name(kind, i, flavour, kv_dtype), kind, i,
+               lambda w, build=build, i=i, layer=layer, f=flavour, d=kv_dtype: build(arch, layer, i, w, f, d))
+              for flavour, kv_dtype in ATTENTION_VARIANTS[1:]
               for kind, build in (("layer", build_layer), ("attn", build_attention)))]
     yield "head", [("head", "head", None, lambda w: build_head(arch, weights.final_norm, weights.lm_head, w))]

@@ -19,7 +19,8 @@ from edgeroute.bundle import MANIFEST, build_manifest, sha256_file, write_manife
 from edgeroute.errors import EdgerouteError
 from edgeroute.export.graphs import graph_flavour
 
-DTYPE_NAMES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.INT64: "int64", onnx.TensorProto.INT32: "int32"}
+DTYPE_NAMES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16", onnx.TensorProto.INT64: "int64",
+               onnx.TensorProto.INT32: "int32"}
 
 
 def _signature(values) -> list[dict[str, Any]]:

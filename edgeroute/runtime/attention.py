@@ -9,6 +9,9 @@ it lies. Two flavours of the same attention (docs/bundle-format.md):
 - :class:`OrtAttention` (ONNX Runtime's GroupQueryAttention): the cache is heads-first
   ``[layers, 1, kv, capacity, hd]`` as the kernel reads it; each layer's buffer is bound
   (IO binding) as both ``past_*`` and ``present_*``, so the kernel writes the new rows in place.
+
+The portable cache may hold fp16 (half the memory; the graphs widen it to fp32 for the
+arithmetic); the ort flavour's is fp32.
 """
 
 from __future__ import annotations
@@ -19,15 +22,24 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
+from edgeroute.bundle import KV_DTYPES
+from edgeroute.errors import InputError
+
 MASKED = np.finfo(np.float32).min
 
 
-def _resident_zeros(shape: tuple[int, ...]) -> np.ndarray:
+def check_kv_dtype(kv_dtype: str) -> str:
+    if kv_dtype not in KV_DTYPES:
+        raise InputError(f"KV dtype {kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
+    return kv_dtype
+
+
+def _resident_zeros(shape: tuple[int, ...], dtype: str) -> np.ndarray:
     """Zeros written now. ``np.zeros`` maps pages that become resident only as positions fill,
     so a session's memory would grow over a conversation (by ~480 MB over 10k SmolLM2 tokens)
     and a device that cannot hold the cache would be killed mid-conversation instead of
     refusing at the start; written at allocation, the cache costs its full size at once."""
-    array = np.empty(shape, np.float32)
+    array = np.empty(shape, dtype)
     array.fill(0.0)
     return array
 
@@ -46,9 +58,14 @@ class KVCache:
     bindings: dict[tuple[str, int], Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
-    def allocate(cls, layers: int, capacity: int, kv_heads: int, head_dim: int, heads_first: bool) -> KVCache:
+    def allocate(cls, layers: int, capacity: int, kv_heads: int, head_dim: int, heads_first: bool,
+                 dtype: str = "float32") -> KVCache:
         shape = (layers, 1, kv_heads, capacity, head_dim) if heads_first else (layers, capacity, kv_heads, head_dim)
-        return cls(_resident_zeros(shape), _resident_zeros(shape), capacity, heads_first)
+        return cls(_resident_zeros(shape, dtype), _resident_zeros(shape, dtype), capacity, heads_first)
+
+    @property
+    def dtype(self) -> str:
+        return str(self.keys.dtype)
 
     def _positions(self, array: np.ndarray, layer: int | slice, start: int, stop: int) -> np.ndarray:
         """``array``'s rows [start, stop) of ``layer`` as [..., positions, kv, hd] (a view)."""
@@ -89,15 +106,15 @@ class KVCache:
         self.truncate(0)
         self.dropped = None
 
-    def _layout(self) -> tuple[int, bool, int, int]:
-        return self.keys.shape[0], self.heads_first, self.keys.shape[2], self.keys.shape[-1]
+    def _layout(self) -> tuple[int, bool, int, int, str]:
+        return self.keys.shape[0], self.heads_first, self.keys.shape[2], self.keys.shape[-1], self.dtype
 
     def copy_from(self, other: KVCache, length: int | None = None) -> None:
         """Take over ``other``'s first ``length`` positions (all by default), e.g. a shared
         prompt prefix; the buffers stay the same objects (IO bindings stay valid)."""
         length = other.length if length is None else length
         if other._layout() != self._layout():
-            raise ValueError("cannot copy between caches of different models or attention flavours")
+            raise ValueError("cannot copy between caches of different models, attention flavours or KV dtypes")
         if not 0 <= length <= min(other.length, self.capacity):
             raise ValueError(f"cannot copy {length} positions from a cache of {other.length} into one of "
                              f"capacity {self.capacity}")
@@ -112,8 +129,8 @@ class KVCache:
 
     def clone(self) -> KVCache:
         """An independent cache of the same capacity holding the same positions."""
-        layers, heads_first, kv_heads, head_dim = self._layout()
-        copy = KVCache.allocate(layers, self.capacity, kv_heads, head_dim, heads_first)
+        layers, heads_first, kv_heads, head_dim, dtype = self._layout()
+        copy = KVCache.allocate(layers, self.capacity, kv_heads, head_dim, heads_first, dtype)
         copy.copy_from(self)
         return copy
 

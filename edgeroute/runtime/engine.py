@@ -22,6 +22,7 @@ from tokenizers import Tokenizer
 from edgeroute.bundle import Bundle, RouterCalibration
 from edgeroute.chat_format import format_messages
 from edgeroute.errors import InputError, SessionBusy
+from edgeroute.runtime.attention import check_kv_dtype
 from edgeroute.runtime.calibrated import calibrated_options, format_token_ids
 from edgeroute.runtime.constraints import Constraint, GrammarCompiler
 from edgeroute.runtime.decoding import DecodeOptions, Decoder, GenerationStats, SequenceState, TokenTrace
@@ -50,7 +51,7 @@ class Engine:
     def __init__(self, bundle: str | Path | Bundle, providers: Sequence[str] | None = None, verify: bool = True,
                  options: DecodeOptions | None = None, activations: str = "int8", context_length: int | None = None,
                  memory_budget: int | None = None, slm: bool = True, attention: str = "auto",
-                 exact_steps: bool = False) -> None:
+                 exact_steps: bool = False, kv_dtype: str = "float32") -> None:
         """``activations``: "int8" (fast int4 kernels that quantize activations, like
         llama.cpp) or "fp32" (slower, but a multi-token verification pass then rounds like a
         one-token step, so speculation reproduces full decoding except at near-ties).
@@ -61,7 +62,9 @@ class Engine:
         graphs' flavour, "portable", "ort" or "auto" (see ``OrtModel``). ``exact_steps``: the LLM's
         one-token steps run as two rows, so that with int8 activations too a speculative
         verification pass rounds exactly like them and ``speculate`` reproduces ``full``
-        bit for bit; costs ``full`` decode speed (README), not ``speculate``'s."""
+        bit for bit; costs ``full`` decode speed (README), not ``speculate``'s. ``kv_dtype``: the
+        KV caches' element type, "float32" or "float16" (half the cache's memory; portable
+        attention graphs only; agreement with float32 measured in the README)."""
         self.bundle = bundle if isinstance(bundle, Bundle) else Bundle.open(bundle, verify=verify)
         exported = int(self.bundle.generation["context_length"])
         self.context_length = context_length or exported
@@ -70,10 +73,11 @@ class Engine:
                              f"with --context-length {exported}; export again for a longer one")
         self.use_slm = slm and self.bundle.slm is not None
         if memory_budget is not None:
-            check_fit(self.bundle, self.context_length, memory_budget, slm=self.use_slm)
+            check_fit(self.bundle, self.context_length, memory_budget, check_kv_dtype(kv_dtype), slm=self.use_slm)
         self.tokenizer = Tokenizer.from_file(str(self.bundle.file(self.bundle.tokenizer["file"])))
-        self.providers, self.activations, self.attention = providers, activations, attention
-        self.llm = OrtModel(self.bundle, "llm", providers, activations, attention, exact_steps=exact_steps)
+        self.providers, self.activations, self.attention, self.kv_dtype = providers, activations, attention, kv_dtype
+        self.llm = OrtModel(self.bundle, "llm", providers, activations, attention, exact_steps=exact_steps,
+                            kv_dtype=kv_dtype)
         self._slm: OrtModel | None = None
         self._slm_lock = threading.Lock()
         self.eos_ids = set(self.bundle.tokenizer.get("eos_token_ids") or [])
@@ -92,7 +96,8 @@ class Engine:
             return None
         with self._slm_lock:
             if self._slm is None:
-                self._slm = OrtModel(self.bundle, "slm", self.providers, self.activations, self.attention)
+                self._slm = OrtModel(self.bundle, "slm", self.providers, self.activations, self.attention,
+                                     kv_dtype=self.kv_dtype)
         return self._slm
 
     # -- calibrated defaults --------------------------------------------------------------------

@@ -88,7 +88,7 @@ def check_fit(bundle: Bundle, context: int, budget: int, kv_dtype: str = "float3
         options.append(f"a context of {shorter} (context_length={shorter}, --context-length {shorter}): "
                        f"{_mib(estimate(bundle, shorter, kv_dtype, slm).total)}")
     if kv_dtype != "float16" and (half := estimate(bundle, context, "float16", slm)).total <= budget:
-        options.append(f"an fp16 KV cache: {_mib(half.total)}")
+        options.append(f"an fp16 KV cache (kv_dtype='float16', --kv-dtype float16): {_mib(half.total)}")
     if slm and bundle.slm is not None and (alone := estimate(bundle, context, kv_dtype, False)).total <= budget:
         options.append(f"no SLM (slm=False, --no-slm; modes full, skip, and route/speculate with --light ngram): "
                        f"{_mib(alone.total)}")

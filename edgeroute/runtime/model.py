@@ -21,10 +21,10 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from edgeroute.bundle import Bundle, ModelEntry
+from edgeroute.bundle import ATTENTION_VARIANTS, Bundle, ModelEntry
 from edgeroute.errors import InputError
 from edgeroute.rope import rope_tables
-from edgeroute.runtime.attention import ATTENTION_CHOICES, FLAVOURS, KVCache
+from edgeroute.runtime.attention import ATTENTION_CHOICES, FLAVOURS, KVCache, check_kv_dtype
 from edgeroute.runtime.vocab import HeadVocabulary
 
 KV_OUTPUTS = ["key", "value"]
@@ -140,27 +140,33 @@ def plan_action(plan: Sequence[bool] | LayerPlan | None, layer: int, hidden: np.
     return RUN if plan[layer] else SKIP
 
 
-def choose_flavour(entry: ModelEntry, requested: str = "auto") -> str:
+def choose_flavour(entry: ModelEntry, requested: str = "auto", kv_dtype: str = "float32") -> str:
     """The attention flavour to run. ``auto`` is ``portable``: on the CPU provider ONNX
     Runtime's GroupQueryAttention kernel (the ort flavour) measured no faster than the
     portable graphs for SmolLM2 (it reads K/V once per query head; the portable graph's
     batched MatMuls read them once per KV head), and other providers run the portable graphs
-    anyway (the CUDA kernel wants fp16). ``ort`` stays available where it pays."""
+    anyway (the CUDA kernel wants fp16). ``ort`` stays available where it pays. An fp16 KV
+    cache (``kv_dtype``) has portable graphs only."""
     if requested not in ATTENTION_CHOICES:
         raise InputError(f"attention {requested!r} is not one of {', '.join(ATTENTION_CHOICES)}")
-    if requested == "auto":
-        return "portable"
-    if not entry.has_flavour(requested):
-        raise InputError(f"the {entry.role} model has no {requested!r} attention graphs (the bundle predates "
-                         "them): re-export it, or use attention='auto'")
-    return requested
+    check_kv_dtype(kv_dtype)
+    flavour = "portable" if requested == "auto" else requested
+    if (flavour, kv_dtype) not in ATTENTION_VARIANTS:
+        raise InputError(f"the {flavour} attention keeps a float32 KV cache only: use attention='portable' for a "
+                         f"{kv_dtype} one")
+    if not entry.has_attention(flavour, kv_dtype):
+        raise InputError(f"the {entry.role} model has no {flavour!r} attention graphs for a {kv_dtype} KV cache (the "
+                         "bundle predates them): re-export it, or use the defaults (attention='auto', kv_dtype="
+                         "'float32')")
+    return flavour
 
 
 class OrtModel:
     """A model on ONNX Runtime; implements :class:`edgeroute.runtime.backend.ModelBackend`."""
 
     def __init__(self, bundle: Bundle, role: str = "llm", providers: Sequence[str] | None = None,
-                 activations: str = "int8", attention: str = "auto", exact_steps: bool = False) -> None:
+                 activations: str = "int8", attention: str = "auto", exact_steps: bool = False,
+                 kv_dtype: str = "float32") -> None:
         if role not in bundle.models:
             raise InputError(f"bundle {bundle.path} has no {role!r} model (it has: {', '.join(bundle.models)})")
         self.entry: ModelEntry = bundle.models[role]
@@ -169,7 +175,8 @@ class OrtModel:
         self.providers = list(providers or ["CPUExecutionProvider"])
         tune_malloc(self.capacity * self.arch.num_kv_heads * self.arch.head_dim * 4)
         self._tokens_since_trim = 0
-        self.flavour = choose_flavour(self.entry, attention)
+        self.flavour = choose_flavour(self.entry, attention, kv_dtype)
+        self.kv_dtype = kv_dtype
         self._attention = FLAVOURS[self.flavour](self.capacity)
         self._options = session_options(activations)
         # one-token steps run as two rows (see _pass): they then round like a multi-token pass
@@ -178,7 +185,7 @@ class OrtModel:
         self._lock = threading.Lock()
         layers = range(self.arch.num_layers)
         self.embed_session = self._load("embed")
-        self.layer_sessions = [self._load("layer", i, self.flavour) for i in layers]
+        self.layer_sessions = [self._load("layer", i, attention=True) for i in layers]
         self.kv_sessions = [self._load("kv", i) for i in layers]
         self.head_session = self._load("head")
         # loading folds constants (factored block tables) and prepacks weights: the freed
@@ -194,16 +201,17 @@ class OrtModel:
         # (kind: embed, layer, attn, mlp, kv, head); None costs nothing on the hot path
         self.timings: Callable[[str, float], None] | None = None
 
-    def _load(self, kind: str, layer: int | None = None, flavour: str = "portable") -> ort.InferenceSession:
-        path = self._bundle.file(self.entry.graph(kind, layer, flavour).file)
-        return ort.InferenceSession(str(path), self._options, providers=self.providers)
+    def _load(self, kind: str, layer: int | None = None, attention: bool = False) -> ort.InferenceSession:
+        """A graph's session; an ``attention`` graph in this model's flavour and KV dtype."""
+        graph = self.entry.graph(kind, layer, self.flavour, self.kv_dtype) if attention else self.entry.graph(kind, layer)
+        return ort.InferenceSession(str(self._bundle.file(graph.file)), self._options, providers=self.providers)
 
     def _lazy(self, sessions: list[ort.InferenceSession | None], kind: str, layer: int,
-              flavour: str = "portable") -> ort.InferenceSession:
+              attention: bool = False) -> ort.InferenceSession:
         if sessions[layer] is None:
             with self._lock:
                 if sessions[layer] is None:
-                    sessions[layer] = self._load(kind, layer, flavour)
+                    sessions[layer] = self._load(kind, layer, attention)
         return sessions[layer]
 
     @property
@@ -212,7 +220,7 @@ class OrtModel:
 
     def new_cache(self, capacity: int | None = None) -> KVCache:
         return KVCache.allocate(self.num_layers, capacity or self.capacity, self.arch.num_kv_heads,
-                                self.arch.head_dim, self._attention.heads_first)
+                                self.arch.head_dim, self._attention.heads_first, self.kv_dtype)
 
     # -- graph calls ----------------------------------------------------------------------------
 
@@ -241,8 +249,8 @@ class OrtModel:
 
     def attention(self, layer: int, hidden: np.ndarray, cache: KVCache, start: int) -> np.ndarray:
         """The attention sub-layer alone (its residual included)."""
-        return self._attend(self._lazy(self._attn_sessions, "attn", layer, self.flavour), "attn", layer, hidden, cache,
-                            start)
+        return self._attend(self._lazy(self._attn_sessions, "attn", layer, attention=True), "attn", layer, hidden,
+                            cache, start)
 
     def _attend(self, session: ort.InferenceSession, kind: str, layer: int, hidden: np.ndarray, cache: KVCache,
                 start: int) -> np.ndarray:

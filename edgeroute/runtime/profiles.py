@@ -1,10 +1,11 @@
 """Device and task profiles: data (JSON), not code, validated when loaded.
 
 A device profile chooses execution providers (and their options), may choose the attention
-graphs' flavour (``attention``: auto, portable or ort, see ``OrtModel``) and may declare the
-memory the process can use and the device's default context; a task profile chooses decoding
-settings. ``--profile jetson-orin-nano-8gb,templated`` merges several, later ones winning; a
-profile may ``extend`` another.
+graphs' flavour (``attention``: auto, portable or ort, see ``OrtModel``) and the KV caches'
+element type (``kv_dtype``: float32 or float16), and may declare the memory the process can
+use and the device's default context; a task profile chooses decoding settings.
+``--profile jetson-orin-nano-8gb,templated`` merges several, later ones winning; a profile
+may ``extend`` another.
 
 Where they are found, first match wins: ``$EDGEROUTE_PROFILES``, the package's own copy
 (``edgeroute/profiles/`` in an installed wheel: setuptools maps the repository's top-level
@@ -20,6 +21,7 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from edgeroute.bundle import KV_DTYPES
 from edgeroute.errors import InputError
 from edgeroute.runtime.attention import ATTENTION_CHOICES
 from edgeroute.runtime.decoding import DecodeOptions
@@ -28,8 +30,8 @@ if TYPE_CHECKING:
     from importlib.abc import Traversable
 
 GIB = 1 << 30
-FIELDS = {"name": str, "description": str, "extends": str, "providers": list, "attention": str, "decoding": dict,
-          "memory": dict}
+FIELDS = {"name": str, "description": str, "extends": str, "providers": list, "attention": str, "kv_dtype": str,
+          "decoding": dict, "memory": dict}
 MEMORY_FIELDS = {"usable_gib": (int, float), "default_context": int, "note": str}
 
 
@@ -38,6 +40,7 @@ class Profile:
     names: list[str] = field(default_factory=list)
     providers: list[Any] | None = None  # names, or [name, {options}] pairs as onnxruntime takes them
     attention: str = "auto"  # the attention graphs' flavour
+    kv_dtype: str = "float32"  # the KV caches' element type
     decoding: dict[str, Any] = field(default_factory=dict)
     memory_budget: int | None = None  # bytes the process may use (CPU and GPU share it on Jetson)
     context_length: int | None = None  # the device's default context
@@ -104,6 +107,8 @@ def validate_profile(data: Any, source: str) -> None:
     if data.get("attention", "auto") not in ATTENTION_CHOICES:
         raise InputError(f"profile {source}: attention {data['attention']!r} is not one of "
                          f"{', '.join(ATTENTION_CHOICES)}")
+    if data.get("kv_dtype", "float32") not in KV_DTYPES:
+        raise InputError(f"profile {source}: kv_dtype {data['kv_dtype']!r} is not one of {', '.join(KV_DTYPES)}")
     _check_memory(data.get("memory", {}), source)
     try:
         DecodeOptions().updated(**data.get("decoding", {}))
@@ -138,6 +143,7 @@ def load_profile(spec: str) -> Profile:
         if "providers" in data:
             profile.providers = [tuple(p) if isinstance(p, list) else p for p in data["providers"]]
         profile.attention = data.get("attention", profile.attention)
+        profile.kv_dtype = data.get("kv_dtype", profile.kv_dtype)
         profile.decoding.update(data.get("decoding", {}))
         memory = data.get("memory", {})
         if "usable_gib" in memory:

@@ -1,0 +1,107 @@
+"""What an fp16 KV cache changes: agreement with the fp32 cache, teacher-forced and generated.
+
+For each model of a bundle (LLM, SLM), on the same ids of the held-out evaluation text in
+windows of ``--window`` tokens (long windows: the cache's rounding accumulates over context):
+
+- teacher-forced top-1 agreement of the fp16-cache model with the fp32-cache one, and each
+  one's perplexity and next-token accuracy;
+
+and for the LLM, greedy ``full`` answers to the templated and json workloads' prompts with
+each cache: identical answers, the position of the first difference, and each answer's task
+check (templated: the record's values appear; json: parses with full's keys and values).
+
+Speed and memory over context length are bench_context.py's (runtime ``edgeroute:portable:float16``).
+
+    python tools/kv_dtype_report.py --bundle bundles/smollm2-demo --out bench-results/kv-dtype-smollm2.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from benchlib.metrics import common_prefix  # noqa: E402
+from benchlib.tasks import task_check  # noqa: E402
+
+from edgeroute.bundle import KV_DTYPES, Bundle  # noqa: E402
+from edgeroute.runtime import Engine  # noqa: E402
+from edgeroute.runtime.evaluate import teacher_forced, tokenize_text  # noqa: E402
+from edgeroute.runtime.model import OrtModel  # noqa: E402
+from edgeroute.texts import evaluation_text  # noqa: E402
+
+WORKLOADS = Path(__file__).resolve().parent / "workloads"
+
+
+def teacher_forced_figures(bundle: Bundle, role: str, tokens: int, window: int) -> dict:
+    ids = tokenize_text(bundle, evaluation_text(), tokens)
+    runs = {}
+    for kv_dtype in KV_DTYPES:
+        start = time.perf_counter()
+        runs[kv_dtype] = teacher_forced(OrtModel(bundle, role, kv_dtype=kv_dtype), ids, window)
+        print(f"{role} {kv_dtype}: {len(ids)} tokens teacher-forced in {time.perf_counter() - start:.0f} s",
+              file=sys.stderr)
+    wide, narrow = runs["float32"], runs["float16"]
+    return {"positions": len(wide), "window": window, "agreement": narrow.agreement(wide),
+            **{f"{kind}_{dtype}": getattr(runs[dtype], kind) for kind in ("perplexity", "accuracy")
+               for dtype in KV_DTYPES}}
+
+
+def generation_figures(bundle: Bundle, max_tokens: int, per_workload: int) -> dict:
+    engines = {kv_dtype: Engine(bundle, kv_dtype=kv_dtype, slm=False) for kv_dtype in KV_DTYPES}
+    rows = []
+    for workload in ("templated", "json"):
+        prompts = json.loads((WORKLOADS / f"{workload}.json").read_text())["prompts"][:per_workload]
+        for prompt in prompts:
+            answers = {k: e.generate(prompt["messages"], mode="full", max_new_tokens=max_tokens)
+                       for k, e in engines.items()}
+            wide, narrow = answers["float32"], answers["float16"]
+            checks = {k: task_check(workload, prompt, a.text, wide.text) for k, a in answers.items()}
+            rows.append({"workload": workload, "id": prompt["id"], "identical": wide.tokens == narrow.tokens,
+                         "first_difference": common_prefix(wide.tokens, narrow.tokens), "tokens": len(wide.tokens),
+                         **{f"pass_{k}": c.passed for k, c in checks.items()}})
+    return {"answers": len(rows), "identical": sum(r["identical"] for r in rows),
+            **{f"task_pass_{k}": sum(r[f"pass_{k}"] for r in rows) for k in KV_DTYPES}, "rows": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--bundle", type=Path, required=True)
+    parser.add_argument("--tokens", type=int, default=4096, help="evaluation-text tokens teacher-forced")
+    parser.add_argument("--window", type=int, default=2048, help="tokens per fresh cache")
+    parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per generated answer")
+    parser.add_argument("--prompts", type=int, default=8, help="prompts per workload (templated, json)")
+    parser.add_argument("--out", type=Path, default=Path("bench-results/kv-dtype.json"))
+    args = parser.parse_args(argv)
+    bundle = Bundle.open(args.bundle)
+    figures = {"bundle": str(args.bundle), "teacher_forced": {}}
+    for role in bundle.models:
+        figures["teacher_forced"][role] = teacher_forced_figures(bundle, role, args.tokens, args.window)
+    figures["generation"] = generation_figures(bundle, args.max_tokens, args.prompts)
+
+    table = Table(title=f"fp16 vs fp32 KV cache: {args.bundle}")
+    for column in ("model", "positions", "top-1 agreement", "perplexity fp32 / fp16", "accuracy fp32 / fp16"):
+        table.add_column(column)
+    for role, f in figures["teacher_forced"].items():
+        table.add_row(role, str(f["positions"]), f"{f['agreement']:.2%}",
+                      f"{f['perplexity_float32']:.3f} / {f['perplexity_float16']:.3f}",
+                      f"{f['accuracy_float32']:.2%} / {f['accuracy_float16']:.2%}")
+    console = Console()
+    console.print(table)
+    g = figures["generation"]
+    console.print(f"LLM greedy answers (full, {args.max_tokens} tokens): {g['identical']}/{g['answers']} identical; "
+                  f"task pass fp32 {g['task_pass_float32']}/{g['answers']}, fp16 {g['task_pass_float16']}/{g['answers']}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(figures, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
