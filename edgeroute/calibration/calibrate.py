@@ -483,20 +483,26 @@ def calibrate(bundle_path: str | Path, options: CalibrateOptions | None = None,
     if held_out:
         # a grounded answer mixes copied values (light path) and new wording (LLM): the telling picture
         sample = next((p for p in held_out if p.task == "grounded"), held_out[0])
-        plot_sample_answer(engine, sample, options.labels.max_answer_tokens, work / "token-layers.png")
+        light = "slm" if engine.slm is not None else "ngram"
+        routing = next((c.options for c in configs if c.name == f"route/{light}"), {"mode": "route", "light": light})
+        plot_sample_answer(engine, sample, routing, options.labels.max_answer_tokens, work / "token-layers.png")
     return CalibrateReport(bundle.path, calibration, messages, seconds, report)
 
 
-def plot_sample_answer(engine: Engine, prompt: CalibrationPrompt, max_tokens: int, path: Path) -> None:
+def plot_sample_answer(engine: Engine, prompt: CalibrationPrompt, routing: dict[str, Any], max_tokens: int,
+                       path: Path) -> None:
     """The token x layer view of one held-out answer in ``route+skip`` with the calibrated
-    router (the SLM's where the bundle has one) and the default skip settings."""
-    light = "slm" if engine.slm is not None else "ngram"
+    router and threshold (``routing``: the route configuration's options, a baseline's when
+    no threshold met the budget; the engine itself runs uncalibrated) and the default skip
+    settings."""
+    light = routing["light"]
     messages = [{"role": "user", "content": prompt.content}]
     mode = "route+skip"
+    chosen = {**routing, "max_new_tokens": max_tokens}
     try:
-        generation = engine.generate(messages, max_new_tokens=max_tokens, mode=mode, light=light)
+        generation = engine.generate(messages, **{**chosen, "mode": mode})
     except InputError:  # a model too shallow for the default protected layers: routing alone
         mode = "route"
-        generation = engine.generate(messages, max_new_tokens=max_tokens, mode=mode, light=light)
+        generation = engine.generate(messages, **{**chosen, "mode": mode})
     plot_generation(engine, generation, f"{prompt.id}: {mode}, light path {light} "
                     f"({generation.stats.llm_share:.0%} LLM share)", path)

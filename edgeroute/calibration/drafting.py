@@ -91,7 +91,7 @@ class DraftSetting:
 
     @property
     def first_tokens(self) -> int:
-        return min(DEFAULT_OPTIONS.draft_tokens, self.max_tokens)
+        return min(DecodeOptions.draft_tokens, self.max_tokens)
 
     @property
     def name(self) -> str:
@@ -103,8 +103,7 @@ class DraftSetting:
                 "max_draft_tokens": self.max_tokens}
 
 
-DEFAULT_OPTIONS = DecodeOptions()
-RUNTIME_DEFAULT = DraftSetting(0.0, DEFAULT_OPTIONS.max_draft_tokens)
+RUNTIME_DEFAULT = DraftSetting(0.0, DecodeOptions.max_draft_tokens)
 CANDIDATES = tuple(DraftSetting(c, n) for c in CONFIDENCES for n in MAX_DRAFT_TOKENS)
 
 

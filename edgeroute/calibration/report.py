@@ -170,7 +170,7 @@ def plot_token_layers(traces: list, texts: list[str], num_layers: int, title: st
         main.set_xticks(range(n))
         main.set_xticklabels([t.replace("\n", "\\n") for t in texts], rotation=90, fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # the long x label and the legend stay inside
     plt.close(fig)
 
 
