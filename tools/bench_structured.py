@@ -200,8 +200,14 @@ def grammar_costs(engine, prompts: list[dict]) -> dict:
 
 # -- the run ------------------------------------------------------------------------------------
 
-def _rate(tokens: int, seconds: float) -> float:
-    return tokens / seconds if seconds > 0 else float("inf")
+def _rate(tokens: int, seconds: float) -> float | None:
+    """Tokens per second; None when nothing was timed (an answer the grammar forced whole),
+    which the ratios leave out rather than count as infinitely fast."""
+    return tokens / seconds if seconds > 0 else None
+
+
+def _ratio(value: float | None, base: float | None) -> float | None:
+    return value / base if value is not None and base else None
 
 
 def summarize(records: list[dict], full: dict[str, dict]) -> dict:
@@ -209,9 +215,11 @@ def summarize(records: list[dict], full: dict[str, dict]) -> dict:
     tokens = sum(r["tokens"] for r in records)
     decode_tokens, decode_seconds = sum(r["decode_tokens"] for r in records), sum(r["decode_seconds"] for r in records)
     base = {i: _rate(f["decode_tokens"], f["decode_seconds"]) for i, f in full.items()}
-    ratios = [_rate(r["decode_tokens"], r["decode_seconds"]) / base[r["id"]] for r in records if r["id"] in base]
-    after_prefill = [_rate(r["tokens"] - 1, r["wall"] - (full[r["id"]]["wall"] - full[r["id"]]["decode_seconds"]))
-                     / base[r["id"]] for r in records if r["id"] in base]
+    ratios = [_ratio(_rate(r["decode_tokens"], r["decode_seconds"]), base[r["id"]]) for r in records if r["id"] in base]
+    ratios = [x for x in ratios if x is not None]
+    after_prefill = [_ratio(_rate(r["tokens"] - 1, r["wall"] - (full[r["id"]]["wall"] - full[r["id"]]["decode_seconds"])),
+                            base[r["id"]]) for r in records if r["id"] in base]
+    after_prefill = [x for x in after_prefill if x is not None]
     latency = [r["wall"] / full[r["id"]]["wall"] for r in records if r["id"] in full]
     n = len(records)
     return {

@@ -147,11 +147,6 @@ class BlockQuantWeight:
             factors = BlockFactors(np.abs(factors.codes), np.abs(factors.step), factors.group)
         return BlockQuantWeight(q, scale, self.bits, self.block, offset, self.origin, factors)
 
-    @property
-    def nbytes(self) -> int:
-        n = self.q.size * self.bits // 8 + self.scale.size * 4
-        return n + (0 if self.offset is None else self.offset.size * 4)
-
     def times(self, factor: float) -> BlockQuantWeight:
         """The matrix times a constant, exactly on the quantized grid (only scales move)."""
         f = np.float32(factor)
@@ -175,10 +170,6 @@ class FloatWeight:
 
     def take_rows(self, rows: np.ndarray) -> FloatWeight:
         return FloatWeight(self.w[rows], self.storage)
-
-    @property
-    def nbytes(self) -> int:
-        return self.w.size * (2 if self.storage == "fp16" else 4)
 
 
 Weight = BlockQuantWeight | FloatWeight
