@@ -25,7 +25,10 @@ MIB = 1 << 20
 # 1.53x (SLM) the files' bytes; 1.4 covers both within a few percent.
 RESIDENT_FACTOR = 1.4
 RUNTIME_BYTES = 96 * MIB  # measured: Python + numpy + onnxruntime + tokenizers imported, ~64 MiB; the tokenizer
-PREFILL_CHUNK = 256  # tokens per prefill pass the working memory is sized for
+# A long prompt (or catch-up) runs in passes of at most this many tokens (OrtModel): attention's
+# transient [heads, T, S] scores stay ~10-20 MB instead of growing with T * S (an 1800-token
+# SmolLM2 prompt in one pass needs ~350 MB of them per layer call); working memory is sized for one.
+PREFILL_CHUNK = 256
 KV_BYTES = {"float32": 4, "float16": 2}
 CONTEXT_STEP = 256  # a suggested shorter context is a multiple of this
 

@@ -25,13 +25,10 @@ from edgeroute.bundle import ATTENTION_VARIANTS, Bundle, ModelEntry
 from edgeroute.errors import InputError
 from edgeroute.rope import rope_tables
 from edgeroute.runtime.attention import ATTENTION_CHOICES, FLAVOURS, KVCache, check_kv_dtype
+from edgeroute.runtime.memory import PREFILL_CHUNK
 from edgeroute.runtime.vocab import HeadVocabulary
 
 KV_OUTPUTS = ["key", "value"]
-# A long prompt (or catch-up) runs in passes of at most this many tokens: attention's
-# transient [heads, T, S] scores stay ~10-20 MB instead of growing with T * S (an 1800-token
-# SmolLM2 prompt in one pass needs ~350 MB of them per layer call).
-PREFILL_CHUNK = 256
 # After every this many tokens run (one long pass, or many one-token steps), freed memory goes
 # back to the OS: 25-80 ms after a 256-token chunk of a long prompt, ~1 ms during decode
 # (one-token steps allocate blocks that grow with the context, which the heap cannot reuse).
