@@ -54,7 +54,6 @@ from edgeroute.export.tensors import (
 OPSET = 21
 CONTRIB_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib ops (the ort flavour only)
 KV_TYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}  # the K/V cache's element type
-FLAVOURS = ("portable", "ort")
 EXTERNAL_MIN_BYTES = 1024  # smaller initializers (shape constants) stay inside the graph
 
 
