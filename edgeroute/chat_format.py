@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-ChatFormat = dict[str, str]
-
 
 def format_messages(chat_format: dict[str, str], messages: list[dict[str, str]]) -> str:
     """Render a conversation (system?, user, assistant, user, ...) with the stored pieces."""
