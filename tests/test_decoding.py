@@ -376,6 +376,28 @@ def test_ngram_drafter_proposes_nothing_without_a_match():
     assert NgramDrafter(min_ngram=2).propose([1, 2, 9, 2], 3).tokens == []  # [2] alone is too short
 
 
+def _longest_earlier_match(tokens: list[int], k: int, max_ngram: int = 8, min_ngram: int = 1):
+    """The n-gram lookup spelled out: every window of every length, longest first."""
+    for n in range(min(max_ngram, len(tokens) - 1), min_ngram - 1, -1):
+        suffix = tokens[len(tokens) - n:]
+        starts = [s for s in range(len(tokens) - n) if tokens[s:s + n] == suffix]
+        if starts:
+            return tokens[starts[-1] + n:starts[-1] + n + k], n, len(starts)
+    return [], 0, 0
+
+
+@pytest.mark.parametrize("vocab", [2, 3, 8])
+def test_ngram_drafter_equals_the_exhaustive_lookup(vocab):
+    rng = np.random.default_rng(vocab)
+    drafter, narrow = NgramDrafter(), NgramDrafter(max_ngram=3, min_ngram=2)
+    for _ in range(300):
+        tokens = rng.integers(0, vocab, int(rng.integers(0, 40))).tolist()
+        got = drafter.propose(tokens, 4)
+        assert (got.tokens, got.match_length, got.match_count) == _longest_earlier_match(tokens, 4)
+        got = narrow.propose(tokens, 2)
+        assert (got.tokens, got.match_length, got.match_count) == _longest_earlier_match(tokens, 2, 3, 2)
+
+
 def test_route_with_the_ngram_router_takes_light_tokens_on_repetition(tiny_engine):
     got = tiny_engine.generate(PROMPTS[2], mode="route", max_new_tokens=NEW)
     light = [t for t in got.trace if t.source == "ngram"]

@@ -39,14 +39,25 @@ class NgramDrafter:
         """The k tokens that followed the most recent earlier occurrence of the longest
         suffix (max_ngram down to min_ngram tokens) of ``tokens``."""
         n_tokens = len(tokens)
+        longest = min(self.max_ngram, n_tokens - 1)
+        if longest < self.min_ngram:
+            return Proposal([], [])
         seq = np.asarray(tokens, np.int64)
-        for n in range(min(self.max_ngram, n_tokens - 1), self.min_ngram - 1, -1):
-            suffix = seq[n_tokens - n:]
-            windows = np.lib.stride_tricks.sliding_window_view(seq[:n_tokens - 1], n)
-            hits = np.flatnonzero((windows == suffix).all(axis=1))
-            hits = hits[hits + n < n_tokens]
+        # Earlier places of the last token (each followed by at least one token) are the only
+        # places a match can end: one pass over the history, then at most max_ngram steps back
+        # over these few, instead of comparing every window of every length.
+        ends = np.flatnonzero(seq[:n_tokens - 1] == seq[-1])
+        matched = np.ones(ends.size, np.int64)  # suffix tokens matched backwards from each end
+        alive = np.ones(ends.size, bool)
+        for back in range(1, longest):
+            before = ends - back
+            alive &= before >= 0
+            alive[alive] = seq[before[alive]] == seq[n_tokens - 1 - back]
+            matched += alive
+        for n in range(longest, self.min_ngram - 1, -1):
+            hits = ends[matched >= n]
             if hits.size:
-                start = int(hits[-1]) + n
+                start = int(hits[-1]) + 1
                 continuation = tokens[start:start + k]
                 return Proposal(continuation, [None] * len(continuation), n, int(hits.size))
         return Proposal([], [])
