@@ -197,9 +197,8 @@ class GraphBuilder:
         group (``scale``: the value of the same rows' scales, for offsets that add a multiple
         of them) and multiplied out in float32: once at load for a weight (ONNX Runtime folds
         the constants, then still fuses MatMulNBits), per gathered row for an embedding."""
-        if factors is None:
-            return self.block_params(name, table) if ids is None else self.gathered_rows(name, table, ids,
-                                                                                           f"{name}/Gather")
+        if factors is None:  # (a weight's plain table never comes here: _weight_table stores it transposed)
+            return self.gathered_rows(name, table, ids, f"{name}/Gather")
         codes = self.tensor(f"{name}.codes", _narrow_ints(factors.codes))
         if ids is None:
             step = self.block_params(f"{name}.step", factors.step)
