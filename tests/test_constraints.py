@@ -260,3 +260,38 @@ def test_cli_bad_structure_options_are_clear_errors(args, message, tiny_slm_bund
     result = runner.invoke(app, ["run", str(tiny_slm_bundle), "--prompt", "hi", "--raw", *args])
     assert result.exit_code == 2, result.output
     assert message in " ".join(result.output.split()) and "Traceback" not in result.output
+
+
+def test_constraining_a_proposal_keeps_what_routers_read(tiny_engine):
+    from edgeroute.runtime.drafters import Proposal
+
+    constraint = tiny_engine.grammars.compile(FORMAT)
+    allowed = np.flatnonzero(constraint.allowed())
+    refused = int(np.flatnonzero(~constraint.allowed())[0])
+    probabilities = np.full(constraint.vocab_size, 1.0 / constraint.vocab_size)
+    hidden = np.arange(4, dtype=np.float32)
+    slm = constraint.constrain(Proposal([refused], [probabilities], hidden=[hidden], answer_position=5))
+    assert slm.tokens[0] in allowed and slm.hidden == [hidden] and slm.answer_position == 5
+    ngram = constraint.constrain(Proposal([int(allowed[0])], [None], match_length=3, match_count=2, answer_position=4))
+    assert (ngram.tokens, ngram.match_length, ngram.match_count, ngram.answer_position) == ([int(allowed[0])], 3, 2, 4)
+    assert constraint.constrain(Proposal([refused], [None], answer_position=4)).tokens == []
+
+
+def test_route_with_a_trained_slm_router_under_a_schema(tiny_engine):
+    """The trained router reads the SLM's hidden state of the constrained proposal (it was dropped:
+    IndexError on the calibrated pair)."""
+    from edgeroute.calibration.train import TrainSettings, router_onnx, train_router
+    from edgeroute.runtime.routers import SLM_FEATURES, TrainedRouter, slm_features
+
+    slm = tiny_engine.slm
+    width = slm_features(np.zeros(slm.arch.hidden_size), np.full(8, 0.125)).shape[0]
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, width)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.float32)
+    net, _ = train_router(x, y, x, y, TrainSettings(hidden_units=0, epochs=2))
+    router = TrainedRouter(router_onnx(net), SLM_FEATURES)
+    got = tiny_engine.generate(PROMPTS[0], max_new_tokens=NEW, response_format=FORMAT, mode="route", light="slm",
+                               router=router, route_threshold=0.5)
+    assert parses_and_validates(got.text, INTENT)
+    scored = [t.router_score for t in got.trace if t.router_score is not None]
+    assert scored and any(0.0 < s < 1.0 for s in scored)  # scored by the net, not the "no features" fallback

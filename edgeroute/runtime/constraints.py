@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -202,17 +202,19 @@ class Constraint:
         allows it, else nothing (the caller asks the LLM)."""
         if not proposal.tokens:
             return proposal
+        # what a router reads besides the token (the SLM's hidden state, the n-gram match, the
+        # position in the answer) describes the light path's state, which the mask leaves as it is
         allowed, p = self.allowed(), proposal.probabilities[0]
         if p is None:
-            ok = allowed[proposal.tokens[0]]
-            return Proposal(proposal.tokens[:1] if ok else [], [None] if ok else [],
-                            proposal.match_length, proposal.match_count)
+            keep = 1 if allowed[proposal.tokens[0]] else 0
+            return replace(proposal, tokens=proposal.tokens[:keep], probabilities=proposal.probabilities[:keep],
+                           hidden=proposal.hidden[:keep])
         masked = np.where(allowed, p, 0.0)
         total = masked.sum()
         if total <= 0.0:  # the SLM gives every allowed token zero probability (underflow)
-            return Proposal([], [])
+            return replace(proposal, tokens=[], probabilities=[], hidden=[])
         masked /= total
-        return Proposal([int(np.argmax(masked))], [masked])
+        return replace(proposal, tokens=[int(np.argmax(masked))], probabilities=[masked], hidden=proposal.hidden[:1])
 
     def draft(self, light, tokens: list[int], light_tokens: int, limit: int, source: str) -> Draft:
         """Up to ``light_tokens`` light-path tokens, each checked by the grammar, with the
