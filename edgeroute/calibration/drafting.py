@@ -3,13 +3,16 @@ measured costs.
 
 A drafted token costs an SLM step and a row of the LLM's verification pass; it saves an LLM
 step only if it and every draft token before it are accepted. On a CPU, where a verification
-row costs a good part of a step (measured on the 1.5B, 2 cores: 61 ms a step, +24 ms a row),
-long drafts of unsure tokens lose. Greedy speculation over the labelled answers can be
-replayed exactly from the teacher-forced labels: at each point the SLM drafts from the LLM's
-own prefix, and a draft is accepted up to its first token that differs from the LLM's. (After
-a wrong token the SLM would draft from its own guess; those tokens are rejected whatever they
-are, and their confidence is taken from the labelled position, an approximation of what the
-SLM would then be sure of.) The replay follows the runtime's draft length: it starts at
+row can cost a good part of a step, long drafts of unsure tokens lose; how much a row costs
+depends on the CPU (the 1.5B on 2 cores: 53 ms a step +20 ms a row with AVX2, 48 ms +6 ms with
+AVX-512 VNNI, which fitted 1-token and 3-token drafts), so calibrate on the device's CPU class.
+
+Greedy speculation over the labelled answers can be replayed exactly from the teacher-forced
+labels: at each point the SLM drafts from the LLM's own prefix, and a draft is accepted up to
+its first token that differs from the LLM's. (After a wrong token the SLM would draft from its
+own guess; those tokens are rejected whatever they are, and their confidence is taken from the
+labelled position, an approximation of what the SLM would then be sure of.) The replay follows
+the runtime's draft length: it starts at
 ``draft_tokens``, grows by one after a fully accepted draft up to ``max_draft_tokens``, and
 shrinks by one when less than half was accepted (``DecodeOptions.adaptive_draft``).
 
