@@ -12,9 +12,9 @@ labels: at each point the SLM drafts from the LLM's own prefix, and a draft is a
 its first token that differs from the LLM's. (After a wrong token the SLM would draft from its
 own guess; those tokens are rejected whatever they are, and their confidence is taken from the
 labelled position, an approximation of what the SLM would then be sure of.) The replay follows
-the runtime's draft length: it starts at
-``draft_tokens``, grows by one after a fully accepted draft up to ``max_draft_tokens``, and
-shrinks by one when less than half was accepted (``DecodeOptions.adaptive_draft``).
+the runtime's draft length: it starts at ``draft_tokens``, grows by one after a fully accepted
+draft up to ``max_draft_tokens``, and shrinks by one when less than half was accepted
+(``DecodeOptions.adaptive_draft``).
 
 For each candidate setting (confidence x longest draft) the replay gives the decode time of
 every answer under the cost model ``slm_steps * slm_step + llm_pass(1 + drafted)`` (a draft
