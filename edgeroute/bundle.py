@@ -111,6 +111,8 @@ class Calibration:
     figures: dict[str, Any] = field(default_factory=dict)
     # fitted defaults of every mode: draft_confidence, draft_tokens + max_draft_tokens, skip
     decoding: dict[str, Any] = field(default_factory=dict)
+    # the CPU the timings were taken on (edgeroute.cpu.cpu_signature); empty before it was recorded
+    device: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -133,6 +135,10 @@ class Calibration:
                                             and 1 <= lengths[0] <= lengths[1]):
             raise ValueError("decoding.draft_tokens and max_draft_tokens go together, as integers with "
                              f"1 <= draft_tokens <= max_draft_tokens (got {lengths[0]!r}, {lengths[1]!r})")
+        device = data.get("device", {})
+        if not (isinstance(device, dict) and isinstance(device.get("machine", ""), str)
+                and isinstance(device.get("isa", []), list) and all(isinstance(f, str) for f in device.get("isa", []))):
+            raise ValueError(f"device must be {{'machine': str, 'isa': [str, ...]}} (got {device!r})")
         skip = data.get("decoding", {}).get("skip")
         if skip is not None:
             from edgeroute.runtime.policies import SkipOptions  # the runtime's own checks, imported late

@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from edgeroute.cpu import cpu_signature, signature_difference
 from edgeroute.errors import EdgerouteError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -156,6 +157,11 @@ def _print_calibration(b) -> None:
     budget = c.budget
     console.print(f"calibration: {c.created}, budget: teacher-forced agreement >= {budget['tf_agreement']:.1%} "
                   f"({budget['bound']} bound), task-level pass no lower than full; data sha256 {c.data_sha256[:12]}")
+    if c.device:
+        difference = signature_difference(c.device, cpu_signature())
+        console.print(f"timings taken on: {c.device['machine']} ({' '.join(c.device['isa']) or 'no listed ISA extensions'})"
+                      + (f"; [yellow]{difference}[/]: timing-based choices may not be the fastest here" if difference else
+                         "; this CPU is of the same kind"))
     table = Table(title="calibrated routers")
     for column in ("light path", "router", "threshold", "bound", "held-out TF agreement", "held-out LLM share"):
         table.add_column(column)

@@ -27,3 +27,9 @@ class InputError(EdgerouteError):
 
 class SessionBusy(EdgerouteError):
     """A Session got a second call while one was running (one call at a time per session)."""
+
+
+class CalibrationDeviceWarning(UserWarning):
+    """A calibrated bundle runs on a CPU with other instruction sets than it was calibrated on:
+    its quality budget holds, but its timing-based choices (draft length, ``--mode auto``) may
+    not be the fastest here."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,8 @@ from edgeroute.calibration.prompts import TASKS, builtin_prompts
 from edgeroute.calibration.thresholds import BudgetUnreachable, choose_threshold, prompt_risks
 from edgeroute.calibration.train import TrainSettings, router_onnx, train_router
 from edgeroute.cli import app
-from edgeroute.errors import BundleError, InputError
+from edgeroute.cpu import cpu_signature
+from edgeroute.errors import BundleError, CalibrationDeviceWarning, InputError
 from edgeroute.runtime import Engine
 from edgeroute.runtime.calibrated import format_token_ids
 from edgeroute.runtime.drafters import Proposal
@@ -254,6 +256,35 @@ def test_an_uncalibrated_bundle_says_so(tiny_slm_bundle):
         Engine(tiny_slm_bundle).session(mode="auto", task="json")
 
 
+def test_a_bundle_calibrated_on_another_kind_of_cpu_warns(slm_bundle_copy):
+    _calibration_with_trained_router(slm_bundle_copy)
+    manifest = json.loads((slm_bundle_copy / MANIFEST).read_text())
+    here = cpu_signature()
+
+    def recorded(device: dict | None) -> None:
+        data = json.loads(json.dumps(manifest))
+        if device is not None:
+            data["calibration"]["device"] = device
+        (slm_bundle_copy / MANIFEST).write_text(json.dumps(data))
+
+    for device in (None, here):  # nothing recorded (an older calibration), or this kind of CPU
+        recorded(device)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            Engine(slm_bundle_copy)
+    for device, message in (({**here, "isa": [*here["isa"], "made_up_isa"]}, "this CPU lacks made_up_isa"),
+                            ({**here, "isa": []}, "this CPU adds" if here["isa"] else None),
+                            ({**here, "machine": "riscv64"}, "calibrated on riscv64")):
+        if message is None:
+            continue  # no extension to lack on a CPU that lists none
+        recorded(device)
+        with pytest.warns(CalibrationDeviceWarning, match=f"{message}.*run `edgeroute calibrate`"):
+            engine = Engine(slm_bundle_copy)
+        assert engine.session(mode="route", light="slm").options.route_threshold == 0.42  # still applied
+    result = runner.invoke(app, ["inspect", str(slm_bundle_copy)])
+    assert result.exit_code == 0 and "timings taken on: riscv64" in result.output
+
+
 def test_corrupt_calibration_section_is_a_clear_error(slm_bundle_copy):
     _calibration_with_trained_router(slm_bundle_copy)
     manifest = json.loads((slm_bundle_copy / MANIFEST).read_text())
@@ -265,6 +296,7 @@ def test_corrupt_calibration_section_is_a_clear_error(slm_bundle_copy):
                             (lambda c: c["decoding"].update(skip={"importance_threshold": 3}),
                              "decoding.skip is not a valid skip setting: importance_threshold"),
                             (lambda c: c["decoding"].update(skip={"layers": 3}), "decoding.skip is not a valid"),
+                            (lambda c: c.update(device={"machine": 3}), "device must be"),
                             (lambda c: c["routers"]["slm"].update(file="calibration/gone.onnx"), "does not list")):
         broken = json.loads(json.dumps(manifest))
         damage(broken["calibration"])
@@ -298,6 +330,7 @@ def test_calibrate_end_to_end_writes_a_section_the_runtime_reads(slm_bundle_copy
     bundle = Bundle.open(slm_bundle_copy)  # sha256 of every file, router graphs included
     calibration = bundle.calibration
     assert calibration == report.calibration
+    assert calibration.device == cpu_signature()  # the timings' CPU, for the runtime's check
     assert calibration.figures["labels"]["positions"] > 0 and "default" in calibration.profiles
     for profile in calibration.profiles.values():
         assert profile["figures"][profile["config"]]["task_pass"] >= profile["figures"]["full"]["task_pass"]

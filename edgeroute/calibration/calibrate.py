@@ -37,6 +37,7 @@ from edgeroute.calibration.skipping import (
 )
 from edgeroute.calibration.thresholds import BOUNDS, BudgetUnreachable, Choice, choose_threshold, share_at_agreement, tradeoff
 from edgeroute.calibration.train import TrainSettings, roc_auc, router_onnx, train_router
+from edgeroute.cpu import cpu_signature
 from edgeroute.errors import InputError
 from edgeroute.runtime.calibrated import AUTO_KEYS, SKIP_KEYS
 from edgeroute.runtime.drafters import Proposal
@@ -466,7 +467,7 @@ def calibrate(bundle_path: str | Path, options: CalibrateOptions | None = None,
         data_sha256=hashlib.sha256(provenance.encode()).hexdigest(),
         budget={"tf_agreement": options.budget, "task_pass": "no lower than full", "bound": options.bound,
                 "delta": options.delta if options.bound == "ltt" else None},
-        routers=entries, profiles=profiles, decoding=decoding,
+        routers=entries, profiles=profiles, decoding=decoding, device=cpu_signature(),
         figures={"labels": label_counts, "seconds": dict(seconds), "drafting": drafting.figures,
                  "routers": {light: {"candidates": r.figures["candidates"], "why": r.figures["why"]}
                              for light, r in routers.items()},

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -21,7 +22,8 @@ from tokenizers import Tokenizer
 
 from edgeroute.bundle import Bundle, RouterCalibration
 from edgeroute.chat_format import format_messages
-from edgeroute.errors import InputError, SessionBusy
+from edgeroute.cpu import cpu_signature, signature_difference
+from edgeroute.errors import CalibrationDeviceWarning, InputError, SessionBusy
 from edgeroute.runtime.attention import check_kv_dtype
 from edgeroute.runtime.calibrated import calibrated_options, format_token_ids
 from edgeroute.runtime.constraints import Constraint, GrammarCompiler
@@ -72,6 +74,12 @@ class Engine:
             raise InputError(f"context_length {self.context_length} is outside 1..{exported}: the bundle was exported "
                              f"with --context-length {exported}; export again for a longer one")
         self.use_slm = slm and self.bundle.slm is not None
+        calibration = self.bundle.calibration
+        difference = calibration and calibration.device and signature_difference(calibration.device, cpu_signature())
+        if difference:
+            warnings.warn(f"{self.bundle.path}: {difference}. Its quality budget holds; its timing-based choices "
+                          "(draft length, --mode auto) may not be the fastest here: run `edgeroute calibrate` "
+                          "on this kind of CPU", CalibrationDeviceWarning, stacklevel=2)
         if memory_budget is not None:
             check_fit(self.bundle, self.context_length, memory_budget, check_kv_dtype(kv_dtype), slm=self.use_slm)
         self.tokenizer = Tokenizer.from_file(str(self.bundle.file(self.bundle.tokenizer["file"])))
