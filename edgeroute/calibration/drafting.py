@@ -53,22 +53,16 @@ class DraftCosts:
         return self.llm_pass + drafted * self.llm_row
 
 
-def _median_seconds(call, repeats: int) -> float:
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
-
-
-def measure_costs(engine: Engine, repeats: int = 9, extra_rows: int = 4) -> DraftCosts:
-    """Time an SLM step and LLM passes of 1 and 1 + ``extra_rows`` tokens after a prefix."""
+def measure_costs(engine: Engine, repeats: int = 25, extra_rows: int = 4) -> DraftCosts:
+    """Time an SLM step and LLM passes of 1 and 1 + ``extra_rows`` tokens after a prefix
+    (medians). The three are timed in turn within every repeat, so a change of the machine's
+    pace during the measurement (clock boost, another process) hits them alike: the row cost is
+    a difference of two of them, and an unpaired one moved the fitted draft length between
+    runs on one machine."""
     prefix = (engine.encode("The driver asked for the route to the station and the assistant answered ") * 8)
     prefix = prefix[:MEASURED_CONTEXT]
-    llm, slm = engine.llm, engine.slm
 
-    def timed_pass(model, tokens: int) -> float:
+    def pass_after_prefix(model, tokens: int):
         cache = model.new_cache()
         model.forward(cache, prefix)
 
@@ -77,11 +71,18 @@ def measure_costs(engine: Engine, repeats: int = 9, extra_rows: int = 4) -> Draf
             model.forward(cache, prefix[:tokens], tail=tokens)
 
         one()  # warm-up (first call of this shape)
-        return _median_seconds(one, repeats)
+        return one
 
-    one_row = timed_pass(llm, 1)
-    rows = timed_pass(llm, 1 + extra_rows)
-    return DraftCosts(slm_step=timed_pass(slm, 1), llm_pass=one_row, llm_row=max(rows - one_row, 0.0) / extra_rows)
+    calls = {"slm": pass_after_prefix(engine.slm, 1), "llm": pass_after_prefix(engine.llm, 1),
+             "llm_rows": pass_after_prefix(engine.llm, 1 + extra_rows)}
+    samples: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(repeats):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            samples[name].append(time.perf_counter() - start)
+    slm_step, one_row, rows = (statistics.median(samples[name]) for name in calls)
+    return DraftCosts(slm_step=slm_step, llm_pass=one_row, llm_row=max(rows - one_row, 0.0) / extra_rows)
 
 
 @dataclass(frozen=True)
