@@ -527,16 +527,13 @@ def _hidden_output(g: GraphBuilder, arch: ArchConfig, value: str) -> onnx.ModelP
 
 def _attention_graph(name: str, arch: ArchConfig, layer: LayerWeights, index: int, weights: WeightFile | None,
                      flavour: str, with_mlp: bool, kv_dtype: str) -> onnx.ModelProto:
+    if (flavour, kv_dtype) not in ATTENTION_VARIANTS:
+        raise ValueError(f"no {flavour} attention graphs for a {kv_dtype} cache (variants: {ATTENTION_VARIANTS})")
     g = GraphBuilder(name, weights)
     inputs, attention = ATTENTION_FLAVOURS[flavour]
-    if kv_dtype == "float32":
-        hidden, *rest = inputs(g, arch)
-        hidden = attention(g, arch, layer, index, hidden, *rest)
-    elif flavour == "portable":
-        hidden, *rest = inputs(g, arch, kv_dtype)
-        hidden = attention(g, arch, layer, index, hidden, *rest, kv_dtype=kv_dtype)
-    else:
-        raise ValueError(f"the {flavour} attention keeps a float32 cache only (asked: {kv_dtype})")
+    cache = {} if kv_dtype == "float32" else {"kv_dtype": kv_dtype}  # only the portable flavour takes another
+    hidden, *rest = inputs(g, arch, **cache)
+    hidden = attention(g, arch, layer, index, hidden, *rest, **cache)
     return _hidden_output(g, arch, add_mlp(g, arch, layer, index, hidden) if with_mlp else hidden)
 
 
