@@ -38,12 +38,15 @@ def sha256_file(path: Path) -> str:
 
 
 def model_section(arch: ArchConfig, source: dict[str, Any], quantization: dict[str, Any],
-                  graphs: list[dict[str, Any]], head_vocab: dict[str, Any] | None = None) -> dict[str, Any]:
+                  graphs: list[dict[str, Any]], head_vocab: dict[str, Any] | None = None,
+                  native: NativeWeights | None = None) -> dict[str, Any]:
     """One model's manifest entry (``models.llm`` / ``models.slm``); ``head_vocab`` only for a
-    reduced-vocabulary SLM head."""
+    reduced-vocabulary SLM head, ``native`` only where the native backend can run the model."""
     section = {"arch": arch.to_dict(), "source": source, "quantization": quantization, "graphs": graphs}
     if head_vocab is not None:
         section["head_vocab"] = head_vocab
+    if native is not None:
+        section["native"] = native.to_dict()
     return section
 
 
@@ -174,6 +177,54 @@ class GraphEntry:
     flavour: str = PORTABLE  # portable (standard ops) | ort (ONNX Runtime contrib ops)
 
 
+# ggml formats of a native weight file (runtime/native reads them): name -> (values, bytes) per block
+NATIVE_FORMATS = {"F32": (1, 4), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q8_0": (32, 34),
+                  "Q4_K": (256, 144), "Q6_K": (256, 210)}
+NATIVE_ALIGNMENT = 64  # every tensor starts at a multiple of this offset
+
+
+@dataclass(frozen=True)
+class NativeTensor:
+    format: str  # a NATIVE_FORMATS key
+    shape: tuple[int, ...]  # (rows, cols) of a matrix (row-major blocks), (n,) of a vector
+    offset: int
+    bytes: int
+
+    def check(self, name: str, file_bytes: int) -> None:
+        if self.format not in NATIVE_FORMATS:
+            raise ValueError(f"native tensor {name} has format {self.format!r}, not one of {', '.join(NATIVE_FORMATS)}")
+        values, block_bytes = NATIVE_FORMATS[self.format]
+        cols = self.shape[-1]
+        rows = self.shape[0] if len(self.shape) == 2 else 1
+        if len(self.shape) not in (1, 2) or cols % values or self.bytes != rows * cols // values * block_bytes:
+            raise ValueError(f"native tensor {name}: {self.bytes} bytes do not hold a {self.format} {self.shape}")
+        if self.offset % NATIVE_ALIGNMENT or self.offset < 0 or self.offset + self.bytes > file_bytes:
+            raise ValueError(f"native tensor {name} lies outside its file or is misaligned (offset {self.offset})")
+
+
+@dataclass(frozen=True)
+class NativeWeights:
+    """A model's weights as the native backend reads them: GGUF blocks as stored in the source
+    (llama's Q/K rows put back in rotate-half order), one file, tensors by GGUF name."""
+
+    file: str
+    tensors: dict[str, NativeTensor]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"file": self.file, "alignment": NATIVE_ALIGNMENT,
+                "tensors": {name: {**asdict(t), "shape": list(t.shape)} for name, t in self.tensors.items()}}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], files: dict[str, Any]) -> NativeWeights:
+        if data["file"] not in files:
+            raise ValueError(f"the native weight file {data['file']} is not listed in files")
+        tensors = {name: NativeTensor(t["format"], tuple(int(v) for v in t["shape"]), int(t["offset"]), int(t["bytes"]))
+                   for name, t in data["tensors"].items()}
+        for name, tensor in tensors.items():
+            tensor.check(name, int(files[data["file"]]["bytes"]))
+        return cls(data["file"], tensors)
+
+
 @dataclass(frozen=True)
 class ModelEntry:
     role: str
@@ -181,6 +232,7 @@ class ModelEntry:
     graphs: dict[str, GraphEntry]
     quantization: dict[str, Any]
     source: dict[str, Any]
+    native: NativeWeights | None = None  # absent: the model runs on ONNX Runtime only
 
     @property
     def num_layers(self) -> int:
@@ -210,8 +262,9 @@ class Bundle:
         self.models: dict[str, ModelEntry] = {}
         for role, entry in manifest["models"].items():
             graphs = {g["name"]: GraphEntry(**g) for g in entry["graphs"]}
+            native = NativeWeights.from_dict(entry["native"], manifest["files"]) if "native" in entry else None
             self.models[role] = ModelEntry(role, ArchConfig.from_dict(entry["arch"]), graphs,
-                                           entry["quantization"], entry["source"])
+                                           entry["quantization"], entry["source"], native)
         self.calibration = self._read_calibration(manifest.get("calibration"))
 
     def _read_calibration(self, data: Any) -> Calibration | None:

@@ -92,6 +92,8 @@ def export(
     context_length: int = typer.Option(2048, help="KV capacity the runtime allocates"),
     calibration_tokens: int = typer.Option(2048, help="GPTQ calibration tokens"),
     parity_tokens: int = typer.Option(256, help="tokens of held-out text for the parity check (0: skip)"),
+    native: bool = typer.Option(True, "--native/--no-native", help="GGUF sources: also store the blocks as they are "
+                                "for the native CPU backend (the GGUF's size again on disk)"),
     out: Path = typer.Option(Path("bundles/smollm2-demo"), help="bundle directory to write"),
     force: bool = typer.Option(False, help="replace an existing bundle"),
 ) -> None:
@@ -101,7 +103,8 @@ def export(
     options = ExportOptions(llm=llm, slm=None if no_slm else slm, slm_layers=slm_layers, quant=quant,
                             slm_quant=slm_quant, block_size=block_size, head=head, slm_vocab=slm_vocab,
                             context_length=context_length,
-                            calibration_tokens=calibration_tokens, parity_tokens=parity_tokens, out=out, force=force)
+                            calibration_tokens=calibration_tokens, parity_tokens=parity_tokens, native=native, out=out,
+                            force=force)
     with _clear_errors(), _progress_bars() as update:
         report = export_bundle(options, update)
 
@@ -132,13 +135,15 @@ def inspect(bundle: Path = typer.Argument(..., help="bundle directory")) -> None
     console.print(f"[bold]{bundle}[/]: format {m['format_version']}, edgeroute {m['edgeroute_version']}, "
                   f"opset {m['opset']}, created {m['created']}")
     table = Table()
-    for column in ("model", "family", "layers", "hidden", "heads (kv)", "vocab", "quantization", "graphs", "size", "source"):
+    for column in ("model", "family", "layers", "hidden", "heads (kv)", "vocab", "quantization", "graphs", "native",
+                   "size", "source"):
         table.add_column(column)
     for role, entry in b.models.items():
         a, q = entry.arch, entry.quantization
         quant = q["method"] + (" (carried over)" if q.get("carried_over") else "") + f", head {q['head']}"
+        native = _mb(m["files"][entry.native.file]["bytes"]) if entry.native else "-"
         table.add_row(role, a.family, str(a.num_layers), str(a.hidden_size), f"{a.num_heads} ({a.num_kv_heads})",
-                      str(a.vocab_size), quant, str(len(entry.graphs)), _mb(b.total_bytes(f"{role}/")),
+                      str(a.vocab_size), quant, str(len(entry.graphs)), native, _mb(b.total_bytes(f"{role}/")),
                       f"{entry.source['name']} ({entry.source['format']}, sha256 {entry.source['sha256'][:12]})")
     console.print(table)
     g = b.generation
@@ -198,6 +203,9 @@ def run(
     context_length: int = typer.Option(None, help="KV capacity per session (default: the device profile's, at most "
                                                   "the bundle's)"),
     no_slm: bool = typer.Option(False, "--no-slm", help="never load the bundle's SLM (less memory)"),
+    backend: str = typer.Option("auto", help="auto | native (edgeroute's CPU kernels over the bundle's GGUF blocks) "
+                                "| onnxruntime; auto: native where the bundle has native weights and the settings "
+                                "allow, else ONNX Runtime"),
     attention: str = typer.Option(None, help="attention graphs: auto | portable | ort (default: the device "
                                              "profile's, else auto)"),
     kv_dtype: str = typer.Option(None, help="KV cache element type: float32 | float16 (half the memory; portable "
@@ -257,7 +265,7 @@ def run(
         engine = Engine(opened, providers=settings.providers if settings else None, context_length=context_length,
                         memory_budget=settings.memory_budget if settings else None, slm=not no_slm,
                         attention=attention or (settings.attention if settings else "auto"), exact_steps=exact_steps,
-                        kv_dtype=kv_dtype or (settings.kv_dtype if settings else "float32"))
+                        kv_dtype=kv_dtype or (settings.kv_dtype if settings else "float32"), backend=backend)
         decoding = {**(settings.decoding if settings else {}), **overrides}
         if mode == "auto" and "task" not in decoding:
             raise EdgerouteError("--mode auto picks the calibrated configuration of a task profile: add "
@@ -279,7 +287,8 @@ def run(
                 sys.stdout.write(piece)
                 sys.stdout.flush()
             sys.stdout.write("\n")
-            err_console.print(f"[dim]{session.last.stats.summary(session.options.mode, engine.llm.num_layers)}[/]")
+            err_console.print(f"[dim]{session.last.stats.summary(session.options.mode, engine.llm.num_layers)} "
+                              f"({engine.llm.flavour})[/]")
             if session.last.finish_reason == "incomplete":
                 incomplete.append(session.last)
                 err_console.print("[bold red]error:[/] the answer is incomplete: it ended before the response format's "

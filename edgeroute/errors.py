@@ -33,3 +33,8 @@ class CalibrationDeviceWarning(UserWarning):
     """A calibrated bundle runs on a CPU with other instruction sets than it was calibrated on:
     its quality budget holds, but its timing-based choices (draft length, ``--mode auto``) may
     not be the fastest here."""
+
+
+class NativeBackendUnavailable(EdgerouteError):
+    """The native CPU backend cannot run here (no native weights in the bundle, no C compiler,
+    a CPU without AVX2): ``backend="auto"`` then runs ONNX Runtime."""

@@ -45,7 +45,7 @@ def test_kv_bytes_are_layers_capacity_kv_heads_head_dim_k_and_v_bytes():
 def test_need_adds_weights_kv_of_both_models_and_working_memory():
     bundle = qwen_pair(4096)
     need, alone = estimate(bundle, 4096), estimate(bundle, 4096, slm=False)
-    assert need.weights == int((1_797_000_000 + 700_000_000) * RESIDENT_FACTOR)
+    assert need.weights == int(1_797_000_000 * RESIDENT_FACTOR) + int(700_000_000 * RESIDENT_FACTOR)
     assert need.kv == kv_cache_bytes(bundle.llm.arch, 4096) + kv_cache_bytes(bundle.slm.arch, 4096)
     assert alone.kv == kv_cache_bytes(bundle.llm.arch, 4096) and alone.weights < need.weights
     assert need.total == need.weights + need.kv + need.working and need.working > 96 << 20
@@ -77,7 +77,7 @@ def test_engine_refuses_before_loading_and_accepts_what_the_message_offers(tiny_
     bundle = Bundle.open(tiny_slm_bundle)
     need, alone = estimate(bundle, 256), estimate(bundle, 256, slm=False)
     loads = []
-    monkeypatch.setattr("edgeroute.runtime.engine.OrtModel", lambda *a, **k: loads.append(a) or None)
+    monkeypatch.setattr("edgeroute.runtime.engine.open_model", lambda *a, **k: loads.append(a) or (None, None))
     with pytest.raises(InputError, match="What would fit: .*no SLM") as err:
         Engine(bundle, memory_budget=need.total - 1)
     assert loads == [] and "slm=False" in str(err.value)

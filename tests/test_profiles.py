@@ -74,7 +74,7 @@ def _wheel(tmp_path: Path) -> Path:
     """Build the package's wheel from a copy of the source (no build files in the checkout)."""
     source = tmp_path / "source"
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-    for part in ("edgeroute", "profiles"):
+    for part in ("edgeroute", "profiles", "runtime"):
         shutil.copytree(REPO / part, source / part, ignore=ignore)
     for part in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / part, source / part)
@@ -90,16 +90,19 @@ def test_profiles_load_from_an_installed_wheel(tmp_path):
     assert {f"{p}/__init__.py" for p in packages} <= names, "a package is missing from pyproject's package list"
     shipped = {f"edgeroute/{p.relative_to(REPO).as_posix()}" for p in REPO.glob("profiles/*/*.json")}
     assert shipped <= names, "a profile folder is missing from pyproject's package list"
+    assert "edgeroute/native/edgeroute_native.c" in names, "the native kernels' source is missing from the wheel"
 
     site = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)],
                    check=True, capture_output=True)
     script = textwrap.dedent("""
         import json, edgeroute
+        from edgeroute.runtime.native import native_source
         from edgeroute.runtime.profiles import known_profiles, load_profile
         profile = load_profile("jetson-orin-nano-8gb,templated")
         print(json.dumps({"package": edgeroute.__file__, "files": sorted(str(f) for f in known_profiles().values()),
-                          "names": profile.names, "budget": profile.memory_budget, "decoding": profile.decoding}))
+                          "names": profile.names, "budget": profile.memory_budget, "decoding": profile.decoding,
+                          "native_source": str(native_source())}))
     """)
     env = {k: v for k, v in os.environ.items() if k not in ("EDGEROUTE_PROFILES", "PYTHONPATH")}
     env["PYTHONPATH"] = str(site)
@@ -109,4 +112,5 @@ def test_profiles_load_from_an_installed_wheel(tmp_path):
     assert result["package"].startswith(str(site))
     assert result["files"] and all(f.startswith(str(site / "edgeroute" / "profiles")) for f in result["files"])
     assert result["names"] == ["jetson-orin-nano-8gb", "templated"]
+    assert result["native_source"] == str(site / "edgeroute" / "native" / "edgeroute_native.c")
     assert result["budget"] == int(5.5 * GIB) and result["decoding"]["mode"] == "speculate"

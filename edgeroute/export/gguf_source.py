@@ -9,7 +9,7 @@ import numpy as np
 from edgeroute.arch import ArchConfig, check_supported
 from edgeroute.errors import SourceError
 from edgeroute.export.gguf_blocks import UnsupportedTensorFormat, decode_gguf_tensor
-from edgeroute.export.sources import SourceModel, file_sha256, gguf_tokenizer
+from edgeroute.export.sources import RawTensor, SourceModel, file_sha256, gguf_tokenizer
 from edgeroute.export.tensors import BlockQuantWeight, FloatWeight, LayerWeights, LazyLayers, Linear, ModelWeights
 
 
@@ -75,11 +75,15 @@ def load_gguf(path: Path) -> SourceModel:
     tokenizer = gguf_tokenizer(path, reader)
     del reader
 
-    def weight(name: str) -> BlockQuantWeight | FloatWeight:
+    def raw_tensor(name: str) -> RawTensor:
         if name not in tensors:
             raise SourceError(f"{path}: GGUF has no tensor {name}")
         qtype, shape, offset, n_bytes = tensors[name]
-        raw = np.fromfile(path, dtype=np.uint8, count=n_bytes, offset=offset)
+        return RawTensor(qtype.name, shape, np.fromfile(path, dtype=np.uint8, count=n_bytes, offset=offset))
+
+    def weight(name: str) -> BlockQuantWeight | FloatWeight:
+        raw = raw_tensor(name).data
+        qtype, shape = tensors[name][:2]
         try:
             decoded = decode_gguf_tensor(raw, qtype, shape)
         except UnsupportedTensorFormat as err:
@@ -127,4 +131,4 @@ def load_gguf(path: Path) -> SourceModel:
                            vector("output_norm.weight"), head)
     quantized = any(f not in ("F32", "F16", "BF16") for f in formats)
     return SourceModel(path.stem, path, "gguf", arch, weights, tokenizer, file_sha256([path]),
-                       quantized, notes=[f"GGUF tensor types: {', '.join(formats)}"])
+                       quantized, notes=[f"GGUF tensor types: {', '.join(formats)}"], raw_tensor=raw_tensor)

@@ -16,10 +16,11 @@ from typing import Any
 import numpy as np
 
 from edgeroute import __version__
-from edgeroute.bundle import model_section
+from edgeroute.bundle import NativeWeights, model_section
 from edgeroute.errors import EdgerouteError, TokenizerMismatch
 from edgeroute.export.chat import derive_chat_format
 from edgeroute.export.graphs import OPSET, WeightFile, model_graphs
+from edgeroute.export.native_weights import write_native_weights
 from edgeroute.export.quantize import rtn_quantize
 from edgeroute.export.sources import SourceModel, TokenizerInfo, load_source
 from edgeroute.export.tensors import FloatWeight, LayerWeights, Linear, ModelWeights, Weight, lazy_map
@@ -50,6 +51,9 @@ class ExportOptions:
     context_length: int = 2048
     calibration_tokens: int = 2048
     parity_tokens: int = 256
+    # GGUF sources: also copy the blocks as stored into a native weight file (the native
+    # backend's; see edgeroute/export/native_weights.py). Costs the GGUF's size again on disk.
+    native: bool = True
     out: Path = DEFAULT_OUT
     force: bool = False
 
@@ -286,6 +290,16 @@ def export_bundle(options: ExportOptions, progress: Progress | None = None) -> E
                     weight_file.close()
                     writer.record(f"{role}/{group}.weights")
                     progress(f"{role}: graphs", done, arch.num_layers + 2)
+            native = None
+            if options.native:
+                with _stage(report, "native weights"):
+                    rel = f"{role}/native.bin"
+                    written = write_native_weights(source, arch, writer.path(rel), rel, head_vocab is not None)
+                if isinstance(written, NativeWeights):
+                    writer.record(rel)
+                    native = written
+                else:
+                    report.notes.append(f"{role}: no native weights ({written}): it runs on ONNX Runtime only")
             formats = dict(counts)
             manifest_models[role] = model_section(
                 arch,
@@ -294,7 +308,7 @@ def export_bundle(options: ExportOptions, progress: Progress | None = None) -> E
                         "notes": [*source.notes, *weights.notes]},
                 quantization={"method": method, "block_size": options.block_size, "head": options.head,
                               "carried_over": source.quantized and method.startswith("int4"), "formats": formats},
-                graphs=graphs, head_vocab=head_vocab)
+                graphs=graphs, head_vocab=head_vocab, native=native)
             exported[role] = weights
             report.models.append(ModelReport(role, source.name, len(weights.layers),
                                              sum(f["bytes"] for rel, f in writer.files.items() if rel.startswith(role)),

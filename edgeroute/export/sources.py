@@ -10,6 +10,7 @@ import hashlib
 import importlib.metadata
 import json
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,6 +49,15 @@ class SourceModel:
     sha256: str
     quantized: bool  # the source already holds quantized weights (carried over, never re-quantized)
     notes: list[str] = field(default_factory=list)
+    # a GGUF's tensors as stored (type name, (rows, cols), bytes), for the native weight file
+    raw_tensor: Callable[[str], RawTensor] | None = None
+
+
+@dataclass(frozen=True)
+class RawTensor:
+    type_name: str  # ggml type: F32, Q4_K, ...
+    shape: tuple[int, ...]  # numpy order: (rows, cols) for a matrix
+    data: np.ndarray  # uint8, as stored in the file
 
 
 def packaged_gguf() -> Path:

@@ -5,7 +5,8 @@ tokens over a sequence's cache with a per-layer plan, caches that can be created
 truncated (rejected drafts) and copied (shared prompt prefixes), and the LM head.
 :class:`edgeroute.runtime.model.OrtModel` implements it on ONNX Runtime with the bundle's
 attention flavours (portable standard ops, or the ort flavour's in-place
-GroupQueryAttention); a TensorRT backend would implement it over engines built from the
+GroupQueryAttention), :class:`edgeroute.runtime.native.NativeModel` on edgeroute's own CPU
+kernels over the bundle's GGUF blocks (``open_model`` chooses); a TensorRT backend would implement it over engines built from the
 portable graphs, with its own cache layout behind the same :class:`Cache` methods.
 """
 
@@ -17,6 +18,8 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from edgeroute.arch import ArchConfig
+from edgeroute.bundle import Bundle, ModelEntry
+from edgeroute.errors import InputError, NativeBackendUnavailable
 from edgeroute.runtime.model import LayerPlan
 from edgeroute.runtime.vocab import HeadVocabulary
 
@@ -47,7 +50,7 @@ class ModelBackend(Protocol):
 
     arch: ArchConfig
     capacity: int  # the default cache capacity (the bundle's context length)
-    flavour: str  # the attention graphs it runs: portable | ort
+    flavour: str  # what runs the layers: portable | ort (ONNX Runtime graphs) | native
     head_vocab: HeadVocabulary | None  # a reduced-vocabulary head's token ids (None: the whole vocabulary)
 
     @property
@@ -71,3 +74,50 @@ class ModelBackend(Protocol):
 
     def head(self, hidden: np.ndarray) -> np.ndarray:
         """Hidden states [T, d] -> logits [T, vocab]."""
+
+
+BACKENDS = ("auto", "onnxruntime", "native")
+
+
+def native_blocker(entry: ModelEntry, providers: Sequence[str] | None, activations: str, attention: str,
+                   kv_dtype: str) -> str | None:
+    """Why the native backend cannot take this model with these settings (None: it can)."""
+    if entry.native is None:
+        return f"the {entry.role} model has no native weights (export writes them for GGUF sources)"
+    if providers and list(providers) != ["CPUExecutionProvider"]:
+        return f"providers {list(providers)} are ONNX Runtime's"
+    if attention != "auto":
+        return f"attention={attention!r} chooses ONNX Runtime graphs"
+    if kv_dtype != "float32":
+        return f"the native cache is float32 (kv_dtype={kv_dtype!r} is ONNX Runtime's)"
+    if activations != "int8":
+        return f"the native kernels quantize activations to int8 (activations={activations!r} is ONNX Runtime's)"
+    return None
+
+
+def open_model(bundle: Bundle, role: str, backend: str = "auto", providers: Sequence[str] | None = None,
+               activations: str = "int8", attention: str = "auto", exact_steps: bool = False,
+               kv_dtype: str = "float32") -> tuple[ModelBackend, str | None]:
+    """The model of ``role`` on ``backend``, and why ``auto`` did not take the native backend
+    (None where it did, or where a backend was named). ``auto`` takes the native backend where
+    the model has native weights, the settings are its own (CPU, attention auto, float32 cache,
+    int8 activations) and the kernels build here; otherwise ONNX Runtime."""
+    from edgeroute.runtime.model import OrtModel
+    from edgeroute.runtime.native import NativeModel
+
+    if backend not in BACKENDS:
+        raise InputError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
+    if role not in bundle.models:
+        raise InputError(f"bundle {bundle.path} has no {role!r} model (it has: {', '.join(bundle.models)})")
+    why_not = None
+    if backend != "onnxruntime":
+        why_not = native_blocker(bundle.models[role], providers, activations, attention, kv_dtype)
+        if why_not is None:
+            try:
+                return NativeModel(bundle, role), None
+            except NativeBackendUnavailable as err:
+                why_not = str(err)
+        if backend == "native":
+            raise NativeBackendUnavailable(f"backend='native' cannot run here: {why_not}")
+    return OrtModel(bundle, role, providers, activations, attention, exact_steps=exact_steps,
+                    kv_dtype=kv_dtype), why_not

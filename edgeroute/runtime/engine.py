@@ -25,11 +25,12 @@ from edgeroute.chat_format import format_messages
 from edgeroute.cpu import cpu_signature, signature_difference
 from edgeroute.errors import CalibrationDeviceWarning, InputError, SessionBusy
 from edgeroute.runtime.attention import check_kv_dtype
+from edgeroute.runtime.backend import ModelBackend, open_model
 from edgeroute.runtime.calibrated import calibrated_options, format_token_ids
 from edgeroute.runtime.constraints import Constraint, GrammarCompiler
 from edgeroute.runtime.decoding import DecodeOptions, Decoder, GenerationStats, SequenceState, TokenTrace
 from edgeroute.runtime.memory import check_fit
-from edgeroute.runtime.model import KVCache, OrtModel
+from edgeroute.runtime.model import KVCache
 from edgeroute.runtime.routers import TrainedRouter
 from edgeroute.runtime.text_stream import IncrementalDetokenizer, StopFilter
 
@@ -48,12 +49,13 @@ class Generation:
 
 
 class Engine:
-    """A loaded bundle: tokenizer and ONNX Runtime sessions, shared by every session."""
+    """A loaded bundle: tokenizer and models (ONNX Runtime sessions or native kernels), shared by
+    every session."""
 
     def __init__(self, bundle: str | Path | Bundle, providers: Sequence[str] | None = None, verify: bool = True,
                  options: DecodeOptions | None = None, activations: str = "int8", context_length: int | None = None,
                  memory_budget: int | None = None, slm: bool = True, attention: str = "auto",
-                 exact_steps: bool = False, kv_dtype: str = "float32") -> None:
+                 exact_steps: bool = False, kv_dtype: str = "float32", backend: str = "auto") -> None:
         """``activations``: "int8" (fast int4 kernels that quantize activations, like
         llama.cpp) or "fp32" (slower, but a multi-token verification pass then rounds like a
         one-token step, so speculation reproduces full decoding except at near-ties).
@@ -66,7 +68,11 @@ class Engine:
         verification pass rounds exactly like them and ``speculate`` reproduces ``full``
         bit for bit; costs ``full`` decode speed (README), not ``speculate``'s. ``kv_dtype``: the
         KV caches' element type, "float32" or "float16" (half the cache's memory; portable
-        attention graphs only; agreement with float32 measured in the README)."""
+        attention graphs only; agreement with float32 measured in the README). ``backend``: what
+        runs the models, "onnxruntime", "native" (edgeroute's CPU kernels over the bundle's GGUF
+        blocks, ``edgeroute.runtime.native``) or "auto": native where a model has native weights,
+        the other settings are the defaults and the kernels build here, else ONNX Runtime
+        (``backend_notes`` says why, per model)."""
         self.bundle = bundle if isinstance(bundle, Bundle) else Bundle.open(bundle, verify=verify)
         exported = int(self.bundle.generation["context_length"])
         self.context_length = context_length or exported
@@ -84,9 +90,10 @@ class Engine:
             check_fit(self.bundle, self.context_length, memory_budget, check_kv_dtype(kv_dtype), slm=self.use_slm)
         self.tokenizer = Tokenizer.from_file(str(self.bundle.file(self.bundle.tokenizer["file"])))
         self.providers, self.activations, self.attention, self.kv_dtype = providers, activations, attention, kv_dtype
-        self.llm = OrtModel(self.bundle, "llm", providers, activations, attention, exact_steps=exact_steps,
-                            kv_dtype=kv_dtype)
-        self._slm: OrtModel | None = None
+        self.backend = backend
+        self.backend_notes: dict[str, str] = {}  # role -> why backend "auto" runs it on ONNX Runtime
+        self.llm = self._open("llm", exact_steps)
+        self._slm: ModelBackend | None = None
         self._slm_lock = threading.Lock()
         self.eos_ids = set(self.bundle.tokenizer.get("eos_token_ids") or [])
         self.options = options or DecodeOptions()
@@ -97,15 +104,21 @@ class Engine:
         self.grammars = GrammarCompiler(self.bundle.file(self.bundle.tokenizer["file"]), self.bundle.llm.arch.vocab_size,
                                         self.bundle.tokenizer.get("eos_token_ids") or [])
 
+    def _open(self, role: str, exact_steps: bool = False) -> ModelBackend:
+        model, why_not_native = open_model(self.bundle, role, self.backend, self.providers, self.activations,
+                                           self.attention, exact_steps, self.kv_dtype)
+        if why_not_native is not None:
+            self.backend_notes[role] = why_not_native
+        return model
+
     @property
-    def slm(self) -> OrtModel | None:
-        """The SLM's sessions, loaded on first use (None without one, or with ``slm=False``)."""
+    def slm(self) -> ModelBackend | None:
+        """The SLM, loaded on first use (None without one, or with ``slm=False``)."""
         if not self.use_slm:
             return None
         with self._slm_lock:
             if self._slm is None:
-                self._slm = OrtModel(self.bundle, "slm", self.providers, self.activations, self.attention,
-                                     kv_dtype=self.kv_dtype)
+                self._slm = self._open("slm")
         return self._slm
 
     # -- calibrated defaults --------------------------------------------------------------------
@@ -183,7 +196,7 @@ class Engine:
                 self._prefixes[tokens] = {"llm": self._prefill(self.llm, tokens)}
         return len(tokens)
 
-    def _prefill(self, model: OrtModel, tokens: Sequence[int]) -> KVCache:
+    def _prefill(self, model: ModelBackend, tokens: Sequence[int]) -> KVCache:
         cache = model.new_cache(len(tokens))  # exactly the prefix: it is only ever copied from
         model.forward(cache, tokens)
         return cache

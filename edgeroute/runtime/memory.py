@@ -2,7 +2,8 @@
 
 need = weights + KV caches + working memory, where
 - weights: each loaded model's files (manifest sizes) as ONNX Runtime holds them after load
-  (``RESIDENT_FACTOR``: pre-packed int4 and int8 weights take more than the files);
+  (``RESIDENT_FACTOR``: pre-packed int4 and int8 weights take more than the files), or its
+  native weight file, whichever is larger;
 - KV: layers x capacity x kv_heads x head_dim x 2 (K and V) x bytes per value, per model and
   sequence (the LLM's, and the SLM's when it is loaded);
 - working: the runtime itself (Python, numpy, ONNX Runtime, tokenizer) plus one prefill
@@ -65,13 +66,22 @@ def activation_bytes(arch: ArchConfig, context: int, chunk: int = PREFILL_CHUNK)
     return 4 * (t * per_token + arch.vocab_size)
 
 
+def model_weight_bytes(bundle: Bundle, role: str) -> int:
+    """A model's weights in memory: ONNX Runtime's (its files x RESIDENT_FACTOR) or the native
+    backend's (its weight file, mapped as it is), whichever is larger: the backend is chosen at
+    load, after the check."""
+    native = bundle.models[role].native
+    native_bytes = bundle.manifest["files"][native.file]["bytes"] if native else 0
+    return max(int((bundle.total_bytes(f"{role}/") - native_bytes) * RESIDENT_FACTOR), native_bytes)
+
+
 def estimate(bundle: Bundle, context: int, kv_dtype: str = "float32", slm: bool = True) -> MemoryNeed:
     roles = ["llm"] + (["slm"] if slm and bundle.slm is not None else [])
-    weights = sum(bundle.total_bytes(f"{role}/") for role in roles)
+    weights = sum(model_weight_bytes(bundle, role) for role in roles)
     kv = sum(kv_cache_bytes(bundle.models[role].arch, context, kv_dtype) for role in roles)
     working = RUNTIME_BYTES + bundle.total_bytes("tokenizer") + max(
         activation_bytes(bundle.models[role].arch, context) for role in roles)
-    return MemoryNeed(int(weights * RESIDENT_FACTOR), kv, working, context)
+    return MemoryNeed(weights, kv, working, context)
 
 
 def _longest_context(bundle: Bundle, budget: int, kv_dtype: str, slm: bool, limit: int) -> int | None:

@@ -15,6 +15,7 @@ import ctypes.util
 import os
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -158,68 +159,19 @@ def choose_flavour(entry: ModelEntry, requested: str = "auto", kv_dtype: str = "
     return flavour
 
 
-class OrtModel:
-    """A model on ONNX Runtime; implements :class:`edgeroute.runtime.backend.ModelBackend`."""
+class LayerwiseModel(ABC):
+    """What every backend's model shares: the forward contract of
+    :class:`edgeroute.runtime.backend.ModelBackend` over a ``_pass`` of at most PREFILL_CHUNK
+    tokens through the layers and a ``head``; the profiling hook."""
 
-    def __init__(self, bundle: Bundle, role: str = "llm", providers: Sequence[str] | None = None,
-                 activations: str = "int8", attention: str = "auto", exact_steps: bool = False,
-                 kv_dtype: str = "float32") -> None:
-        if role not in bundle.models:
-            raise InputError(f"bundle {bundle.path} has no {role!r} model (it has: {', '.join(bundle.models)})")
-        self.entry: ModelEntry = bundle.models[role]
-        self.arch = self.entry.arch
-        self.capacity = int(bundle.generation["context_length"])
-        self.providers = list(providers or ["CPUExecutionProvider"])
-        tune_malloc(self.capacity * self.arch.num_kv_heads * self.arch.head_dim * 4)
-        self._tokens_since_trim = 0
-        self.flavour = choose_flavour(self.entry, attention, kv_dtype)
-        self.kv_dtype = kv_dtype
-        self._attention = FLAVOURS[self.flavour](self.capacity)
-        self._options = session_options(activations)
-        # one-token steps run as two rows (see _pass): they then round like a multi-token pass
-        self.exact_steps = exact_steps
-        self._bundle = bundle
-        self._lock = threading.Lock()
-        layers = range(self.arch.num_layers)
-        self.embed_session = self._load("embed")
-        self.layer_sessions = [self._load("layer", i, attention=True) for i in layers]
-        self.kv_sessions = [self._load("kv", i) for i in layers]
-        self.head_session = self._load("head")
-        # loading folds constants (factored block tables) and prepacks weights: the freed
-        # intermediates go back to the OS (measured on the 1.5B: +2,065 MB after load without)
-        release_freed_memory()
-        self.head_vocab = HeadVocabulary.load(bundle, role)  # None: the head covers the whole vocabulary
-        # sub-layer graphs only serve MLP-only skipping and tests: loaded on first use
-        self._attn_sessions: list[ort.InferenceSession | None] = [None] * self.arch.num_layers
-        self._mlp_sessions: list[ort.InferenceSession | None] = [None] * self.arch.num_layers
-        self.cos, self.sin = rope_tables(self.capacity, self.arch.head_dim, self.arch.rope_theta,
-                                         self.arch.rope_scaling)
-        # profiling hook: when set, called as timings(kind, seconds) after every graph call
-        # (kind: embed, layer, attn, mlp, kv, head); None costs nothing on the hot path
-        self.timings: Callable[[str, float], None] | None = None
-
-    def _load(self, kind: str, layer: int | None = None, attention: bool = False) -> ort.InferenceSession:
-        """A graph's session; an ``attention`` graph in this model's flavour and KV dtype."""
-        graph = self.entry.graph(kind, layer, self.flavour, self.kv_dtype) if attention else self.entry.graph(kind, layer)
-        return ort.InferenceSession(str(self._bundle.file(graph.file)), self._options, providers=self.providers)
-
-    def _lazy(self, sessions: list[ort.InferenceSession | None], kind: str, layer: int,
-              attention: bool = False) -> ort.InferenceSession:
-        if sessions[layer] is None:
-            with self._lock:
-                if sessions[layer] is None:
-                    sessions[layer] = self._load(kind, layer, attention)
-        return sessions[layer]
+    arch: Any
+    # profiling hook: when set, called as timings(kind, seconds) after every graph or kernel
+    # call (kind: embed, layer, attn, mlp, kv, head); None costs nothing on the hot path
+    timings: Callable[[str, float], None] | None = None
 
     @property
     def num_layers(self) -> int:
         return self.arch.num_layers
-
-    def new_cache(self, capacity: int | None = None) -> KVCache:
-        return KVCache.allocate(self.num_layers, capacity or self.capacity, self.arch.num_kv_heads,
-                                self.arch.head_dim, self._attention.heads_first, self.kv_dtype)
-
-    # -- graph calls ----------------------------------------------------------------------------
 
     def _timed(self, kind: str, call: Callable[[], Any]) -> Any:
         if self.timings is None:
@@ -230,42 +182,16 @@ class OrtModel:
         finally:
             self.timings(kind, time.perf_counter() - start)
 
-    def _run(self, session: ort.InferenceSession, kind: str, feeds: dict[str, np.ndarray],
-             outputs: list[str] | None = None) -> list[np.ndarray]:
-        return self._timed(kind, lambda: session.run(outputs, feeds))
-
-    def embed(self, ids: np.ndarray) -> np.ndarray:
-        return self._run(self.embed_session, "embed", {"input_ids": np.asarray(ids, np.int64).reshape(-1)})[0]
-
-    def _rope(self, start: int, t: int) -> dict[str, np.ndarray]:
-        return {"cos": self.cos[start:start + t], "sin": self.sin[start:start + t]}
-
-    def layer(self, layer: int, hidden: np.ndarray, cache: KVCache, start: int) -> np.ndarray:
-        """The whole decoder layer (attention + MLP) in one call."""
-        return self._attend(self.layer_sessions[layer], "layer", layer, hidden, cache, start)
-
-    def attention(self, layer: int, hidden: np.ndarray, cache: KVCache, start: int) -> np.ndarray:
-        """The attention sub-layer alone (its residual included)."""
-        return self._attend(self._lazy(self._attn_sessions, "attn", layer, attention=True), "attn", layer, hidden,
-                            cache, start)
-
-    def _attend(self, session: ort.InferenceSession, kind: str, layer: int, hidden: np.ndarray, cache: KVCache,
-                start: int) -> np.ndarray:
-        feeds = {"hidden": hidden, **self._rope(start, hidden.shape[0])}
-        return self._timed(kind, lambda: self._attention.run(session, kind, layer, cache, start, feeds))
-
-    def mlp(self, layer: int, hidden: np.ndarray) -> np.ndarray:
-        return self._run(self._lazy(self._mlp_sessions, "mlp", layer), "mlp", {"hidden": hidden})[0]
-
-    def kv_fill(self, layer: int, hidden: np.ndarray, cache: KVCache, start: int) -> None:
-        key, value = self._run(self.kv_sessions[layer], "kv", {"hidden": hidden, **self._rope(start, hidden.shape[0])},
-                               KV_OUTPUTS)
-        cache.write(layer, start, key, value)
-
+    @abstractmethod
     def head(self, hidden: np.ndarray) -> np.ndarray:
-        return self._run(self.head_session, "head", {"hidden": np.ascontiguousarray(hidden)})[0]
+        """Hidden states [T, d] -> logits [T, vocab]."""
 
-    # -- steps ----------------------------------------------------------------------------------
+    @abstractmethod
+    def _pass(self, cache: KVCache, ids: np.ndarray, plan: Sequence[bool] | LayerPlan | None) -> np.ndarray:
+        """One pass of at most PREFILL_CHUNK tokens through the layers: the last hidden states."""
+
+    def _after_tokens(self, count: int) -> None:  # noqa: B027 - a hook: nothing to do by default
+        """Called after each pass with its token count."""
 
     def forward(self, cache: KVCache, ids: Sequence[int] | np.ndarray,
                 plan: Sequence[bool] | LayerPlan | None = None, all_logits: bool = False,
@@ -314,11 +240,108 @@ class OrtModel:
         for offset in range(0, t, PREFILL_CHUNK):
             chunk = ids[offset:offset + PREFILL_CHUNK]
             hidden = self._pass(cache, chunk, plan)
-            self._tokens_since_trim += len(chunk)
-            if self._tokens_since_trim >= TRIM_AFTER_TOKENS:
-                release_freed_memory()
-                self._tokens_since_trim = 0
+            self._after_tokens(len(chunk))
             yield offset, hidden
+
+
+class OrtModel(LayerwiseModel):
+    """A model on ONNX Runtime; implements :class:`edgeroute.runtime.backend.ModelBackend`."""
+
+    def __init__(self, bundle: Bundle, role: str = "llm", providers: Sequence[str] | None = None,
+                 activations: str = "int8", attention: str = "auto", exact_steps: bool = False,
+                 kv_dtype: str = "float32") -> None:
+        if role not in bundle.models:
+            raise InputError(f"bundle {bundle.path} has no {role!r} model (it has: {', '.join(bundle.models)})")
+        self.entry: ModelEntry = bundle.models[role]
+        self.arch = self.entry.arch
+        self.capacity = int(bundle.generation["context_length"])
+        self.providers = list(providers or ["CPUExecutionProvider"])
+        tune_malloc(self.capacity * self.arch.num_kv_heads * self.arch.head_dim * 4)
+        self._tokens_since_trim = 0
+        self.flavour = choose_flavour(self.entry, attention, kv_dtype)
+        self.kv_dtype = kv_dtype
+        self._attention = FLAVOURS[self.flavour](self.capacity)
+        self._options = session_options(activations)
+        # one-token steps run as two rows (see _pass): they then round like a multi-token pass
+        self.exact_steps = exact_steps
+        self._bundle = bundle
+        self._lock = threading.Lock()
+        layers = range(self.arch.num_layers)
+        self.embed_session = self._load("embed")
+        self.layer_sessions = [self._load("layer", i, attention=True) for i in layers]
+        self.kv_sessions = [self._load("kv", i) for i in layers]
+        self.head_session = self._load("head")
+        # loading folds constants (factored block tables) and prepacks weights: the freed
+        # intermediates go back to the OS (measured on the 1.5B: +2,065 MB after load without)
+        release_freed_memory()
+        self.head_vocab = HeadVocabulary.load(bundle, role)  # None: the head covers the whole vocabulary
+        # sub-layer graphs only serve MLP-only skipping and tests: loaded on first use
+        self._attn_sessions: list[ort.InferenceSession | None] = [None] * self.arch.num_layers
+        self._mlp_sessions: list[ort.InferenceSession | None] = [None] * self.arch.num_layers
+        self.cos, self.sin = rope_tables(self.capacity, self.arch.head_dim, self.arch.rope_theta,
+                                         self.arch.rope_scaling)
+
+    def _load(self, kind: str, layer: int | None = None, attention: bool = False) -> ort.InferenceSession:
+        """A graph's session; an ``attention`` graph in this model's flavour and KV dtype."""
+        graph = self.entry.graph(kind, layer, self.flavour, self.kv_dtype) if attention else self.entry.graph(kind, layer)
+        return ort.InferenceSession(str(self._bundle.file(graph.file)), self._options, providers=self.providers)
+
+    def _lazy(self, sessions: list[ort.InferenceSession | None], kind: str, layer: int,
+              attention: bool = False) -> ort.InferenceSession:
+        if sessions[layer] is None:
+            with self._lock:
+                if sessions[layer] is None:
+                    sessions[layer] = self._load(kind, layer, attention)
+        return sessions[layer]
+
+    def new_cache(self, capacity: int | None = None) -> KVCache:
+        return KVCache.allocate(self.num_layers, capacity or self.capacity, self.arch.num_kv_heads,
+                                self.arch.head_dim, self._attention.heads_first, self.kv_dtype)
+
+    # -- graph calls ----------------------------------------------------------------------------
+
+    def _run(self, session: ort.InferenceSession, kind: str, feeds: dict[str, np.ndarray],
+             outputs: list[str] | None = None) -> list[np.ndarray]:
+        return self._timed(kind, lambda: session.run(outputs, feeds))
+
+    def embed(self, ids: np.ndarray) -> np.ndarray:
+        return self._run(self.embed_session, "embed", {"input_ids": np.asarray(ids, np.int64).reshape(-1)})[0]
+
+    def _rope(self, start: int, t: int) -> dict[str, np.ndarray]:
+        return {"cos": self.cos[start:start + t], "sin": self.sin[start:start + t]}
+
+    def layer(self, layer: int, hidden: np.ndarray, cache: KVCache, start: int) -> np.ndarray:
+        """The whole decoder layer (attention + MLP) in one call."""
+        return self._attend(self.layer_sessions[layer], "layer", layer, hidden, cache, start)
+
+    def attention(self, layer: int, hidden: np.ndarray, cache: KVCache, start: int) -> np.ndarray:
+        """The attention sub-layer alone (its residual included)."""
+        return self._attend(self._lazy(self._attn_sessions, "attn", layer, attention=True), "attn", layer, hidden,
+                            cache, start)
+
+    def _attend(self, session: ort.InferenceSession, kind: str, layer: int, hidden: np.ndarray, cache: KVCache,
+                start: int) -> np.ndarray:
+        feeds = {"hidden": hidden, **self._rope(start, hidden.shape[0])}
+        return self._timed(kind, lambda: self._attention.run(session, kind, layer, cache, start, feeds))
+
+    def mlp(self, layer: int, hidden: np.ndarray) -> np.ndarray:
+        return self._run(self._lazy(self._mlp_sessions, "mlp", layer), "mlp", {"hidden": hidden})[0]
+
+    def kv_fill(self, layer: int, hidden: np.ndarray, cache: KVCache, start: int) -> None:
+        key, value = self._run(self.kv_sessions[layer], "kv", {"hidden": hidden, **self._rope(start, hidden.shape[0])},
+                               KV_OUTPUTS)
+        cache.write(layer, start, key, value)
+
+    def head(self, hidden: np.ndarray) -> np.ndarray:
+        return self._run(self.head_session, "head", {"hidden": np.ascontiguousarray(hidden)})[0]
+
+    # -- steps ----------------------------------------------------------------------------------
+
+    def _after_tokens(self, count: int) -> None:
+        self._tokens_since_trim += count
+        if self._tokens_since_trim >= TRIM_AFTER_TOKENS:
+            release_freed_memory()
+            self._tokens_since_trim = 0
 
     def _pass(self, cache: KVCache, ids: np.ndarray, plan: Sequence[bool] | LayerPlan | None) -> np.ndarray:
         """One pass of the tokens through every layer; returns the last hidden states.

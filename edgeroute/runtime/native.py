@@ -1,0 +1,368 @@
+"""The native CPU backend: a bundle's GGUF blocks run by edgeroute's own kernels.
+
+A decode step on a CPU is bound by the bytes it reads. ONNX Runtime's int4 kernel reads its
+own repacked format (fp32 block scales, an fp32 offset table), 1.4x the GGUF's bytes on the
+Qwen2.5-Coder 1.5B; :class:`NativeModel` reads the blocks of the bundle's native weight file
+(``models.<role>.native``, written by export for GGUF sources) as they are stored, with the
+decoder layer in C (``runtime/native/edgeroute_native.c``: int8 activations, VNNI / AVX2 byte
+dot products, OpenMP over output rows). It implements
+:class:`edgeroute.runtime.backend.ModelBackend` like :class:`OrtModel`, on the heads-first
+float32 :class:`KVCache`.
+
+Every row of a pass is computed alike whatever the pass's length (activations are quantized
+per row, dot products summed in one order), so a speculative verification pass reproduces
+one-token steps bit for bit without ``exact_steps``' second row.
+
+The library is compiled on first use with the machine's C compiler for its own CPU
+(``-march=native``, ~1 s) into ``$EDGEROUTE_CACHE/native`` (default ``~/.cache/edgeroute``),
+keyed by the source, compiler and instruction sets; ``EDGEROUTE_NATIVE_LIB`` names a prebuilt
+one. x86-64 with AVX2, FMA and F16C only (an Arm port is future work): elsewhere
+:class:`NativeBackendUnavailable` says why and ``backend="auto"`` runs ONNX Runtime.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from collections.abc import Sequence
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+
+from edgeroute.bundle import Bundle, NativeTensor
+from edgeroute.cpu import cpu_signature
+from edgeroute.errors import BundleError, InputError, NativeBackendUnavailable
+from edgeroute.rope import rope_tables
+from edgeroute.runtime.attention import KVCache
+from edgeroute.runtime.model import DROP, RUN, SKIP, SKIP_MLP, LayerPlan, LayerwiseModel, plan_action
+
+SOURCE_NAME = "edgeroute_native.c"
+LIBRARY_VERSION = 1  # er_version() of the C source this module drives
+REQUIRED_FLAGS = ("avx2", "fma", "f16c")
+GGML_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
+K_QUANTS = ("Q4_K", "Q6_K")
+MODES = {RUN: 0, SKIP_MLP: 1, SKIP: 2}  # er_layer_forward's mode per plan action
+TIMING_KINDS = {RUN: "layer", SKIP_MLP: "attn", SKIP: "kv"}
+
+
+class _Matrix(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("type", ctypes.c_int32), ("rows", ctypes.c_int32),
+                ("cols", ctypes.c_int32), ("pad", ctypes.c_int32)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [*((name, _Matrix) for name in ("q", "k", "v", "o", "gate", "up", "down")),
+                *((name, ctypes.c_void_p) for name in ("attn_norm", "ffn_norm", "q_bias", "k_bias", "v_bias"))]
+
+
+class _Dims(ctypes.Structure):
+    _fields_ = [*((name, ctypes.c_int32) for name in ("hidden", "heads", "kv_heads", "head_dim", "ffn", "capacity")),
+                ("eps", ctypes.c_float), ("threads", ctypes.c_int32)]
+
+
+# -- the library --------------------------------------------------------------------------------
+
+def native_source() -> Path:
+    """The C source: inside the installed package (``edgeroute/native``) or the checkout's
+    top-level ``runtime/native``."""
+    packaged = resources.files("edgeroute") / "native" / SOURCE_NAME
+    if packaged.is_file():
+        return Path(str(packaged))
+    return Path(__file__).resolve().parents[2] / "runtime" / "native" / SOURCE_NAME
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("EDGEROUTE_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "edgeroute"
+
+
+def _compile(source: Path) -> Path:
+    if platform.machine() not in ("x86_64", "AMD64"):
+        raise NativeBackendUnavailable(f"the native kernels are x86-64 only; this CPU is {platform.machine()}")
+    isa = set(cpu_signature()["isa"])
+    missing = [flag for flag in REQUIRED_FLAGS if flag not in isa]
+    if missing:
+        raise NativeBackendUnavailable(f"the native kernels need {', '.join(REQUIRED_FLAGS)}; this CPU lacks "
+                                       f"{', '.join(missing)}")
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise NativeBackendUnavailable("no C compiler (cc or gcc, or $CC) to build the native kernels")
+    flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as err:
+        raise NativeBackendUnavailable(f"the C compiler {compiler} does not run ({err})") from err
+    key = hashlib.sha256("\0".join([source.read_text(), compiler, version, *flags, *sorted(isa)]).encode()).hexdigest()
+    target = _cache_dir() / "native" / f"libedgeroute_native-{key[:16]}.so"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        done = subprocess.run([compiler, *flags, "-o", str(built), str(source)], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise NativeBackendUnavailable(f"building the native kernels failed ({compiler} {' '.join(flags)}):\n"
+                                           f"{done.stderr.strip()[-2000:]}")
+        os.replace(built, target)  # atomic: a concurrent build or a crash never leaves half a library
+    return target
+
+
+_library: ctypes.CDLL | None = None
+_library_error: NativeBackendUnavailable | None = None
+_library_lock = threading.Lock()
+
+
+def native_library() -> ctypes.CDLL:
+    """The kernels, built or found once per process; raises NativeBackendUnavailable with the
+    reason (kept: later calls raise it again at no cost)."""
+    global _library, _library_error
+    with _library_lock:
+        if _library is None and _library_error is None:
+            try:
+                prebuilt = os.environ.get("EDGEROUTE_NATIVE_LIB")
+                _library = _bind(ctypes.CDLL(prebuilt if prebuilt else str(_compile(native_source()))))
+            except OSError as err:
+                _library_error = NativeBackendUnavailable(f"the native kernels do not load ({err})")
+            except NativeBackendUnavailable as err:
+                _library_error = err
+        if _library is None:
+            assert _library_error is not None
+            raise _library_error
+        return _library
+
+
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    if lib.er_version() != LIBRARY_VERSION:
+        raise NativeBackendUnavailable(f"the native library is version {lib.er_version()}, this edgeroute drives "
+                                       f"version {LIBRARY_VERSION}: rebuild it (unset EDGEROUTE_NATIVE_LIB)")
+    pointer, size, i32 = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
+    signatures = {
+        "er_layer_forward": ([ctypes.POINTER(_Layer), ctypes.POINTER(_Dims), pointer, i32, i32, pointer, pointer,
+                              pointer, pointer, pointer, i32, pointer], i32),
+        "er_scratch_bytes": ([ctypes.POINTER(_Dims), i32], size),
+        "er_head": ([ctypes.POINTER(_Matrix), pointer, ctypes.POINTER(_Dims), pointer, i32, pointer, pointer], i32),
+        "er_head_scratch_bytes": ([i32, i32], size),
+        "er_matmul": ([ctypes.POINTER(_Matrix), pointer, i32, pointer, i32, pointer], i32),
+        "er_matmul_scratch_bytes": ([i32, i32], size),
+        "er_dequantize_rows": ([ctypes.POINTER(_Matrix), pointer, i32, pointer], i32),
+    }
+    for name, (args, result) in signatures.items():
+        function = getattr(lib, name)
+        function.argtypes, function.restype = args, result
+    return lib
+
+
+def _address(array: np.ndarray) -> int:
+    return array.ctypes.data
+
+
+# -- the model ----------------------------------------------------------------------------------
+
+class NativeModel(LayerwiseModel):
+    """A bundle model on the native kernels; implements :class:`ModelBackend`."""
+
+    flavour = "native"
+    kv_dtype = "float32"
+    head_vocab = None  # export writes native weights for full-vocabulary heads only
+
+    def __init__(self, bundle: Bundle, role: str = "llm", threads: int | None = None) -> None:
+        if role not in bundle.models:
+            raise InputError(f"bundle {bundle.path} has no {role!r} model (it has: {', '.join(bundle.models)})")
+        entry = bundle.models[role]
+        if entry.native is None:
+            raise NativeBackendUnavailable(f"the {role} model of {bundle.path} has no native weights (export writes "
+                                           "them for GGUF sources in the formats the kernels read)")
+        self.lib = native_library()
+        self.arch = entry.arch
+        self.capacity = int(bundle.generation["context_length"])
+        # every row is computed alike whatever the pass's length: steps are always exact
+        self.exact_steps = True
+        self.threads = threads or int(os.environ.get("EDGEROUTE_THREADS", 0)) or (os.cpu_count() or 1)
+        self._file = np.memmap(bundle.file(entry.native.file), np.uint8, mode="r")
+        self._tensors = entry.native.tensors
+        self._where = f"the {role} model's native weights in {bundle.path}"
+        a = self.arch
+        q_rows, kv_rows = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        shapes = {"attn_q": (q_rows, a.hidden_size), "attn_k": (kv_rows, a.hidden_size),
+                  "attn_v": (kv_rows, a.hidden_size), "attn_output": (a.hidden_size, q_rows),
+                  "ffn_gate": (a.intermediate_size, a.hidden_size), "ffn_up": (a.intermediate_size, a.hidden_size),
+                  "ffn_down": (a.hidden_size, a.intermediate_size)}
+        self._layers = []
+        for i in range(a.num_layers):
+            b = f"blk.{i}"
+            matrices = [self._matrix(f"{b}.{name}.weight", shape) for name, shape in shapes.items()]
+            biases = [self._vector(f"{b}.{name}.bias", rows, required=a.attention_bias)
+                      for name, rows in (("attn_q", q_rows), ("attn_k", kv_rows), ("attn_v", kv_rows))]
+            self._layers.append(_Layer(*matrices, self._vector(f"{b}.attn_norm.weight", a.hidden_size),
+                                       self._vector(f"{b}.ffn_norm.weight", a.hidden_size), *biases))
+        self._embedding = self._matrix("token_embd.weight", (a.vocab_size, a.hidden_size), rows_at_least=True)
+        head = "output.weight" if "output.weight" in self._tensors else "token_embd.weight"
+        self._head = self._matrix(head, (a.vocab_size, a.hidden_size), rows_at_least=True)
+        self._norm = self._vector("output_norm.weight", a.hidden_size)
+        cos, sin = rope_tables(self.capacity, a.head_dim, a.rope_theta, a.rope_scaling)
+        self.cos = np.ascontiguousarray(cos.reshape(self.capacity, a.head_dim), np.float32)
+        self.sin = np.ascontiguousarray(sin.reshape(self.capacity, a.head_dim), np.float32)
+        self._scratch = np.empty(0, np.uint8)
+        self._lock = threading.Lock()  # one pass at a time: the passes share the scratch memory
+
+    # -- weights --------------------------------------------------------------------------------
+
+    def _tensor(self, name: str) -> NativeTensor:
+        if name not in self._tensors:
+            raise BundleError(f"{self._where} have no {name}: export the bundle again")
+        return self._tensors[name]
+
+    def _matrix(self, name: str, shape: tuple[int, int], rows_at_least: bool = False) -> _Matrix:
+        t = self._tensor(name)
+        rows_ok = t.shape[0] >= shape[0] if rows_at_least else t.shape[0] == shape[0]
+        if t.format not in GGML_TYPES or len(t.shape) != 2 or not rows_ok or t.shape[1] != shape[1]:
+            raise BundleError(f"{self._where}: {name} is {t.format} {t.shape}, expected a block matrix of {shape}: "
+                              "export the bundle again")
+        if t.format in K_QUANTS and t.shape[1] % 256:
+            raise BundleError(f"{self._where}: {name} is {t.format} with rows of {t.shape[1]} values (not 256-blocks)")
+        return _Matrix(_address(self._file) + t.offset, GGML_TYPES[t.format], t.shape[0], t.shape[1], 0)
+
+    def _vector(self, name: str, size: int, required: bool = True) -> int | None:
+        if not required and name not in self._tensors:
+            return None
+        t = self._tensor(name)
+        if t.format != "F32" or t.shape != (size,):
+            raise BundleError(f"{self._where}: {name} is {t.format} {t.shape}, expected F32 ({size},)")
+        return _address(self._file) + t.offset
+
+    # -- passes ---------------------------------------------------------------------------------
+
+    def new_cache(self, capacity: int | None = None) -> KVCache:
+        capacity = capacity or self.capacity
+        if capacity > self.capacity:
+            raise InputError(f"a cache of {capacity} positions exceeds the bundle's context of {self.capacity}")
+        return KVCache.allocate(self.num_layers, capacity, self.arch.num_kv_heads, self.arch.head_dim,
+                                heads_first=True)
+
+    def _dims(self, capacity: int) -> _Dims:
+        a = self.arch
+        return _Dims(a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim, a.intermediate_size, capacity,
+                     a.rms_norm_eps, self.threads)
+
+    def _scratch_of(self, size: int) -> int:
+        if self._scratch.size < size:
+            self._scratch = np.empty(size, np.uint8)
+        return _address(self._scratch)
+
+    def embed(self, ids: np.ndarray) -> np.ndarray:
+        ids = np.ascontiguousarray(ids, np.int64).reshape(-1)
+        out = np.empty((ids.shape[0], self.arch.hidden_size), np.float32)
+        rc = self._timed("embed", lambda: self.lib.er_dequantize_rows(ctypes.byref(self._embedding), _address(ids),
+                                                                      ids.shape[0], _address(out)))
+        if rc == -2:
+            raise InputError(f"token ids {ids.min()}..{ids.max()} are outside the vocabulary of {self._embedding.rows}")
+        return out
+
+    def head(self, hidden: np.ndarray) -> np.ndarray:
+        hidden = np.ascontiguousarray(hidden, np.float32)
+        m = hidden.shape[0]
+        logits = np.empty((m, self._head.rows), np.float32)
+        dims = self._dims(self.capacity)
+        with self._lock:
+            scratch = self._scratch_of(self.lib.er_head_scratch_bytes(m, self.arch.hidden_size))
+            self._timed("head", lambda: self.lib.er_head(ctypes.byref(self._head), self._norm, ctypes.byref(dims),
+                                                         _address(hidden), m, _address(logits), scratch))
+        return logits[:, :self.arch.vocab_size] if self._head.rows > self.arch.vocab_size else logits
+
+    def _check_cache(self, cache: KVCache) -> None:
+        if not cache.heads_first or cache.dtype != "float32":
+            raise InputError("the native backend runs on its own caches (heads-first float32): use model.new_cache()")
+
+    def _run_layer(self, layer: int, action: str, hidden: np.ndarray, cache: KVCache, start: int) -> None:
+        """One layer over ``hidden`` [T, d] (contiguous float32, updated in place; K/V only for
+        SKIP) at positions start.. of the cache; the caller holds the lock."""
+        t = hidden.shape[0]
+        dims = self._dims(cache.capacity)
+        scratch = self._scratch_of(self.lib.er_scratch_bytes(ctypes.byref(dims), t))
+        masked = None if cache.dropped is None else _address(cache.dropped[layer])
+        call = functools.partial(self.lib.er_layer_forward, ctypes.byref(self._layers[layer]), ctypes.byref(dims),
+                                 _address(hidden), t, start, _address(self.cos), _address(self.sin),
+                                 _address(cache.keys[layer, 0]), _address(cache.values[layer, 0]), masked,
+                                 MODES[action], scratch)
+        if self._timed(TIMING_KINDS[action], call) != 0:
+            raise InputError(f"positions {start}..{start + t} do not fit a cache of {cache.capacity}")
+
+    def _sub_layer(self, action: str, layer: int, hidden: np.ndarray, cache: KVCache, start: int) -> np.ndarray:
+        self._check_cache(cache)
+        out = np.array(hidden, np.float32, order="C")  # a copy: the caller's array stays as it was
+        with self._lock:
+            self._run_layer(layer, action, out, cache, start)
+        return out
+
+    def layer(self, layer: int, hidden: np.ndarray, cache: KVCache, start: int) -> np.ndarray:
+        """The whole decoder layer (attention + MLP) over positions start.."""
+        return self._sub_layer(RUN, layer, hidden, cache, start)
+
+    def attention(self, layer: int, hidden: np.ndarray, cache: KVCache, start: int) -> np.ndarray:
+        """The attention sub-layer alone (its residual included)."""
+        return self._sub_layer(SKIP_MLP, layer, hidden, cache, start)
+
+    def kv_fill(self, layer: int, hidden: np.ndarray, cache: KVCache, start: int) -> None:
+        """The layer's K/V rows of ``hidden`` written at positions start.. (a skipped layer)."""
+        self._sub_layer(SKIP, layer, hidden, cache, start)
+
+    def _pass(self, cache: KVCache, ids: np.ndarray, plan: Sequence[bool] | LayerPlan | None) -> np.ndarray:
+        self._check_cache(cache)
+        start, t = cache.length, ids.shape[0]
+        hidden = self.embed(ids)
+        with self._lock:
+            for layer in range(self.num_layers):
+                action = plan_action(plan, layer, hidden)
+                if action == DROP:
+                    cache.drop(layer, start, t)
+                    continue
+                if callable(plan):
+                    hidden = hidden.copy()  # the kernel writes in place; a plan may keep what it was shown
+                self._run_layer(layer, action, hidden, cache, start)
+        cache.length = start + t
+        return hidden
+
+
+# -- the kernels on their own (tests, kernel benchmarks) ------------------------------------------
+
+def _standalone(tensor_format: str, blocks: np.ndarray, shape: tuple[int, int]) -> _Matrix:
+    if tensor_format not in GGML_TYPES:
+        raise InputError(f"format {tensor_format!r} is not one of {', '.join(GGML_TYPES)}")
+    NativeTensor(tensor_format, shape, 0, blocks.nbytes).check("matrix", blocks.nbytes)
+    return _Matrix(_address(blocks), GGML_TYPES[tensor_format], shape[0], shape[1], 0)
+
+
+def native_matmul(tensor_format: str, blocks: np.ndarray, shape: tuple[int, int], x: np.ndarray,
+                  threads: int | None = None) -> np.ndarray:
+    """``x [M, cols] @ W.T`` for a matrix W of ``shape`` (rows, cols) stored as ggml ``blocks``
+    (uint8, as in a GGUF file), through the layer's kernels: activations quantized to int8."""
+    lib = native_library()
+    blocks = np.ascontiguousarray(blocks, np.uint8)
+    matrix = _standalone(tensor_format, blocks, shape)
+    x = np.ascontiguousarray(x, np.float32).reshape(-1, shape[1])
+    y = np.empty((x.shape[0], shape[0]), np.float32)
+    scratch = np.empty(lib.er_matmul_scratch_bytes(x.shape[0], shape[1]), np.uint8)
+    if lib.er_matmul(ctypes.byref(matrix), _address(x), x.shape[0], _address(y), threads or os.cpu_count() or 1,
+                     _address(scratch)) != 0:
+        raise InputError(f"{tensor_format} {shape}: rows the kernels do not take")
+    return y
+
+
+def native_dequantize(tensor_format: str, blocks: np.ndarray, shape: tuple[int, int], rows: np.ndarray) -> np.ndarray:
+    """Rows of a ggml block matrix as float32 (the embedding lookup's kernel)."""
+    lib = native_library()
+    blocks = np.ascontiguousarray(blocks, np.uint8)
+    matrix = _standalone(tensor_format, blocks, shape)
+    rows = np.ascontiguousarray(rows, np.int64).reshape(-1)
+    out = np.empty((rows.shape[0], shape[1]), np.float32)
+    if lib.er_dequantize_rows(ctypes.byref(matrix), _address(rows), rows.shape[0], _address(out)) != 0:
+        raise InputError(f"rows {rows.tolist()} are outside a matrix of {shape[0]} rows")
+    return out

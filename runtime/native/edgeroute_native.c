@@ -1,0 +1,709 @@
+/* edgeroute's native decoder layer for CPUs: GGUF weight blocks read as they are stored.
+ *
+ * Why it exists: on ONNX Runtime the 4-bit weights are repacked (MatMulNBits) with fp32 block
+ * scales and an fp32 offset table, 1.4x the bytes of the GGUF blocks, and a decode step on a
+ * CPU is bound by the bytes it reads. Here the matrices stay in their GGUF block formats
+ * (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K), activations are quantized to int8 per 32 values, and
+ * each block's dot product is an unsigned x signed byte dot product (VNNI where the CPU has
+ * it) scaled once per block.
+ *
+ * The layer math (RMSNorm, rotary embedding in the rotate-half convention, grouped-query
+ * attention over a heads-first fp32 cache, SwiGLU MLP) is the same as the bundle's ONNX
+ * graphs (docs/bundle-format.md); edgeroute/runtime/native.py drives it and the tests compare
+ * the two. One OpenMP parallel region per layer call; the worksharing loops inside split
+ * output rows (matrices) or (row, head) pairs (attention) over the threads.
+ *
+ * Built by `make native` (or on first use) with the compiler of the machine it runs on
+ * (-march=native): the library is specific to that CPU, like the calibration's timings.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ggml type ids, as in a GGUF file */
+enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14 };
+
+typedef struct {
+    const uint8_t *data; /* rows x (cols / block) blocks */
+    int32_t type;
+    int32_t rows;        /* outputs */
+    int32_t cols;        /* inputs */
+    int32_t pad;
+} er_matrix;
+
+typedef struct {
+    er_matrix q, k, v, o, gate, up, down;
+    const float *attn_norm, *ffn_norm;
+    const float *q_bias, *k_bias, *v_bias; /* NULL where the architecture has none */
+} er_layer;
+
+typedef struct {
+    int32_t hidden, heads, kv_heads, head_dim, ffn;
+    int32_t capacity; /* positions per layer in the cache */
+    float eps;
+    int32_t threads;
+} er_dims;
+
+/* int8 activations of one row, in the two forms the weight formats want: per 32 values a scale
+ * and the scale times the codes' sum (32-value block formats), or per 256 values one scale and
+ * the codes' sums per 16 (K-quants: a super-block's sub-block dot products are then summed in
+ * integers, scaled once) */
+typedef struct {
+    int8_t *q;      /* codes at the per-32 scales */
+    float *d;       /* cols / 32 */
+    float *s;       /* cols / 32: d * sum of the block's codes */
+    int8_t *qk;     /* codes at the per-256 scales */
+    float *dk;      /* cols / 256 */
+    int16_t *bsum;  /* cols / 16 */
+} er_q8;
+
+enum { FORM_32 = 1, FORM_256 = 2 };
+
+static int is_k_quant(int type) { return type == T_Q4_K || type == T_Q6_K; }
+
+int er_version(void) { return 1; }
+
+int er_features(void) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return 3;
+#elif defined(__AVXVNNI__)
+    return 2;
+#else
+    return 1;
+#endif
+}
+
+static inline float read_f16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+static inline float hsum(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+}
+
+static inline __m256i sum_pairs(__m256i p16) { return _mm256_madd_epi16(p16, _mm256_set1_epi16(1)); }
+
+/* unsigned codes x signed activations -> 8 int32 sums of 4; codes <= 63 (or |q| <= 128 with the
+ * sign moved to the activation, which is never -128): maddubs' 16-bit pair sums cannot saturate */
+static inline __m256i dot_u8s8(__m256i u, __m256i a) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, a);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, a);
+#else
+    return sum_pairs(_mm256_maddubs_epi16(u, a));
+#endif
+}
+
+static inline __m256i nibbles16(const uint8_t *qs) { /* 16 bytes -> low nibbles, then high nibbles */
+    __m128i x = _mm_loadu_si128((const __m128i *)qs);
+    __m128i m = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(x, 4), m), _mm_and_si128(x, m));
+}
+
+static inline __m256i bits_to_bytes(uint32_t bits, uint8_t value) { /* bit i -> byte i = value or 0 */
+    const __m256i spread = _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL,
+                                             0x0101010101010101LL, 0x0000000000000000LL);
+    __m256i b = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), spread);
+    b = _mm256_or_si256(b, _mm256_set1_epi64x((long long)0x7fbfdfeff7fbfdfeULL));
+    b = _mm256_cmpeq_epi8(b, _mm256_set1_epi64x(-1));
+    return _mm256_and_si256(b, _mm256_set1_epi8((char)value));
+}
+
+#define TILE 4 /* activation rows per pass over a weight row */
+#define INLINE static inline __attribute__((always_inline))
+
+/* 32-value block formats: value = d * u + offset, u unsigned (Q8_0: signed, sign moved) */
+INLINE void dot_blocks32(const er_matrix *m, const uint8_t *w, const er_q8 *x, const int mt, float *y, int ldy) {
+    __m256 acc[TILE];
+    float off[TILE];
+    for (int i = 0; i < mt; i++) {
+        acc[i] = _mm256_setzero_ps();
+        off[i] = 0.0f;
+    }
+    const int type = m->type, n = m->cols / 32;
+    const int bytes = type == T_Q4_0 ? 18 : type == T_Q4_1 ? 20 : type == T_Q5_0 ? 22 : 34;
+    for (int b = 0; b < n; b++, w += bytes) {
+        const float d = read_f16(w);
+        float offset = 0.0f;
+        __m256i u, sign = _mm256_setzero_si256();
+        if (type == T_Q8_0) {
+            sign = _mm256_loadu_si256((const __m256i *)(w + 2));
+            u = _mm256_sign_epi8(sign, sign);
+        } else if (type == T_Q5_0) {
+            uint32_t qh;
+            memcpy(&qh, w + 2, 4);
+            u = _mm256_or_si256(nibbles16(w + 6), bits_to_bytes(qh, 0x10));
+            offset = -16.0f * d;
+        } else {
+            u = nibbles16(w + bytes - 16);
+            offset = type == T_Q4_0 ? -8.0f * d : read_f16(w + 2);
+        }
+        for (int i = 0; i < mt; i++) {
+            __m256i a = _mm256_loadu_si256((const __m256i *)(x[i].q + 32 * b));
+            if (type == T_Q8_0) a = _mm256_sign_epi8(a, sign);
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(u, a)), _mm256_set1_ps(d * x[i].d[b]), acc[i]);
+            off[i] += offset * x[i].s[b];
+        }
+    }
+    for (int i = 0; i < mt; i++) y[(size_t)i * ldy] = hsum(acc[i]) + off[i];
+}
+
+/* get_scale_min_k4 for all 8 sub-blocks at once: bytes 0-3 scales 0-3, 4-7 mins 0-3, 8-11 low
+ * nibbles of scales 4-7 / high nibbles of mins 4-7, plus the top 2 bits of bytes 0-7 */
+INLINE void q4_k_scales(const uint8_t *sc, uint8_t scale[8], uint8_t mins[8]) {
+    uint32_t packed[3];
+    memcpy(packed, sc, 12);
+    const uint32_t s03 = packed[0] & 0x3f3f3f3f, m03 = packed[1] & 0x3f3f3f3f;
+    const uint32_t s47 = (packed[2] & 0x0f0f0f0f) | ((packed[0] >> 2) & 0x30303030);
+    const uint32_t m47 = ((packed[2] >> 4) & 0x0f0f0f0f) | ((packed[1] >> 2) & 0x30303030);
+    memcpy(scale, &s03, 4);
+    memcpy(scale + 4, &s47, 4);
+    memcpy(mins, &m03, 4);
+    memcpy(mins + 4, &m47, 4);
+}
+
+/* each min multiplies two 16-value code sums */
+INLINE __m256i q4_k_mins16(const uint8_t mins[8]) {
+    const __m128i m = _mm_loadl_epi64((const __m128i *)mins);
+    return _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m, m));
+}
+
+/* Q6_K's 6-bit codes of one half (128 values: 4 groups of 32, groups g use scales 2g, 2g+1) */
+INLINE void q6_k_codes(const uint8_t *ql, const uint8_t *qh, __m256i u[4]) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03);
+    const __m256i l0 = _mm256_loadu_si256((const __m256i *)ql), l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
+    const __m256i h = _mm256_loadu_si256((const __m256i *)qh);
+    u[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(h, m2), 4));
+    u[1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), m2), 4));
+    u[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), m2), 4));
+    u[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), m2), 4));
+}
+
+#if defined(__AVX512BW__)
+/* 512-bit forms: two 32-value groups per instruction, half the instructions per activation row */
+#define WIDE(lo, hi) _mm512_inserti64x4(_mm512_castsi256_si512(lo), (hi), 1)
+typedef __m512 acc_t;
+#define ACC_ZERO _mm512_setzero_ps()
+#define ACC_SUM(v) _mm512_reduce_add_ps(v)
+#else
+typedef __m256 acc_t;
+#define ACC_ZERO _mm256_setzero_ps()
+#define ACC_SUM(v) hsum(v)
+#endif
+
+/* Q4_K: 8 sub-blocks of 32, value = d * scale_j * u - dmin * min_j (6-bit scale_j, min_j) */
+INLINE void dot_q4_k(const er_matrix *m, const uint8_t *w, const er_q8 *x, const int mt, float *y, int ldy) {
+    acc_t acc[TILE];
+    for (int i = 0; i < mt; i++) acc[i] = ACC_ZERO;
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int sb = 0; sb < m->cols / 256; sb++, w += 144) {
+        const float d = read_f16(w), dmin = read_f16(w + 2);
+        uint8_t scale[8], mins[8];
+        q4_k_scales(w + 4, scale, mins);
+        const __m256i mins16 = q4_k_mins16(mins);
+        const uint8_t *qs = w + 16;
+#if defined(__AVX512BW__)
+        __m512i u[4], s16[4];
+        for (int c = 0; c < 4; c++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+            u[c] = WIDE(_mm256_and_si256(v, m4), _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
+            s16[c] = WIDE(_mm256_set1_epi16(scale[2 * c]), _mm256_set1_epi16(scale[2 * c + 1]));
+        }
+        for (int i = 0; i < mt; i++) {
+            const int8_t *a = x[i].qk + 256 * sb;
+            __m512i sumi = _mm512_setzero_si512();
+            for (int c = 0; c < 4; c++) {
+                const __m512i p = _mm512_maddubs_epi16(u[c], _mm512_loadu_si512((const void *)(a + 64 * c)));
+                sumi = _mm512_add_epi32(sumi, _mm512_madd_epi16(p, s16[c]));
+            }
+            const __m256i bs = _mm256_loadu_si256((const __m256i *)(x[i].bsum + 16 * sb));
+            const __m512 summ = _mm512_zextps256_ps512(_mm256_cvtepi32_ps(_mm256_madd_epi16(bs, mins16)));
+            const float dx = x[i].dk[sb];
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi), _mm512_set1_ps(d * dx), acc[i]);
+            acc[i] = _mm512_fnmadd_ps(summ, _mm512_set1_ps(dmin * dx), acc[i]);
+        }
+#else
+        __m256i lo[4], hi[4];
+        for (int c = 0; c < 4; c++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+            lo[c] = _mm256_and_si256(v, m4);
+            hi[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+        }
+        for (int i = 0; i < mt; i++) {
+            const int8_t *a = x[i].qk + 256 * sb;
+            __m256i sumi = _mm256_setzero_si256();
+            for (int c = 0; c < 4; c++) {
+                __m256i p0 = _mm256_maddubs_epi16(lo[c], _mm256_loadu_si256((const __m256i *)(a + 64 * c)));
+                __m256i p1 = _mm256_maddubs_epi16(hi[c], _mm256_loadu_si256((const __m256i *)(a + 64 * c + 32)));
+                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p0, _mm256_set1_epi16(scale[2 * c])));
+                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p1, _mm256_set1_epi16(scale[2 * c + 1])));
+            }
+            const __m256i bs = _mm256_loadu_si256((const __m256i *)(x[i].bsum + 16 * sb));
+            const __m256 summ = _mm256_cvtepi32_ps(_mm256_madd_epi16(bs, mins16));
+            const float dx = x[i].dk[sb];
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(d * dx), acc[i]);
+            acc[i] = _mm256_fnmadd_ps(summ, _mm256_set1_ps(dmin * dx), acc[i]);
+        }
+#endif
+    }
+    for (int i = 0; i < mt; i++) y[(size_t)i * ldy] = ACC_SUM(acc[i]);
+}
+
+/* Q6_K: 16 sub-blocks of 16, value = d * scale_j * (u - 32) (signed 8-bit scale_j) */
+INLINE void dot_q6_k(const er_matrix *m, const uint8_t *w, const er_q8 *x, const int mt, float *y, int ldy) {
+    acc_t acc[TILE];
+    for (int i = 0; i < mt; i++) acc[i] = ACC_ZERO;
+    for (int sb = 0; sb < m->cols / 256; sb++, w += 210) {
+        const int8_t *sc = (const int8_t *)(w + 192);
+        const float d = read_f16(w + 208);
+        const __m256i scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
+        __m256i u[8], s[8];
+        for (int n = 0; n < 2; n++) {
+            q6_k_codes(w + 64 * n, w + 128 + 32 * n, u + 4 * n);
+            for (int g = 0; g < 4; g++) {
+                const int j = 8 * n + 2 * g;
+                s[4 * n + g] = _mm256_set_m128i(_mm_set1_epi16(sc[j + 1]), _mm_set1_epi16(sc[j]));
+            }
+        }
+#if defined(__AVX512BW__)
+        __m512i uw[4], sw[4];
+        for (int p = 0; p < 4; p++) {
+            uw[p] = WIDE(u[2 * p], u[2 * p + 1]);
+            sw[p] = WIDE(s[2 * p], s[2 * p + 1]);
+        }
+        for (int i = 0; i < mt; i++) {
+            const int8_t *a = x[i].qk + 256 * sb;
+            __m512i sumi = _mm512_setzero_si512();
+            for (int p = 0; p < 4; p++) {
+                const __m512i prod = _mm512_maddubs_epi16(uw[p], _mm512_loadu_si512((const void *)(a + 64 * p)));
+                sumi = _mm512_add_epi32(sumi, _mm512_madd_epi16(prod, sw[p]));
+            }
+            /* the codes' offset of 32: sum_j scale_j * 32 * (sum of the activation codes of sub-block j) */
+            const __m256i bs = _mm256_loadu_si256((const __m256i *)(x[i].bsum + 16 * sb));
+            const __m512i offset = _mm512_zextsi256_si512(_mm256_slli_epi32(_mm256_madd_epi16(bs, scales16), 5));
+            sumi = _mm512_sub_epi32(sumi, offset);
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi), _mm512_set1_ps(d * x[i].dk[sb]), acc[i]);
+        }
+#else
+        for (int i = 0; i < mt; i++) {
+            const int8_t *a = x[i].qk + 256 * sb;
+            __m256i sumi = _mm256_setzero_si256();
+            for (int g = 0; g < 8; g++) {
+                __m256i p = _mm256_maddubs_epi16(u[g], _mm256_loadu_si256((const __m256i *)(a + 32 * g)));
+                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, s[g]));
+            }
+            /* the codes' offset of 32: sum_j scale_j * 32 * (sum of the activation codes of sub-block j) */
+            const __m256i bs = _mm256_loadu_si256((const __m256i *)(x[i].bsum + 16 * sb));
+            sumi = _mm256_sub_epi32(sumi, _mm256_slli_epi32(_mm256_madd_epi16(bs, scales16), 5));
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(d * x[i].dk[sb]), acc[i]);
+        }
+#endif
+    }
+    for (int i = 0; i < mt; i++) y[(size_t)i * ldy] = ACC_SUM(acc[i]);
+}
+
+INLINE void dot_rows(const er_matrix *m, const uint8_t *w, const er_q8 *x, const int mt, float *y, int ldy) {
+    if (m->type == T_Q4_K) dot_q4_k(m, w, x, mt, y, ldy);
+    else if (m->type == T_Q6_K) dot_q6_k(m, w, x, mt, y, ldy);
+    else dot_blocks32(m, w, x, mt, y, ldy);
+}
+
+/* dot products of one weight row with mt <= TILE activation rows, into y[i * ldy] */
+static void row_dot(const er_matrix *m, const uint8_t *w, const er_q8 *x, int mt, float *y, int ldy) {
+    switch (mt) { /* constant tile sizes: the accumulators stay in registers */
+    case 1: dot_rows(m, w, x, 1, y, ldy); break;
+    case 2: dot_rows(m, w, x, 2, y, ldy); break;
+    case 3: dot_rows(m, w, x, 3, y, ldy); break;
+    default: dot_rows(m, w, x, TILE, y, ldy); break;
+    }
+}
+
+static size_t row_bytes(const er_matrix *m) {
+    switch (m->type) {
+    case T_Q4_0: return (size_t)m->cols / 32 * 18;
+    case T_Q4_1: return (size_t)m->cols / 32 * 20;
+    case T_Q5_0: return (size_t)m->cols / 32 * 22;
+    case T_Q8_0: return (size_t)m->cols / 32 * 34;
+    case T_Q4_K: return (size_t)m->cols / 256 * 144;
+    case T_Q6_K: return (size_t)m->cols / 256 * 210;
+    default: return 0;
+    }
+}
+
+/* y[M, rows] = x[M, cols] @ m^T (+ bias); called inside a parallel region */
+static void matmul(const er_matrix *m, const er_q8 *x, int M, float *y, const float *bias) {
+    const size_t rb = row_bytes(m);
+#pragma omp for schedule(static)
+    for (int r = 0; r < m->rows; r++) {
+        const uint8_t *w = m->data + rb * r;
+        for (int i = 0; i < M; i += TILE) row_dot(m, w, x + i, M - i < TILE ? M - i : TILE, y + (size_t)i * m->rows + r, m->rows);
+        if (bias)
+            for (int i = 0; i < M; i++) y[(size_t)i * m->rows + r] += bias[r];
+    }
+}
+
+/* 32 floats -> int8 codes at scale max|x| / 127; returns the scale */
+static inline float quantize32(const float *x, int8_t *q, float max_abs) {
+    const float d = max_abs / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+    const __m256 k = _mm256_set1_ps(inv);
+    __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x), k));
+    __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8), k));
+    __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 16), k));
+    __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 24), k));
+    __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+    /* the packs interleave 128-bit lanes: put the 8 groups of 4 back in order */
+    p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)q, p);
+    return d;
+}
+
+static inline float max_abs(const float *x, int n) {
+    __m256 m = _mm256_setzero_ps();
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int j = 0; j < n; j += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + j)));
+    __m128 v = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    v = _mm_max_ps(v, _mm_movehl_ps(v, v));
+    v = _mm_max_ss(v, _mm_movehdup_ps(v));
+    return _mm_cvtss_f32(v);
+}
+
+static inline int sum_codes(const int8_t *q, int n) {
+    int s = 0;
+    for (int j = 0; j < n; j++) s += q[j];
+    return s;
+}
+
+/* x [M, n] -> the int8 forms asked for (n a multiple of 32; of 256 for FORM_256); inside a parallel region */
+static void quantize(const float *x, int M, int n, er_q8 *q, int forms) {
+#pragma omp for schedule(static)
+    for (int i = 0; i < M; i++) {
+        const float *xi = x + (size_t)i * n;
+        if (forms & FORM_32)
+            for (int b = 0; b < n / 32; b++) {
+                q[i].d[b] = quantize32(xi + 32 * b, q[i].q + 32 * b, max_abs(xi + 32 * b, 32));
+                q[i].s[b] = q[i].d[b] * sum_codes(q[i].q + 32 * b, 32);
+            }
+        if (forms & FORM_256)
+            for (int b = 0; b < n / 256; b++) {
+                const float amax = max_abs(xi + 256 * b, 256);
+                for (int j = 0; j < 8; j++) q[i].dk[b] = quantize32(xi + 256 * b + 32 * j, q[i].qk + 256 * b + 32 * j, amax);
+                for (int j = 0; j < 16; j++) q[i].bsum[16 * b + j] = (int16_t)sum_codes(q[i].qk + 256 * b + 16 * j, 16);
+            }
+    }
+}
+
+static int forms_for(const er_matrix *a, const er_matrix *b, const er_matrix *c) {
+    int forms = 0;
+    const er_matrix *ms[3] = {a, b, c};
+    for (int i = 0; i < 3; i++)
+        if (ms[i]) forms |= is_k_quant(ms[i]->type) ? FORM_256 : FORM_32;
+    return forms;
+}
+
+static void rms_norm(const float *x, const float *weight, int M, int n, float eps, float *out) {
+#pragma omp for schedule(static)
+    for (int i = 0; i < M; i++) {
+        const float *xi = x + (size_t)i * n;
+        double ss = 0.0;
+        for (int j = 0; j < n; j++) ss += (double)xi[j] * xi[j];
+        float r = 1.0f / sqrtf((float)(ss / n) + eps);
+        for (int j = 0; j < n; j++) out[(size_t)i * n + j] = xi[j] * r * weight[j];
+    }
+}
+
+/* rotate-half rotary embedding of `heads` vectors of row i at position pos; cos/sin [pos, head_dim] */
+static void rope(float *x, int heads, int hd, const float *cos_t, const float *sin_t) {
+    const int half = hd / 2;
+    for (int h = 0; h < heads; h++) {
+        float *v = x + (size_t)h * hd;
+        for (int j = 0; j < half; j++) {
+            float a = v[j], b = v[j + half];
+            v[j] = a * cos_t[j] - b * sin_t[j];
+            v[j + half] = b * cos_t[j + half] + a * sin_t[j + half];
+        }
+    }
+}
+
+/* Scratch memory is carved in this order; er_scratch_bytes adds the sizes up the same way. */
+typedef struct {
+    char *at;
+    size_t used;
+} carver;
+
+static void *take(carver *c, size_t bytes) {
+    void *p = c->at ? c->at + c->used : NULL;
+    c->used += (bytes + 63) & ~(size_t)63;
+    return p;
+}
+
+/* M rows of int8 activations of up to `cols` values */
+static er_q8 *take_q8(carver *c, int M, int cols) {
+    er_q8 *rows = take(c, (size_t)M * sizeof(er_q8));
+    int8_t *q = take(c, (size_t)M * cols), *qk = take(c, (size_t)M * cols);
+    float *d = take(c, (size_t)M * cols / 32 * 4), *s = take(c, (size_t)M * cols / 32 * 4);
+    float *dk = take(c, (size_t)M * (cols / 256 + 1) * 4);
+    int16_t *bsum = take(c, (size_t)M * cols / 16 * 2);
+    if (rows)
+        for (int i = 0; i < M; i++) {
+            rows[i] = (er_q8){q + (size_t)i * cols, d + (size_t)i * (cols / 32), s + (size_t)i * (cols / 32),
+                              qk + (size_t)i * cols, dk + (size_t)i * (cols / 256 + 1), bsum + (size_t)i * (cols / 16)};
+        }
+    return rows;
+}
+
+typedef struct {
+    float *h, *q, *k, *v, *attn, *gate, *up, *scores;
+    er_q8 *xq;
+} layer_scratch;
+
+static layer_scratch carve_layer(carver *c, const er_dims *D, int M) {
+    const size_t d = D->hidden, H = D->heads, KV = D->kv_heads, hd = D->head_dim, F = D->ffn;
+    const size_t widest = F > d ? F : d;
+    layer_scratch s;
+    s.h = take(c, M * widest * 4);
+    s.q = take(c, M * H * hd * 4);
+    s.k = take(c, M * KV * hd * 4);
+    s.v = take(c, M * KV * hd * 4);
+    s.attn = take(c, M * H * hd * 4);
+    s.gate = take(c, M * F * 4);
+    s.up = take(c, M * F * 4);
+    s.scores = take(c, (size_t)D->threads * D->capacity * 4);
+    s.xq = take_q8(c, M, (int)widest);
+    return s;
+}
+
+size_t er_scratch_bytes(const er_dims *D, int M) {
+    carver c = {NULL, 0};
+    carve_layer(&c, D, M);
+    return c.used + 64;
+}
+
+static void attention(const float *q, const float *kcache, const float *vcache, const uint8_t *masked,
+                      const er_dims *D, int M, int pos0, float *scores, float *out) {
+    const int H = D->heads, KV = D->kv_heads, hd = D->head_dim, cap = D->capacity;
+    const float scale = 1.0f / sqrtf((float)hd);
+    float *sc = scores + (size_t)omp_get_thread_num() * cap;
+#pragma omp for schedule(dynamic, 1)
+    for (int ih = 0; ih < M * H; ih++) {
+        const int i = ih / H, g = (ih % H) / (H / KV), last = pos0 + i;
+        const float *qv = q + (size_t)ih * hd;
+        const float *kb = kcache + (size_t)g * cap * hd, *vb = vcache + (size_t)g * cap * hd;
+        float mx = -INFINITY;
+        for (int t = 0; t <= last; t++) {
+            if (masked && masked[t]) {
+                sc[t] = -INFINITY;
+                continue;
+            }
+            const float *kr = kb + (size_t)t * hd;
+            __m256 acc = _mm256_setzero_ps();
+            int j = 0;
+            for (; j + 8 <= hd; j += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qv + j), _mm256_loadu_ps(kr + j), acc);
+            float dot = hsum(acc);
+            for (; j < hd; j++) dot += qv[j] * kr[j];
+            sc[t] = dot * scale;
+            mx = fmaxf(mx, sc[t]);
+        }
+        float sum = 0.0f;
+        for (int t = 0; t <= last; t++) {
+            sc[t] = sc[t] == -INFINITY ? 0.0f : expf(sc[t] - mx);
+            sum += sc[t];
+        }
+        float *o = out + (size_t)ih * hd;
+        memset(o, 0, (size_t)hd * sizeof(float));
+        for (int t = 0; t <= last; t++) {
+            if (sc[t] == 0.0f) continue;
+            const __m256 wt = _mm256_set1_ps(sc[t] / sum);
+            const float *vr = vb + (size_t)t * hd;
+            int j = 0;
+            for (; j + 8 <= hd; j += 8)
+                _mm256_storeu_ps(o + j, _mm256_fmadd_ps(wt, _mm256_loadu_ps(vr + j), _mm256_loadu_ps(o + j)));
+            for (; j < hd; j++) o[j] += sc[t] / sum * vr[j];
+        }
+    }
+}
+
+static void add_into(float *x, const float *y, size_t n) {
+#pragma omp for schedule(static)
+    for (size_t j = 0; j < n; j++) x[j] += y[j];
+}
+
+/* One decoder layer over M rows at positions pos0.. . cache: this layer's heads-first
+ * [kv_heads, capacity, head_dim] keys and values. mode: 0 the whole layer, 1 attention only
+ * (the MLP skipped), 2 K/V only (the layer skipped: its cache rows are filled, x unchanged).
+ * `masked` [capacity] (or NULL): positions dropped from this layer's attention. */
+int er_layer_forward(const er_layer *L, const er_dims *D, float *x, int M, int pos0, const float *cos_t,
+                     const float *sin_t, float *kcache, float *vcache, const uint8_t *masked, int mode,
+                     void *scratch_memory) {
+    const int d = D->hidden, H = D->heads, KV = D->kv_heads, hd = D->head_dim, F = D->ffn, cap = D->capacity;
+    if (pos0 < 0 || pos0 + M > cap || d % 32 || F % 32 || (H * hd) % 32 || mode < 0 || mode > 2) return -1;
+    carver c = {(char *)scratch_memory, 0};
+    const layer_scratch s = carve_layer(&c, D, M);
+    const int forms_qkv = forms_for(mode == 2 ? NULL : &L->q, &L->k, &L->v);
+#pragma omp parallel num_threads(D->threads)
+    {
+        rms_norm(x, L->attn_norm, M, d, D->eps, s.h);
+        quantize(s.h, M, d, s.xq, forms_qkv);
+        if (mode != 2) matmul(&L->q, s.xq, M, s.q, L->q_bias);
+        matmul(&L->k, s.xq, M, s.k, L->k_bias);
+        matmul(&L->v, s.xq, M, s.v, L->v_bias);
+#pragma omp for schedule(static)
+        for (int i = 0; i < M; i++) {
+            const float *cs = cos_t + (size_t)(pos0 + i) * hd, *sn = sin_t + (size_t)(pos0 + i) * hd;
+            if (mode != 2) rope(s.q + (size_t)i * H * hd, H, hd, cs, sn);
+            rope(s.k + (size_t)i * KV * hd, KV, hd, cs, sn);
+            for (int g = 0; g < KV; g++) {
+                memcpy(kcache + ((size_t)g * cap + pos0 + i) * hd, s.k + ((size_t)i * KV + g) * hd, hd * sizeof(float));
+                memcpy(vcache + ((size_t)g * cap + pos0 + i) * hd, s.v + ((size_t)i * KV + g) * hd, hd * sizeof(float));
+            }
+        }
+        if (mode != 2) {
+            attention(s.q, kcache, vcache, masked, D, M, pos0, s.scores, s.attn);
+            quantize(s.attn, M, H * hd, s.xq, forms_for(&L->o, NULL, NULL));
+            matmul(&L->o, s.xq, M, s.h, NULL);
+            add_into(x, s.h, (size_t)M * d);
+        }
+        if (mode == 0) {
+            rms_norm(x, L->ffn_norm, M, d, D->eps, s.h);
+            quantize(s.h, M, d, s.xq, forms_for(&L->gate, &L->up, NULL));
+            matmul(&L->gate, s.xq, M, s.gate, NULL);
+            matmul(&L->up, s.xq, M, s.up, NULL);
+#pragma omp for schedule(static)
+            for (size_t j = 0; j < (size_t)M * F; j++) {
+                const float g = s.gate[j];
+                s.gate[j] = g / (1.0f + expf(-g)) * s.up[j];
+            }
+            quantize(s.gate, M, F, s.xq, forms_for(&L->down, NULL, NULL));
+            matmul(&L->down, s.xq, M, s.h, NULL);
+            add_into(x, s.h, (size_t)M * d);
+        }
+    }
+    return 0;
+}
+
+static carver head_scratch(carver c, int M, int d, float **h, er_q8 **rows) {
+    *h = take(&c, (size_t)M * d * 4);
+    *rows = take_q8(&c, M, d);
+    return c;
+}
+
+size_t er_head_scratch_bytes(int M, int hidden) {
+    float *h;
+    er_q8 *rows;
+    return head_scratch((carver){NULL, 0}, M, hidden, &h, &rows).used + 64;
+}
+
+/* logits [M, rows] = rms_norm(x) @ head^T */
+int er_head(const er_matrix *head, const float *norm, const er_dims *D, const float *x, int M, float *logits,
+            void *scratch_memory) {
+    const int d = D->hidden;
+    if (d % 32 || row_bytes(head) == 0 || (is_k_quant(head->type) && d % 256)) return -1;
+    float *h;
+    er_q8 *rows;
+    head_scratch((carver){(char *)scratch_memory, 0}, M, d, &h, &rows);
+    const int forms = forms_for(head, NULL, NULL);
+#pragma omp parallel num_threads(D->threads)
+    {
+        rms_norm(x, norm, M, d, D->eps, h);
+        quantize(h, M, d, rows, forms);
+        matmul(head, rows, M, logits, NULL);
+    }
+    return 0;
+}
+
+size_t er_matmul_scratch_bytes(int M, int cols) {
+    carver c = {NULL, 0};
+    take_q8(&c, M, cols);
+    return c.used + 64;
+}
+
+/* y[M, rows] = x[M, cols] @ m^T, for tests and benchmarks */
+int er_matmul(const er_matrix *m, const float *x, int M, float *y, int threads, void *scratch_memory) {
+    if (m->cols % 32 || row_bytes(m) == 0 || (is_k_quant(m->type) && m->cols % 256)) return -1;
+    carver c = {(char *)scratch_memory, 0};
+    er_q8 *rows = take_q8(&c, M, m->cols);
+    const int forms = forms_for(m, NULL, NULL);
+#pragma omp parallel num_threads(threads)
+    {
+        quantize(x, M, m->cols, rows, forms);
+        matmul(m, rows, M, y, NULL);
+    }
+    return 0;
+}
+
+/* rows `ids` of a block matrix as floats (the embedding lookup): out [n, cols] */
+int er_dequantize_rows(const er_matrix *m, const int64_t *ids, int n, float *out) {
+    const size_t rb = row_bytes(m);
+    const int cols = m->cols;
+    if (rb == 0) return -1;
+    for (int r = 0; r < n; r++) {
+        if (ids[r] < 0 || ids[r] >= m->rows) return -2;
+        const uint8_t *w = m->data + rb * (size_t)ids[r];
+        float *y = out + (size_t)r * cols;
+        switch (m->type) {
+        case T_Q4_0:
+        case T_Q4_1:
+        case T_Q5_0:
+        case T_Q8_0: {
+            const int bytes = m->type == T_Q4_0 ? 18 : m->type == T_Q4_1 ? 20 : m->type == T_Q5_0 ? 22 : 34;
+            for (int b = 0; b < cols / 32; b++, w += bytes, y += 32) {
+                const float d = read_f16(w);
+                if (m->type == T_Q8_0) {
+                    for (int j = 0; j < 32; j++) y[j] = d * (int8_t)w[2 + j];
+                    continue;
+                }
+                const uint8_t *qs = w + bytes - 16;
+                uint32_t qh = 0;
+                if (m->type == T_Q5_0) memcpy(&qh, w + 2, 4);
+                const float offset = m->type == T_Q4_0 ? -8.0f * d : m->type == T_Q4_1 ? read_f16(w + 2) : -16.0f * d;
+                for (int j = 0; j < 16; j++) {
+                    const int lo = (qs[j] & 0x0F) | (((qh >> j) & 1) << 4), hi = (qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+                    y[j] = d * lo + offset;
+                    y[j + 16] = d * hi + offset;
+                }
+            }
+            break;
+        }
+        case T_Q4_K:
+            for (int sb = 0; sb < cols / 256; sb++, w += 144, y += 256) {
+                const float d = read_f16(w), dmin = read_f16(w + 2);
+                const uint8_t *sc = w + 4, *qs = w + 16;
+                for (int j = 0; j < 8; j++) {
+                    const int scale = j < 4 ? sc[j] & 63 : (sc[j + 4] & 0x0F) | ((sc[j - 4] >> 6) << 4);
+                    const int min = j < 4 ? sc[j + 4] & 63 : (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+                    const uint8_t *q = qs + 32 * (j / 2);
+                    for (int l = 0; l < 32; l++)
+                        y[32 * j + l] = d * scale * ((j & 1) ? q[l] >> 4 : q[l] & 0x0F) - dmin * min;
+                }
+            }
+            break;
+        case T_Q6_K:
+            for (int sb = 0; sb < cols / 256; sb++, w += 210, y += 256) {
+                const float d = read_f16(w + 208);
+                for (int n = 0; n < 2; n++) {
+                    const uint8_t *ql = w + 64 * n, *qh = w + 128 + 32 * n;
+                    const int8_t *sc = (const int8_t *)(w + 192 + 8 * n);
+                    for (int l = 0; l < 32; l++) {
+                        const int is = l / 16;
+                        y[128 * n + l] = d * sc[is] * (((ql[l] & 0x0F) | ((qh[l] & 3) << 4)) - 32);
+                        y[128 * n + l + 32] = d * sc[is + 2] * (((ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4)) - 32);
+                        y[128 * n + l + 64] = d * sc[is + 4] * (((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
+                        y[128 * n + l + 96] = d * sc[is + 6] * (((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+                    }
+                }
+            }
+            break;
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,232 @@
+"""The native CPU backend: its kernels against the GGUF block decoders, its model against the
+ONNX Runtime model of the same bundle, exact steps, the plan's actions, export and selection."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from edgeroute.bundle import NATIVE_FORMATS, Bundle
+from edgeroute.errors import BundleError, NativeBackendUnavailable
+from edgeroute.export.gguf_blocks import decode_gguf_tensor
+from edgeroute.runtime import Engine
+from edgeroute.runtime.model import DROP, RUN, SKIP, SKIP_MLP, OrtModel
+
+native = pytest.importorskip("edgeroute.runtime.native")
+try:
+    native.native_library()
+    UNAVAILABLE = None
+except NativeBackendUnavailable as err:
+    UNAVAILABLE = str(err)
+needs_kernels = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"native kernels unavailable: {UNAVAILABLE}")
+
+# byte offsets of each format's fp16 block factors (d, and m / dmin where the format has one)
+FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_blocks(fmt: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Random codes and scales with sane fp16 factors, as a GGUF stores them: [rows, bytes per row]."""
+    rng = np.random.default_rng(seed)
+    values, block_bytes = NATIVE_FORMATS[fmt]
+    raw = rng.integers(0, 256, size=(rows, cols // values, block_bytes), dtype=np.uint8)
+    for at in FP16_FIELDS[fmt]:
+        factor = (rng.uniform(0.002, 0.02, raw.shape[:2]) * rng.choice([-1, 1], raw.shape[:2])).astype(np.float16)
+        raw[:, :, at:at + 2] = factor.view(np.uint8).reshape(*raw.shape[:2], 2)
+    return raw.reshape(rows, -1)
+
+
+def dequantized(fmt: str, raw: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
+    return decode_gguf_tensor(raw.reshape(-1), fmt, shape).dequantize()
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", sorted(native.GGML_TYPES))
+def test_kernels_match_the_gguf_decoders(fmt):
+    shape = (37, 512)  # an odd row count: the threads' shares differ
+    raw = random_blocks(fmt, *shape)
+    weight = dequantized(fmt, raw, shape)
+    rows = np.array([0, 17, 36])
+    assert np.array_equal(native.native_dequantize(fmt, raw, shape, rows), weight[rows])
+    rng = np.random.default_rng(1)
+    # integer activations with a full-scale value in every 32 values quantize exactly (scale 1)
+    exact = rng.integers(-127, 128, size=(5, shape[1])).astype(np.float32)
+    exact[:, ::32] = 127
+    want = exact.astype(np.float64) @ weight.T.astype(np.float64)
+    got = native.native_matmul(fmt, raw, shape, exact)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    # real activations: int8 rounding, a percent or so
+    x = rng.standard_normal((9, shape[1])).astype(np.float32)
+    want = x @ weight.T
+    got = native.native_matmul(fmt, raw, shape, x)
+    assert np.abs(got - want).max() <= 0.03 * np.abs(want).max()
+    # each row's result is the same bits whatever else is in the pass (tiles of 4 rows, remainders)
+    for i in (0, 4, 8):
+        assert np.array_equal(native.native_matmul(fmt, raw, shape, x[i:i + 1])[0], got[i])
+
+
+@needs_kernels
+def test_kernels_refuse_what_they_do_not_take():
+    raw = random_blocks("Q4_K", 4, 512)
+    with pytest.raises(ValueError, match="do not hold"):
+        native.native_matmul("Q4_K", raw[:, :-1], (4, 512), np.zeros((1, 512), np.float32))
+    with pytest.raises(Exception, match="outside"):
+        native.native_dequantize("Q4_K", raw, (4, 512), np.array([4]))
+    with pytest.raises(Exception, match="not one of"):
+        native.native_matmul("IQ2_XS", raw, (4, 512), np.zeros((1, 512), np.float32))
+
+
+@pytest.fixture(scope="module")
+def demo(smollm2_bundles):
+    return Bundle.open(smollm2_bundles["int4"][0])
+
+
+@pytest.fixture(scope="module")
+def models(demo):
+    if UNAVAILABLE is not None:
+        pytest.skip(f"native kernels unavailable: {UNAVAILABLE}")
+    return native.NativeModel(demo), OrtModel(demo)
+
+
+@pytest.fixture(scope="module")
+def text_ids(demo):
+    from tokenizers import Tokenizer
+
+    from edgeroute.texts import evaluation_text
+
+    return np.array(Tokenizer.from_file(str(demo.file("tokenizer.json"))).encode(evaluation_text()).ids[:160])
+
+
+@pytest.mark.slow
+def test_export_writes_the_gguf_blocks_for_both_models(demo):
+    for entry in demo.models.values():
+        assert entry.native is not None
+        tensors = entry.native.tensors
+        assert len(tensors) == 1 + entry.num_layers * 9 + 1  # embedding, 2 norms + 7 matrices per layer, final norm
+        assert tensors["blk.0.ffn_up.weight"].format == "Q4_1" and tensors["token_embd.weight"].format == "Q8_0"
+    assert "output.weight" not in demo.llm.native.tensors  # SmolLM2's head is the tied embedding
+
+
+@pytest.mark.slow
+def test_native_model_agrees_with_onnx_runtime(models, text_ids):
+    fast, reference = models
+    got = fast.forward(fast.new_cache(), text_ids, all_logits=True)
+    want = reference.forward(reference.new_cache(), text_ids, all_logits=True)
+    assert got.shape == want.shape
+    # both carry the same blocks over; they round activations differently (int8 per 32 or 256
+    # values here, ONNX Runtime's own blocking) and ONNX Runtime's head is int8
+    assert (got.argmax(1) == want.argmax(1)).mean() >= 0.95
+    # and predict the text as well as the ONNX Runtime model does
+    hits = (got[:-1].argmax(1) == text_ids[1:]).mean()
+    assert hits >= (want[:-1].argmax(1) == text_ids[1:]).mean() - 0.03
+
+
+@pytest.mark.slow
+def test_steps_equal_a_multi_token_pass_bit_for_bit(models, text_ids):
+    fast = models[0]
+    stepped, passed = fast.new_cache(), fast.new_cache()
+    fast.forward(stepped, text_ids[:40])
+    fast.forward(passed, text_ids[:40])
+    steps = np.stack([fast.forward(stepped, text_ids[40 + i:41 + i]) for i in range(6)])
+    assert np.array_equal(steps, fast.forward(passed, text_ids[40:46], all_logits=True))
+    assert np.array_equal(stepped.keys[:, :, :, :46], passed.keys[:, :, :, :46])
+
+
+@pytest.mark.slow
+def test_plan_actions(models, text_ids):
+    fast = models[0]
+    prefix, token = text_ids[:20], text_ids[20:21]
+    caches = {}
+    for name, action in (("run", RUN), ("skip", SKIP), ("skip_mlp", SKIP_MLP), ("drop", DROP)):
+        cache = fast.new_cache()
+        fast.forward(cache, prefix)
+        hidden = fast.hidden_states(cache, token, lambda layer, h, action=action: action if layer == 3 else RUN)
+        caches[name] = (cache, hidden)
+    run, skip, skip_mlp, drop = (caches[k] for k in ("run", "skip", "skip_mlp", "drop"))
+    # layer 3's K/V of the token come from its input hidden state: the same rows whether it ran or not
+    assert np.array_equal(run[0].keys[3, :, :, 20], skip[0].keys[3, :, :, 20])
+    assert np.array_equal(run[0].keys[3, :, :, 20], skip_mlp[0].keys[3, :, :, 20])
+    # later layers see another input, so another output
+    assert not np.array_equal(run[1], skip[1]) and not np.array_equal(run[1], skip_mlp[1])
+    assert not np.array_equal(skip[1], skip_mlp[1])
+    # a dropped layer writes nothing and masks the token's position for later tokens
+    assert drop[0].dropped is not None and drop[0].dropped[3, 20] and not drop[0].dropped[3, :20].any()
+    assert not drop[0].keys[3, :, :, 20].any()
+    after_drop = fast.forward(drop[0], text_ids[21:22])
+    assert np.isfinite(after_drop).all()
+
+
+@pytest.mark.slow
+def test_caches_truncate_and_copy(models, text_ids):
+    fast = models[0]
+    a = fast.new_cache()
+    first = fast.forward(a, text_ids[:30])
+    fast.forward(a, text_ids[30:35])
+    a.truncate(30)
+    b = fast.new_cache()
+    b.copy_from(a, 30)
+    assert np.array_equal(fast.forward(a, text_ids[30:31]), fast.forward(b, text_ids[30:31]))
+    with pytest.raises(Exception, match="own caches"):
+        fast.forward(OrtModel.new_cache(models[1]), text_ids[:2])
+    assert np.isfinite(first).all()
+
+
+@pytest.mark.slow
+def test_engine_picks_native_and_speculation_reproduces_full_without_exact_steps(demo):
+    if UNAVAILABLE is not None:
+        pytest.skip(f"native kernels unavailable: {UNAVAILABLE}")
+    engine = Engine(demo)
+    assert engine.llm.flavour == "native" and engine.slm.flavour == "native" and engine.backend_notes == {}
+    prompt = "List three things to check before a long drive."
+    full = engine.session(mode="full", max_new_tokens=40).generate(prompt)
+    for light in ("slm", "ngram"):
+        spec = engine.session(mode="speculate", light=light, max_new_tokens=40).generate(prompt)
+        assert spec.tokens == full.tokens, light
+    ort = Engine(demo, backend="onnxruntime")
+    assert ort.llm.flavour == "portable"
+
+
+@pytest.mark.slow
+def test_settings_only_onnx_runtime_has_choose_it(demo):
+    if UNAVAILABLE is not None:
+        pytest.skip(f"native kernels unavailable: {UNAVAILABLE}")
+    engine = Engine(demo, kv_dtype="float16")
+    assert engine.llm.flavour == "portable" and "float32" in engine.backend_notes["llm"]
+    with pytest.raises(NativeBackendUnavailable, match="kv_dtype='float16'"):
+        Engine(demo, kv_dtype="float16", backend="native")
+    with pytest.raises(Exception, match="not one of"):
+        Engine(demo, backend="cuda")
+
+
+def test_a_bundle_without_native_weights_runs_on_onnx_runtime(tiny_slm_bundle):
+    engine = Engine(tiny_slm_bundle)
+    assert engine.llm.flavour == "portable" and "no native weights" in engine.backend_notes["llm"]
+    with pytest.raises(NativeBackendUnavailable, match="no native weights"):
+        Engine(tiny_slm_bundle, backend="native")
+
+
+@pytest.mark.slow
+def test_a_damaged_native_section_is_refused(demo, tmp_path):
+    copy = tmp_path / "bundle"
+    shutil.copytree(demo.path, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["models"]["llm"]["native"]["tensors"]["blk.0.ffn_up.weight"]["offset"] = 1 << 40
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(BundleError, match="outside its file"):
+        Bundle.open(copy, verify=False)
+
+
+def test_no_compiler_or_cpu_support_is_a_clear_reason(monkeypatch, tmp_path):
+    monkeypatch.setattr(native.platform, "machine", lambda: "aarch64")
+    with pytest.raises(NativeBackendUnavailable, match="x86-64 only; this CPU is aarch64"):
+        native._compile(native.native_source())
+    monkeypatch.setattr(native.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(native, "cpu_signature", lambda: {"machine": "x86_64", "isa": ["fma"]})
+    with pytest.raises(NativeBackendUnavailable, match="lacks avx2, f16c"):
+        native._compile(native.native_source())
+    monkeypatch.setattr(native, "cpu_signature", lambda: {"machine": "x86_64", "isa": ["avx2", "fma", "f16c"]})
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    with pytest.raises(NativeBackendUnavailable, match="does not run"):
+        native._compile(native.native_source())
