@@ -307,7 +307,7 @@ def rss_probe(args: argparse.Namespace) -> int:
     if footprint.startswith("edgeroute"):
         from edgeroute.runtime import Engine
 
-        engine = Engine(args.bundle, activations=args.activations, exact_steps=args.exact_steps)
+        engine = Engine(args.bundle, activations=args.activations, exact_steps=args.exact_steps, backend=args.backend)
         options = {"mode": "speculate", "light": "slm"} if footprint == "edgeroute-llm+slm" else {"mode": "full"}
         if footprint == "edgeroute-llm+slm":
             engine.slm  # noqa: B018 (loads the SLM sessions)
@@ -335,6 +335,7 @@ def measure_rss(args: argparse.Namespace, footprints: list[str], probe: dict, co
         cmd = [sys.executable, "-m", "tools.bench_run", "--rss-probe", footprint, "--probe", json.dumps(probe),
                "--bundle", str(args.bundle), "--gguf", str(args.gguf), "--draft-tokens", str(args.draft_tokens),
                "--threads", str(args.threads), "--n-ctx", str(args.n_ctx), "--activations", args.activations,
+               "--backend", args.backend,
                *(["--exact-steps"] if args.exact_steps else []),
                "--lookup-tokens", str(args.lookup_tokens), "--max-new-tokens", str(args.max_new_tokens),
                *(["--slm-gguf", str(args.slm_gguf)] if args.slm_gguf else [])]
@@ -370,9 +371,7 @@ def agreement_for_prompt(llm, prompt_ids: list[int], full: list[int], others: di
         if len(tokens) > shared:
             work = llm.new_cache(p + len(tokens))
             keep = p + shared - 1  # cached positions: the prompt and tokens[:shared - 1]
-            work.keys[:, :keep] = cache.keys[:, :keep]
-            work.values[:, :keep] = cache.values[:, :keep]
-            work.length = keep
+            work.copy_from(cache, keep)
             logits = llm.forward(work, tokens[shared - 1:len(tokens) - 1], all_logits=True)
             predictions += list(logits.argmax(-1))
         matches = int(sum(int(a == b) for a, b in zip(predictions, tokens, strict=True)))
@@ -680,6 +679,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--configs", default=None, help="comma-separated names or globs (full is always kept)")
     parser.add_argument("--activations", choices=("int8", "fp32"), default="int8",
                         help="edgeroute's int4 kernels: int8 activations (fast, the default) or fp32")
+    parser.add_argument("--backend", choices=("auto", "onnxruntime", "native"), default="auto",
+                        help="what runs edgeroute's models (Engine(backend=...))")
     parser.add_argument("--exact-steps", action="store_true",
                         help="the LLM's one-token steps run as two rows, so speculation reproduces full exactly")
     parser.add_argument("--skip-ratio", type=float, default=0.3)
@@ -724,13 +725,13 @@ def load_engines(args: argparse.Namespace) -> dict[bool, object]:
 
     from edgeroute.bundle import Bundle
     from edgeroute.runtime import Engine
-    from edgeroute.runtime.model import OrtModel
+    from edgeroute.runtime.backend import open_model
 
-    engine = Engine(args.bundle, activations=args.activations, exact_steps=args.exact_steps)
+    engine = Engine(args.bundle, activations=args.activations, exact_steps=args.exact_steps, backend=args.backend)
     engines = {False: engine}
     if args.slm_bundle is not None:
         alt = copy.copy(engine)
-        alt._slm = OrtModel(Bundle.open(args.slm_bundle), "slm", activations=args.activations)
+        alt._slm = open_model(Bundle.open(args.slm_bundle), "slm", args.backend, activations=args.activations)[0]
         engines[True] = alt
     return engines
 
@@ -901,7 +902,8 @@ def main(argv: list[str] | None = None) -> int:
                      "slm_gguf": str(args.slm_gguf) if args.slm_gguf else None, "draft_tokens": args.draft_tokens,
                      "prompts_per_workload": {w: len(p) for w, p in workloads.items()}, "llama_threads": args.threads,
                      "edgeroute_threads": int(os.environ["EDGEROUTE_THREADS"]),
-                     "n_ctx": args.n_ctx, "activations": args.activations, "exact_steps": args.exact_steps,
+                     "n_ctx": args.n_ctx, "activations": args.activations, "backend": args.backend,
+                     "exact_steps": args.exact_steps,
                      "lookup_tokens": args.lookup_tokens,
                      "skip_ratio": args.skip_ratio,
                      "configs": [asdict(c) for c in configs]},
