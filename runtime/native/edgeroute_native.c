@@ -55,6 +55,8 @@ typedef struct {
     int8_t *q;      /* codes at the per-32 scales */
     float *d;       /* cols / 32 */
     float *s;       /* cols / 32: d * sum of the block's codes */
+    float *d_lanes; /* cols / 4: d of each block repeated over its 8 int32 lanes (512-bit path) */
+    float *s_lanes; /* cols / 4: s / 8 of each block repeated likewise */
     int8_t *qk;     /* codes at the per-256 scales */
     float *dk;      /* cols / 256 */
     int16_t *bsum;  /* cols / 16 */
@@ -118,8 +120,89 @@ static inline __m256i bits_to_bytes(uint32_t bits, uint8_t value) { /* bit i -> 
     return _mm256_and_si256(b, _mm256_set1_epi8((char)value));
 }
 
-#define TILE 4 /* activation rows per pass over a weight row */
 #define INLINE static inline __attribute__((always_inline))
+#define UNROLL_TILE _Pragma("GCC unroll 8") /* the tile's accumulators stay in registers */
+#if defined(__AVX512BW__)
+#define TILE 8 /* activation rows per pass over a weight row: its blocks are unpacked once per tile */
+#else
+#define TILE 4 /* 16 vector registers */
+#endif
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define WIDE_BLOCKS32 1 /* 32-value block formats two blocks per instruction (Q8_0 needs VNNI: codes + 128) */
+#endif
+
+/* one 32-value block: unsigned codes, the weight scale d and the offset added per unit of code
+ * sum (Q8_0's signed codes come as |q| with the sign in `sign` for the 256-bit path, or as
+ * q + 128 with offset -128 d for the 512-bit one) */
+INLINE __m256i block32_codes(int type, const uint8_t *w, int bytes, float *d, float *offset, __m256i *sign,
+                             int biased) {
+    *d = read_f16(w);
+    if (type == T_Q8_0) {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(w + 2));
+        *sign = q;
+        *offset = biased ? -128.0f * *d : 0.0f;
+        return biased ? _mm256_xor_si256(q, _mm256_set1_epi8((char)0x80)) : _mm256_sign_epi8(q, q);
+    }
+    if (type == T_Q5_0) {
+        uint32_t qh;
+        memcpy(&qh, w + 2, 4);
+        *offset = -16.0f * *d;
+        return _mm256_or_si256(nibbles16(w + 6), bits_to_bytes(qh, 0x10));
+    }
+    *offset = type == T_Q4_0 ? -8.0f * *d : read_f16(w + 2);
+    return nibbles16(w + bytes - 16);
+}
+
+#if defined(WIDE_BLOCKS32)
+/* two blocks per 512-bit step; per activation row: one dot product, one convert, two FMAs
+ * against the activations' per-lane scales */
+INLINE void dot_blocks32_wide(const er_matrix *m, const uint8_t *w, const er_q8 *x, const int mt, float *y, int ldy) {
+    __m512 acc[TILE];
+    for (int i = 0; i < mt; i++) acc[i] = _mm512_setzero_ps();
+    const int type = m->type, n = m->cols / 32;
+    const int bytes = type == T_Q4_0 ? 18 : type == T_Q4_1 ? 20 : type == T_Q5_0 ? 22 : 34;
+    int b = 0;
+    for (; b + 2 <= n; b += 2, w += 2 * bytes) {
+        float d0, d1, o0, o1;
+        __m512i u;
+        if (type == T_Q5_0) { /* both blocks' fifth bits at once, from a 64-bit mask */
+            uint32_t qh[2];
+            memcpy(qh, w + 2, 4);
+            memcpy(qh + 1, w + bytes + 2, 4);
+            d0 = read_f16(w), d1 = read_f16(w + bytes), o0 = -16.0f * d0, o1 = -16.0f * d1;
+            u = _mm512_inserti64x4(_mm512_castsi256_si512(nibbles16(w + 6)), nibbles16(w + bytes + 6), 1);
+            const __mmask64 high = (__mmask64)qh[0] | ((__mmask64)qh[1] << 32);
+            u = _mm512_or_si512(u, _mm512_maskz_mov_epi8(high, _mm512_set1_epi8(0x10)));
+        } else {
+            __m256i sign;
+            const __m256i u0 = block32_codes(type, w, bytes, &d0, &o0, &sign, 1);
+            const __m256i u1 = block32_codes(type, w + bytes, bytes, &d1, &o1, &sign, 1);
+            u = _mm512_inserti64x4(_mm512_castsi256_si512(u0), u1, 1);
+        }
+        const __m512 scale = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(d0)), _mm256_set1_ps(d1), 1);
+        const __m512 offset = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(o0)), _mm256_set1_ps(o1), 1);
+        UNROLL_TILE
+        for (int i = 0; i < mt; i++) {
+            const __m512i a = _mm512_loadu_si512((const void *)(x[i].q + 32 * b));
+            const __m512 p = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u, a));
+            acc[i] = _mm512_fmadd_ps(p, _mm512_mul_ps(scale, _mm512_loadu_ps(x[i].d_lanes + 8 * b)), acc[i]);
+            acc[i] = _mm512_fmadd_ps(offset, _mm512_loadu_ps(x[i].s_lanes + 8 * b), acc[i]);
+        }
+    }
+    float tail[TILE] = {0};
+    if (b < n) { /* an odd block count: the last block alone */
+        float d, o;
+        __m256i sign;
+        const __m256i u = block32_codes(type, w, bytes, &d, &o, &sign, 1);
+        UNROLL_TILE
+        for (int i = 0; i < mt; i++) {
+            const __m256i a = _mm256_loadu_si256((const __m256i *)(x[i].q + 32 * b));
+            tail[i] = d * x[i].d[b] * hsum(_mm256_cvtepi32_ps(dot_u8s8(u, a))) + o * x[i].s[b];
+        }
+    }
+    for (int i = 0; i < mt; i++) y[(size_t)i * ldy] = _mm512_reduce_add_ps(acc[i]) + tail[i];
+}
+#endif
 
 /* 32-value block formats: value = d * u + offset, u unsigned (Q8_0: signed, sign moved) */
 INLINE void dot_blocks32(const er_matrix *m, const uint8_t *w, const er_q8 *x, const int mt, float *y, int ldy) {
@@ -132,21 +215,10 @@ INLINE void dot_blocks32(const er_matrix *m, const uint8_t *w, const er_q8 *x, c
     const int type = m->type, n = m->cols / 32;
     const int bytes = type == T_Q4_0 ? 18 : type == T_Q4_1 ? 20 : type == T_Q5_0 ? 22 : 34;
     for (int b = 0; b < n; b++, w += bytes) {
-        const float d = read_f16(w);
-        float offset = 0.0f;
-        __m256i u, sign = _mm256_setzero_si256();
-        if (type == T_Q8_0) {
-            sign = _mm256_loadu_si256((const __m256i *)(w + 2));
-            u = _mm256_sign_epi8(sign, sign);
-        } else if (type == T_Q5_0) {
-            uint32_t qh;
-            memcpy(&qh, w + 2, 4);
-            u = _mm256_or_si256(nibbles16(w + 6), bits_to_bytes(qh, 0x10));
-            offset = -16.0f * d;
-        } else {
-            u = nibbles16(w + bytes - 16);
-            offset = type == T_Q4_0 ? -8.0f * d : read_f16(w + 2);
-        }
+        float d, offset;
+        __m256i sign = _mm256_setzero_si256();
+        const __m256i u = block32_codes(type, w, bytes, &d, &offset, &sign, 0);
+        UNROLL_TILE
         for (int i = 0; i < mt; i++) {
             __m256i a = _mm256_loadu_si256((const __m256i *)(x[i].q + 32 * b));
             if (type == T_Q8_0) a = _mm256_sign_epi8(a, sign);
@@ -220,6 +292,7 @@ INLINE void dot_q4_k(const er_matrix *m, const uint8_t *w, const er_q8 *x, const
             u[c] = WIDE(_mm256_and_si256(v, m4), _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
             s16[c] = WIDE(_mm256_set1_epi16(scale[2 * c]), _mm256_set1_epi16(scale[2 * c + 1]));
         }
+        UNROLL_TILE
         for (int i = 0; i < mt; i++) {
             const int8_t *a = x[i].qk + 256 * sb;
             __m512i sumi = _mm512_setzero_si512();
@@ -240,6 +313,7 @@ INLINE void dot_q4_k(const er_matrix *m, const uint8_t *w, const er_q8 *x, const
             lo[c] = _mm256_and_si256(v, m4);
             hi[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
         }
+        UNROLL_TILE
         for (int i = 0; i < mt; i++) {
             const int8_t *a = x[i].qk + 256 * sb;
             __m256i sumi = _mm256_setzero_si256();
@@ -282,6 +356,7 @@ INLINE void dot_q6_k(const er_matrix *m, const uint8_t *w, const er_q8 *x, const
             uw[p] = WIDE(u[2 * p], u[2 * p + 1]);
             sw[p] = WIDE(s[2 * p], s[2 * p + 1]);
         }
+        UNROLL_TILE
         for (int i = 0; i < mt; i++) {
             const int8_t *a = x[i].qk + 256 * sb;
             __m512i sumi = _mm512_setzero_si512();
@@ -296,6 +371,7 @@ INLINE void dot_q6_k(const er_matrix *m, const uint8_t *w, const er_q8 *x, const
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi), _mm512_set1_ps(d * x[i].dk[sb]), acc[i]);
         }
 #else
+        UNROLL_TILE
         for (int i = 0; i < mt; i++) {
             const int8_t *a = x[i].qk + 256 * sb;
             __m256i sumi = _mm256_setzero_si256();
@@ -316,7 +392,11 @@ INLINE void dot_q6_k(const er_matrix *m, const uint8_t *w, const er_q8 *x, const
 INLINE void dot_rows(const er_matrix *m, const uint8_t *w, const er_q8 *x, const int mt, float *y, int ldy) {
     if (m->type == T_Q4_K) dot_q4_k(m, w, x, mt, y, ldy);
     else if (m->type == T_Q6_K) dot_q6_k(m, w, x, mt, y, ldy);
+#if defined(WIDE_BLOCKS32)
+    else dot_blocks32_wide(m, w, x, mt, y, ldy);
+#else
     else dot_blocks32(m, w, x, mt, y, ldy);
+#endif
 }
 
 /* dot products of one weight row with mt <= TILE activation rows, into y[i * ldy] */
@@ -325,6 +405,12 @@ static void row_dot(const er_matrix *m, const uint8_t *w, const er_q8 *x, int mt
     case 1: dot_rows(m, w, x, 1, y, ldy); break;
     case 2: dot_rows(m, w, x, 2, y, ldy); break;
     case 3: dot_rows(m, w, x, 3, y, ldy); break;
+#if TILE > 4
+    case 4: dot_rows(m, w, x, 4, y, ldy); break;
+    case 5: dot_rows(m, w, x, 5, y, ldy); break;
+    case 6: dot_rows(m, w, x, 6, y, ldy); break;
+    case 7: dot_rows(m, w, x, 7, y, ldy); break;
+#endif
     default: dot_rows(m, w, x, TILE, y, ldy); break;
     }
 }
@@ -341,15 +427,22 @@ static size_t row_bytes(const er_matrix *m) {
     }
 }
 
-/* y[M, rows] = x[M, cols] @ m^T (+ bias); called inside a parallel region */
+#define ROW_BLOCK 16 /* weight rows per block: a tile of activation rows meets them all while in L1 */
+
+/* y[M, rows] = x[M, cols] @ m^T (+ bias); called inside a parallel region. With many activation
+ * rows (prefill), blocks of weight rows stay in cache while every tile of activation rows passes
+ * over them; each (weight row, activation row) product is computed the same way whatever M is. */
 static void matmul(const er_matrix *m, const er_q8 *x, int M, float *y, const float *bias) {
     const size_t rb = row_bytes(m);
 #pragma omp for schedule(static)
-    for (int r = 0; r < m->rows; r++) {
-        const uint8_t *w = m->data + rb * r;
-        for (int i = 0; i < M; i += TILE) row_dot(m, w, x + i, M - i < TILE ? M - i : TILE, y + (size_t)i * m->rows + r, m->rows);
+    for (int r0 = 0; r0 < m->rows; r0 += ROW_BLOCK) {
+        const int r1 = r0 + ROW_BLOCK < m->rows ? r0 + ROW_BLOCK : m->rows;
+        for (int i = 0; i < M; i += TILE)
+            for (int r = r0; r < r1; r++)
+                row_dot(m, m->data + rb * r, x + i, M - i < TILE ? M - i : TILE, y + (size_t)i * m->rows + r, m->rows);
         if (bias)
-            for (int i = 0; i < M; i++) y[(size_t)i * m->rows + r] += bias[r];
+            for (int i = 0; i < M; i++)
+                for (int r = r0; r < r1; r++) y[(size_t)i * m->rows + r] += bias[r];
     }
 }
 
@@ -393,6 +486,8 @@ static void quantize(const float *x, int M, int n, er_q8 *q, int forms) {
             for (int b = 0; b < n / 32; b++) {
                 q[i].d[b] = quantize32(xi + 32 * b, q[i].q + 32 * b, max_abs(xi + 32 * b, 32));
                 q[i].s[b] = q[i].d[b] * sum_codes(q[i].q + 32 * b, 32);
+                _mm256_storeu_ps(q[i].d_lanes + 8 * b, _mm256_set1_ps(q[i].d[b]));
+                _mm256_storeu_ps(q[i].s_lanes + 8 * b, _mm256_set1_ps(q[i].s[b] / 8.0f));
             }
         if (forms & FORM_256)
             for (int b = 0; b < n / 256; b++) {
@@ -452,11 +547,13 @@ static er_q8 *take_q8(carver *c, int M, int cols) {
     er_q8 *rows = take(c, (size_t)M * sizeof(er_q8));
     int8_t *q = take(c, (size_t)M * cols), *qk = take(c, (size_t)M * cols);
     float *d = take(c, (size_t)M * cols / 32 * 4), *s = take(c, (size_t)M * cols / 32 * 4);
+    float *d_lanes = take(c, (size_t)M * cols), *s_lanes = take(c, (size_t)M * cols); /* cols / 4 floats each */
     float *dk = take(c, (size_t)M * (cols / 256 + 1) * 4);
     int16_t *bsum = take(c, (size_t)M * cols / 16 * 2);
     if (rows)
         for (int i = 0; i < M; i++) {
             rows[i] = (er_q8){q + (size_t)i * cols, d + (size_t)i * (cols / 32), s + (size_t)i * (cols / 32),
+                              d_lanes + (size_t)i * (cols / 4), s_lanes + (size_t)i * (cols / 4),
                               qk + (size_t)i * cols, dk + (size_t)i * (cols / 256 + 1), bsum + (size_t)i * (cols / 16)};
         }
     return rows;
