@@ -1,5 +1,6 @@
-"""Speed and memory over context length: edgeroute (each attention flavour, and the portable
-one with an fp16 KV cache: ``edgeroute:portable:float16``) vs llama.cpp.
+"""Speed and memory over context length: edgeroute (the native backend, each ONNX Runtime
+attention flavour, and the portable one with an fp16 KV cache: ``edgeroute:portable:float16``)
+vs llama.cpp.
 
 Every case runs in a fresh subprocess (so one case's memory never shows in another's), and
 the cases are interleaved runtime by runtime and repeated (``--repeats``; medians reported),
@@ -12,8 +13,8 @@ one-token steps (no detokenizing).
 - **peak RSS**: ``VmHWM`` of the case's process right after the prefill, its high-water mark
   reset after loading (``/proc/self/clear_refs``), next to the RSS after loading:
   ``peak - load`` is what the prompt itself costs (activations, arena, logits).
-- **decode tok/s at context C**: the steps after the prefill. edgeroute: ``OrtModel.forward``
-  (the LLM's ``full`` path); llama.cpp: ``Llama.eval`` of one token after a greedy argmax of
+- **decode tok/s at context C**: the steps after the prefill. edgeroute: the LLM model's
+  ``forward`` (the ``full`` path); llama.cpp: ``Llama.eval`` of one token after a greedy argmax of
   its logits.
 
 On a machine shared with other work, ``--clock cpu --threads 1`` times the process's CPU
@@ -35,7 +36,7 @@ import sys
 import time
 from pathlib import Path
 
-RUNTIMES = ("edgeroute:ort", "edgeroute:portable", "llama.cpp")
+RUNTIMES = ("edgeroute:native", "edgeroute:ort", "edgeroute:portable", "llama.cpp")
 
 
 def _status_bytes(field: str) -> int:
@@ -62,9 +63,14 @@ def _text_ids(tokenizer_file: Path, n: int) -> list[int]:
 
 class EdgerouteCase:
     def __init__(self, bundle: Path, flavour: str, kv_dtype: str = "float32") -> None:
-        from edgeroute.runtime import Bundle, OrtModel
+        from edgeroute.runtime import Bundle
+        from edgeroute.runtime.backend import open_model
 
-        self.model = OrtModel(Bundle.open(bundle, verify=False), attention=flavour, kv_dtype=kv_dtype)
+        opened = Bundle.open(bundle, verify=False)
+        if flavour == "native":
+            self.model = open_model(opened, "llm", "native")[0]
+        else:
+            self.model = open_model(opened, "llm", "onnxruntime", attention=flavour, kv_dtype=kv_dtype)[0]
         self.cache = self.model.new_cache()
 
     def prefill(self, ids: list[int]):

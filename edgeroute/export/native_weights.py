@@ -52,6 +52,8 @@ def native_unsupported(source: SourceModel, arch: ArchConfig, reduced_head: bool
         return f"architecture {arch.family}{' with q/k norms' if arch.qk_norm else ''}"
     if arch.hidden_size % 32 or arch.intermediate_size % 32 or (arch.num_heads * arch.head_dim) % 32:
         return "sizes that are not multiples of 32"
+    if arch.head_dim % 8:
+        return f"a head size of {arch.head_dim} (not a multiple of 8)"
     return None
 
 

@@ -575,7 +575,7 @@ static layer_scratch carve_layer(carver *c, const er_dims *D, int M) {
     s.attn = take(c, M * H * hd * 4);
     s.gate = take(c, M * F * 4);
     s.up = take(c, M * F * 4);
-    s.scores = take(c, (size_t)D->threads * D->capacity * 4);
+    s.scores = take(c, (size_t)D->threads * (D->heads / D->kv_heads) * (D->capacity + 8) * 4);
     s.xq = take_q8(c, M, (int)widest);
     return s;
 }
@@ -586,46 +586,91 @@ size_t er_scratch_bytes(const er_dims *D, int M) {
     return c.used + 64;
 }
 
+/* e^x for x <= 0 (softmax after the max is subtracted): 2^n e^r, |r| <= ln2 / 2, a degree-6
+ * polynomial; below -87 it is 0 */
+static inline __m256 exp_nonpositive(__m256 x) {
+    const __m256 low = _mm256_set1_ps(-87.0f);
+    const __m256 underflow = _mm256_cmp_ps(x, low, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, low);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 720);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
+}
+
+/* the 8 horizontal sums of a[0..7], in order */
+static inline __m256 sums8(const __m256 *a) {
+    const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+    return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+/* Attention of each row over positions 0..pos0 + row (head_dim a multiple of 8), one work item
+ * per (row, KV head): the query heads that share a KV head read each K and V row from memory
+ * once (they are re-read from L1 per head). Scores 8 positions at a time, a vectorized softmax,
+ * then the values. Every (row, head) is computed alike whatever M is. */
 static void attention(const float *q, const float *kcache, const float *vcache, const uint8_t *masked,
                       const er_dims *D, int M, int pos0, float *scores, float *out) {
-    const int H = D->heads, KV = D->kv_heads, hd = D->head_dim, cap = D->capacity;
+    const int H = D->heads, KV = D->kv_heads, hd = D->head_dim, cap = D->capacity, G = H / KV;
     const float scale = 1.0f / sqrtf((float)hd);
-    float *sc = scores + (size_t)omp_get_thread_num() * cap;
+    float *thread_scores = scores + (size_t)omp_get_thread_num() * G * (cap + 8);
 #pragma omp for schedule(dynamic, 1)
-    for (int ih = 0; ih < M * H; ih++) {
-        const int i = ih / H, g = (ih % H) / (H / KV), last = pos0 + i;
-        const float *qv = q + (size_t)ih * hd;
+    for (int ig = 0; ig < M * KV; ig++) {
+        const int i = ig / KV, g = ig % KV, n = pos0 + i + 1;
         const float *kb = kcache + (size_t)g * cap * hd, *vb = vcache + (size_t)g * cap * hd;
-        float mx = -INFINITY;
-        for (int t = 0; t <= last; t++) {
-            if (masked && masked[t]) {
-                sc[t] = -INFINITY;
-                continue;
+        for (int t = 0; t < n; t += 8)
+            for (int h = 0; h < G; h++) {
+                const float *qv = q + ((size_t)i * H + g * G + h) * hd;
+                __m256 acc[8];
+                for (int j = 0; j < 8; j++) {
+                    acc[j] = _mm256_setzero_ps();
+                    if (t + j >= n) continue;
+                    const float *kr = kb + (size_t)(t + j) * hd;
+                    for (int c = 0; c < hd; c += 8)
+                        acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(qv + c), _mm256_loadu_ps(kr + c), acc[j]);
+                }
+                __m256 s = _mm256_mul_ps(sums8(acc), _mm256_set1_ps(scale));
+                for (int j = 0; j < 8; j++) /* past the row's last position, and dropped positions */
+                    if (t + j >= n || (masked && masked[t + j])) ((float *)&s)[j] = -INFINITY;
+                _mm256_storeu_ps(thread_scores + (size_t)h * (cap + 8) + t, s);
             }
-            const float *kr = kb + (size_t)t * hd;
-            __m256 acc = _mm256_setzero_ps();
-            int j = 0;
-            for (; j + 8 <= hd; j += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qv + j), _mm256_loadu_ps(kr + j), acc);
-            float dot = hsum(acc);
-            for (; j < hd; j++) dot += qv[j] * kr[j];
-            sc[t] = dot * scale;
-            mx = fmaxf(mx, sc[t]);
+        for (int h = 0; h < G; h++) {
+            float *sc = thread_scores + (size_t)h * (cap + 8);
+            __m256 top = _mm256_set1_ps(-INFINITY);
+            for (int t = 0; t < n; t += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(sc + t));
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+            const __m256 mx = _mm256_set1_ps(_mm_cvtss_f32(m4));
+            __m256 total = _mm256_setzero_ps();
+            for (int t = 0; t < n; t += 8) {
+                const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(sc + t), mx));
+                _mm256_storeu_ps(sc + t, e);
+                total = _mm256_add_ps(total, e);
+            }
+            const __m256 inv = _mm256_set1_ps(1.0f / hsum(total));
+            for (int t = 0; t < n; t += 8) _mm256_storeu_ps(sc + t, _mm256_mul_ps(_mm256_loadu_ps(sc + t), inv));
+            memset(out + ((size_t)i * H + g * G + h) * hd, 0, (size_t)hd * sizeof(float));
         }
-        float sum = 0.0f;
-        for (int t = 0; t <= last; t++) {
-            sc[t] = sc[t] == -INFINITY ? 0.0f : expf(sc[t] - mx);
-            sum += sc[t];
-        }
-        float *o = out + (size_t)ih * hd;
-        memset(o, 0, (size_t)hd * sizeof(float));
-        for (int t = 0; t <= last; t++) {
-            if (sc[t] == 0.0f) continue;
-            const __m256 wt = _mm256_set1_ps(sc[t] / sum);
+        for (int t = 0; t < n; t++) {
             const float *vr = vb + (size_t)t * hd;
-            int j = 0;
-            for (; j + 8 <= hd; j += 8)
-                _mm256_storeu_ps(o + j, _mm256_fmadd_ps(wt, _mm256_loadu_ps(vr + j), _mm256_loadu_ps(o + j)));
-            for (; j < hd; j++) o[j] += sc[t] / sum * vr[j];
+            for (int h = 0; h < G; h++) {
+                const float p = thread_scores[(size_t)h * (cap + 8) + t];
+                if (p == 0.0f) continue;
+                const __m256 wt = _mm256_set1_ps(p);
+                float *o = out + ((size_t)i * H + g * G + h) * hd;
+                for (int c = 0; c < hd; c += 8)
+                    _mm256_storeu_ps(o + c, _mm256_fmadd_ps(wt, _mm256_loadu_ps(vr + c), _mm256_loadu_ps(o + c)));
+            }
         }
     }
 }
@@ -643,7 +688,7 @@ int er_layer_forward(const er_layer *L, const er_dims *D, float *x, int M, int p
                      const float *sin_t, float *kcache, float *vcache, const uint8_t *masked, int mode,
                      void *scratch_memory) {
     const int d = D->hidden, H = D->heads, KV = D->kv_heads, hd = D->head_dim, F = D->ffn, cap = D->capacity;
-    if (pos0 < 0 || pos0 + M > cap || d % 32 || F % 32 || (H * hd) % 32 || mode < 0 || mode > 2) return -1;
+    if (pos0 < 0 || pos0 + M > cap || d % 32 || F % 32 || (H * hd) % 32 || hd % 8 || mode < 0 || mode > 2) return -1;
     carver c = {(char *)scratch_memory, 0};
     const layer_scratch s = carve_layer(&c, D, M);
     const int forms_qkv = forms_for(mode == 2 ? NULL : &L->q, &L->k, &L->v);
