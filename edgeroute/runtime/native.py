@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import mmap
 import os
 import platform
 import shutil
@@ -37,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edgeroute.bundle import Bundle, NativeTensor
+from edgeroute.bundle import NATIVE_FORMATS, Bundle, NativeTensor
 from edgeroute.cpu import cpu_signature
 from edgeroute.errors import BundleError, InputError, NativeBackendUnavailable
 from edgeroute.rope import rope_tables
@@ -48,14 +49,15 @@ SOURCE_NAME = "edgeroute_native.c"
 LIBRARY_VERSION = 1  # er_version() of the C source this module drives
 REQUIRED_FLAGS = ("avx2", "fma", "f16c")
 GGML_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
+FORMAT_NAMES = {type_id: name for name, type_id in GGML_TYPES.items()}
 K_QUANTS = ("Q4_K", "Q6_K")
 MODES = {RUN: 0, SKIP_MLP: 1, SKIP: 2}  # er_layer_forward's mode per plan action
 TIMING_KINDS = {RUN: "layer", SKIP_MLP: "attn", SKIP: "kv"}
 
 
 class _Matrix(ctypes.Structure):
-    _fields_ = [("data", ctypes.c_void_p), ("type", ctypes.c_int32), ("rows", ctypes.c_int32),
-                ("cols", ctypes.c_int32), ("pad", ctypes.c_int32)]
+    _fields_ = [("data", ctypes.c_void_p), ("packed", ctypes.c_void_p), ("type", ctypes.c_int32),
+                ("rows", ctypes.c_int32), ("cols", ctypes.c_int32), ("packed_rows", ctypes.c_int32)]
 
 
 class _Layer(ctypes.Structure):
@@ -153,6 +155,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         "er_matmul": ([ctypes.POINTER(_Matrix), pointer, i32, pointer, i32, pointer], i32),
         "er_matmul_scratch_bytes": ([i32, i32], size),
         "er_dequantize_rows": ([ctypes.POINTER(_Matrix), pointer, i32, pointer], i32),
+        "er_pack_bytes": ([ctypes.POINTER(_Matrix)], size),
+        "er_pack": ([ctypes.POINTER(_Matrix), pointer], i32),
     }
     for name, (args, result) in signatures.items():
         function = getattr(lib, name)
@@ -162,6 +166,18 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 def _address(array: np.ndarray) -> int:
     return array.ctypes.data
+
+
+def _pack(lib: ctypes.CDLL, matrix: _Matrix) -> np.ndarray | None:
+    """Interleave the matrix's rows for the packed kernel where it has one (Q4_K on AVX-512 VNNI);
+    returns the buffer the matrix now points into (keep it alive), or None."""
+    size = lib.er_pack_bytes(ctypes.byref(matrix))
+    if not size:
+        return None
+    buffer = np.empty(size, np.uint8)
+    matrix.packed_rows = lib.er_pack(ctypes.byref(matrix), _address(buffer))
+    matrix.packed = _address(buffer)
+    return buffer
 
 
 # -- the model ----------------------------------------------------------------------------------
@@ -207,6 +223,7 @@ class NativeModel(LayerwiseModel):
         head = "output.weight" if "output.weight" in self._tensors else "token_embd.weight"
         self._head = self._matrix(head, (a.vocab_size, a.hidden_size), rows_at_least=True)
         self._norm = self._vector("output_norm.weight", a.hidden_size)
+        self._packed = self._pack_all()
         cos, sin = rope_tables(self.capacity, a.head_dim, a.rope_theta, a.rope_scaling)
         self.cos = np.ascontiguousarray(cos.reshape(self.capacity, a.head_dim), np.float32)
         self.sin = np.ascontiguousarray(sin.reshape(self.capacity, a.head_dim), np.float32)
@@ -228,7 +245,26 @@ class NativeModel(LayerwiseModel):
                               "export the bundle again")
         if t.format in K_QUANTS and t.shape[1] % 256:
             raise BundleError(f"{self._where}: {name} is {t.format} with rows of {t.shape[1]} values (not 256-blocks)")
-        return _Matrix(_address(self._file) + t.offset, GGML_TYPES[t.format], t.shape[0], t.shape[1], 0)
+        return _Matrix(_address(self._file) + t.offset, None, GGML_TYPES[t.format], t.shape[0], t.shape[1], 0)
+
+    def _pack_all(self) -> list[np.ndarray]:
+        """Interleave what the packed kernel takes; the file's pages of those tensors are then
+        given back (the mapping stays: nothing reads them again)."""
+        buffers = []
+        matrices = [getattr(layer, name) for layer in self._layers for name in ("q", "k", "v", "o", "gate", "up", "down")]
+        for matrix in [*matrices, self._head]:
+            buffer = _pack(self.lib, matrix)
+            if buffer is None:
+                continue
+            buffers.append(buffer)
+            values, block_bytes = NATIVE_FORMATS[FORMAT_NAMES[matrix.type]]
+            start = matrix.data - _address(self._file)
+            end = start + matrix.packed_rows * matrix.cols // values * block_bytes
+            page = mmap.PAGESIZE
+            first, last = -(-start // page) * page, end // page * page
+            if last > first and hasattr(self._file._mmap, "madvise"):
+                self._file._mmap.madvise(mmap.MADV_DONTNEED, first, last - first)
+        return buffers
 
     def _vector(self, name: str, size: int, required: bool = True) -> int | None:
         if not required and name not in self._tensors:
@@ -337,7 +373,7 @@ def _standalone(tensor_format: str, blocks: np.ndarray, shape: tuple[int, int]) 
     if tensor_format not in GGML_TYPES:
         raise InputError(f"format {tensor_format!r} is not one of {', '.join(GGML_TYPES)}")
     NativeTensor(tensor_format, shape, 0, blocks.nbytes).check("matrix", blocks.nbytes)
-    return _Matrix(_address(blocks), GGML_TYPES[tensor_format], shape[0], shape[1], 0)
+    return _Matrix(_address(blocks), None, GGML_TYPES[tensor_format], shape[0], shape[1], 0)
 
 
 def native_matmul(tensor_format: str, blocks: np.ndarray, shape: tuple[int, int], x: np.ndarray,
@@ -347,6 +383,7 @@ def native_matmul(tensor_format: str, blocks: np.ndarray, shape: tuple[int, int]
     lib = native_library()
     blocks = np.ascontiguousarray(blocks, np.uint8)
     matrix = _standalone(tensor_format, blocks, shape)
+    _packing = _pack(lib, matrix)  # the matrix points into it until the product is done
     x = np.ascontiguousarray(x, np.float32).reshape(-1, shape[1])
     y = np.empty((x.shape[0], shape[0]), np.float32)
     scratch = np.empty(lib.er_matmul_scratch_bytes(x.shape[0], shape[1]), np.uint8)
