@@ -140,8 +140,9 @@ class Calibration:
                              f"1 <= draft_tokens <= max_draft_tokens (got {lengths[0]!r}, {lengths[1]!r})")
         device = data.get("device", {})
         if not (isinstance(device, dict) and isinstance(device.get("machine", ""), str)
-                and isinstance(device.get("isa", []), list) and all(isinstance(f, str) for f in device.get("isa", []))):
-            raise ValueError(f"device must be {{'machine': str, 'isa': [str, ...]}} (got {device!r})")
+                and isinstance(device.get("isa", []), list) and all(isinstance(f, str) for f in device.get("isa", []))
+                and isinstance(device.get("backend", ""), str)):
+            raise ValueError(f"device must be {{'machine': str, 'isa': [str, ...], 'backend': str}} (got {device!r})")
         skip = data.get("decoding", {}).get("skip")
         if skip is not None:
             from edgeroute.runtime.policies import SkipOptions  # the runtime's own checks, imported late

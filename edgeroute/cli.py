@@ -164,7 +164,9 @@ def _print_calibration(b) -> None:
                   f"({budget['bound']} bound), task-level pass no lower than full; data sha256 {c.data_sha256[:12]}")
     if c.device:
         difference = signature_difference(c.device, cpu_signature())
+        backend = f", {c.device['backend']} backend" if c.device.get("backend") else ""
         console.print(f"timings taken on: {c.device['machine']} ({' '.join(c.device['isa']) or 'no listed ISA extensions'})"
+                      + backend
                       + (f"; [yellow]{difference}[/]: timing-based choices may not be the fastest here" if difference else
                          "; this CPU is of the same kind"))
     table = Table(title="calibrated routers")

@@ -267,11 +267,15 @@ def test_a_bundle_calibrated_on_another_kind_of_cpu_warns(slm_bundle_copy):
             data["calibration"]["device"] = device
         (slm_bundle_copy / MANIFEST).write_text(json.dumps(data))
 
-    for device in (None, here):  # nothing recorded (an older calibration), or this kind of CPU
+    # nothing recorded (an older calibration), this kind of CPU, and the backend this engine runs
+    for device in (None, here, {**here, "backend": "portable"}):
         recorded(device)
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             Engine(slm_bundle_copy)
+    recorded({**here, "backend": "native"})  # the tiny bundle runs on ONNX Runtime (no native weights)
+    with pytest.warns(CalibrationDeviceWarning, match="timings of the native backend; this engine runs portable"):
+        Engine(slm_bundle_copy)
     for device, message in (({**here, "isa": [*here["isa"], "made_up_isa"]}, "this CPU lacks made_up_isa"),
                             ({**here, "isa": []}, "this CPU adds" if here["isa"] else None),
                             ({**here, "machine": "riscv64"}, "calibrated on riscv64")):
@@ -297,6 +301,7 @@ def test_corrupt_calibration_section_is_a_clear_error(slm_bundle_copy):
                              "decoding.skip is not a valid skip setting: importance_threshold"),
                             (lambda c: c["decoding"].update(skip={"layers": 3}), "decoding.skip is not a valid"),
                             (lambda c: c.update(device={"machine": 3}), "device must be"),
+                            (lambda c: c.update(device={"machine": "x86_64", "backend": 1}), "device must be"),
                             (lambda c: c["routers"]["slm"].update(file="calibration/gone.onnx"), "does not list")):
         broken = json.loads(json.dumps(manifest))
         damage(broken["calibration"])
@@ -330,7 +335,8 @@ def test_calibrate_end_to_end_writes_a_section_the_runtime_reads(slm_bundle_copy
     bundle = Bundle.open(slm_bundle_copy)  # sha256 of every file, router graphs included
     calibration = bundle.calibration
     assert calibration == report.calibration
-    assert calibration.device == cpu_signature()  # the timings' CPU, for the runtime's check
+    # the timings' CPU and backend, for the runtime's check
+    assert calibration.device == {**cpu_signature(), "backend": "portable"}
     assert calibration.figures["labels"]["positions"] > 0 and "default" in calibration.profiles
     for profile in calibration.profiles.values():
         assert profile["figures"][profile["config"]]["task_pass"] >= profile["figures"]["full"]["task_pass"]

@@ -110,6 +110,15 @@ def test_export_writes_the_gguf_blocks_for_both_models(demo):
 
 
 @pytest.mark.slow
+def test_a_requantized_export_has_no_native_weights(smollm2_bundles):
+    """An fp32 export of the GGUF computes in float: the blocks as stored would be another model."""
+    path, report = smollm2_bundles["fp32"]
+    assert Bundle.open(path).llm.native is None
+    assert any("re-quantizes" in note for note in report.notes)
+    assert Engine(path).llm.flavour == "portable"
+
+
+@pytest.mark.slow
 def test_native_model_agrees_with_onnx_runtime(models, text_ids):
     fast, reference = models
     got = fast.forward(fast.new_cache(), text_ids, all_logits=True)

@@ -291,7 +291,8 @@ def export_bundle(options: ExportOptions, progress: Progress | None = None) -> E
                     writer.record(f"{role}/{group}.weights")
                     progress(f"{role}: graphs", done, arch.num_layers + 2)
             native = None
-            if options.native:
+            carried_over = source.quantized and method.startswith("int4")
+            if options.native and carried_over:  # the graphs hold the same blocks: both backends run one model
                 with _stage(report, "native weights"):
                     rel = f"{role}/native.bin"
                     written = write_native_weights(source, arch, writer.path(rel), rel, head_vocab is not None)
@@ -300,6 +301,9 @@ def export_bundle(options: ExportOptions, progress: Progress | None = None) -> E
                     native = written
                 else:
                     report.notes.append(f"{role}: no native weights ({written}): it runs on ONNX Runtime only")
+            elif options.native and source.raw_tensor is not None:
+                report.notes.append(f"{role}: no native weights (--quant {method} re-quantizes; native weights are the "
+                                    "GGUF's blocks as stored): it runs on ONNX Runtime only")
             formats = dict(counts)
             manifest_models[role] = model_section(
                 arch,
@@ -307,7 +311,7 @@ def export_bundle(options: ExportOptions, progress: Progress | None = None) -> E
                         "sha256": source.sha256, "layers_used": len(weights.layers),
                         "notes": [*source.notes, *weights.notes]},
                 quantization={"method": method, "block_size": options.block_size, "head": options.head,
-                              "carried_over": source.quantized and method.startswith("int4"), "formats": formats},
+                              "carried_over": carried_over, "formats": formats},
                 graphs=graphs, head_vocab=head_vocab, native=native)
             exported[role] = weights
             report.models.append(ModelReport(role, source.name, len(weights.layers),

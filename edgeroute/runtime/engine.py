@@ -93,6 +93,11 @@ class Engine:
         self.backend = backend
         self.backend_notes: dict[str, str] = {}  # role -> why backend "auto" runs it on ONNX Runtime
         self.llm = self._open("llm", exact_steps)
+        calibrated_on = calibration.device.get("backend") if calibration else None
+        if calibrated_on and calibrated_on != self.llm.flavour:
+            warnings.warn(f"{self.bundle.path} was calibrated with timings of the {calibrated_on} backend; this engine "
+                          f"runs {self.llm.flavour}. Its quality budget holds; its timing-based choices (draft length, "
+                          "--mode auto) may not be the fastest here", CalibrationDeviceWarning, stacklevel=2)
         self._slm: ModelBackend | None = None
         self._slm_lock = threading.Lock()
         self.eos_ids = set(self.bundle.tokenizer.get("eos_token_ids") or [])

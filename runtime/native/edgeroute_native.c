@@ -267,6 +267,15 @@ INLINE void q6_k_codes(const uint8_t *ql, const uint8_t *qh, __m256i u[4]) {
 #if defined(__AVX512BW__)
 /* 512-bit forms: two 32-value groups per instruction, half the instructions per activation row */
 #define WIDE(lo, hi) _mm512_inserti64x4(_mm512_castsi256_si512(lo), (hi), 1)
+
+/* a super-block's 4 x 64 codes u against its 256 activations a, each 16-bit pair product scaled
+ * by s (int16 sub-block scales laid out like the products) */
+INLINE __m512i scaled_dot256(const __m512i u[4], const __m512i s[4], const int8_t *a) {
+    __m512i sum = _mm512_setzero_si512();
+    for (int c = 0; c < 4; c++)
+        sum = _mm512_add_epi32(sum, _mm512_madd_epi16(_mm512_maddubs_epi16(u[c], _mm512_loadu_si512((const void *)(a + 64 * c))), s[c]));
+    return sum;
+}
 typedef __m512 acc_t;
 #define ACC_ZERO _mm512_setzero_ps()
 #define ACC_SUM(v) _mm512_reduce_add_ps(v)
@@ -296,12 +305,7 @@ INLINE void dot_q4_k(const er_matrix *m, const uint8_t *w, const er_q8 *x, const
         }
         UNROLL_TILE
         for (int i = 0; i < mt; i++) {
-            const int8_t *a = x[i].qk + 256 * sb;
-            __m512i sumi = _mm512_setzero_si512();
-            for (int c = 0; c < 4; c++) {
-                const __m512i p = _mm512_maddubs_epi16(u[c], _mm512_loadu_si512((const void *)(a + 64 * c)));
-                sumi = _mm512_add_epi32(sumi, _mm512_madd_epi16(p, s16[c]));
-            }
+            const __m512i sumi = scaled_dot256(u, s16, x[i].qk + 256 * sb);
             const __m256i bs = _mm256_loadu_si256((const __m256i *)(x[i].bsum + 16 * sb));
             const __m512 summ = _mm512_zextps256_ps512(_mm256_cvtepi32_ps(_mm256_madd_epi16(bs, mins16)));
             const float dx = x[i].dk[sb];
@@ -360,12 +364,7 @@ INLINE void dot_q6_k(const er_matrix *m, const uint8_t *w, const er_q8 *x, const
         }
         UNROLL_TILE
         for (int i = 0; i < mt; i++) {
-            const int8_t *a = x[i].qk + 256 * sb;
-            __m512i sumi = _mm512_setzero_si512();
-            for (int p = 0; p < 4; p++) {
-                const __m512i prod = _mm512_maddubs_epi16(uw[p], _mm512_loadu_si512((const void *)(a + 64 * p)));
-                sumi = _mm512_add_epi32(sumi, _mm512_madd_epi16(prod, sw[p]));
-            }
+            __m512i sumi = scaled_dot256(uw, sw, x[i].qk + 256 * sb);
             /* the codes' offset of 32: sum_j scale_j * 32 * (sum of the activation codes of sub-block j) */
             const __m256i bs = _mm256_loadu_si256((const __m256i *)(x[i].bsum + 16 * sb));
             const __m512i offset = _mm512_zextsi256_si512(_mm256_slli_epi32(_mm256_madd_epi16(bs, scales16), 5));
