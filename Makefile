@@ -40,9 +40,12 @@ demo-pair: $(PAIR_BUNDLE)/manifest.json
 	$(BIN)/edgeroute run $(PAIR_BUNDLE) --mode full --prompt "$$(printf '$(PAIR_PROMPT)')"
 	$(BIN)/edgeroute run $(PAIR_BUNDLE) --mode speculate --light slm --prompt "$$(printf '$(PAIR_PROMPT)')"
 
+# The prompt on ONNX Runtime's CPU provider, then on the native kernels (`--backend auto` takes
+# them where they build; the stats line says which backend ran).
 demo: $(BUNDLE)/manifest.json
 	$(BIN)/edgeroute inspect $(BUNDLE)
-	$(BIN)/edgeroute run $(BUNDLE) --prompt "$(PROMPT)"
+	$(BIN)/edgeroute run $(BUNDLE) --backend onnxruntime --prompt "$(PROMPT)"
+	$(BIN)/edgeroute run $(BUNDLE) --backend auto --prompt "$(PROMPT)"
 
 test: setup
 	$(BIN)/ruff check edgeroute tests tools
