@@ -264,6 +264,14 @@ INLINE void q6_k_codes(const uint8_t *ql, const uint8_t *qh, __m256i u[4]) {
                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), m2), 4));
 }
 
+/* 256-bit form of the same: 8 x 32 codes u, scales s laid out like the 16-bit pair products */
+INLINE __m256i scaled_dot256_narrow(const __m256i u[8], const __m256i s[8], const int8_t *a) {
+    __m256i sum = _mm256_setzero_si256();
+    for (int g = 0; g < 8; g++)
+        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(u[g], _mm256_loadu_si256((const __m256i *)(a + 32 * g))), s[g]));
+    return sum;
+}
+
 #if defined(__AVX512BW__)
 /* 512-bit forms: two 32-value groups per instruction, half the instructions per activation row */
 #define WIDE(lo, hi) _mm512_inserti64x4(_mm512_castsi256_si512(lo), (hi), 1)
@@ -313,22 +321,17 @@ INLINE void dot_q4_k(const er_matrix *m, const uint8_t *w, const er_q8 *x, const
             acc[i] = _mm512_fnmadd_ps(summ, _mm512_set1_ps(dmin * dx), acc[i]);
         }
 #else
-        __m256i lo[4], hi[4];
+        __m256i u[8], s16[8]; /* sub-block j: its 32 codes and its scale */
         for (int c = 0; c < 4; c++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
-            lo[c] = _mm256_and_si256(v, m4);
-            hi[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            u[2 * c] = _mm256_and_si256(v, m4);
+            u[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            s16[2 * c] = _mm256_set1_epi16(scale[2 * c]);
+            s16[2 * c + 1] = _mm256_set1_epi16(scale[2 * c + 1]);
         }
         UNROLL_TILE
         for (int i = 0; i < mt; i++) {
-            const int8_t *a = x[i].qk + 256 * sb;
-            __m256i sumi = _mm256_setzero_si256();
-            for (int c = 0; c < 4; c++) {
-                __m256i p0 = _mm256_maddubs_epi16(lo[c], _mm256_loadu_si256((const __m256i *)(a + 64 * c)));
-                __m256i p1 = _mm256_maddubs_epi16(hi[c], _mm256_loadu_si256((const __m256i *)(a + 64 * c + 32)));
-                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p0, _mm256_set1_epi16(scale[2 * c])));
-                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p1, _mm256_set1_epi16(scale[2 * c + 1])));
-            }
+            const __m256i sumi = scaled_dot256_narrow(u, s16, x[i].qk + 256 * sb);
             const __m256i bs = _mm256_loadu_si256((const __m256i *)(x[i].bsum + 16 * sb));
             const __m256 summ = _mm256_cvtepi32_ps(_mm256_madd_epi16(bs, mins16));
             const float dx = x[i].dk[sb];
@@ -374,12 +377,7 @@ INLINE void dot_q6_k(const er_matrix *m, const uint8_t *w, const er_q8 *x, const
 #else
         UNROLL_TILE
         for (int i = 0; i < mt; i++) {
-            const int8_t *a = x[i].qk + 256 * sb;
-            __m256i sumi = _mm256_setzero_si256();
-            for (int g = 0; g < 8; g++) {
-                __m256i p = _mm256_maddubs_epi16(u[g], _mm256_loadu_si256((const __m256i *)(a + 32 * g)));
-                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, s[g]));
-            }
+            __m256i sumi = scaled_dot256_narrow(u, s, x[i].qk + 256 * sb);
             /* the codes' offset of 32: sum_j scale_j * 32 * (sum of the activation codes of sub-block j) */
             const __m256i bs = _mm256_loadu_si256((const __m256i *)(x[i].bsum + 16 * sb));
             sumi = _mm256_sub_epi32(sumi, _mm256_slli_epi32(_mm256_madd_epi16(bs, scales16), 5));
