@@ -442,19 +442,65 @@ static size_t row_bytes(const er_matrix *m) {
 #define PACK_Q6_K_BYTES (2048 + 1024 + 256 + 32)
 #define PACK_TILE 3 /* activation rows per pass over a packed group (measured: 3 beats 2 and 4 at M = 4..8) */
 
+/* packed 32-value block formats, per (group, block): Q4_0 / Q4_1 / Q5_0 codes as 4 vectors of
+ * low nibbles (as Q4_K's); Q5_0's fifth bits as 8 64-bit masks (bit 4r + j of mask k: value
+ * 4k + j of row r); Q8_0's codes + 128 as 8 vectors of bytes; then d [16] fp16 and Q4_1's m [16]
+ * fp16: the GGUF's bytes per 16 rows and block */
+static size_t pack_block_bytes(int type) {
+    switch (type) {
+    case T_Q4_K: return PACK_Q4_K_BYTES;
+    case T_Q6_K: return PACK_Q6_K_BYTES;
+    case T_Q4_0: return 256 + 32;
+    case T_Q4_1: return 256 + 64;
+    case T_Q5_0: return 256 + 64 + 32;
+    default: return 512 + 32; /* Q8_0 */
+    }
+}
+
+static int block_values(int type) { return is_k_quant(type) ? 256 : 32; }
+
 static int packable(const er_matrix *m) {
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-    return (m->type == T_Q4_K || m->type == T_Q6_K) && m->rows >= PACK_ROWS && m->cols % 256 == 0;
+    return row_bytes(m) > 0 && m->rows >= PACK_ROWS && m->cols % block_values(m->type) == 0;
 #else
     (void)m;
     return 0;
 #endif
 }
 
-static size_t pack_block_bytes(int type) { return type == T_Q4_K ? PACK_Q4_K_BYTES : PACK_Q6_K_BYTES; }
-
 size_t er_pack_bytes(const er_matrix *m) {
-    return packable(m) ? (size_t)(m->rows / PACK_ROWS) * (m->cols / 256) * pack_block_bytes(m->type) : 0;
+    return packable(m) ? (size_t)(m->rows / PACK_ROWS) * (m->cols / block_values(m->type)) * pack_block_bytes(m->type)
+                       : 0;
+}
+
+/* the unsigned code of value v (0..31) of a 32-value block (Q8_0: q + 128) */
+static uint8_t block32_code(int type, const uint8_t *w, int v) {
+    if (type == T_Q8_0) return (uint8_t)(w[2 + v] ^ 0x80);
+    const int bytes = type == T_Q4_0 ? 18 : type == T_Q4_1 ? 20 : 22;
+    const uint8_t byte = w[bytes - 16 + v % 16];
+    uint8_t code = v < 16 ? byte & 0x0F : byte >> 4;
+    if (type == T_Q5_0) {
+        uint32_t qh;
+        memcpy(&qh, w + 2, 4);
+        code |= (uint8_t)(((qh >> v) & 1) << 4);
+    }
+    return code;
+}
+
+static void pack_block32(int type, const uint8_t *w, int r, uint8_t *o) {
+    for (int v = 0; v < 32; v++) { /* group v / 4, byte v % 4 */
+        const int k = v / 4, j = v % 4;
+        const uint8_t code = block32_code(type, w, v);
+        if (type == T_Q8_0) {
+            o[64 * k + 4 * r + j] = code;
+            continue;
+        }
+        o[(k / 2) * 64 + 4 * r + j] |= (uint8_t)((code & 0x0F) << (4 * (k & 1)));
+        if (type == T_Q5_0 && (code & 0x10)) o[256 + 8 * k + (4 * r + j) / 8] |= (uint8_t)(1u << ((4 * r + j) % 8));
+    }
+    const size_t d_at = pack_block_bytes(type) - (type == T_Q4_1 ? 64 : 32);
+    memcpy(o + d_at + 2 * r, w, 2);
+    if (type == T_Q4_1) memcpy(o + d_at + 32 + 2 * r, w + 2, 2);
 }
 
 /* the unsigned code of value v (0..255) of a Q4_K / Q6_K super-block */
@@ -471,15 +517,19 @@ static uint8_t k_code(int type, const uint8_t *w, int v) {
 /* interleave the first rows / 16 * 16 rows of m into `out` (er_pack_bytes); returns the rows packed */
 int er_pack(const er_matrix *m, uint8_t *out) {
     if (!packable(m)) return 0;
-    const int groups = m->rows / PACK_ROWS, nsb = m->cols / 256, type = m->type;
-    const size_t rb = row_bytes(m), bytes = pack_block_bytes(type);
+    const int groups = m->rows / PACK_ROWS, nsb = m->cols / block_values(m->type), type = m->type;
+    const size_t rb = row_bytes(m), bytes = pack_block_bytes(type), block_bytes = rb / nsb;
 #pragma omp parallel for schedule(static)
     for (int g = 0; g < groups; g++)
         for (int sb = 0; sb < nsb; sb++) {
             uint8_t *o = out + ((size_t)g * nsb + sb) * bytes;
             memset(o, 0, bytes);
             for (int r = 0; r < PACK_ROWS; r++) {
-                const uint8_t *w = m->data + rb * (size_t)(g * PACK_ROWS + r) + (type == T_Q4_K ? 144 : 210) * (size_t)sb;
+                const uint8_t *w = m->data + rb * (size_t)(g * PACK_ROWS + r) + block_bytes * (size_t)sb;
+                if (!is_k_quant(type)) {
+                    pack_block32(type, w, r, o);
+                    continue;
+                }
                 for (int v = 0; v < 256; v++) { /* value v: chunk v / 32, group (v % 32) / 4, byte v % 4 */
                     const int c = v / 32, k = (v % 32) / 4, b = v % 4;
                     const uint8_t code = k_code(type, w, v);
@@ -610,6 +660,51 @@ INLINE void dot_packed_q4_k(const er_matrix *m, int g, const er_q8 *x, const int
     for (int i = 0; i < mt; i++) _mm512_storeu_ps(y + (size_t)i * ldy, acc[i]);
 }
 
+/* 16 rows x mt <= PACK_TILE activation rows of a packed 32-value block format: value = d * u + offset */
+INLINE void dot_packed_blocks32(const er_matrix *m, int g, const er_q8 *x, const int mt, float *y, int ldy) {
+    const int type = m->type, nb = m->cols / 32;
+    const size_t bytes = pack_block_bytes(type), d_at = bytes - (type == T_Q4_1 ? 64 : 32);
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    __m512 acc[PACK_TILE];
+    for (int i = 0; i < mt; i++) acc[i] = _mm512_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *blk = m->packed + ((size_t)g * nb + b) * bytes;
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + d_at)));
+        const __m512 offset = type == T_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + d_at + 32)))
+                            : _mm512_mul_ps(d, _mm512_set1_ps(type == T_Q4_0 ? -8.0f : type == T_Q5_0 ? -16.0f : -128.0f));
+        __m512i codes[8];
+        if (type == T_Q8_0) {
+            for (int k = 0; k < 8; k++) codes[k] = _mm512_loadu_si512((const void *)(blk + 64 * k));
+        } else {
+            for (int k = 0; k < 4; k++) {
+                const __m512i v = _mm512_loadu_si512((const void *)(blk + 64 * k));
+                codes[2 * k] = _mm512_and_si512(v, m4);
+                codes[2 * k + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+            }
+            if (type == T_Q5_0)
+                for (int k = 0; k < 8; k++) {
+                    __mmask64 high;
+                    memcpy(&high, blk + 256 + 8 * k, 8);
+                    codes[k] = _mm512_or_si512(codes[k], _mm512_maskz_mov_epi8(high, _mm512_set1_epi8(0x10)));
+                }
+        }
+        UNROLL_TILE
+        for (int i = 0; i < mt; i++) {
+            const int8_t *a = x[i].q + 32 * b;
+            __m512i sum[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()}; /* two chains: half the latency */
+            for (int k = 0; k < 8; k++) {
+                int32_t four;
+                memcpy(&four, a + 4 * k, 4);
+                sum[k & 1] = _mm512_dpbusd_epi32(sum[k & 1], codes[k], _mm512_set1_epi32(four));
+            }
+            const __m512 p = _mm512_cvtepi32_ps(_mm512_add_epi32(sum[0], sum[1]));
+            acc[i] = _mm512_fmadd_ps(p, _mm512_mul_ps(d, _mm512_set1_ps(x[i].d[b])), acc[i]);
+            acc[i] = _mm512_fmadd_ps(offset, _mm512_set1_ps(x[i].s[b]), acc[i]);
+        }
+    }
+    for (int i = 0; i < mt; i++) _mm512_storeu_ps(y + (size_t)i * ldy, acc[i]);
+}
+
 #define PACKED_TILES(kernel)                                  \
     switch (mt) {                                             \
     case 1: kernel(m, g, x, 1, y, ldy); break;                \
@@ -620,8 +715,10 @@ INLINE void dot_packed_q4_k(const er_matrix *m, int g, const er_q8 *x, const int
 static void packed_rows(const er_matrix *m, int g, const er_q8 *x, int mt, float *y, int ldy) {
     if (m->type == T_Q4_K) {
         PACKED_TILES(dot_packed_q4_k)
-    } else {
+    } else if (m->type == T_Q6_K) {
         PACKED_TILES(dot_packed_q6_k)
+    } else {
+        PACKED_TILES(dot_packed_blocks32)
     }
 }
 #endif
