@@ -169,7 +169,7 @@ def _address(array: np.ndarray) -> int:
 
 
 def _pack(lib: ctypes.CDLL, matrix: _Matrix) -> np.ndarray | None:
-    """Interleave the matrix's rows for the packed kernel where it has one (Q4_K, Q6_K on AVX-512 VNNI);
+    """Interleave the matrix's rows by 16 for the packed kernels (AVX-512 VNNI builds);
     returns the buffer the matrix now points into (keep it alive), or None."""
     size = lib.er_pack_bytes(ctypes.byref(matrix))
     if not size:

@@ -712,14 +712,25 @@ INLINE void dot_packed_blocks32(const er_matrix *m, int g, const er_q8 *x, const
     default: kernel(m, g, x, PACK_TILE, y, ldy); break;       \
     }
 
+/* one function per format: each kernel's tiles are compiled apart from the others' (one large
+ * function holding all three measured 11% slower on the 1.5B's decode) */
+__attribute__((noinline)) static void packed_rows_q4_k(const er_matrix *m, int g, const er_q8 *x, int mt, float *y, int ldy) {
+    PACKED_TILES(dot_packed_q4_k)
+}
+
+__attribute__((noinline)) static void packed_rows_q6_k(const er_matrix *m, int g, const er_q8 *x, int mt, float *y, int ldy) {
+    PACKED_TILES(dot_packed_q6_k)
+}
+
+__attribute__((noinline)) static void packed_rows_blocks32(const er_matrix *m, int g, const er_q8 *x, int mt, float *y,
+                                                           int ldy) {
+    PACKED_TILES(dot_packed_blocks32)
+}
+
 static void packed_rows(const er_matrix *m, int g, const er_q8 *x, int mt, float *y, int ldy) {
-    if (m->type == T_Q4_K) {
-        PACKED_TILES(dot_packed_q4_k)
-    } else if (m->type == T_Q6_K) {
-        PACKED_TILES(dot_packed_q6_k)
-    } else {
-        PACKED_TILES(dot_packed_blocks32)
-    }
+    if (m->type == T_Q4_K) packed_rows_q4_k(m, g, x, mt, y, ldy);
+    else if (m->type == T_Q6_K) packed_rows_q6_k(m, g, x, mt, y, ldy);
+    else packed_rows_blocks32(m, g, x, mt, y, ldy);
 }
 #endif
 
