@@ -5,7 +5,8 @@ A decode step runs every layer graph and the head once; what it reads is the ini
 of those graphs *after* ONNX Runtime's optimizations (DequantizeLinear + MatMul fused into
 MatMulNBits: packed codes, fp32 scales, plus the offset Gemm's fp32 offsets), measured by
 saving each optimized graph. llama.cpp reads every ``blk.*`` tensor and the output matrix
-(the embedding is gathered, one row per token, for both).
+(the embedding is gathered, one row per token, for both); so does the native backend, from
+the bundle's native weight file (its ``blk.*`` tensors and head, as listed in the manifest).
 
     python tools/bundle_bytes.py bundles/qwen-pair --gguf llm=qwen2.5-coder-1.5b --gguf slm=qwen2.5-coder-0.5b
 """
@@ -62,10 +63,10 @@ def bundle_figures(bundle: Path, role: str) -> dict:
 
     b = Bundle.open(bundle, verify=False)
     flavour = choose_flavour(b.models[role])
-    # one decode step's graphs: every layer in the flavour the runtime runs, and the head (a
-    # bundle also carries the other flavour's layer graphs, over the same weights)
-    graphs = [g for g in b.models[role].graphs.values()
-              if g.kind == "head" or (g.kind == "layer" and g.flavour == flavour)]
+    # one decode step's graphs: every layer in the flavour (and float32 cache) the runtime runs,
+    # and the head (a bundle also carries other variants' layer graphs, over the same weights)
+    entry = b.models[role]
+    graphs = [entry.graph("layer", i, flavour) for i in range(entry.num_layers)] + [entry.graph("head")]
     step_bytes, ops = 0, Counter()
     for g in graphs:
         n, counts = optimized_initializer_bytes(b.file(g.file))
@@ -76,7 +77,13 @@ def bundle_figures(bundle: Path, role: str) -> dict:
     model = OrtModel(b, role)
     loaded = resident_bytes() - before
     del model
+    native = b.models[role].native
+    native_step = None
+    if native is not None:
+        head = "output.weight" if "output.weight" in native.tensors else "token_embd.weight"
+        native_step = sum(t.bytes for name, t in native.tensors.items() if name.startswith("blk.") or name == head)
     return {"disk_bytes": b.total_bytes(f"{role}/"), "resident_bytes": loaded, "step_bytes": step_bytes,
+            "native_step_bytes": native_step,
             "matmul_ops": {k: v for k, v in ops.items() if "MatMul" in k or k == "Gemm"}}
 
 
@@ -110,15 +117,21 @@ def main(argv: list[str] | None = None) -> int:
             results[role]["gguf"] = gguf_figures(sources[role])
 
     table = Table(title=f"{args.bundle}: bundle vs GGUF (MB)")
-    for column in ("model", "bundle disk", "GGUF disk", "ratio", "resident after load", "bytes / decode step",
-                   "llama.cpp / step", "ratio"):
+    for column in ("model", "bundle disk", "GGUF disk", "ratio", "ORT resident after load", "ORT bytes / decode step",
+                   "native / step", "llama.cpp / step", "ORT ratio", "native ratio"):
         table.add_column(column)
+
+    def ratio(a: int | None, b: int | None) -> str:
+        return f"{a / b:.2f}x" if a and b else "-"
+
     for role, r in results.items():
-        b, g = r["bundle"], r.get("gguf")
+        b, g = r["bundle"], r.get("gguf") or {}
+        native = b["native_step_bytes"]
         table.add_row(role, f"{b['disk_bytes'] / MB:,.0f}", f"{g['disk_bytes'] / MB:,.0f}" if g else "-",
-                      f"{b['disk_bytes'] / g['disk_bytes']:.2f}x" if g else "-", f"{b['resident_bytes'] / MB:,.0f}",
-                      f"{b['step_bytes'] / MB:,.0f}", f"{g['step_bytes'] / MB:,.0f}" if g else "-",
-                      f"{b['step_bytes'] / g['step_bytes']:.2f}x" if g else "-")
+                      ratio(b["disk_bytes"], g.get("disk_bytes")), f"{b['resident_bytes'] / MB:,.0f}",
+                      f"{b['step_bytes'] / MB:,.0f}", f"{native / MB:,.0f}" if native else "-",
+                      f"{g['step_bytes'] / MB:,.0f}" if g else "-", ratio(b["step_bytes"], g.get("step_bytes")),
+                      ratio(native, g.get("step_bytes")))
     Console().print(table)
     for role, r in results.items():
         Console().print(f"{role}: matmul kernels after ORT optimization: {r['bundle']['matmul_ops']}")
