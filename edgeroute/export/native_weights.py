@@ -4,8 +4,7 @@ The native backend (``runtime/native``, ``edgeroute.runtime.native``) reads the 
 formats directly, so a decode step reads the source's bytes and no more (the ONNX graphs'
 repacked int4 weights read 1.4x as many on the Qwen2.5-Coder 1.5B). Nothing is re-quantized:
 the bytes are the file's, except that Llama's Q/K rows are put back in rotate-half order (as
-the graphs' weights are, see ``gguf_source``), a reduced SLM head keeps its rows only, and a
-float16 vector is widened to float32.
+the graphs' weights are, see ``gguf_source``) and a float16 vector is widened to float32.
 """
 
 from __future__ import annotations
@@ -71,14 +70,9 @@ def _native_bytes(raw: RawTensor, rows: np.ndarray | None) -> tuple[str, tuple[i
         fmt, data = "F32", data.view(np.float16).astype(np.float32).view(np.uint8)
     if fmt not in NATIVE_FORMATS:
         raise ValueError(f"format {fmt}")
-    if rows is not None:
-        width = data.size // (shape[0] if len(shape) == 2 else shape[-1])
-        if len(shape) == 2:
-            data = data.reshape(shape[0], width)[rows].reshape(-1)
-            shape = (len(rows), shape[1])
-        else:
-            data = data.reshape(shape[-1], width)[rows].reshape(-1)
-            shape = (len(rows),)
+    if rows is not None:  # a row's bytes are contiguous, for a matrix of blocks as for a vector
+        data = data.reshape(shape[0], -1)[rows].reshape(-1)
+        shape = (len(rows), *shape[1:])
     return fmt, shape, data
 
 

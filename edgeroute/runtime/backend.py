@@ -6,8 +6,9 @@ truncated (rejected drafts) and copied (shared prompt prefixes), and the LM head
 :class:`edgeroute.runtime.model.OrtModel` implements it on ONNX Runtime with the bundle's
 attention flavours (portable standard ops, or the ort flavour's in-place
 GroupQueryAttention), :class:`edgeroute.runtime.native.NativeModel` on edgeroute's own CPU
-kernels over the bundle's GGUF blocks (``open_model`` chooses); a TensorRT backend would implement it over engines built from the
-portable graphs, with its own cache layout behind the same :class:`Cache` methods.
+kernels over the bundle's GGUF blocks (``open_model`` chooses); a TensorRT backend would
+implement it over engines built from the portable graphs, with its own cache layout behind
+the same :class:`Cache` methods.
 """
 
 from __future__ import annotations

@@ -80,12 +80,6 @@ class Engine:
             raise InputError(f"context_length {self.context_length} is outside 1..{exported}: the bundle was exported "
                              f"with --context-length {exported}; export again for a longer one")
         self.use_slm = slm and self.bundle.slm is not None
-        calibration = self.bundle.calibration
-        difference = calibration and calibration.device and signature_difference(calibration.device, cpu_signature())
-        if difference:
-            warnings.warn(f"{self.bundle.path}: {difference}. Its quality budget holds; its timing-based choices "
-                          "(draft length, --mode auto) may not be the fastest here: run `edgeroute calibrate` "
-                          "on this kind of CPU", CalibrationDeviceWarning, stacklevel=2)
         if memory_budget is not None:
             check_fit(self.bundle, self.context_length, memory_budget, check_kv_dtype(kv_dtype), slm=self.use_slm)
         self.tokenizer = Tokenizer.from_file(str(self.bundle.file(self.bundle.tokenizer["file"])))
@@ -93,11 +87,7 @@ class Engine:
         self.backend = backend
         self.backend_notes: dict[str, str] = {}  # role -> why backend "auto" runs it on ONNX Runtime
         self.llm = self._open("llm", exact_steps)
-        calibrated_on = calibration.device.get("backend") if calibration else None
-        if calibrated_on and calibrated_on != self.llm.flavour:
-            warnings.warn(f"{self.bundle.path} was calibrated with timings of the {calibrated_on} backend; this engine "
-                          f"runs {self.llm.flavour}. Its quality budget holds; its timing-based choices (draft length, "
-                          "--mode auto) may not be the fastest here", CalibrationDeviceWarning, stacklevel=2)
+        self._check_calibration_device()
         self._slm: ModelBackend | None = None
         self._slm_lock = threading.Lock()
         self.eos_ids = set(self.bundle.tokenizer.get("eos_token_ids") or [])
@@ -108,6 +98,20 @@ class Engine:
         self._format_tokens: frozenset[int] | None = None
         self.grammars = GrammarCompiler(self.bundle.file(self.bundle.tokenizer["file"]), self.bundle.llm.arch.vocab_size,
                                         self.bundle.tokenizer.get("eos_token_ids") or [])
+
+    def _check_calibration_device(self) -> None:
+        """Warn when the calibration's timings were taken on another kind of CPU or backend."""
+        device = self.bundle.calibration.device if self.bundle.calibration else {}
+        differences = []
+        if device and (cpu := signature_difference(device, cpu_signature())):
+            differences.append(cpu)
+        if device.get("backend") and device["backend"] != self.llm.flavour:
+            differences.append(f"calibrated with timings of the {device['backend']} backend; this engine runs "
+                               f"{self.llm.flavour}")
+        if differences:
+            warnings.warn(f"{self.bundle.path}: {'; '.join(differences)}. Its quality budget holds; its timing-based "
+                          "choices (draft length, --mode auto) may not be the fastest here: run `edgeroute calibrate` "
+                          "on this kind of CPU and backend", CalibrationDeviceWarning, stacklevel=3)
 
     def _open(self, role: str, exact_steps: bool = False) -> ModelBackend:
         model, why_not_native = open_model(self.bundle, role, self.backend, self.providers, self.activations,

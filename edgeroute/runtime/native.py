@@ -50,7 +50,6 @@ LIBRARY_VERSION = 1  # er_version() of the C source this module drives
 REQUIRED_FLAGS = ("avx2", "fma", "f16c")
 GGML_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
 FORMAT_NAMES = {type_id: name for name, type_id in GGML_TYPES.items()}
-K_QUANTS = ("Q4_K", "Q6_K")
 MODES = {RUN: 0, SKIP_MLP: 1, SKIP: 2}  # er_layer_forward's mode per plan action
 TIMING_KINDS = {RUN: "layer", SKIP_MLP: "attn", SKIP: "kv"}
 
@@ -243,8 +242,6 @@ class NativeModel(LayerwiseModel):
         if t.format not in GGML_TYPES or len(t.shape) != 2 or not rows_ok or t.shape[1] != shape[1]:
             raise BundleError(f"{self._where}: {name} is {t.format} {t.shape}, expected a block matrix of {shape}: "
                               "export the bundle again")
-        if t.format in K_QUANTS and t.shape[1] % 256:
-            raise BundleError(f"{self._where}: {name} is {t.format} with rows of {t.shape[1]} values (not 256-blocks)")
         return _Matrix(_address(self._file) + t.offset, None, GGML_TYPES[t.format], t.shape[0], t.shape[1], 0)
 
     def _pack_all(self) -> list[np.ndarray]:

@@ -3,18 +3,19 @@
  * Why it exists: on ONNX Runtime the 4-bit weights are repacked (MatMulNBits) with fp32 block
  * scales and an fp32 offset table, 1.4x the bytes of the GGUF blocks, and a decode step on a
  * CPU is bound by the bytes it reads. Here the matrices stay in their GGUF block formats
- * (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K), activations are quantized to int8 per 32 values, and
- * each block's dot product is an unsigned x signed byte dot product (VNNI where the CPU has
- * it) scaled once per block.
+ * (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K), activations are quantized to int8 (per 32 values, per
+ * 256 for the K-quants), and each block's dot product is an unsigned x signed byte dot product
+ * (VNNI where the CPU has it) scaled once per block; on AVX-512 VNNI the matrices are
+ * interleaved by 16 rows at load (er_pack) so one instruction serves 16 weight rows.
  *
  * The layer math (RMSNorm, rotary embedding in the rotate-half convention, grouped-query
  * attention over a heads-first fp32 cache, SwiGLU MLP) is the same as the bundle's ONNX
  * graphs (docs/bundle-format.md); edgeroute/runtime/native.py drives it and the tests compare
  * the two. One OpenMP parallel region per layer call; the worksharing loops inside split
- * output rows (matrices) or (row, head) pairs (attention) over the threads.
+ * output rows (matrices) or (row, KV head) pairs (attention) over the threads.
  *
- * Built by `make native` (or on first use) with the compiler of the machine it runs on
- * (-march=native): the library is specific to that CPU, like the calibration's timings.
+ * Compiled on first use by edgeroute/runtime/native.py with the compiler of the machine it runs
+ * on (-march=native): the library is specific to that CPU, like the calibration's timings.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -69,16 +70,6 @@ enum { FORM_32 = 1, FORM_256 = 2 };
 static int is_k_quant(int type) { return type == T_Q4_K || type == T_Q6_K; }
 
 int er_version(void) { return 1; }
-
-int er_features(void) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return 3;
-#elif defined(__AVXVNNI__)
-    return 2;
-#else
-    return 1;
-#endif
-}
 
 static inline float read_f16(const uint8_t *p) {
     uint16_t h;
