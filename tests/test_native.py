@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from edgeroute.bundle import NATIVE_FORMATS, Bundle
-from edgeroute.errors import BundleError, NativeBackendUnavailable
+from edgeroute.errors import BundleError, InputError, NativeBackendUnavailable
 from edgeroute.export.gguf_blocks import decode_gguf_tensor
 from edgeroute.runtime import Engine
 from edgeroute.runtime.model import DROP, RUN, SKIP, SKIP_MLP, OrtModel
@@ -118,6 +118,15 @@ def test_a_requantized_export_has_no_native_weights(smollm2_bundles):
     assert Engine(path).llm.flavour == "portable"
 
 
+def assert_same_clear_choices(got: np.ndarray, want: np.ndarray, lead: float = 0.5) -> None:
+    """Same top-1 wherever ``want``'s leads its runner-up by more than ``lead``, and on >= 90%
+    of all positions."""
+    best = np.sort(want, axis=1)
+    clear = best[:, -1] - best[:, -2] > lead
+    same = got.argmax(1) == want.argmax(1)
+    assert clear.mean() > 0.5 and same[clear].all() and same.mean() >= 0.9
+
+
 @pytest.mark.slow
 def test_native_model_agrees_with_onnx_runtime(models, text_ids):
     fast, reference = models
@@ -125,11 +134,32 @@ def test_native_model_agrees_with_onnx_runtime(models, text_ids):
     want = reference.forward(reference.new_cache(), text_ids, all_logits=True)
     assert got.shape == want.shape
     # both carry the same blocks over; they round activations differently (int8 per 32 or 256
-    # values here, ONNX Runtime's own blocking) and ONNX Runtime's head is int8
-    assert (got.argmax(1) == want.argmax(1)).mean() >= 0.95
+    # values here, ONNX Runtime's own blocking) and ONNX Runtime's head is int8, which flips
+    # near-ties (attention's summation order alone moves 6-10 of these 160), never a clear choice
+    assert_same_clear_choices(got, want)
     # and predict the text as well as the ONNX Runtime model does
     hits = (got[:-1].argmax(1) == text_ids[1:]).mean()
     assert hits >= (want[:-1].argmax(1) == text_ids[1:]).mean() - 0.03
+
+
+@pytest.mark.slow
+def test_long_context_attention_over_segments_with_a_dropped_one(demo, models):
+    """Over 256 positions attention runs per segment and merges them; layer 3 drops positions
+    250..519, so one whole segment (256..511) has nothing to attend to in that layer."""
+    from tokenizers import Tokenizer
+
+    from edgeroute.texts import evaluation_text
+
+    ids = np.array(Tokenizer.from_file(str(demo.file("tokenizer.json"))).encode(evaluation_text()).ids[:640])
+    drop_layer_3 = lambda layer, hidden: DROP if layer == 3 else RUN  # noqa: E731
+    logits = []
+    for model in models:
+        cache = model.new_cache()
+        model.forward(cache, ids[:250])
+        model.forward(cache, ids[250:520], drop_layer_3)
+        assert cache.dropped[3, 250:520].all() and not cache.dropped[3, :250].any()
+        logits.append(model.forward(cache, ids[520:], all_logits=True))
+    assert_same_clear_choices(*logits)
 
 
 @pytest.mark.slow
@@ -201,12 +231,34 @@ def test_engine_picks_native_and_speculation_reproduces_full_without_exact_steps
 def test_settings_only_onnx_runtime_has_choose_it(demo):
     if UNAVAILABLE is not None:
         pytest.skip(f"native kernels unavailable: {UNAVAILABLE}")
-    engine = Engine(demo, kv_dtype="float16")
-    assert engine.llm.flavour == "portable" and "float32" in engine.backend_notes["llm"]
-    with pytest.raises(NativeBackendUnavailable, match="kv_dtype='float16'"):
-        Engine(demo, kv_dtype="float16", backend="native")
+    engine = Engine(demo, activations="fp32")
+    assert engine.llm.flavour == "portable" and "activations='fp32'" in engine.backend_notes["llm"]
+    with pytest.raises(NativeBackendUnavailable, match="attention='gqa'"):
+        Engine(demo, attention="gqa", backend="native")
     with pytest.raises(Exception, match="not one of"):
         Engine(demo, backend="cuda")
+
+
+@pytest.mark.slow
+def test_a_float16_cache_keeps_the_float32_choices_and_exact_steps(demo, models, text_ids):
+    """Half the bytes attention reads per position; K/V rounded to float16, computed in float32."""
+    half, full = native.NativeModel(demo, kv_dtype="float16"), models[0]
+    cache = half.new_cache()
+    assert cache.dtype == "float16"
+    got = half.forward(cache, text_ids, all_logits=True)
+    assert_same_clear_choices(got, full.forward(full.new_cache(), text_ids, all_logits=True))
+    stepped, passed = half.new_cache(), half.new_cache()
+    for c in (stepped, passed):
+        half.forward(c, text_ids[:40])
+    steps = np.stack([half.forward(stepped, text_ids[40 + i:41 + i]) for i in range(6)])
+    assert np.array_equal(steps, half.forward(passed, text_ids[40:46], all_logits=True))
+    with pytest.raises(InputError, match="heads-first float16"):
+        half.forward(full.new_cache(), text_ids[:2])
+    engine = Engine(demo, kv_dtype="float16")
+    assert engine.llm.flavour == "native" and engine.llm.kv_dtype == "float16"
+    prompt = "List three things to check before a long drive."
+    full_run = engine.session(mode="full", max_new_tokens=32).generate(prompt)
+    assert engine.session(mode="speculate", max_new_tokens=32).generate(prompt).tokens == full_run.tokens
 
 
 def test_a_bundle_without_native_weights_runs_on_onnx_runtime(tiny_slm_bundle):

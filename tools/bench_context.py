@@ -1,6 +1,6 @@
 """Speed and memory over context length: edgeroute (the native backend, each ONNX Runtime
-attention flavour, and the portable one with an fp16 KV cache: ``edgeroute:portable:float16``)
-vs llama.cpp.
+attention flavour; ``:float16`` after one names an fp16 KV cache, e.g.
+``edgeroute:native:float16``) vs llama.cpp.
 
 Every case runs in a fresh subprocess (so one case's memory never shows in another's), and
 the cases are interleaved runtime by runtime and repeated (``--repeats``; medians reported),
@@ -68,7 +68,7 @@ class EdgerouteCase:
 
         opened = Bundle.open(bundle, verify=False)
         if flavour == "native":
-            self.model = open_model(opened, "llm", "native")[0]
+            self.model = open_model(opened, "llm", "native", kv_dtype=kv_dtype)[0]
         else:
             self.model = open_model(opened, "llm", "onnxruntime", attention=flavour, kv_dtype=kv_dtype)[0]
         self.cache = self.model.new_cache()

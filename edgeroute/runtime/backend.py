@@ -80,8 +80,8 @@ class ModelBackend(Protocol):
 BACKENDS = ("auto", "onnxruntime", "native")
 
 
-def native_blocker(entry: ModelEntry, providers: Sequence[str] | None, activations: str, attention: str,
-                   kv_dtype: str) -> str | None:
+def native_blocker(entry: ModelEntry, providers: Sequence[str] | None, activations: str,
+                   attention: str) -> str | None:
     """Why the native backend cannot take this model with these settings (None: it can)."""
     if entry.native is None:
         return f"the {entry.role} model has no native weights (export writes them for GGUF sources)"
@@ -89,8 +89,6 @@ def native_blocker(entry: ModelEntry, providers: Sequence[str] | None, activatio
         return f"providers {list(providers)} are ONNX Runtime's"
     if attention != "auto":
         return f"attention={attention!r} chooses ONNX Runtime graphs"
-    if kv_dtype != "float32":
-        return f"the native cache is float32 (kv_dtype={kv_dtype!r} is ONNX Runtime's)"
     if activations != "int8":
         return f"the native kernels quantize activations to int8 (activations={activations!r} is ONNX Runtime's)"
     return None
@@ -101,8 +99,8 @@ def open_model(bundle: Bundle, role: str, backend: str = "auto", providers: Sequ
                kv_dtype: str = "float32") -> tuple[ModelBackend, str | None]:
     """The model of ``role`` on ``backend``, and why ``auto`` did not take the native backend
     (None where it did, or where a backend was named). ``auto`` takes the native backend where
-    the model has native weights, the settings are its own (CPU, attention auto, float32 cache,
-    int8 activations) and the kernels build here; otherwise ONNX Runtime."""
+    the model has native weights, the settings are its own (CPU, attention auto, int8
+    activations) and the kernels build here; otherwise ONNX Runtime."""
     from edgeroute.runtime.model import OrtModel
     from edgeroute.runtime.native import NativeModel
 
@@ -112,10 +110,10 @@ def open_model(bundle: Bundle, role: str, backend: str = "auto", providers: Sequ
         raise InputError(f"bundle {bundle.path} has no {role!r} model (it has: {', '.join(bundle.models)})")
     why_not = None
     if backend != "onnxruntime":
-        why_not = native_blocker(bundle.models[role], providers, activations, attention, kv_dtype)
+        why_not = native_blocker(bundle.models[role], providers, activations, attention)
         if why_not is None:
             try:
-                return NativeModel(bundle, role), None
+                return NativeModel(bundle, role, kv_dtype=kv_dtype), None
             except NativeBackendUnavailable as err:
                 why_not = str(err)
         if backend == "native":

@@ -42,7 +42,7 @@ from edgeroute.bundle import NATIVE_FORMATS, Bundle, NativeTensor
 from edgeroute.cpu import cpu_signature
 from edgeroute.errors import BundleError, InputError, NativeBackendUnavailable
 from edgeroute.rope import rope_tables
-from edgeroute.runtime.attention import KVCache
+from edgeroute.runtime.attention import KVCache, check_kv_dtype
 from edgeroute.runtime.model import DROP, RUN, SKIP, SKIP_MLP, LayerPlan, LayerwiseModel, plan_action
 
 SOURCE_NAME = "edgeroute_native.c"
@@ -66,7 +66,7 @@ class _Layer(ctypes.Structure):
 
 class _Dims(ctypes.Structure):
     _fields_ = [*((name, ctypes.c_int32) for name in ("hidden", "heads", "kv_heads", "head_dim", "ffn", "capacity")),
-                ("eps", ctypes.c_float), ("threads", ctypes.c_int32)]
+                ("eps", ctypes.c_float), ("threads", ctypes.c_int32), ("kv_half", ctypes.c_int32)]
 
 
 # -- the library --------------------------------------------------------------------------------
@@ -185,16 +185,19 @@ class NativeModel(LayerwiseModel):
     """A bundle model on the native kernels; implements :class:`ModelBackend`."""
 
     flavour = "native"
-    kv_dtype = "float32"
     head_vocab = None  # export writes native weights for full-vocabulary heads only
 
-    def __init__(self, bundle: Bundle, role: str = "llm", threads: int | None = None) -> None:
+    def __init__(self, bundle: Bundle, role: str = "llm", threads: int | None = None,
+                 kv_dtype: str = "float32") -> None:
+        """``kv_dtype``: the cache's element type, "float32" or "float16" (half the bytes that
+        attention reads per position; the kernels compute in float32 either way)."""
         if role not in bundle.models:
             raise InputError(f"bundle {bundle.path} has no {role!r} model (it has: {', '.join(bundle.models)})")
         entry = bundle.models[role]
         if entry.native is None:
             raise NativeBackendUnavailable(f"the {role} model of {bundle.path} has no native weights (export writes "
                                            "them for GGUF sources in the formats the kernels read)")
+        self.kv_dtype = check_kv_dtype(kv_dtype)
         self.lib = native_library()
         self.arch = entry.arch
         self.capacity = int(bundle.generation["context_length"])
@@ -278,12 +281,12 @@ class NativeModel(LayerwiseModel):
         if capacity > self.capacity:
             raise InputError(f"a cache of {capacity} positions exceeds the bundle's context of {self.capacity}")
         return KVCache.allocate(self.num_layers, capacity, self.arch.num_kv_heads, self.arch.head_dim,
-                                heads_first=True)
+                                heads_first=True, dtype=self.kv_dtype)
 
     def _dims(self, capacity: int) -> _Dims:
         a = self.arch
         return _Dims(a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim, a.intermediate_size, capacity,
-                     a.rms_norm_eps, self.threads)
+                     a.rms_norm_eps, self.threads, self.kv_dtype == "float16")
 
     def _scratch_of(self, size: int) -> int:
         if self._scratch.size < size:
@@ -311,8 +314,9 @@ class NativeModel(LayerwiseModel):
         return logits[:, :self.arch.vocab_size] if self._head.rows > self.arch.vocab_size else logits
 
     def _check_cache(self, cache: KVCache) -> None:
-        if not cache.heads_first or cache.dtype != "float32":
-            raise InputError("the native backend runs on its own caches (heads-first float32): use model.new_cache()")
+        if not cache.heads_first or cache.dtype != self.kv_dtype:
+            raise InputError(f"the native backend runs on its own caches (heads-first {self.kv_dtype}): use "
+                             "model.new_cache()")
 
     def _run_layer(self, layer: int, action: str, hidden: np.ndarray, cache: KVCache, start: int) -> None:
         """One layer over ``hidden`` [T, d] (contiguous float32, updated in place; K/V only for

@@ -9,7 +9,7 @@
  * interleaved by 16 rows at load (er_pack) so one instruction serves 16 weight rows.
  *
  * The layer math (RMSNorm, rotary embedding in the rotate-half convention, grouped-query
- * attention over a heads-first fp32 cache, SwiGLU MLP) is the same as the bundle's ONNX
+ * attention over a heads-first float32 or float16 cache, SwiGLU MLP) is the same as the bundle's ONNX
  * graphs (docs/bundle-format.md); edgeroute/runtime/native.py drives it and the tests compare
  * the two. One OpenMP parallel region per layer call; the worksharing loops inside split
  * output rows (matrices) or (row, KV head) pairs (attention) over the threads.
@@ -47,7 +47,10 @@ typedef struct {
     int32_t capacity; /* positions per layer in the cache */
     float eps;
     int32_t threads;
+    int32_t kv_half;  /* the cache holds float16 (else float32) */
 } er_dims;
+
+#define KV_MAX_HEAD_DIM 256
 
 /* int8 activations of one row, in the two forms the weight formats want: per 32 values a scale
  * and the scale times the codes' sum (32-value block formats), or per 256 values one scale and
@@ -876,9 +879,20 @@ static er_q8 *take_q8(carver *c, int M, int cols) {
 }
 
 typedef struct {
-    float *h, *q, *k, *v, *attn, *gate, *up, *scores;
+    float *h, *q, *k, *v, *attn, *gate, *up, *scores, *partials;
     er_q8 *xq;
 } layer_scratch;
+
+#define SEGMENT 256                 /* positions per attention work item */
+#define PARTIALS_BYTES (4u << 20)   /* attention's per-segment results of a block of rows, at most */
+
+static int segments(int positions) { return (positions + SEGMENT - 1) / SEGMENT; }
+
+/* rows per attention block: their per-segment results fit PARTIALS_BYTES (one row at least) */
+static int attention_rows(const er_dims *D) {
+    const size_t row = (size_t)D->heads * segments(D->capacity) * (D->head_dim + 2) * sizeof(float);
+    return row >= PARTIALS_BYTES ? 1 : (int)(PARTIALS_BYTES / row);
+}
 
 static layer_scratch carve_layer(carver *c, const er_dims *D, int M) {
     const size_t d = D->hidden, H = D->heads, KV = D->kv_heads, hd = D->head_dim, F = D->ffn;
@@ -891,7 +905,9 @@ static layer_scratch carve_layer(carver *c, const er_dims *D, int M) {
     s.attn = take(c, M * H * hd * 4);
     s.gate = take(c, M * F * 4);
     s.up = take(c, M * F * 4);
-    s.scores = take(c, (size_t)D->threads * (D->heads / D->kv_heads) * (D->capacity + 8) * 4);
+    s.scores = take(c, (size_t)D->threads * (D->heads / D->kv_heads) * (SEGMENT + 8) * 4);
+    const int rows = M < attention_rows(D) ? M : attention_rows(D);
+    s.partials = take(c, (size_t)rows * D->heads * segments(D->capacity) * (D->head_dim + 2) * 4);
     s.xq = take_q8(c, M, (int)widest);
     return s;
 }
@@ -930,65 +946,149 @@ static inline __m256 sums8(const __m256 *a) {
     return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 
-/* Attention of each row over positions 0..pos0 + row (head_dim a multiple of 8), one work item
- * per (row, KV head): the query heads that share a KV head read each K and V row from memory
- * once (they are re-read from L1 per head). Scores 8 positions at a time, a vectorized softmax,
- * then the values. Every (row, head) is computed alike whatever M is. */
-static void attention(const float *q, const float *kcache, const float *vcache, const uint8_t *masked,
-                      const er_dims *D, int M, int pos0, float *scores, float *out) {
+#define KV_CHUNK 32 /* cache rows converted / accumulated at a time: they stay in L1 across a group's heads */
+
+/* 8 cache values at element i of a float32 (half = 0) or float16 (half = 1) cache */
+INLINE __m256 kv_load(const void *cache, size_t i, int half) {
+    if (half) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)cache + i)));
+    return _mm256_loadu_ps((const float *)cache + i);
+}
+
+/* rows [t, t + n) of a cache (row length hd) as float32: the cache itself where it is float32,
+ * else converted into buf */
+INLINE const float *kv_rows(const void *cache, size_t t, int n, int hd, int half, float *buf) {
+    if (!half) return (const float *)cache + t * hd;
+    for (size_t c = 0; c < (size_t)n * hd; c += 8) _mm256_storeu_ps(buf + c, kv_load(cache, t * hd + c, 1));
+    return buf;
+}
+
+/* Attention of each row over positions 0..pos0 + row (head_dim a multiple of 8, at most
+ * KV_MAX_HEAD_DIM). The positions are cut into segments of SEGMENT at fixed places, and one work
+ * item is a (row, KV head, segment): a long context keeps every thread busy whatever the number
+ * of KV heads, and the query heads that share a KV head read each K and V row from memory once
+ * (KV_CHUNK rows at a time are re-read from L1 per head). An item leaves, per head, its softmax
+ * max, its sum of exponentials and its unnormalized output; a second loop merges the segments
+ * (flash-decoding). Segments depend on positions only, so every (row, head) is computed alike
+ * whatever M is. Rows run in blocks (attention_rows) so the partial results stay small. */
+INLINE void attention_of(const void *kcache, const void *vcache, const float *q, const uint8_t *masked,
+                         const er_dims *D, int M, int pos0, float *scores, float *partials, float *out, int half) {
     const int H = D->heads, KV = D->kv_heads, hd = D->head_dim, cap = D->capacity, G = H / KV;
+    const int S = segments(cap), R = attention_rows(D), stride = hd + 2; /* outputs, max, sum */
     const float scale = 1.0f / sqrtf((float)hd);
-    float *thread_scores = scores + (size_t)omp_get_thread_num() * G * (cap + 8);
+    float *thread_scores = scores + (size_t)omp_get_thread_num() * G * (SEGMENT + 8);
+    float buf[KV_CHUNK * KV_MAX_HEAD_DIM] __attribute__((aligned(64)));
+    for (int r0 = 0; r0 < M; r0 += R) {
+        const int rn = M - r0 < R ? M - r0 : R;
 #pragma omp for schedule(dynamic, 1)
-    for (int ig = 0; ig < M * KV; ig++) {
-        const int i = ig / KV, g = ig % KV, n = pos0 + i + 1;
-        const float *kb = kcache + (size_t)g * cap * hd, *vb = vcache + (size_t)g * cap * hd;
-        for (int t = 0; t < n; t += 8)
+        for (int item = 0; item < rn * KV * S; item++) {
+            const int seg = item % S, ig = item / S, i = r0 + ig / KV, g = ig % KV, n = pos0 + i + 1;
+            const int first = seg * SEGMENT;
+            if (first >= n) continue;
+            const int len = n - first < SEGMENT ? n - first : SEGMENT;
+            const size_t base = (size_t)g * cap + first;
+            float *part = partials + ((size_t)ig * S + seg) * G * stride;
+            for (int t0 = 0; t0 < len; t0 += KV_CHUNK) {
+                const int rows = len - t0 < KV_CHUNK ? len - t0 : KV_CHUNK;
+                const float *kc = kv_rows(kcache, base + t0, rows, hd, half, buf);
+                for (int t = 0; t < rows; t += 8)
+                    for (int h = 0; h < G; h++) {
+                        const float *qv = q + ((size_t)i * H + g * G + h) * hd;
+                        __m256 acc[8];
+                        for (int j = 0; j < 8; j++) {
+                            acc[j] = _mm256_setzero_ps();
+                            if (t + j >= rows) continue;
+                            const float *kr = kc + (size_t)(t + j) * hd;
+                            for (int c = 0; c < hd; c += 8)
+                                acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(qv + c), _mm256_loadu_ps(kr + c), acc[j]);
+                        }
+                        __m256 sv = _mm256_mul_ps(sums8(acc), _mm256_set1_ps(scale));
+                        const int at = first + t0 + t;
+                        if (at + 8 > n || masked) /* past the row's last position, and dropped positions */
+                            for (int j = 0; j < 8; j++)
+                                if (at + j >= n || (masked && masked[at + j])) ((float *)&sv)[j] = -INFINITY;
+                        _mm256_storeu_ps(thread_scores + (size_t)h * (SEGMENT + 8) + t0 + t, sv);
+                    }
+            }
             for (int h = 0; h < G; h++) {
-                const float *qv = q + ((size_t)i * H + g * G + h) * hd;
-                __m256 acc[8];
-                for (int j = 0; j < 8; j++) {
-                    acc[j] = _mm256_setzero_ps();
-                    if (t + j >= n) continue;
-                    const float *kr = kb + (size_t)(t + j) * hd;
-                    for (int c = 0; c < hd; c += 8)
-                        acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(qv + c), _mm256_loadu_ps(kr + c), acc[j]);
+                float *sc = thread_scores + (size_t)h * (SEGMENT + 8), *ph = part + (size_t)h * stride;
+                __m256 top = _mm256_set1_ps(-INFINITY);
+                for (int t = 0; t < len; t += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(sc + t));
+                __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+                m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+                m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+                const float mx = _mm_cvtss_f32(m4);
+                __m256 total = _mm256_setzero_ps();
+                if (mx != -INFINITY) /* else every position of the segment was dropped */
+                    for (int t = 0; t < len; t += 8) {
+                        const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(sc + t), _mm256_set1_ps(mx)));
+                        _mm256_storeu_ps(sc + t, e);
+                        total = _mm256_add_ps(total, e);
+                    }
+                memset(ph, 0, (size_t)hd * sizeof(float));
+                ph[hd] = mx;
+                ph[hd + 1] = mx == -INFINITY ? 0.0f : hsum(total);
+            }
+            for (int t0 = 0; t0 < len; t0 += KV_CHUNK) {
+                const int rows = len - t0 < KV_CHUNK ? len - t0 : KV_CHUNK;
+                const float *vc = kv_rows(vcache, base + t0, rows, hd, half, buf);
+                for (int h = 0; h < G; h++) {
+                    const float *pr = thread_scores + (size_t)h * (SEGMENT + 8) + t0;
+                    float *o = part + (size_t)h * stride;
+                    if (o[hd + 1] == 0.0f) continue;
+                    for (int c0 = 0; c0 < hd; c0 += 64) { /* 8 accumulators over 64 columns */
+                        __m256 acc[8];
+                        UNROLL_TILE for (int k = 0; k < 8; k++) acc[k] = _mm256_setzero_ps();
+                        for (int t = 0; t < rows; t++) {
+                            const __m256 wt = _mm256_set1_ps(pr[t]);
+                            const float *vr = vc + (size_t)t * hd + c0;
+                            UNROLL_TILE for (int k = 0; k < 8; k++)
+                                if (c0 + 8 * k < hd) acc[k] = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vr + 8 * k), acc[k]);
+                        }
+                        UNROLL_TILE for (int k = 0; k < 8; k++)
+                            if (c0 + 8 * k < hd)
+                                _mm256_storeu_ps(o + c0 + 8 * k, _mm256_add_ps(_mm256_loadu_ps(o + c0 + 8 * k), acc[k]));
+                    }
                 }
-                __m256 s = _mm256_mul_ps(sums8(acc), _mm256_set1_ps(scale));
-                for (int j = 0; j < 8; j++) /* past the row's last position, and dropped positions */
-                    if (t + j >= n || (masked && masked[t + j])) ((float *)&s)[j] = -INFINITY;
-                _mm256_storeu_ps(thread_scores + (size_t)h * (cap + 8) + t, s);
             }
-        for (int h = 0; h < G; h++) {
-            float *sc = thread_scores + (size_t)h * (cap + 8);
-            __m256 top = _mm256_set1_ps(-INFINITY);
-            for (int t = 0; t < n; t += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(sc + t));
-            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
-            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-            const __m256 mx = _mm256_set1_ps(_mm_cvtss_f32(m4));
-            __m256 total = _mm256_setzero_ps();
-            for (int t = 0; t < n; t += 8) {
-                const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(sc + t), mx));
-                _mm256_storeu_ps(sc + t, e);
-                total = _mm256_add_ps(total, e);
-            }
-            const __m256 inv = _mm256_set1_ps(1.0f / hsum(total));
-            for (int t = 0; t < n; t += 8) _mm256_storeu_ps(sc + t, _mm256_mul_ps(_mm256_loadu_ps(sc + t), inv));
-            memset(out + ((size_t)i * H + g * G + h) * hd, 0, (size_t)hd * sizeof(float));
         }
-        for (int t = 0; t < n; t++) {
-            const float *vr = vb + (size_t)t * hd;
-            for (int h = 0; h < G; h++) {
-                const float p = thread_scores[(size_t)h * (cap + 8) + t];
-                if (p == 0.0f) continue;
-                const __m256 wt = _mm256_set1_ps(p);
-                float *o = out + ((size_t)i * H + g * G + h) * hd;
-                for (int c = 0; c < hd; c += 8)
-                    _mm256_storeu_ps(o + c, _mm256_fmadd_ps(wt, _mm256_loadu_ps(vr + c), _mm256_loadu_ps(o + c)));
+#pragma omp for schedule(static)
+        for (int ih = 0; ih < rn * H; ih++) {
+            const int i = r0 + ih / H, head = ih % H, n = pos0 + i + 1;
+            const float *part = partials + ((size_t)(ih / H * KV + head / G) * S) * G * stride + (size_t)(head % G) * stride;
+            const size_t seg_stride = (size_t)G * stride;
+            float mx = -INFINITY, total = 0.0f;
+            for (int seg = 0; seg < segments(n); seg++)
+                if (part[seg * seg_stride + hd + 1] > 0.0f && part[seg * seg_stride + hd] > mx) mx = part[seg * seg_stride + hd];
+            float *o = out + ((size_t)i * H + head) * hd;
+            memset(o, 0, (size_t)hd * sizeof(float));
+            for (int seg = 0; seg < segments(n); seg++) {
+                const float *ps = part + seg * seg_stride;
+                if (ps[hd + 1] == 0.0f) continue;
+                const float w = expf(ps[hd] - mx);
+                total += w * ps[hd + 1];
+                for (int c = 0; c < hd; c++) o[c] += w * ps[c];
             }
+            const float inv = 1.0f / total;
+            for (int c = 0; c < hd; c++) o[c] *= inv;
         }
     }
+}
+
+static void attention(const void *kcache, const void *vcache, const float *q, const uint8_t *masked,
+                      const er_dims *D, int M, int pos0, float *scores, float *partials, float *out) {
+    if (D->kv_half) attention_of(kcache, vcache, q, masked, D, M, pos0, scores, partials, out, 1);
+    else attention_of(kcache, vcache, q, masked, D, M, pos0, scores, partials, out, 0);
+}
+
+/* one row of hd values into a float32 or float16 cache */
+static void kv_store(void *cache, size_t at, const float *x, int hd, int half) {
+    if (!half) {
+        memcpy((float *)cache + at, x, (size_t)hd * sizeof(float));
+        return;
+    }
+    for (int c = 0; c < hd; c += 8)
+        _mm_storeu_si128((__m128i *)((uint16_t *)cache + at + c),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(x + c), _MM_FROUND_TO_NEAREST_INT));
 }
 
 static void add_into(float *x, const float *y, size_t n) {
@@ -1001,10 +1101,12 @@ static void add_into(float *x, const float *y, size_t n) {
  * (the MLP skipped), 2 K/V only (the layer skipped: its cache rows are filled, x unchanged).
  * `masked` [capacity] (or NULL): positions dropped from this layer's attention. */
 int er_layer_forward(const er_layer *L, const er_dims *D, float *x, int M, int pos0, const float *cos_t,
-                     const float *sin_t, float *kcache, float *vcache, const uint8_t *masked, int mode,
+                     const float *sin_t, void *kcache, void *vcache, const uint8_t *masked, int mode,
                      void *scratch_memory) {
     const int d = D->hidden, H = D->heads, KV = D->kv_heads, hd = D->head_dim, F = D->ffn, cap = D->capacity;
-    if (pos0 < 0 || pos0 + M > cap || d % 32 || F % 32 || (H * hd) % 32 || hd % 8 || mode < 0 || mode > 2) return -1;
+    if (pos0 < 0 || pos0 + M > cap || d % 32 || F % 32 || (H * hd) % 32 || hd % 8 || hd > KV_MAX_HEAD_DIM || mode < 0 ||
+        mode > 2)
+        return -1;
     carver c = {(char *)scratch_memory, 0};
     const layer_scratch s = carve_layer(&c, D, M);
     const int forms_qkv = forms_for(mode == 2 ? NULL : &L->q, &L->k, &L->v);
@@ -1021,12 +1123,13 @@ int er_layer_forward(const er_layer *L, const er_dims *D, float *x, int M, int p
             if (mode != 2) rope(s.q + (size_t)i * H * hd, H, hd, cs, sn);
             rope(s.k + (size_t)i * KV * hd, KV, hd, cs, sn);
             for (int g = 0; g < KV; g++) {
-                memcpy(kcache + ((size_t)g * cap + pos0 + i) * hd, s.k + ((size_t)i * KV + g) * hd, hd * sizeof(float));
-                memcpy(vcache + ((size_t)g * cap + pos0 + i) * hd, s.v + ((size_t)i * KV + g) * hd, hd * sizeof(float));
+                const size_t at = ((size_t)g * cap + pos0 + i) * hd;
+                kv_store(kcache, at, s.k + ((size_t)i * KV + g) * hd, hd, D->kv_half);
+                kv_store(vcache, at, s.v + ((size_t)i * KV + g) * hd, hd, D->kv_half);
             }
         }
         if (mode != 2) {
-            attention(s.q, kcache, vcache, masked, D, M, pos0, s.scores, s.attn);
+            attention(kcache, vcache, s.q, masked, D, M, pos0, s.scores, s.partials, s.attn);
             quantize(s.attn, M, H * hd, s.xq, forms_for(&L->o, NULL, NULL));
             matmul(&L->o, s.xq, M, s.h, NULL);
             add_into(x, s.h, (size_t)M * d);
