@@ -12,9 +12,16 @@ import pytest
 from typer.testing import CliRunner
 
 from edgeroute.bundle import MANIFEST, Bundle, Calibration, RouterCalibration
-from edgeroute.calibration.calibrate import CalibrateOptions, calibrate
+from edgeroute.calibration.calibrate import CalibrateOptions, RunConfig, calibrate, choose_profiles
 from edgeroute.calibration.checks import echoes_instructions, task_pass
-from edgeroute.calibration.drafting import RUNTIME_DEFAULT, DraftCosts, DraftSetting, fit_drafting, replay
+from edgeroute.calibration.drafting import (
+    RUNTIME_DEFAULT,
+    DraftCosts,
+    DraftSetting,
+    fit_drafting,
+    fit_per_task,
+    replay,
+)
 from edgeroute.calibration.labels import LabelSettings, label_prompts, plan_shards, rejoins
 from edgeroute.calibration.prompts import TASKS, builtin_prompts
 from edgeroute.calibration.thresholds import BudgetUnreachable, choose_threshold, prompt_risks
@@ -185,6 +192,45 @@ def test_draft_fit_prefers_short_sure_drafts_when_verification_rows_are_costly()
     assert fit.curve[fit.setting.name]["calibration"] == max(v["calibration"] for v in fit.curve.values())
     free_rows = fit_drafting(agree, confidence, answer_ids, splits, DraftCosts(0.01, 1.0, 0.0))
     assert free_rows.setting.max_tokens > fit.setting.max_tokens  # cheap drafts and rows: draft longer
+
+
+def test_measured_passes_replace_the_linear_row_cost():
+    linear = DraftCosts(slm_step=0.0, llm_pass=10.0, llm_row=1.0)
+    tiled = DraftCosts(slm_step=0.0, llm_pass=10.0, llm_row=1.0, passes=(10.0, 10.5, 11.0, 15.0))
+    assert [tiled.pass_seconds(k) for k in range(5)] == [10.0, 10.5, 11.0, 15.0, 14.0]  # past the table: linear
+    right, sure = np.ones(12, bool), np.full(12, 0.9)
+    # drafts of 2 (3 tokens a pass, 3 passes + the last token's): the table's 11.0 per pass, not 12.0
+    assert replay(right, sure, np.array([0]), DraftSetting(0.0, 2), tiled)[0] < \
+        replay(right, sure, np.array([0]), DraftSetting(0.0, 2), linear)[0]
+
+
+def test_each_task_gets_the_draft_setting_its_own_answers_favour():
+    rng = np.random.default_rng(1)
+    answer_ids = np.repeat(np.arange(120), 30)
+    tasks = np.where(answer_ids < 60, 0, 1)  # task 0: an SLM that is nearly always right; task 1: a coin
+    agree = np.where(tasks == 0, rng.uniform(size=3600) < 0.97, rng.uniform(size=3600) < 0.5)
+    confidence = np.where(agree, 0.9, 0.3)
+    splits = np.where(answer_ids % 4 == 0, "validation", "calibration")
+    costs = DraftCosts(slm_step=0.3, llm_pass=1.0, llm_row=0.15)
+    fits = fit_per_task(agree, confidence, answer_ids, splits, tasks, costs)
+    assert set(fits) == {0, 1}
+    assert fits[0].setting.max_tokens > fits[1].setting.max_tokens or fits[1].setting.confidence > 0.3
+    assert fits[0].setting.max_tokens >= 4
+    # a task with too few answers in a split gets none of its own
+    assert fit_per_task(agree, confidence, answer_ids, splits, tasks, costs, min_answers=31) == {}
+
+
+def test_a_task_runs_and_keeps_its_own_options():
+    config = RunConfig("speculate/slm+fitted", {"mode": "speculate", "light": "slm", "max_draft_tokens": 1},
+                       {"json": {"max_draft_tokens": 6, "draft_confidence": 0.5}})
+    assert config.options_for("json")["max_draft_tokens"] == 6 and config.options_for("code")["max_draft_tokens"] == 1
+    full = RunConfig("full", {"mode": "full"})
+    runs = {name: [{"task": task, "tokens": 33, "seconds": seconds, "llm_tokens": 5, "pass": True,
+                    "same_as_full": True} for task in ("json", "code")] for name, seconds in
+            (("full", 1.0), ("speculate/slm+fitted", 0.5))}
+    profiles = choose_profiles(runs, [full, config])
+    assert profiles["json"]["max_draft_tokens"] == 6 and profiles["json"]["draft_confidence"] == 0.5
+    assert profiles["code"]["max_draft_tokens"] == 1 and "draft_confidence" not in profiles["code"]
 
 
 def test_task_checks_catch_unclosed_json_missing_values_and_echoes():

@@ -10,7 +10,9 @@ and for the LLM, greedy ``full`` answers to the templated and json workloads' pr
 each cache: identical answers, the position of the first difference, and each answer's task
 check (templated: the record's values appear; json: parses with full's keys and values).
 
-Speed and memory over context length are bench_context.py's (runtime ``edgeroute:portable:float16``).
+``--backend`` names the runtime (ONNX Runtime's portable graphs, or the native kernels). Speed
+and memory over context length are bench_context.py's (runtimes ``edgeroute:portable:float16``,
+``edgeroute:native:float16``).
 
     python tools/kv_dtype_report.py --bundle bundles/smollm2-demo --out bench-results/kv-dtype-smollm2.json
 """
@@ -34,18 +36,18 @@ from benchlib.tasks import task_check  # noqa: E402
 from edgeroute.bundle import KV_DTYPES, Bundle  # noqa: E402
 from edgeroute.runtime import Engine  # noqa: E402
 from edgeroute.runtime.evaluate import teacher_forced, tokenize_text  # noqa: E402
-from edgeroute.runtime.model import OrtModel  # noqa: E402
+from edgeroute.runtime.backend import open_model  # noqa: E402
 from edgeroute.texts import evaluation_text  # noqa: E402
 
 WORKLOADS = Path(__file__).resolve().parent / "workloads"
 
 
-def teacher_forced_figures(bundle: Bundle, role: str, tokens: int, window: int) -> dict:
+def teacher_forced_figures(bundle: Bundle, role: str, tokens: int, window: int, backend: str) -> dict:
     ids = tokenize_text(bundle, evaluation_text(), tokens)
     runs = {}
     for kv_dtype in KV_DTYPES:
         start = time.perf_counter()
-        runs[kv_dtype] = teacher_forced(OrtModel(bundle, role, kv_dtype=kv_dtype), ids, window)
+        runs[kv_dtype] = teacher_forced(open_model(bundle, role, backend, kv_dtype=kv_dtype)[0], ids, window)
         print(f"{role} {kv_dtype}: {len(ids)} tokens teacher-forced in {time.perf_counter() - start:.0f} s",
               file=sys.stderr)
     wide, narrow = runs["float32"], runs["float16"]
@@ -54,8 +56,8 @@ def teacher_forced_figures(bundle: Bundle, role: str, tokens: int, window: int) 
                for dtype in KV_DTYPES}}
 
 
-def generation_figures(bundle: Bundle, max_tokens: int, per_workload: int) -> dict:
-    engines = {kv_dtype: Engine(bundle, kv_dtype=kv_dtype, slm=False) for kv_dtype in KV_DTYPES}
+def generation_figures(bundle: Bundle, max_tokens: int, per_workload: int, backend: str) -> dict:
+    engines = {kv_dtype: Engine(bundle, kv_dtype=kv_dtype, slm=False, backend=backend) for kv_dtype in KV_DTYPES}
     rows = []
     for workload in ("templated", "json"):
         prompts = json.loads((WORKLOADS / f"{workload}.json").read_text())["prompts"][:per_workload]
@@ -78,15 +80,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=int, default=2048, help="tokens per fresh cache")
     parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per generated answer")
     parser.add_argument("--prompts", type=int, default=8, help="prompts per workload (templated, json)")
+    parser.add_argument("--backend", choices=("onnxruntime", "native"), default="onnxruntime")
     parser.add_argument("--out", type=Path, default=Path("bench-results/kv-dtype.json"))
     args = parser.parse_args(argv)
     bundle = Bundle.open(args.bundle)
-    figures = {"bundle": str(args.bundle), "teacher_forced": {}}
+    figures = {"bundle": str(args.bundle), "backend": args.backend, "teacher_forced": {}}
     for role in bundle.models:
-        figures["teacher_forced"][role] = teacher_forced_figures(bundle, role, args.tokens, args.window)
-    figures["generation"] = generation_figures(bundle, args.max_tokens, args.prompts)
+        figures["teacher_forced"][role] = teacher_forced_figures(bundle, role, args.tokens, args.window, args.backend)
+    figures["generation"] = generation_figures(bundle, args.max_tokens, args.prompts, args.backend)
 
-    table = Table(title=f"fp16 vs fp32 KV cache: {args.bundle}")
+    table = Table(title=f"fp16 vs fp32 KV cache: {args.bundle} on {args.backend}")
     for column in ("model", "positions", "top-1 agreement", "perplexity fp32 / fp16", "accuracy fp32 / fp16"):
         table.add_column(column)
     for role, f in figures["teacher_forced"].items():

@@ -23,7 +23,7 @@ import numpy as np
 from edgeroute import __version__
 from edgeroute.bundle import Bundle, Calibration, RouterCalibration
 from edgeroute.calibration.checks import task_pass
-from edgeroute.calibration.drafting import RUNTIME_DEFAULT, DraftFit, fit_drafting, measure_costs
+from edgeroute.calibration.drafting import RUNTIME_DEFAULT, DraftFit, fit_drafting, fit_per_task, measure_costs
 from edgeroute.calibration.labels import DIVERGENT, NEUTRAL, Labels, LabelSettings, label_prompts
 from edgeroute.calibration.prompts import PER_TASK, TASKS, CalibrationPrompt, builtin_prompts, load_prompts, prompts_sha256
 from edgeroute.calibration.report import plot_generation, plot_tradeoff, render
@@ -223,6 +223,10 @@ def router_cost(engine: Engine, router: TrainedRouter, repeats: int = 48) -> dic
 class RunConfig:
     name: str
     options: dict[str, Any]
+    per_task: dict[str, dict[str, Any]] = field(default_factory=dict)  # options a task's prompts run with instead
+
+    def options_for(self, task: str) -> dict[str, Any]:
+        return {**self.options, **self.per_task.get(task, {})}
 
 
 def run_configs(routers: dict[str, RouterResult], loaded: dict[str, Any]) -> list[RunConfig]:
@@ -246,7 +250,7 @@ def confirm(engine: Engine, prompts: list[CalibrationPrompt], configs: list[RunC
         for config in configs:
             extra = {"protect_format": True} if prompt.task == "json" and config.options["mode"] == "route" else {}
             generation = engine.generate([{"role": "user", "content": prompt.content}], max_new_tokens=max_tokens,
-                                         **config.options, **extra)
+                                         **config.options_for(prompt.task), **extra)
             reference = generation.text if reference is None else reference
             runs[config.name].append({"task": prompt.task, "tokens": generation.stats.new_tokens,
                                       "seconds": generation.stats.decode_seconds,
@@ -283,7 +287,7 @@ def choose_profiles(runs: dict[str, list[dict[str, Any]]], configs: list[RunConf
         best = max(qualified, key=lambda c: (figures[c.name]["speed_vs_full"] if c.name != "full" else 1.0))
         if best.name != "full" and figures[best.name]["speed_vs_full"] < MIN_SPEEDUP:
             best = configs[0]
-        options = {k: v for k, v in best.options.items() if k in (*AUTO_KEYS, *SKIP_KEYS)}
+        options = {k: v for k, v in best.options_for(task).items() if k in (*AUTO_KEYS, *SKIP_KEYS)}
         if task == "json" and options["mode"] == "route":
             options["protect_format"] = True
         profiles[task] = {**options, "config": best.name, "figures": figures}
@@ -295,21 +299,46 @@ class DraftingResult:
     fit: DraftFit | None  # None: no setting replayed faster than the runtime's defaults
     why: str
     figures: dict[str, Any]
+    per_task: dict[str, DraftFit] = field(default_factory=dict)  # tasks whose own setting replays faster
+
+    def run_config(self) -> RunConfig | None:
+        """speculate/slm with the fitted settings: the overall one, a task's own for its prompts."""
+        if self.fit is None and not self.per_task:
+            return None
+        overall = self.fit.setting if self.fit is not None else RUNTIME_DEFAULT
+        return RunConfig(FITTED_DRAFTS, {"mode": "speculate", "light": "slm", **overall.options()},
+                         {task: fit.setting.options() for task, fit in self.per_task.items()})
 
 
 def calibrate_drafting(engine: Engine, slm: LightData) -> DraftingResult:
     """Fit how speculate/slm drafts (see :mod:`edgeroute.calibration.drafting`) on the SLM
-    labels; kept for the runtime runs only where the replay on validation prompts is faster."""
+    labels, over all answers and per task; kept for the runtime runs only where the replay on
+    validation prompts is faster than the defaults (a task's: than the overall setting)."""
     confidence = np.exp(slm.features[:, _slm_stats_start(slm.features)])  # the top-1 log-probability
-    fit = fit_drafting(~slm.differ, confidence, slm.prompt, slm.split, measure_costs(engine))
+    costs = measure_costs(engine)
+    fit = fit_drafting(~slm.differ, confidence, slm.prompt, slm.split, costs)
     figures = fit.to_dict()
     setting = fit.setting
-    if setting == RUNTIME_DEFAULT or fit.speedup_vs_default < MIN_REPLAYED_SPEEDUP:
+    pays = setting != RUNTIME_DEFAULT and fit.speedup_vs_default >= MIN_REPLAYED_SPEEDUP
+    overall = setting if pays else RUNTIME_DEFAULT
+    per_task, notes = {}, []
+    for index, task_fit in fit_per_task(~slm.differ, confidence, slm.prompt, slm.split, slm.task, costs).items():
+        task = TASKS[index]
+        validation = task_fit.curve[task_fit.setting.name]["validation"]
+        gain = validation / max(task_fit.curve[overall.name]["validation"], 1e-12)
+        figures.setdefault("per_task", {})[task] = {"setting": asdict(task_fit.setting), "replayed_vs_overall": gain,
+                                                   "replayed_tok_s": validation}
+        if task_fit.setting != overall and gain >= MIN_REPLAYED_SPEEDUP:
+            per_task[task] = task_fit
+            notes.append(f"{task} {task_fit.setting.name} ({gain:.3f}x)")
+    own = f"; a task's own (confidence/longest draft, replayed vs the overall): {', '.join(notes)}" if notes else ""
+    if not pays:
         return DraftingResult(None, f"speculate/slm: no draft setting replayed faster than the defaults "
-                                    f"({fit.speedup_vs_default:.3f}x on validation prompts): defaults kept", figures)
+                                    f"({fit.speedup_vs_default:.3f}x on validation prompts): defaults kept{own}",
+                              figures, per_task)
     return DraftingResult(fit, f"speculate/slm: drafts of at most {setting.max_tokens} tokens, ending below SLM "
                                f"confidence {setting.confidence} (replayed {fit.speedup_vs_default:.3f}x the "
-                               f"defaults on validation prompts)", figures)
+                               f"defaults on validation prompts){own}", figures, per_task)
 
 
 # -- skipping ----------------------------------------------------------------------------------------
@@ -398,8 +427,9 @@ def calibrate(bundle_path: str | Path, options: CalibrateOptions | None = None,
     drafting = calibrate_drafting(engine, data["slm"])
     seconds["draft fit"] = time.perf_counter() - start
     messages.append(drafting.why)
-    if drafting.fit is not None:
-        configs.append(RunConfig(FITTED_DRAFTS, {"mode": "speculate", "light": "slm", **drafting.fit.setting.options()}))
+    fitted_drafts = drafting.run_config()
+    if fitted_drafts is not None:
+        configs.append(fitted_drafts)
     skipping: list[SkipVerdict] = []
     if options.skip_prompts and decision_points(engine.llm.num_layers, SkipOptions()):
         start = time.perf_counter()
@@ -417,10 +447,18 @@ def calibrate(bundle_path: str | Path, options: CalibrateOptions | None = None,
     seconds["runtime runs"] = time.perf_counter() - start
     profiles = choose_profiles(runs, configs)
     decoding = {}
-    if drafting.fit is not None:
+    if fitted_drafts is not None:
         plain, fitted = (summarize(runs[name], runs["full"]) for name in ("speculate/slm", FITTED_DRAFTS))
         drafting.figures["runtime"] = {"speculate/slm": plain["tok_s"], FITTED_DRAFTS: fitted["tok_s"]}
-        if fitted["tok_s"] > plain["tok_s"]:
+    if drafting.fit is not None:
+        # the overall setting becomes speculate's default where it ran: on the prompts of tasks
+        # without a setting of their own (with none, the replay alone decided)
+        overall = [i for i, r in enumerate(runs["full"]) if r["task"] not in drafting.per_task]
+        plain = fitted = {"tok_s": 0.0}
+        if overall:
+            plain, fitted = (summarize([runs[name][i] for i in overall], [runs["full"][i] for i in overall])
+                             for name in ("speculate/slm", FITTED_DRAFTS))
+        if not overall or fitted["tok_s"] > plain["tok_s"]:
             decoding.update(drafting.fit.setting.options())
         else:
             messages.append(f"draft setting {drafting.fit.setting.name} did not speed up speculate/slm in the runtime "

@@ -60,10 +60,13 @@ def render(calibration: Calibration, bundle: Path, messages: list[str]) -> str:
     drafting = c.figures.get("drafting")
     if drafting:
         costs = drafting["costs"]
+        passes = ", ".join(f"{seconds * 1e3:.1f}" for seconds in costs.get("passes", ()))
+        measured = f" (passes over 1, 2, ... tokens: {passes} ms)" if passes else ""
         lines += ["", "## How the SLM drafts (speculate/slm)", "",
                   f"Measured here: SLM step {costs['slm_step'] * 1e3:.1f} ms, LLM pass {costs['llm_pass'] * 1e3:.1f} ms "
-                  f"+ {costs['llm_row'] * 1e3:.1f} ms per drafted row. Greedy speculation replayed over the labels, "
-                  "tok/s on calibration / validation prompts by draft_confidence (rows) and longest draft (columns):"]
+                  f"+ {costs['llm_row'] * 1e3:.1f} ms per drafted row on average{measured}. Greedy speculation "
+                  "replayed over the labels, tok/s on calibration / validation prompts by draft_confidence (rows) and "
+                  "longest draft (columns):"]
         lines += _draft_table(drafting["curve"])
         setting = drafting["setting"]
         chosen = {k: c.decoding[k] for k in ("draft_confidence", "draft_tokens", "max_draft_tokens") if k in c.decoding}
@@ -71,6 +74,14 @@ def render(calibration: Calibration, bundle: Path, messages: list[str]) -> str:
                       f"tokens; replayed speed-up over the defaults on validation prompts "
                       f"{drafting['speedup_vs_default']:.3f}x; runtime runs (tok/s): {drafting.get('runtime', '-')}; "
                       f"written to the bundle: {chosen or 'nothing (defaults kept)'}."]
+        per_task = drafting.get("per_task", {})
+        if per_task:
+            lines += ["", "Fitted on each task's answers alone (the task's profile runs speculate/slm+fitted with its "
+                          "own setting where that replays faster than the overall one):", "",
+                      "| task | draft_confidence | longest draft | replayed tok/s (validation) | vs the overall setting |",
+                      "|---|---|---|---|---|"]
+            lines += [f"| {task} | {f['setting']['confidence']} | {f['setting']['max_tokens']} | "
+                      f"{f['replayed_tok_s']:.1f} | {f['replayed_vs_overall']:.3f}x |" for task, f in per_task.items()]
     skipping = c.figures.get("skipping")
     if skipping:
         lines += ["", "## Skipping, observed on this bundle (validation prompts)", "",
