@@ -102,6 +102,8 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parent.parent
 WORKLOAD_DIR = Path(__file__).resolve().parent / "workloads"
 WORKLOADS = ("templated", "json", "grounded", "open")
+# the calibrated task profile that ``auto`` takes on each workload (open questions: the default one)
+WORKLOAD_TASKS = {"templated": "templated", "json": "json", "grounded": "grounded", "open": "default"}
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib, when run as a script
 from benchlib.llama import greedy_tokens  # noqa: E402
@@ -137,6 +139,7 @@ def all_configs(skip_ratio: float, lookup_tokens: int, draft_tokens: int = 4, al
         Config("full", "edgeroute", {"mode": "full"}),
         Config("speculate+ngram", "edgeroute", {"mode": "speculate", "light": "ngram"}),
         Config("route+ngram", "edgeroute", {"mode": "route", "light": "ngram"}),
+        Config("auto", "edgeroute", {"mode": "auto"}, "edgeroute-llm+slm"),  # a calibrated bundle's task profile
     ]
     for alt in (False, True) if alt_slm else (False,):
         tag = f"[{alt_slm}]" if alt else ""
@@ -657,6 +660,10 @@ def select_configs(args: argparse.Namespace) -> list[Config]:
         configs = [c for c in configs if c.name == "full" or any(fnmatch.fnmatch(c.name, p) for p in patterns)]
     if args.no_llama:
         configs = [c for c in configs if c.runtime != "llama"]
+    from edgeroute.bundle import Bundle
+
+    if Bundle.open(args.bundle, verify=False).calibration is None:  # auto needs the calibrated profiles
+        configs = [c for c in configs if c.options.get("mode") != "auto"]
     return configs
 
 
@@ -832,15 +839,19 @@ def main(argv: list[str] | None = None) -> int:
                                   c.options["lookup"], num_layers, args.slm_gguf, c.options.get("draft", 0))
               for c in configs if c.runtime == "llama"}
 
-    def generate(config: Config, prompt: dict, ids: list[int], budget: int) -> Run:
+    def generate(config: Config, workload: str, prompt: dict, ids: list[int], budget: int) -> Run:
         if config.runtime == "llama":
             return llamas[config.name].run(ids, eos_ids, budget)
-        return runners[config.alt_slm].run(prompt["messages"], config.options, budget)
+        options = config.options
+        if options.get("mode") == "auto":
+            options = {**options, "task": WORKLOAD_TASKS.get(workload, "default")}
+        return runners[config.alt_slm].run(prompt["messages"], options, budget)
 
-    first = next(iter(workloads.values()))[0]
+    first_workload = next(iter(workloads))
+    first = workloads[first_workload][0]
     first_ids = engine.encode_prompt(first["messages"])
     for config in configs:  # warm-up: first ONNX Runtime runs allocate, the SLM loads, llama.cpp warms
-        generate(config, first, first_ids, 8)
+        generate(config, first_workload, first, first_ids, 8)
 
     runs: dict[str, dict[str, list[dict]]] = {w: defaultdict(list) for w in workloads}
     total = sum(len(p) for p in workloads.values())
@@ -852,7 +863,7 @@ def main(argv: list[str] | None = None) -> int:
             for config in configs[k:] + configs[:k]:  # rotate the order from prompt to prompt
                 # best of --repeats (greedy: the same tokens each time; the fastest decode is the
                 # one least disturbed by other work on the machine)
-                run = min((generate(config, prompt, ids, args.max_new_tokens) for _ in range(args.repeats)),
+                run = min((generate(config, workload, prompt, ids, args.max_new_tokens) for _ in range(args.repeats)),
                           key=lambda r: r.decode_seconds)
                 runs[workload][config.name].append({"prompt": prompt["id"], "prompt_tokens": len(ids), **asdict(run)})
             done += 1

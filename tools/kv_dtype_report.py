@@ -35,8 +35,8 @@ from benchlib.tasks import task_check  # noqa: E402
 
 from edgeroute.bundle import KV_DTYPES, Bundle  # noqa: E402
 from edgeroute.runtime import Engine  # noqa: E402
-from edgeroute.runtime.evaluate import teacher_forced, tokenize_text  # noqa: E402
 from edgeroute.runtime.backend import open_model  # noqa: E402
+from edgeroute.runtime.evaluate import teacher_forced, tokenize_text  # noqa: E402
 from edgeroute.texts import evaluation_text  # noqa: E402
 
 WORKLOADS = Path(__file__).resolve().parent / "workloads"
