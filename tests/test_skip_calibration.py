@@ -88,6 +88,24 @@ def test_a_calibrated_skip_setting_is_the_default_of_skip_modes_only_when_left_u
     assert calibrated_options(DecodeOptions(mode="full"), calibration, lambda entry: None).skip == SkipOptions()
 
 
+def test_an_auto_profile_runs_as_measured_without_the_bundle_wide_defaults():
+    from edgeroute.bundle import Calibration
+
+    calibration = Calibration(created="", edgeroute_version="", data_sha256="", budget={}, routers={},
+                              profiles={"json": {"mode": "speculate", "light": "slm", "config": "speculate/slm"},
+                                        "code": {"mode": "speculate", "light": "slm", "draft_confidence": 0.2,
+                                                 "draft_tokens": 1, "max_draft_tokens": 1}},
+                              decoding={"draft_confidence": 0.2, "draft_tokens": 1, "max_draft_tokens": 1},
+                              figures={})
+    resolve = lambda **kw: calibrated_options(DecodeOptions(**kw), calibration, lambda entry: None)  # noqa: E731
+    json_profile, defaults = resolve(mode="auto", task="json"), DecodeOptions()
+    assert json_profile.mode == "speculate" and json_profile.draft_confidence == defaults.draft_confidence
+    assert (json_profile.draft_tokens, json_profile.max_draft_tokens) == (defaults.draft_tokens, defaults.max_draft_tokens)
+    assert resolve(mode="auto", task="code").max_draft_tokens == 1
+    explicit = resolve(mode="speculate", light="slm")  # an explicit mode takes the fitted defaults
+    assert (explicit.draft_confidence, explicit.max_draft_tokens) == (0.2, 1)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("granularity", ["layer", "mlp"])
 def test_observations_equal_skipped_passes_and_the_controllers_scores(smollm2_bundles, granularity):

@@ -1,7 +1,8 @@
 """A calibrated bundle's defaults: the decoding options ``edgeroute calibrate`` chose.
 
 - ``--mode auto`` takes the mode and light path calibrated for the task profile (the fastest
-  configuration that met the quality budget on held-out prompts).
+  configuration that met the quality budget on held-out prompts), with exactly the options it
+  ran with there (the defaults below apply to explicit modes).
 - ``route`` without an explicit router takes the bundle's router for its light path (a
   trained graph or a baseline) and its fitted threshold.
 - ``speculate`` without an explicit ``draft_confidence`` takes the fitted one, and with its
@@ -43,10 +44,13 @@ def auto_options(options: DecodeOptions, calibration: Calibration | None) -> Dec
 
 def calibrated_options(options: DecodeOptions, calibration: Calibration | None,
                        load_router: Callable[[RouterCalibration], Router]) -> DecodeOptions:
-    """``options`` with mode auto resolved and the calibrated router filled in where unset."""
-    if options.mode == "auto":
-        options = auto_options(options, calibration)
+    """``options`` with mode auto resolved and the calibrated router filled in where unset. A
+    task profile is the configuration its runtime runs measured, so the bundle-wide fitted
+    draft and skip settings apply to explicit modes only (a profile that ran speculate/slm with
+    the runtime's draft defaults keeps them)."""
     fitted = calibration.decoding if calibration is not None else {}
+    if options.mode == "auto":
+        options, fitted = auto_options(options, calibration), {}
     if options.draft_confidence is None and "draft_confidence" in fitted:
         options = dataclasses.replace(options, draft_confidence=fitted["draft_confidence"])
     if "max_draft_tokens" in fitted and (options.draft_tokens, options.max_draft_tokens) == DEFAULT_DRAFT_LENGTHS:
