@@ -43,28 +43,29 @@ def dequantized(fmt: str, raw: np.ndarray, shape: tuple[int, int]) -> np.ndarray
 
 
 @needs_kernels
+@pytest.mark.parametrize("kernels", ["auto", "portable"])
 @pytest.mark.parametrize("fmt", sorted(native.GGML_TYPES))
-def test_kernels_match_the_gguf_decoders(fmt):
+def test_kernels_match_the_gguf_decoders(fmt, kernels):
     shape = (37, 512)  # an odd row count: the threads' shares differ
     raw = random_blocks(fmt, *shape)
     weight = dequantized(fmt, raw, shape)
     rows = np.array([0, 17, 36])
-    assert np.array_equal(native.native_dequantize(fmt, raw, shape, rows), weight[rows])
+    assert np.array_equal(native.native_dequantize(fmt, raw, shape, rows, kernels), weight[rows])
     rng = np.random.default_rng(1)
     # integer activations with a full-scale value in every 32 values quantize exactly (scale 1)
     exact = rng.integers(-127, 128, size=(5, shape[1])).astype(np.float32)
     exact[:, ::32] = 127
     want = exact.astype(np.float64) @ weight.T.astype(np.float64)
-    got = native.native_matmul(fmt, raw, shape, exact)
+    got = native.native_matmul(fmt, raw, shape, exact, kernels=kernels)
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
     # real activations: int8 rounding, a percent or so
     x = rng.standard_normal((9, shape[1])).astype(np.float32)
     want = x @ weight.T
-    got = native.native_matmul(fmt, raw, shape, x)
+    got = native.native_matmul(fmt, raw, shape, x, kernels=kernels)
     assert np.abs(got - want).max() <= 0.03 * np.abs(want).max()
     # each row's result is the same bits whatever else is in the pass (tiles of 4 rows, remainders)
     for i in (0, 4, 8):
-        assert np.array_equal(native.native_matmul(fmt, raw, shape, x[i:i + 1])[0], got[i])
+        assert np.array_equal(native.native_matmul(fmt, raw, shape, x[i:i + 1], kernels=kernels)[0], got[i])
 
 
 @needs_kernels
@@ -83,11 +84,13 @@ def demo(smollm2_bundles):
     return Bundle.open(smollm2_bundles["int4"][0])
 
 
-@pytest.fixture(scope="module")
-def models(demo):
+@pytest.fixture(scope="module", params=["auto", "portable"])
+def models(demo, request):
+    """The native model on this CPU's kernels, then on the portable ones (what Arm CPUs run),
+    and the ONNX Runtime model of the same bundle."""
     if UNAVAILABLE is not None:
         pytest.skip(f"native kernels unavailable: {UNAVAILABLE}")
-    return native.NativeModel(demo), OrtModel(demo)
+    return native.NativeModel(demo, kernels=request.param), OrtModel(demo)
 
 
 @pytest.fixture(scope="module")
@@ -242,7 +245,8 @@ def test_settings_only_onnx_runtime_has_choose_it(demo):
 @pytest.mark.slow
 def test_a_float16_cache_keeps_the_float32_choices_and_exact_steps(demo, models, text_ids):
     """Half the bytes attention reads per position; K/V rounded to float16, computed in float32."""
-    half, full = native.NativeModel(demo, kv_dtype="float16"), models[0]
+    full = models[0]
+    half = native.NativeModel(demo, kv_dtype="float16", kernels="portable" if full.kernels == "portable" else "auto")
     cache = half.new_cache()
     assert cache.dtype == "float16"
     got = half.forward(cache, text_ids, all_logits=True)
@@ -259,6 +263,16 @@ def test_a_float16_cache_keeps_the_float32_choices_and_exact_steps(demo, models,
     prompt = "List three things to check before a long drive."
     full_run = engine.session(mode="full", max_new_tokens=32).generate(prompt)
     assert engine.session(mode="speculate", max_new_tokens=32).generate(prompt).tokens == full_run.tokens
+
+
+@pytest.mark.slow
+def test_auto_keeps_onnx_runtime_where_only_the_portable_kernels_run(demo, monkeypatch):
+    if UNAVAILABLE is not None:
+        pytest.skip(f"native kernels unavailable: {UNAVAILABLE}")
+    monkeypatch.setattr(native, "native_kernels", lambda kernels="auto": "portable")
+    engine = Engine(demo, slm=False)
+    assert engine.llm.flavour == "portable" and "backend='native' opts in" in engine.backend_notes["llm"]
+    assert Engine(demo, slm=False, backend="native").llm.flavour == "native"
 
 
 def test_a_bundle_without_native_weights_runs_on_onnx_runtime(tiny_slm_bundle):
@@ -280,14 +294,17 @@ def test_a_damaged_native_section_is_refused(demo, tmp_path):
 
 
 def test_no_compiler_or_cpu_support_is_a_clear_reason(monkeypatch, tmp_path):
+    monkeypatch.setattr(native, "_libraries", {})
     monkeypatch.setattr(native.platform, "machine", lambda: "aarch64")
-    with pytest.raises(NativeBackendUnavailable, match="x86-64 only; this CPU is aarch64"):
-        native._compile(native.native_source())
+    assert native._x86_kernels_here() == "this CPU is aarch64"
+    with pytest.raises(NativeBackendUnavailable, match="x86 kernels need avx2, fma, f16c: this CPU is aarch64"):
+        native.native_library("x86")
+    assert "-mcpu=native" in native._flags("portable") and "-ffp-contract=off" in native._flags("portable")
     monkeypatch.setattr(native.platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(native, "cpu_signature", lambda: {"machine": "x86_64", "isa": ["fma"]})
-    with pytest.raises(NativeBackendUnavailable, match="lacks avx2, f16c"):
-        native._compile(native.native_source())
-    monkeypatch.setattr(native, "cpu_signature", lambda: {"machine": "x86_64", "isa": ["avx2", "fma", "f16c"]})
+    assert native._x86_kernels_here() == "this CPU lacks avx2, f16c"
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     with pytest.raises(NativeBackendUnavailable, match="does not run"):
-        native._compile(native.native_source())
+        native._compile(native.native_source(), "portable")
+    with pytest.raises(Exception, match="not one of"):
+        native.native_library("neon")

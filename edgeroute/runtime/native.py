@@ -16,8 +16,10 @@ one-token steps bit for bit without ``exact_steps``' second row.
 The library is compiled on first use with the machine's C compiler for its own CPU
 (``-march=native``, ~1 s) into ``$EDGEROUTE_CACHE/native`` (default ``~/.cache/edgeroute``),
 keyed by the source, compiler and instruction sets; ``EDGEROUTE_NATIVE_LIB`` names a prebuilt
-one. x86-64 with AVX2, FMA and F16C only (an Arm port is future work): elsewhere
-:class:`NativeBackendUnavailable` says why and ``backend="auto"`` runs ONNX Runtime.
+one. On x86-64 with AVX2, FMA and F16C it runs the x86 kernels (AVX-512 VNNI where present);
+on any other CPU (Arm: Jetson, in-car SoCs) the portable C kernels, the same arithmetic
+vectorized by the compiler, which the tests check on x86 too. Their speed on Arm is not
+measured yet, so ``backend="auto"`` keeps ONNX Runtime there and ``backend="native"`` opts in.
 """
 
 from __future__ import annotations
@@ -46,7 +48,9 @@ from edgeroute.runtime.attention import KVCache, check_kv_dtype
 from edgeroute.runtime.model import DROP, RUN, SKIP, SKIP_MLP, LayerPlan, LayerwiseModel, plan_action
 
 SOURCE_NAME = "edgeroute_native.c"
-LIBRARY_VERSION = 1  # er_version() of the C source this module drives
+LIBRARY_VERSION = 2  # er_version() of the C source this module drives
+KERNELS = ("auto", "x86", "portable")
+KERNEL_NAMES = {0: "portable", 1: "avx2", 2: "avx512-vnni"}  # er_kernels()
 REQUIRED_FLAGS = ("avx2", "fma", "f16c")
 GGML_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
 FORMAT_NAMES = {type_id: name for name, type_id in GGML_TYPES.items()}
@@ -85,24 +89,37 @@ def _cache_dir() -> Path:
     return Path(root) if root else Path.home() / ".cache" / "edgeroute"
 
 
-def _compile(source: Path) -> Path:
+def _x86_kernels_here() -> str | None:
+    """Why this CPU cannot run the x86 kernels (None: it can)."""
     if platform.machine() not in ("x86_64", "AMD64"):
-        raise NativeBackendUnavailable(f"the native kernels are x86-64 only; this CPU is {platform.machine()}")
-    isa = set(cpu_signature()["isa"])
-    missing = [flag for flag in REQUIRED_FLAGS if flag not in isa]
-    if missing:
-        raise NativeBackendUnavailable(f"the native kernels need {', '.join(REQUIRED_FLAGS)}; this CPU lacks "
-                                       f"{', '.join(missing)}")
+        return f"this CPU is {platform.machine()}"
+    missing = [flag for flag in REQUIRED_FLAGS if flag not in cpu_signature()["isa"]]
+    return f"this CPU lacks {', '.join(missing)}" if missing else None
+
+
+def _flags(kernels: str) -> list[str]:
+    if kernels == "x86":
+        return ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+    # the compiler vectorizes the portable C for this CPU; no contraction into FMAs, which it
+    # would apply differently in the tile sizes' specializations (a row's bits would then
+    # depend on the pass's length, and speculation would no longer be exact)
+    target = "-mcpu=native" if platform.machine() in ("aarch64", "arm64") else "-march=native"
+    return ["-O3", target, "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-DER_PORTABLE"]
+
+
+def _compile(source: Path, kernels: str) -> Path:
+    """Build the library with the x86 (AVX2 / AVX-512) or the portable kernels."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise NativeBackendUnavailable("no C compiler (cc or gcc, or $CC) to build the native kernels")
-    flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+    flags = _flags(kernels)
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError) as err:
         raise NativeBackendUnavailable(f"the C compiler {compiler} does not run ({err})") from err
-    key = hashlib.sha256("\0".join([source.read_text(), compiler, version, *flags, *sorted(isa)]).encode()).hexdigest()
-    target = _cache_dir() / "native" / f"libedgeroute_native-{key[:16]}.so"
+    isa = cpu_signature()["isa"]
+    key = hashlib.sha256("\0".join([source.read_text(), compiler, version, *flags, *isa]).encode()).hexdigest()
+    target = _cache_dir() / "native" / f"libedgeroute_native-{kernels}-{key[:16]}.so"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -116,28 +133,42 @@ def _compile(source: Path) -> Path:
     return target
 
 
-_library: ctypes.CDLL | None = None
-_library_error: NativeBackendUnavailable | None = None
+_libraries: dict[str, ctypes.CDLL | NativeBackendUnavailable] = {}
 _library_lock = threading.Lock()
 
 
-def native_library() -> ctypes.CDLL:
-    """The kernels, built or found once per process; raises NativeBackendUnavailable with the
-    reason (kept: later calls raise it again at no cost)."""
-    global _library, _library_error
+def native_library(kernels: str = "auto") -> ctypes.CDLL:
+    """The kernels, built or found once per process: "x86" (AVX2, FMA, F16C; AVX-512 VNNI where
+    the CPU has it), "portable" (plain C the compiler vectorizes: any CPU, e.g. Arm), or "auto"
+    (x86 where this CPU runs them, else portable; ``EDGEROUTE_NATIVE_LIB`` names a prebuilt
+    library instead). Raises NativeBackendUnavailable with the reason (kept: later calls raise
+    it again at no cost)."""
+    if kernels not in KERNELS:
+        raise InputError(f"kernels {kernels!r} is not one of {', '.join(KERNELS)}")
     with _library_lock:
-        if _library is None and _library_error is None:
+        if kernels not in _libraries:
             try:
-                prebuilt = os.environ.get("EDGEROUTE_NATIVE_LIB")
-                _library = _bind(ctypes.CDLL(prebuilt if prebuilt else str(_compile(native_source()))))
+                prebuilt = os.environ.get("EDGEROUTE_NATIVE_LIB") if kernels == "auto" else None
+                if prebuilt:
+                    _libraries[kernels] = _bind(ctypes.CDLL(prebuilt))
+                else:
+                    build = kernels if kernels != "auto" else ("portable" if _x86_kernels_here() else "x86")
+                    if build == "x86" and (why := _x86_kernels_here()):
+                        raise NativeBackendUnavailable(f"the x86 kernels need {', '.join(REQUIRED_FLAGS)}: {why}")
+                    _libraries[kernels] = _bind(ctypes.CDLL(str(_compile(native_source(), build))))
             except OSError as err:
-                _library_error = NativeBackendUnavailable(f"the native kernels do not load ({err})")
+                _libraries[kernels] = NativeBackendUnavailable(f"the native kernels do not load ({err})")
             except NativeBackendUnavailable as err:
-                _library_error = err
-        if _library is None:
-            assert _library_error is not None
-            raise _library_error
-        return _library
+                _libraries[kernels] = err
+        library = _libraries[kernels]
+        if isinstance(library, NativeBackendUnavailable):
+            raise library
+        return library
+
+
+def native_kernels(kernels: str = "auto") -> str:
+    """Which kernels the library of ``kernels`` runs: "portable", "avx2" or "avx512-vnni"."""
+    return KERNEL_NAMES[native_library(kernels).er_kernels()]
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -146,6 +177,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
                                        f"version {LIBRARY_VERSION}: rebuild it (unset EDGEROUTE_NATIVE_LIB)")
     pointer, size, i32 = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
     signatures = {
+        "er_kernels": ([], i32),
         "er_layer_forward": ([ctypes.POINTER(_Layer), ctypes.POINTER(_Dims), pointer, i32, i32, pointer, pointer,
                               pointer, pointer, pointer, i32, pointer], i32),
         "er_scratch_bytes": ([ctypes.POINTER(_Dims), i32], size),
@@ -188,9 +220,10 @@ class NativeModel(LayerwiseModel):
     head_vocab = None  # export writes native weights for full-vocabulary heads only
 
     def __init__(self, bundle: Bundle, role: str = "llm", threads: int | None = None,
-                 kv_dtype: str = "float32") -> None:
+                 kv_dtype: str = "float32", kernels: str = "auto") -> None:
         """``kv_dtype``: the cache's element type, "float32" or "float16" (half the bytes that
-        attention reads per position; the kernels compute in float32 either way)."""
+        attention reads per position; the kernels compute in float32 either way). ``kernels``:
+        see :func:`native_library` ("portable" runs the plain C kernels on an x86 CPU too)."""
         if role not in bundle.models:
             raise InputError(f"bundle {bundle.path} has no {role!r} model (it has: {', '.join(bundle.models)})")
         entry = bundle.models[role]
@@ -198,7 +231,8 @@ class NativeModel(LayerwiseModel):
             raise NativeBackendUnavailable(f"the {role} model of {bundle.path} has no native weights (export writes "
                                            "them for GGUF sources in the formats the kernels read)")
         self.kv_dtype = check_kv_dtype(kv_dtype)
-        self.lib = native_library()
+        self.lib = native_library(kernels)
+        self.kernels = KERNEL_NAMES[self.lib.er_kernels()]
         self.arch = entry.arch
         self.capacity = int(bundle.generation["context_length"])
         # every row is computed alike whatever the pass's length: steps are always exact
@@ -378,10 +412,10 @@ def _standalone(tensor_format: str, blocks: np.ndarray, shape: tuple[int, int]) 
 
 
 def native_matmul(tensor_format: str, blocks: np.ndarray, shape: tuple[int, int], x: np.ndarray,
-                  threads: int | None = None) -> np.ndarray:
+                  threads: int | None = None, kernels: str = "auto") -> np.ndarray:
     """``x [M, cols] @ W.T`` for a matrix W of ``shape`` (rows, cols) stored as ggml ``blocks``
     (uint8, as in a GGUF file), through the layer's kernels: activations quantized to int8."""
-    lib = native_library()
+    lib = native_library(kernels)
     blocks = np.ascontiguousarray(blocks, np.uint8)
     matrix = _standalone(tensor_format, blocks, shape)
     _packing = _pack(lib, matrix)  # the matrix points into it until the product is done
@@ -394,9 +428,10 @@ def native_matmul(tensor_format: str, blocks: np.ndarray, shape: tuple[int, int]
     return y
 
 
-def native_dequantize(tensor_format: str, blocks: np.ndarray, shape: tuple[int, int], rows: np.ndarray) -> np.ndarray:
+def native_dequantize(tensor_format: str, blocks: np.ndarray, shape: tuple[int, int], rows: np.ndarray,
+                      kernels: str = "auto") -> np.ndarray:
     """Rows of a ggml block matrix as float32 (the embedding lookup's kernel)."""
-    lib = native_library()
+    lib = native_library(kernels)
     blocks = np.ascontiguousarray(blocks, np.uint8)
     matrix = _standalone(tensor_format, blocks, shape)
     rows = np.ascontiguousarray(rows, np.int64).reshape(-1)

@@ -14,10 +14,25 @@
  * the two. One OpenMP parallel region per layer call; the worksharing loops inside split
  * output rows (matrices) or (row, KV head) pairs (attention) over the threads.
  *
+ * Two sets of kernels: x86 (AVX2, FMA, F16C; AVX-512 VNNI where present) and portable C (any
+ * CPU, e.g. Arm; built with -DER_PORTABLE), which the compiler vectorizes. Both do the same
+ * arithmetic; the portable build needs -ffp-contract=off (a row's bits must not depend on the
+ * tile it is computed in).
+ *
  * Compiled on first use by edgeroute/runtime/native.py with the compiler of the machine it runs
  * on (-march=native): the library is specific to that CPU, like the calibration's timings.
  */
+#if defined(__x86_64__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(ER_PORTABLE)
+#define ER_X86 1 /* the AVX2 / AVX-512 kernels; otherwise the portable C ones (any CPU; the compiler vectorizes) */
 #include <immintrin.h>
+#else
+#define ER_X86 0
+#endif
+#if ER_X86 && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define ER_PACKED 1 /* matrices interleaved by 16 rows (er_pack) for the 512-bit VNNI kernels */
+#else
+#define ER_PACKED 0
+#endif
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -72,14 +87,75 @@ enum { FORM_32 = 1, FORM_256 = 2 };
 
 static int is_k_quant(int type) { return type == T_Q4_K || type == T_Q6_K; }
 
-int er_version(void) { return 1; }
+int er_version(void) { return 2; }
+
+/* which kernels this build runs: 0 the portable C ones, 1 x86 AVX2 (256-bit VNNI where present),
+ * 2 x86 AVX-512 VNNI with 16-row packing */
+int er_kernels(void) { return ER_PACKED ? 2 : ER_X86; }
 
 static inline float read_f16(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
+#if ER_X86
     return _cvtsh_ss(h);
+#else
+    _Float16 f;
+    memcpy(&f, &h, 2);
+    return (float)f;
+#endif
 }
 
+#define INLINE static inline __attribute__((always_inline))
+#define UNROLL_TILE _Pragma("GCC unroll 8") /* the tile's accumulators stay in registers */
+#if ER_X86 && defined(__AVX512BW__)
+#define TILE 8 /* activation rows per pass over a weight row: its blocks are unpacked once per tile */
+#else
+#define TILE 4 /* 16 vector registers (AVX2); the portable kernels' tile too */
+#endif
+#if ER_PACKED
+#define WIDE_BLOCKS32 1 /* 32-value block formats two blocks per instruction (Q8_0 needs VNNI: codes + 128) */
+#endif
+
+/* get_scale_min_k4 for all 8 sub-blocks at once: bytes 0-3 scales 0-3, 4-7 mins 0-3, 8-11 low
+ * nibbles of scales 4-7 / high nibbles of mins 4-7, plus the top 2 bits of bytes 0-7 */
+INLINE void q4_k_scales(const uint8_t *sc, uint8_t scale[8], uint8_t mins[8]) {
+    uint32_t packed[3];
+    memcpy(packed, sc, 12);
+    const uint32_t s03 = packed[0] & 0x3f3f3f3f, m03 = packed[1] & 0x3f3f3f3f;
+    const uint32_t s47 = (packed[2] & 0x0f0f0f0f) | ((packed[0] >> 2) & 0x30303030);
+    const uint32_t m47 = ((packed[2] >> 4) & 0x0f0f0f0f) | ((packed[1] >> 2) & 0x30303030);
+    memcpy(scale, &s03, 4);
+    memcpy(scale + 4, &s47, 4);
+    memcpy(mins, &m03, 4);
+    memcpy(mins + 4, &m47, 4);
+}
+
+/* the unsigned code of value v (0..31) of a 32-value block (Q8_0: q + 128) */
+static uint8_t block32_code(int type, const uint8_t *w, int v) {
+    if (type == T_Q8_0) return (uint8_t)(w[2 + v] ^ 0x80);
+    const int bytes = type == T_Q4_0 ? 18 : type == T_Q4_1 ? 20 : 22;
+    const uint8_t byte = w[bytes - 16 + v % 16];
+    uint8_t code = v < 16 ? byte & 0x0F : byte >> 4;
+    if (type == T_Q5_0) {
+        uint32_t qh;
+        memcpy(&qh, w + 2, 4);
+        code |= (uint8_t)(((qh >> v) & 1) << 4);
+    }
+    return code;
+}
+
+/* the unsigned code of value v (0..255) of a Q4_K / Q6_K super-block */
+static uint8_t k_code(int type, const uint8_t *w, int v) {
+    if (type == T_Q4_K) {
+        const uint8_t byte = w[16 + 32 * (v / 64) + v % 32];
+        return (v / 32) & 1 ? byte >> 4 : byte & 0x0F;
+    }
+    const int n = v / 128, quadrant = (v % 128) / 32, l = v % 32;
+    const uint8_t low = w[64 * n + 32 * (quadrant & 1) + l];
+    return (uint8_t)(((quadrant & 2) ? low >> 4 : low & 0x0F) | ((w[128 + 32 * n + l] >> (2 * quadrant)) & 3) << 4);
+}
+
+#if ER_X86
 static inline float hsum(__m256 v) {
     __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     x = _mm_add_ps(x, _mm_movehl_ps(x, x));
@@ -115,17 +191,6 @@ static inline __m256i bits_to_bytes(uint32_t bits, uint8_t value) { /* bit i -> 
     b = _mm256_cmpeq_epi8(b, _mm256_set1_epi64x(-1));
     return _mm256_and_si256(b, _mm256_set1_epi8((char)value));
 }
-
-#define INLINE static inline __attribute__((always_inline))
-#define UNROLL_TILE _Pragma("GCC unroll 8") /* the tile's accumulators stay in registers */
-#if defined(__AVX512BW__)
-#define TILE 8 /* activation rows per pass over a weight row: its blocks are unpacked once per tile */
-#else
-#define TILE 4 /* 16 vector registers */
-#endif
-#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define WIDE_BLOCKS32 1 /* 32-value block formats two blocks per instruction (Q8_0 needs VNNI: codes + 128) */
-#endif
 
 /* one 32-value block: unsigned codes, the weight scale d and the offset added per unit of code
  * sum (Q8_0's signed codes come as |q| with the sign in `sign` for the 256-bit path, or as
@@ -223,20 +288,6 @@ INLINE void dot_blocks32(const er_matrix *m, const uint8_t *w, const er_q8 *x, c
         }
     }
     for (int i = 0; i < mt; i++) y[(size_t)i * ldy] = hsum(acc[i]) + off[i];
-}
-
-/* get_scale_min_k4 for all 8 sub-blocks at once: bytes 0-3 scales 0-3, 4-7 mins 0-3, 8-11 low
- * nibbles of scales 4-7 / high nibbles of mins 4-7, plus the top 2 bits of bytes 0-7 */
-INLINE void q4_k_scales(const uint8_t *sc, uint8_t scale[8], uint8_t mins[8]) {
-    uint32_t packed[3];
-    memcpy(packed, sc, 12);
-    const uint32_t s03 = packed[0] & 0x3f3f3f3f, m03 = packed[1] & 0x3f3f3f3f;
-    const uint32_t s47 = (packed[2] & 0x0f0f0f0f) | ((packed[0] >> 2) & 0x30303030);
-    const uint32_t m47 = ((packed[2] >> 4) & 0x0f0f0f0f) | ((packed[1] >> 2) & 0x30303030);
-    memcpy(scale, &s03, 4);
-    memcpy(scale + 4, &s47, 4);
-    memcpy(mins, &m03, 4);
-    memcpy(mins + 4, &m47, 4);
 }
 
 /* each min multiplies two 16-value code sums */
@@ -392,6 +443,56 @@ INLINE void dot_rows(const er_matrix *m, const uint8_t *w, const er_q8 *x, const
 #endif
 }
 
+#else
+/* The portable kernels: each block's codes unpacked to bytes, integer dot products with the
+ * int8 activations (loops the compiler vectorizes), the same block arithmetic as above. */
+INLINE void dot_rows(const er_matrix *m, const uint8_t *w, const er_q8 *x, const int mt, float *y, int ldy) {
+    const int type = m->type;
+    float acc[TILE] = {0};
+    uint8_t u[256];
+    if (!is_k_quant(type)) {
+        const int bytes = type == T_Q4_0 ? 18 : type == T_Q4_1 ? 20 : type == T_Q5_0 ? 22 : 34;
+        for (int b = 0; b < m->cols / 32; b++, w += bytes) {
+            const float d = read_f16(w);
+            const float offset = type == T_Q4_0 ? -8.0f * d : type == T_Q4_1 ? read_f16(w + 2)
+                               : type == T_Q5_0 ? -16.0f * d : -128.0f * d;
+            for (int v = 0; v < 32; v++) u[v] = block32_code(type, w, v);
+            for (int i = 0; i < mt; i++) {
+                const int8_t *a = x[i].q + 32 * b;
+                int32_t sum = 0;
+                for (int v = 0; v < 32; v++) sum += u[v] * a[v];
+                acc[i] += d * x[i].d[b] * (float)sum + offset * x[i].s[b];
+            }
+        }
+    } else {
+        const int sb_bytes = type == T_Q4_K ? 144 : 210;
+        for (int sb = 0; sb < m->cols / 256; sb++, w += sb_bytes) {
+            for (int v = 0; v < 256; v++) u[v] = k_code(type, w, v);
+            uint8_t scale[8], mins[8];
+            if (type == T_Q4_K) q4_k_scales(w + 4, scale, mins);
+            const float d = read_f16(type == T_Q4_K ? w : w + 208), dmin = type == T_Q4_K ? read_f16(w + 2) : 0.0f;
+            for (int i = 0; i < mt; i++) {
+                const int8_t *a = x[i].qk + 256 * sb;
+                const int16_t *bsum = x[i].bsum + 16 * sb;
+                int32_t sumi = 0, summ = 0;
+                for (int j = 0; j < 16; j++) { /* 16-value sub-blocks (Q4_K: pairs share a scale and a min) */
+                    int32_t dot = 0;
+                    for (int v = 16 * j; v < 16 * j + 16; v++) dot += u[v] * a[v];
+                    if (type == T_Q4_K) {
+                        sumi += scale[j / 2] * dot;
+                        summ += mins[j / 2] * bsum[j];
+                    } else {
+                        sumi += ((const int8_t *)(w + 192))[j] * (dot - 32 * bsum[j]);
+                    }
+                }
+                acc[i] += d * x[i].dk[sb] * (float)sumi - dmin * x[i].dk[sb] * (float)summ;
+            }
+        }
+    }
+    for (int i = 0; i < mt; i++) y[(size_t)i * ldy] = acc[i];
+}
+#endif
+
 /* dot products of one weight row with mt <= TILE activation rows, into y[i * ldy] */
 static void row_dot(const er_matrix *m, const uint8_t *w, const er_q8 *x, int mt, float *y, int ldy) {
     switch (mt) { /* constant tile sizes: the accumulators stay in registers */
@@ -454,7 +555,7 @@ static size_t pack_block_bytes(int type) {
 static int block_values(int type) { return is_k_quant(type) ? 256 : 32; }
 
 static int packable(const er_matrix *m) {
-#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if ER_PACKED
     return row_bytes(m) > 0 && m->rows >= PACK_ROWS && m->cols % block_values(m->type) == 0;
 #else
     (void)m;
@@ -465,20 +566,6 @@ static int packable(const er_matrix *m) {
 size_t er_pack_bytes(const er_matrix *m) {
     return packable(m) ? (size_t)(m->rows / PACK_ROWS) * (m->cols / block_values(m->type)) * pack_block_bytes(m->type)
                        : 0;
-}
-
-/* the unsigned code of value v (0..31) of a 32-value block (Q8_0: q + 128) */
-static uint8_t block32_code(int type, const uint8_t *w, int v) {
-    if (type == T_Q8_0) return (uint8_t)(w[2 + v] ^ 0x80);
-    const int bytes = type == T_Q4_0 ? 18 : type == T_Q4_1 ? 20 : 22;
-    const uint8_t byte = w[bytes - 16 + v % 16];
-    uint8_t code = v < 16 ? byte & 0x0F : byte >> 4;
-    if (type == T_Q5_0) {
-        uint32_t qh;
-        memcpy(&qh, w + 2, 4);
-        code |= (uint8_t)(((qh >> v) & 1) << 4);
-    }
-    return code;
 }
 
 static void pack_block32(int type, const uint8_t *w, int r, uint8_t *o) {
@@ -495,17 +582,6 @@ static void pack_block32(int type, const uint8_t *w, int r, uint8_t *o) {
     const size_t d_at = pack_block_bytes(type) - (type == T_Q4_1 ? 64 : 32);
     memcpy(o + d_at + 2 * r, w, 2);
     if (type == T_Q4_1) memcpy(o + d_at + 32 + 2 * r, w + 2, 2);
-}
-
-/* the unsigned code of value v (0..255) of a Q4_K / Q6_K super-block */
-static uint8_t k_code(int type, const uint8_t *w, int v) {
-    if (type == T_Q4_K) {
-        const uint8_t byte = w[16 + 32 * (v / 64) + v % 32];
-        return (v / 32) & 1 ? byte >> 4 : byte & 0x0F;
-    }
-    const int n = v / 128, quadrant = (v % 128) / 32, l = v % 32;
-    const uint8_t low = w[64 * n + 32 * (quadrant & 1) + l];
-    return (uint8_t)(((quadrant & 2) ? low >> 4 : low & 0x0F) | ((w[128 + 32 * n + l] >> (2 * quadrant)) & 3) << 4);
 }
 
 /* interleave the first rows / 16 * 16 rows of m into `out` (er_pack_bytes); returns the rows packed */
@@ -550,7 +626,7 @@ int er_pack(const er_matrix *m, uint8_t *out) {
     return groups * PACK_ROWS;
 }
 
-#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if ER_PACKED
 /* 16 rows x mt <= PACK_TILE activation rows of packed Q6_K: value = d * scale_j * (u - 32) */
 INLINE void dot_packed_q6_k(const er_matrix *m, int g, const er_q8 *x, const int mt, float *y, int ldy) {
     const int nsb = m->cols / 256;
@@ -605,7 +681,7 @@ INLINE void dot_packed_q6_k(const er_matrix *m, int g, const er_q8 *x, const int
 }
 #endif
 
-#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if ER_PACKED
 /* rows 16g..16g+15 against mt <= PACK_TILE activation rows: y[i * ldy + r] */
 INLINE void dot_packed_q4_k(const er_matrix *m, int g, const er_q8 *x, const int mt, float *y, int ldy) {
     const int nsb = m->cols / 256;
@@ -736,7 +812,7 @@ static void packed_rows(const er_matrix *m, int g, const er_q8 *x, int mt, float
 static void matmul(const er_matrix *m, const er_q8 *x, int M, float *y, const float *bias) {
     const size_t rb = row_bytes(m);
     const int first = m->packed ? m->packed_rows : 0; /* rows before it run packed */
-#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if ER_PACKED
     if (m->packed) {
 #pragma omp for schedule(static) nowait
         for (int g = 0; g < first / PACK_ROWS; g++) {
@@ -765,6 +841,7 @@ static void matmul(const er_matrix *m, const er_q8 *x, int M, float *y, const fl
 /* 32 floats -> int8 codes at scale max|x| / 127; returns the scale */
 static inline float quantize32(const float *x, int8_t *q, float max_abs) {
     const float d = max_abs / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+#if ER_X86
     const __m256 k = _mm256_set1_ps(inv);
     __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x), k));
     __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8), k));
@@ -774,10 +851,14 @@ static inline float quantize32(const float *x, int8_t *q, float max_abs) {
     /* the packs interleave 128-bit lanes: put the 8 groups of 4 back in order */
     p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     _mm256_storeu_si256((__m256i *)q, p);
+#else
+    for (int j = 0; j < 32; j++) q[j] = (int8_t)lrintf(x[j] * inv); /* rounds half to even, as cvtps does */
+#endif
     return d;
 }
 
 static inline float max_abs(const float *x, int n) {
+#if ER_X86
     __m256 m = _mm256_setzero_ps();
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int j = 0; j < n; j += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + j)));
@@ -785,6 +866,11 @@ static inline float max_abs(const float *x, int n) {
     v = _mm_max_ps(v, _mm_movehl_ps(v, v));
     v = _mm_max_ss(v, _mm_movehdup_ps(v));
     return _mm_cvtss_f32(v);
+#else
+    float m = 0.0f;
+    for (int j = 0; j < n; j++) m = fmaxf(m, fabsf(x[j]));
+    return m;
+#endif
 }
 
 static inline int sum_codes(const int8_t *q, int n) {
@@ -802,8 +888,10 @@ static void quantize(const float *x, int M, int n, er_q8 *q, int forms) {
             for (int b = 0; b < n / 32; b++) {
                 q[i].d[b] = quantize32(xi + 32 * b, q[i].q + 32 * b, max_abs(xi + 32 * b, 32));
                 q[i].s[b] = q[i].d[b] * sum_codes(q[i].q + 32 * b, 32);
-                _mm256_storeu_ps(q[i].d_lanes + 8 * b, _mm256_set1_ps(q[i].d[b]));
-                _mm256_storeu_ps(q[i].s_lanes + 8 * b, _mm256_set1_ps(q[i].s[b] / 8.0f));
+                for (int lane = 0; lane < 8; lane++) { /* the 512-bit kernels' per-lane scales */
+                    q[i].d_lanes[8 * b + lane] = q[i].d[b];
+                    q[i].s_lanes[8 * b + lane] = q[i].s[b] / 8.0f;
+                }
             }
         if (forms & FORM_256)
             for (int b = 0; b < n / 256; b++) {
@@ -918,6 +1006,15 @@ size_t er_scratch_bytes(const er_dims *D, int M) {
     return c.used + 64;
 }
 
+#define KV_CHUNK 32 /* cache rows converted / accumulated at a time: they stay in L1 across a group's heads */
+
+/* Attention's inner steps, each in an x86 and a portable form:
+ *   kv_rows         rows of the cache as float32 (float16 caches converted into a buffer)
+ *   kv_store        a row into the cache
+ *   scores8         q . 8 rows, scaled
+ *   exp_segment     e^(s - max) in place over a segment's scores; returns the max, and the sum
+ *   accumulate_rows o += sum_t p[t] * rows[t] */
+#if ER_X86
 /* e^x for x <= 0 (softmax after the max is subtracted): 2^n e^r, |r| <= ln2 / 2, a degree-6
  * polynomial; below -87 it is 0 */
 static inline __m256 exp_nonpositive(__m256 x) {
@@ -946,21 +1043,107 @@ static inline __m256 sums8(const __m256 *a) {
     return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 
-#define KV_CHUNK 32 /* cache rows converted / accumulated at a time: they stay in L1 across a group's heads */
-
-/* 8 cache values at element i of a float32 (half = 0) or float16 (half = 1) cache */
-INLINE __m256 kv_load(const void *cache, size_t i, int half) {
-    if (half) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)cache + i)));
-    return _mm256_loadu_ps((const float *)cache + i);
-}
-
-/* rows [t, t + n) of a cache (row length hd) as float32: the cache itself where it is float32,
- * else converted into buf */
 INLINE const float *kv_rows(const void *cache, size_t t, int n, int hd, int half, float *buf) {
     if (!half) return (const float *)cache + t * hd;
-    for (size_t c = 0; c < (size_t)n * hd; c += 8) _mm256_storeu_ps(buf + c, kv_load(cache, t * hd + c, 1));
+    const uint16_t *from = (const uint16_t *)cache + t * hd;
+    for (size_t c = 0; c < (size_t)n * hd; c += 8)
+        _mm256_storeu_ps(buf + c, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(from + c))));
     return buf;
 }
+
+static void kv_store(void *cache, size_t at, const float *x, int hd, int half) {
+    if (!half) {
+        memcpy((float *)cache + at, x, (size_t)hd * sizeof(float));
+        return;
+    }
+    for (int c = 0; c < hd; c += 8)
+        _mm_storeu_si128((__m128i *)((uint16_t *)cache + at + c),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(x + c), _MM_FROUND_TO_NEAREST_INT));
+}
+
+INLINE void scores8(const float *q, const float *rows, int hd, int available, float scale, float *out) {
+    __m256 acc[8];
+    for (int j = 0; j < 8; j++) {
+        acc[j] = _mm256_setzero_ps();
+        if (j >= available) continue;
+        const float *r = rows + (size_t)j * hd;
+        for (int c = 0; c < hd; c += 8) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), _mm256_loadu_ps(r + c), acc[j]);
+    }
+    _mm256_storeu_ps(out, _mm256_mul_ps(sums8(acc), _mm256_set1_ps(scale)));
+}
+
+/* sc holds len scores, padded with -inf to a multiple of 8 */
+INLINE float exp_segment(float *sc, int len, float *sum) {
+    __m256 top = _mm256_set1_ps(-INFINITY);
+    for (int t = 0; t < len; t += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(sc + t));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float mx = _mm_cvtss_f32(m4);
+    __m256 total = _mm256_setzero_ps();
+    if (mx != -INFINITY)
+        for (int t = 0; t < len; t += 8) {
+            const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(sc + t), _mm256_set1_ps(mx)));
+            _mm256_storeu_ps(sc + t, e);
+            total = _mm256_add_ps(total, e);
+        }
+    *sum = mx == -INFINITY ? 0.0f : hsum(total);
+    return mx;
+}
+
+INLINE void accumulate_rows(const float *p, const float *rows, int n, int hd, float *o) {
+    for (int c0 = 0; c0 < hd; c0 += 64) { /* 8 accumulators over 64 columns */
+        __m256 acc[8];
+        UNROLL_TILE for (int k = 0; k < 8; k++) acc[k] = _mm256_setzero_ps();
+        for (int t = 0; t < n; t++) {
+            const __m256 wt = _mm256_set1_ps(p[t]);
+            const float *vr = rows + (size_t)t * hd + c0;
+            UNROLL_TILE for (int k = 0; k < 8; k++)
+                if (c0 + 8 * k < hd) acc[k] = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vr + 8 * k), acc[k]);
+        }
+        UNROLL_TILE for (int k = 0; k < 8; k++)
+            if (c0 + 8 * k < hd) _mm256_storeu_ps(o + c0 + 8 * k, _mm256_add_ps(_mm256_loadu_ps(o + c0 + 8 * k), acc[k]));
+    }
+}
+#else
+INLINE const float *kv_rows(const void *cache, size_t t, int n, int hd, int half, float *buf) {
+    if (!half) return (const float *)cache + t * hd;
+    const _Float16 *from = (const _Float16 *)cache + t * hd;
+    for (size_t c = 0; c < (size_t)n * hd; c++) buf[c] = (float)from[c];
+    return buf;
+}
+
+static void kv_store(void *cache, size_t at, const float *x, int hd, int half) {
+    if (!half) {
+        memcpy((float *)cache + at, x, (size_t)hd * sizeof(float));
+        return;
+    }
+    for (int c = 0; c < hd; c++) ((_Float16 *)cache)[at + c] = (_Float16)x[c];
+}
+
+INLINE void scores8(const float *q, const float *rows, int hd, int available, float scale, float *out) {
+    for (int j = 0; j < 8; j++) {
+        float dot = 0.0f;
+        if (j < available)
+            for (int c = 0; c < hd; c++) dot += q[c] * rows[(size_t)j * hd + c];
+        out[j] = dot * scale;
+    }
+}
+
+INLINE float exp_segment(float *sc, int len, float *sum) {
+    float mx = -INFINITY, total = 0.0f;
+    for (int t = 0; t < len; t++) mx = fmaxf(mx, sc[t]);
+    if (mx != -INFINITY)
+        for (int t = 0; t < len; t++) total += sc[t] = expf(sc[t] - mx);
+    *sum = total;
+    return mx;
+}
+
+INLINE void accumulate_rows(const float *p, const float *rows, int n, int hd, float *o) {
+    for (int t = 0; t < n; t++)
+        for (int c = 0; c < hd; c++) o[c] += p[t] * rows[(size_t)t * hd + c];
+}
+#endif
 
 /* Attention of each row over positions 0..pos0 + row (head_dim a multiple of 8, at most
  * KV_MAX_HEAD_DIM). The positions are cut into segments of SEGMENT at fixed places, and one work
@@ -992,63 +1175,25 @@ INLINE void attention_of(const void *kcache, const void *vcache, const float *q,
                 const float *kc = kv_rows(kcache, base + t0, rows, hd, half, buf);
                 for (int t = 0; t < rows; t += 8)
                     for (int h = 0; h < G; h++) {
-                        const float *qv = q + ((size_t)i * H + g * G + h) * hd;
-                        __m256 acc[8];
-                        for (int j = 0; j < 8; j++) {
-                            acc[j] = _mm256_setzero_ps();
-                            if (t + j >= rows) continue;
-                            const float *kr = kc + (size_t)(t + j) * hd;
-                            for (int c = 0; c < hd; c += 8)
-                                acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(qv + c), _mm256_loadu_ps(kr + c), acc[j]);
-                        }
-                        __m256 sv = _mm256_mul_ps(sums8(acc), _mm256_set1_ps(scale));
+                        float *sv = thread_scores + (size_t)h * (SEGMENT + 8) + t0 + t;
+                        scores8(q + ((size_t)i * H + g * G + h) * hd, kc + (size_t)t * hd, hd, rows - t, scale, sv);
                         const int at = first + t0 + t;
                         if (at + 8 > n || masked) /* past the row's last position, and dropped positions */
                             for (int j = 0; j < 8; j++)
-                                if (at + j >= n || (masked && masked[at + j])) ((float *)&sv)[j] = -INFINITY;
-                        _mm256_storeu_ps(thread_scores + (size_t)h * (SEGMENT + 8) + t0 + t, sv);
+                                if (at + j >= n || (masked && masked[at + j])) sv[j] = -INFINITY;
                     }
             }
             for (int h = 0; h < G; h++) {
-                float *sc = thread_scores + (size_t)h * (SEGMENT + 8), *ph = part + (size_t)h * stride;
-                __m256 top = _mm256_set1_ps(-INFINITY);
-                for (int t = 0; t < len; t += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(sc + t));
-                __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
-                m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-                m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-                const float mx = _mm_cvtss_f32(m4);
-                __m256 total = _mm256_setzero_ps();
-                if (mx != -INFINITY) /* else every position of the segment was dropped */
-                    for (int t = 0; t < len; t += 8) {
-                        const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(sc + t), _mm256_set1_ps(mx)));
-                        _mm256_storeu_ps(sc + t, e);
-                        total = _mm256_add_ps(total, e);
-                    }
+                float *ph = part + (size_t)h * stride;
                 memset(ph, 0, (size_t)hd * sizeof(float));
-                ph[hd] = mx;
-                ph[hd + 1] = mx == -INFINITY ? 0.0f : hsum(total);
+                ph[hd] = exp_segment(thread_scores + (size_t)h * (SEGMENT + 8), len, ph + hd + 1);
             }
             for (int t0 = 0; t0 < len; t0 += KV_CHUNK) {
                 const int rows = len - t0 < KV_CHUNK ? len - t0 : KV_CHUNK;
                 const float *vc = kv_rows(vcache, base + t0, rows, hd, half, buf);
-                for (int h = 0; h < G; h++) {
-                    const float *pr = thread_scores + (size_t)h * (SEGMENT + 8) + t0;
-                    float *o = part + (size_t)h * stride;
-                    if (o[hd + 1] == 0.0f) continue;
-                    for (int c0 = 0; c0 < hd; c0 += 64) { /* 8 accumulators over 64 columns */
-                        __m256 acc[8];
-                        UNROLL_TILE for (int k = 0; k < 8; k++) acc[k] = _mm256_setzero_ps();
-                        for (int t = 0; t < rows; t++) {
-                            const __m256 wt = _mm256_set1_ps(pr[t]);
-                            const float *vr = vc + (size_t)t * hd + c0;
-                            UNROLL_TILE for (int k = 0; k < 8; k++)
-                                if (c0 + 8 * k < hd) acc[k] = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vr + 8 * k), acc[k]);
-                        }
-                        UNROLL_TILE for (int k = 0; k < 8; k++)
-                            if (c0 + 8 * k < hd)
-                                _mm256_storeu_ps(o + c0 + 8 * k, _mm256_add_ps(_mm256_loadu_ps(o + c0 + 8 * k), acc[k]));
-                    }
-                }
+                for (int h = 0; h < G; h++)
+                    if (part[(size_t)h * stride + hd + 1] > 0.0f) /* else every position of the segment was dropped */
+                        accumulate_rows(thread_scores + (size_t)h * (SEGMENT + 8) + t0, vc, rows, hd, part + (size_t)h * stride);
             }
         }
 #pragma omp for schedule(static)
@@ -1078,17 +1223,6 @@ static void attention(const void *kcache, const void *vcache, const float *q, co
                       const er_dims *D, int M, int pos0, float *scores, float *partials, float *out) {
     if (D->kv_half) attention_of(kcache, vcache, q, masked, D, M, pos0, scores, partials, out, 1);
     else attention_of(kcache, vcache, q, masked, D, M, pos0, scores, partials, out, 0);
-}
-
-/* one row of hd values into a float32 or float16 cache */
-static void kv_store(void *cache, size_t at, const float *x, int hd, int half) {
-    if (!half) {
-        memcpy((float *)cache + at, x, (size_t)hd * sizeof(float));
-        return;
-    }
-    for (int c = 0; c < hd; c += 8)
-        _mm_storeu_si128((__m128i *)((uint16_t *)cache + at + c),
-                         _mm256_cvtps_ph(_mm256_loadu_ps(x + c), _MM_FROUND_TO_NEAREST_INT));
 }
 
 static void add_into(float *x, const float *y, size_t n) {
