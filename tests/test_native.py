@@ -43,7 +43,7 @@ def dequantized(fmt: str, raw: np.ndarray, shape: tuple[int, int]) -> np.ndarray
 
 
 @needs_kernels
-@pytest.mark.parametrize("kernels", ["auto", "portable"])
+@pytest.mark.parametrize("kernels", ["auto", "generic"])
 @pytest.mark.parametrize("fmt", sorted(native.GGML_TYPES))
 def test_kernels_match_the_gguf_decoders(fmt, kernels):
     shape = (37, 512)  # an odd row count: the threads' shares differ
@@ -84,9 +84,9 @@ def demo(smollm2_bundles):
     return Bundle.open(smollm2_bundles["int4"][0])
 
 
-@pytest.fixture(scope="module", params=["auto", "portable"])
+@pytest.fixture(scope="module", params=["auto", "generic"])
 def models(demo, request):
-    """The native model on this CPU's kernels, then on the portable ones (what Arm CPUs run),
+    """The native model on this CPU's kernels, then on the generic ones (what Arm CPUs run),
     and the ONNX Runtime model of the same bundle."""
     if UNAVAILABLE is not None:
         pytest.skip(f"native kernels unavailable: {UNAVAILABLE}")
@@ -246,7 +246,7 @@ def test_settings_only_onnx_runtime_has_choose_it(demo):
 def test_a_float16_cache_keeps_the_float32_choices_and_exact_steps(demo, models, text_ids):
     """Half the bytes attention reads per position; K/V rounded to float16, computed in float32."""
     full = models[0]
-    half = native.NativeModel(demo, kv_dtype="float16", kernels="portable" if full.kernels == "portable" else "auto")
+    half = native.NativeModel(demo, kv_dtype="float16", kernels="generic" if full.kernels == "generic" else "auto")
     cache = half.new_cache()
     assert cache.dtype == "float16"
     got = half.forward(cache, text_ids, all_logits=True)
@@ -266,10 +266,10 @@ def test_a_float16_cache_keeps_the_float32_choices_and_exact_steps(demo, models,
 
 
 @pytest.mark.slow
-def test_auto_keeps_onnx_runtime_where_only_the_portable_kernels_run(demo, monkeypatch):
+def test_auto_keeps_onnx_runtime_where_only_the_generic_kernels_run(demo, monkeypatch):
     if UNAVAILABLE is not None:
         pytest.skip(f"native kernels unavailable: {UNAVAILABLE}")
-    monkeypatch.setattr(native, "native_kernels", lambda kernels="auto": "portable")
+    monkeypatch.setattr(native, "native_kernels", lambda kernels="auto": "generic")
     engine = Engine(demo, slm=False)
     assert engine.llm.flavour == "portable" and "backend='native' opts in" in engine.backend_notes["llm"]
     assert Engine(demo, slm=False, backend="native").llm.flavour == "native"
@@ -299,12 +299,12 @@ def test_no_compiler_or_cpu_support_is_a_clear_reason(monkeypatch, tmp_path):
     assert native._x86_kernels_here() == "this CPU is aarch64"
     with pytest.raises(NativeBackendUnavailable, match="x86 kernels need avx2, fma, f16c: this CPU is aarch64"):
         native.native_library("x86")
-    assert "-mcpu=native" in native._flags("portable") and "-ffp-contract=off" in native._flags("portable")
+    assert "-mcpu=native" in native._flags("generic") and "-ffp-contract=off" in native._flags("generic")
     monkeypatch.setattr(native.platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(native, "cpu_signature", lambda: {"machine": "x86_64", "isa": ["fma"]})
     assert native._x86_kernels_here() == "this CPU lacks avx2, f16c"
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     with pytest.raises(NativeBackendUnavailable, match="does not run"):
-        native._compile(native.native_source(), "portable")
+        native._compile(native.native_source(), "generic")
     with pytest.raises(Exception, match="not one of"):
         native.native_library("neon")

@@ -100,7 +100,7 @@ def open_model(bundle: Bundle, role: str, backend: str = "auto", providers: Sequ
     """The model of ``role`` on ``backend``, and why ``auto`` did not take the native backend
     (None where it did, or where a backend was named). ``auto`` takes the native backend where
     the model has native weights, the settings are its own (CPU, attention auto, int8
-    activations) and the x86 kernels build here (the portable ones, on Arm, only when named);
+    activations) and the x86 kernels build here (the generic ones, on Arm, only when named);
     otherwise ONNX Runtime."""
     from edgeroute.runtime.model import OrtModel
     from edgeroute.runtime.native import NativeModel, native_kernels
@@ -114,8 +114,8 @@ def open_model(bundle: Bundle, role: str, backend: str = "auto", providers: Sequ
         why_not = native_blocker(bundle.models[role], providers, activations, attention)
         if why_not is None:
             try:
-                if backend == "auto" and native_kernels() == "portable":
-                    why_not = ("this CPU runs the portable native kernels, not measured against ONNX Runtime here: "
+                if backend == "auto" and native_kernels() == "generic":
+                    why_not = ("this CPU runs the generic native kernels, not measured against ONNX Runtime here: "
                                "backend='native' opts in")
                 else:
                     return NativeModel(bundle, role, kv_dtype=kv_dtype), None

@@ -17,7 +17,7 @@ The library is compiled on first use with the machine's C compiler for its own C
 (``-march=native``, ~1 s) into ``$EDGEROUTE_CACHE/native`` (default ``~/.cache/edgeroute``),
 keyed by the source, compiler and instruction sets; ``EDGEROUTE_NATIVE_LIB`` names a prebuilt
 one. On x86-64 with AVX2, FMA and F16C it runs the x86 kernels (AVX-512 VNNI where present);
-on any other CPU (Arm: Jetson, in-car SoCs) the portable C kernels, the same arithmetic
+on any other CPU (Arm: Jetson, in-car SoCs) the generic C kernels, the same arithmetic
 vectorized by the compiler, which the tests check on x86 too. Their speed on Arm is not
 measured yet, so ``backend="auto"`` keeps ONNX Runtime there and ``backend="native"`` opts in.
 """
@@ -49,8 +49,8 @@ from edgeroute.runtime.model import DROP, RUN, SKIP, SKIP_MLP, LayerPlan, Layerw
 
 SOURCE_NAME = "edgeroute_native.c"
 LIBRARY_VERSION = 2  # er_version() of the C source this module drives
-KERNELS = ("auto", "x86", "portable")
-KERNEL_NAMES = {0: "portable", 1: "avx2", 2: "avx512-vnni"}  # er_kernels()
+KERNELS = ("auto", "x86", "generic")
+KERNEL_NAMES = {0: "generic", 1: "avx2", 2: "avx512-vnni"}  # er_kernels()
 REQUIRED_FLAGS = ("avx2", "fma", "f16c")
 GGML_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
 FORMAT_NAMES = {type_id: name for name, type_id in GGML_TYPES.items()}
@@ -100,15 +100,15 @@ def _x86_kernels_here() -> str | None:
 def _flags(kernels: str) -> list[str]:
     if kernels == "x86":
         return ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
-    # the compiler vectorizes the portable C for this CPU; no contraction into FMAs, which it
+    # the compiler vectorizes the generic C for this CPU; no contraction into FMAs, which it
     # would apply differently in the tile sizes' specializations (a row's bits would then
     # depend on the pass's length, and speculation would no longer be exact)
     target = "-mcpu=native" if platform.machine() in ("aarch64", "arm64") else "-march=native"
-    return ["-O3", target, "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-DER_PORTABLE"]
+    return ["-O3", target, "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-DER_GENERIC"]
 
 
 def _compile(source: Path, kernels: str) -> Path:
-    """Build the library with the x86 (AVX2 / AVX-512) or the portable kernels."""
+    """Build the library with the x86 (AVX2 / AVX-512) or the generic kernels."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise NativeBackendUnavailable("no C compiler (cc or gcc, or $CC) to build the native kernels")
@@ -139,8 +139,8 @@ _library_lock = threading.Lock()
 
 def native_library(kernels: str = "auto") -> ctypes.CDLL:
     """The kernels, built or found once per process: "x86" (AVX2, FMA, F16C; AVX-512 VNNI where
-    the CPU has it), "portable" (plain C the compiler vectorizes: any CPU, e.g. Arm), or "auto"
-    (x86 where this CPU runs them, else portable; ``EDGEROUTE_NATIVE_LIB`` names a prebuilt
+    the CPU has it), "generic" (plain C the compiler vectorizes: any CPU, e.g. Arm), or "auto"
+    (x86 where this CPU runs them, else generic; ``EDGEROUTE_NATIVE_LIB`` names a prebuilt
     library instead). Raises NativeBackendUnavailable with the reason (kept: later calls raise
     it again at no cost)."""
     if kernels not in KERNELS:
@@ -152,7 +152,7 @@ def native_library(kernels: str = "auto") -> ctypes.CDLL:
                 if prebuilt:
                     _libraries[kernels] = _bind(ctypes.CDLL(prebuilt))
                 else:
-                    build = kernels if kernels != "auto" else ("portable" if _x86_kernels_here() else "x86")
+                    build = kernels if kernels != "auto" else ("generic" if _x86_kernels_here() else "x86")
                     if build == "x86" and (why := _x86_kernels_here()):
                         raise NativeBackendUnavailable(f"the x86 kernels need {', '.join(REQUIRED_FLAGS)}: {why}")
                     _libraries[kernels] = _bind(ctypes.CDLL(str(_compile(native_source(), build))))
@@ -167,7 +167,7 @@ def native_library(kernels: str = "auto") -> ctypes.CDLL:
 
 
 def native_kernels(kernels: str = "auto") -> str:
-    """Which kernels the library of ``kernels`` runs: "portable", "avx2" or "avx512-vnni"."""
+    """Which kernels the library of ``kernels`` runs: "generic", "avx2" or "avx512-vnni"."""
     return KERNEL_NAMES[native_library(kernels).er_kernels()]
 
 
@@ -223,7 +223,7 @@ class NativeModel(LayerwiseModel):
                  kv_dtype: str = "float32", kernels: str = "auto") -> None:
         """``kv_dtype``: the cache's element type, "float32" or "float16" (half the bytes that
         attention reads per position; the kernels compute in float32 either way). ``kernels``:
-        see :func:`native_library` ("portable" runs the plain C kernels on an x86 CPU too)."""
+        see :func:`native_library` ("generic" runs the plain C kernels on an x86 CPU too)."""
         if role not in bundle.models:
             raise InputError(f"bundle {bundle.path} has no {role!r} model (it has: {', '.join(bundle.models)})")
         entry = bundle.models[role]

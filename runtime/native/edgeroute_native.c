@@ -14,16 +14,16 @@
  * the two. One OpenMP parallel region per layer call; the worksharing loops inside split
  * output rows (matrices) or (row, KV head) pairs (attention) over the threads.
  *
- * Two sets of kernels: x86 (AVX2, FMA, F16C; AVX-512 VNNI where present) and portable C (any
- * CPU, e.g. Arm; built with -DER_PORTABLE), which the compiler vectorizes. Both do the same
- * arithmetic; the portable build needs -ffp-contract=off (a row's bits must not depend on the
+ * Two sets of kernels: x86 (AVX2, FMA, F16C; AVX-512 VNNI where present) and generic C (any
+ * CPU, e.g. Arm; built with -DER_GENERIC), which the compiler vectorizes. Both do the same
+ * arithmetic; the generic build needs -ffp-contract=off (a row's bits must not depend on the
  * tile it is computed in).
  *
  * Compiled on first use by edgeroute/runtime/native.py with the compiler of the machine it runs
  * on (-march=native): the library is specific to that CPU, like the calibration's timings.
  */
-#if defined(__x86_64__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(ER_PORTABLE)
-#define ER_X86 1 /* the AVX2 / AVX-512 kernels; otherwise the portable C ones (any CPU; the compiler vectorizes) */
+#if defined(__x86_64__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(ER_GENERIC)
+#define ER_X86 1 /* the AVX2 / AVX-512 kernels; otherwise the generic C ones (any CPU; the compiler vectorizes) */
 #include <immintrin.h>
 #else
 #define ER_X86 0
@@ -89,7 +89,7 @@ static int is_k_quant(int type) { return type == T_Q4_K || type == T_Q6_K; }
 
 int er_version(void) { return 2; }
 
-/* which kernels this build runs: 0 the portable C ones, 1 x86 AVX2 (256-bit VNNI where present),
+/* which kernels this build runs: 0 the generic C ones, 1 x86 AVX2 (256-bit VNNI where present),
  * 2 x86 AVX-512 VNNI with 16-row packing */
 int er_kernels(void) { return ER_PACKED ? 2 : ER_X86; }
 
@@ -110,7 +110,7 @@ static inline float read_f16(const uint8_t *p) {
 #if ER_X86 && defined(__AVX512BW__)
 #define TILE 8 /* activation rows per pass over a weight row: its blocks are unpacked once per tile */
 #else
-#define TILE 4 /* 16 vector registers (AVX2); the portable kernels' tile too */
+#define TILE 4 /* 16 vector registers (AVX2); the generic kernels' tile too */
 #endif
 #if ER_PACKED
 #define WIDE_BLOCKS32 1 /* 32-value block formats two blocks per instruction (Q8_0 needs VNNI: codes + 128) */
@@ -444,7 +444,7 @@ INLINE void dot_rows(const er_matrix *m, const uint8_t *w, const er_q8 *x, const
 }
 
 #else
-/* The portable kernels: each block's codes unpacked to bytes, integer dot products with the
+/* The generic kernels: each block's codes unpacked to bytes, integer dot products with the
  * int8 activations (loops the compiler vectorizes), the same block arithmetic as above. */
 INLINE void dot_rows(const er_matrix *m, const uint8_t *w, const er_q8 *x, const int mt, float *y, int ldy) {
     const int type = m->type;
@@ -1008,7 +1008,7 @@ size_t er_scratch_bytes(const er_dims *D, int M) {
 
 #define KV_CHUNK 32 /* cache rows converted / accumulated at a time: they stay in L1 across a group's heads */
 
-/* Attention's inner steps, each in an x86 and a portable form:
+/* Attention's inner steps, each in an x86 and a generic form:
  *   kv_rows         rows of the cache as float32 (float16 caches converted into a buffer)
  *   kv_store        a row into the cache
  *   scores8         q . 8 rows, scaled
