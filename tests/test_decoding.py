@@ -322,6 +322,35 @@ def test_fallback_full_low_window_triggers_and_holds_for_hold_tokens():
     assert m.events == [4, 15]
 
 
+def test_fallback_when_the_router_sends_most_tokens_to_the_llm():
+    m = FallbackMonitor(FallbackOptions(window=4, max_llm_share=0.5, hold_tokens=3))
+
+    def route(calls: list[bool], start: int) -> list[bool]:
+        states = []
+        for i, called in enumerate(calls):
+            m.observe_route(called)
+            m.step(start + i)
+            states.append(m.active)
+        return states
+
+    assert route([True, False, False, False, True, False, False, False], 0) == [False] * 8  # 25%: routing pays
+    # the window is then [F, F, F, T], [F, F, T, T]: half of it went to the LLM
+    assert route([True, True, False, False], 8) == [False, True, True, True]
+    assert m.events == [9]
+
+
+def test_route_hands_dense_stretches_to_the_llm_without_asking_the_light_path(tiny_engine):
+    """A router that sends every token to the LLM: after each window of 2 routed tokens the LLM
+    writes the next 3 on its own (router not consulted)."""
+    got = tiny_engine.generate(PROMPTS[1], mode="route", max_new_tokens=15, router=lambda proposal, i: 1.0,
+                               window=2, min_confidence=0.0, max_llm_share=1.0, hold_tokens=3)
+    assert all(t.source == "llm" for t in got.trace)
+    assert [t.fallback for t in got.trace[:6]] == [False, False, True, True, True, False]
+    assert all(t.router_score is None for t in got.trace if t.fallback)
+    assert all(t.router_score is not None for t in got.trace if not t.fallback)
+    assert got.stats.fallbacks == 3
+
+
 def test_fallback_in_skip_mode_turns_skipping_off_for_hold_tokens(tiny_engine):
     """min_confidence 1.0: every window is "low", so the fallback fires as soon as a window of
     2 LLM tokens is full, holds 3 tokens with no layer skipped, and fires again once a window

@@ -337,6 +337,7 @@ def test_prompt_over_the_context_is_an_input_error_naming_the_sizes(tiny_engine)
     (dict(SKIP_OK, granularity="head"), "granularity"),
     (dict(SKIP_OK, scorer="oracle"), "scorer 'oracle'"),
     (dict(min_confidence=1.5), r"min_confidence.*\[0, 1\]"),
+    (dict(max_llm_share=0.0), r"max_llm_share.*\(0, 1\]"),
     (dict(window=0), "window"),
     (dict(temperature=-1.0), "temperature"),
     (dict(top_p=0.0), "top_p"),

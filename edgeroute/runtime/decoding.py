@@ -288,13 +288,18 @@ class Decoder:
         return [] if token is None else [TokenTrace(-1, token, "grammar", 0.0)]
 
     def step_route(self) -> list[TokenTrace]:
+        if self._fallback_active():  # the LLM writes; no light-path step to pay for
+            return self.step_llm()
         proposal: Proposal = self.light.propose(self.state.tokens, 1)
         proposal.answer_position = self.stats.new_tokens
         if self.constraint is not None:
             proposal = self.constraint.constrain(proposal)
         score = self.router(proposal, 0) if proposal.tokens else 1.0
         format_critical = bool(proposal.tokens) and proposal.tokens[0] in self.options.protected_tokens
-        if self._fallback_active() or not proposal.tokens or format_critical or score > self.route_threshold:
+        llm_called = not proposal.tokens or format_critical or score > self.route_threshold
+        if self.monitor is not None:
+            self.monitor.observe_route(llm_called)
+        if llm_called:
             traces = self.step_llm()
         else:
             token, p = proposal.tokens[0], proposal.probabilities[0]

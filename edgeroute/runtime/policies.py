@@ -219,8 +219,12 @@ class SkipController:
 
 @dataclass
 class FallbackOptions:
-    window: int = 8  # LLM calls whose confidence is averaged
+    window: int = 8  # LLM calls whose confidence is averaged; routed tokens whose calls are counted
     min_confidence: float = 0.35  # mean LLM top-1 probability below this -> fall back
+    # the router called the LLM for this share of the last `window` tokens or more -> fall back:
+    # routing that calls the LLM that often costs more than `full` (an SLM step and a catch-up
+    # row on top of each LLM pass; on the Qwen pair route breaks even near 45%)
+    max_llm_share: float = 0.5
     hold_tokens: int = 16  # tokens generated with routing and skipping off after a fallback
 
     def validate(self) -> None:
@@ -230,17 +234,22 @@ class FallbackOptions:
             raise InputError(f"the fallback window must be >= 1 LLM call (got {self.window})")
         if not 0.0 <= self.min_confidence <= 1.0:
             raise InputError(f"min_confidence must be within [0, 1] (got {self.min_confidence})")
+        if not 0.0 < self.max_llm_share <= 1.0:
+            raise InputError(f"max_llm_share must be within (0, 1] (got {self.max_llm_share})")
         if self.hold_tokens < 0:
             raise InputError(f"hold_tokens must be >= 0 (got {self.hold_tokens})")
 
 
 class FallbackMonitor:
-    """Turns routing and skipping off for ``hold_tokens`` tokens when the LLM's own top-1
-    confidence stays low over a full window (a single uncertain token cannot trigger it)."""
+    """Turns routing and skipping off for ``hold_tokens`` tokens when, over a full window, the
+    LLM's own top-1 confidence stays low (a single uncertain token cannot trigger it) or the
+    router sends most tokens to the LLM anyway. While it holds, the LLM writes every token and
+    the light path is not asked (the SLM catches up on those tokens in one pass later)."""
 
     def __init__(self, options: FallbackOptions | None = None) -> None:
         self.options = options or FallbackOptions()
         self.confidence: deque[float] = deque(maxlen=self.options.window)
+        self.routed: deque[bool] = deque(maxlen=self.options.window)  # the LLM was called for the token
         self.hold = 0
         self.events: list[int] = []  # token positions where a fallback began
 
@@ -251,15 +260,25 @@ class FallbackMonitor:
     def observe_llm(self, top1_probability: float) -> None:
         self.confidence.append(top1_probability)
 
+    def observe_route(self, llm_called: bool) -> None:
+        self.routed.append(llm_called)
+
+    def _triggered(self) -> bool:
+        o, confidence, routed = self.options, self.confidence, self.routed
+        unsure = len(confidence) == confidence.maxlen and sum(confidence) / len(confidence) < o.min_confidence
+        dense = len(routed) == routed.maxlen and sum(routed) >= o.max_llm_share * len(routed)
+        return unsure or dense
+
     def step(self, position: int) -> None:
         """Called once per generated token."""
         if self.hold > 0:
             self.hold -= 1
             if self.hold == 0:  # judge the next window on fresh tokens only
                 self.confidence.clear()
+                self.routed.clear()
             return
-        window = self.confidence
-        if len(window) == window.maxlen and sum(window) / len(window) < self.options.min_confidence:
+        if self._triggered():
             self.hold = self.options.hold_tokens
             self.events.append(position)
-            window.clear()
+            self.confidence.clear()
+            self.routed.clear()
