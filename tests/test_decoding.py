@@ -351,16 +351,26 @@ def test_route_hands_dense_stretches_to_the_llm_without_asking_the_light_path(ti
     assert got.stats.fallbacks == 3
 
 
+def test_a_fallback_right_after_a_hold_holds_twice_as_long():
+    m = monitor(window=2, min_confidence=0.5, hold_tokens=2)
+    # fires at 1, holds 2 and 3; fires at 5 on the first window after, holds 4 (6..9); once a
+    # window passes without firing, the next fallback holds the base 2 again
+    states = feed(m, [0.1, 0.1, 0.9, 0.9, 0.1, 0.1, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9, 0.1, 0.1, 0.9, 0.9])
+    assert states == [False, True, True, False, False, True, True, True, True, False, False, False, False, False, True,
+                      True, False]
+    assert m.events == [1, 5, 14]
+
+
 def test_fallback_in_skip_mode_turns_skipping_off_for_hold_tokens(tiny_engine):
     """min_confidence 1.0: every window is "low", so the fallback fires as soon as a window of
     2 LLM tokens is full, holds 3 tokens with no layer skipped, and fires again once a window
-    of 2 fresh tokens (none from the hold) is full."""
+    of 2 fresh tokens (none from the hold) is full, holding twice as long right after a hold."""
     options = {**SKIPPING, "skip_ratio": 1.0, "importance_threshold": 1.0}
     got = tiny_engine.generate(PROMPTS[0], mode="skip", max_new_tokens=12, window=2, min_confidence=1.0,
                                hold_tokens=3, **{k: v for k, v in options.items() if k != "fallback"})
     flags = [t.fallback for t in got.trace]
-    assert flags == [False, False, True, True, True, False, False, True, True, True, False, False]
-    assert got.stats.fallbacks == 3  # the third fires on the last token's window: nothing left to hold
+    assert flags == [False, False, True, True, True, False, False, True, True, True, True, True]
+    assert got.stats.fallbacks == 2
     assert all(t.layers_skipped == 0 for t in got.trace if t.fallback)
     assert all(t.layers_skipped > 0 for t in got.trace if not t.fallback)
 

@@ -246,13 +246,17 @@ class FallbackMonitor:
     """Turns routing and skipping off for ``hold_tokens`` tokens when, over a full window, the
     LLM's own top-1 confidence stays low (a single uncertain token cannot trigger it) or the
     router sends most tokens to the LLM anyway. While it holds, the LLM writes every token and
-    the light path is not asked (the SLM catches up on those tokens in one pass later)."""
+    the light path is not asked (the SLM catches up on those tokens in one pass later). A
+    fallback that fires again on the first window after a hold holds twice as long as the one
+    before (a long hard stretch is then routed one window in every few holds, not every other)."""
 
     def __init__(self, options: FallbackOptions | None = None) -> None:
         self.options = options or FallbackOptions()
         self.confidence: deque[float] = deque(maxlen=self.options.window)
         self.routed: deque[bool] = deque(maxlen=self.options.window)  # the LLM was called for the token
         self.hold = 0
+        self.last_hold = 0  # the length of the latest hold
+        self.since_hold = 0  # tokens since it ended
         self.events: list[int] = []  # token positions where a fallback began
 
     @property
@@ -278,9 +282,12 @@ class FallbackMonitor:
             if self.hold == 0:  # judge the next window on fresh tokens only
                 self.confidence.clear()
                 self.routed.clear()
+                self.since_hold = 0
             return
+        self.since_hold += 1
         if self._triggered():
-            self.hold = self.options.hold_tokens
+            again = self.last_hold and self.since_hold <= self.options.window
+            self.hold = self.last_hold = 2 * self.last_hold if again else self.options.hold_tokens
             self.events.append(position)
             self.confidence.clear()
             self.routed.clear()
