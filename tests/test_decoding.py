@@ -285,11 +285,12 @@ def monitor(window: int = 4, min_confidence: float = 0.5, hold_tokens: int = 3) 
     return FallbackMonitor(FallbackOptions(window=window, min_confidence=min_confidence, hold_tokens=hold_tokens))
 
 
-def feed(m: FallbackMonitor, confidences: list[float], start: int = 0) -> list[bool]:
-    """One LLM token per confidence; whether the fallback is active after each."""
+def feed(m: FallbackMonitor, observations: list, start: int = 0, routed: bool = False) -> list[bool]:
+    """One token per observation (the LLM's confidence, or with ``routed`` whether the router
+    called the LLM); whether the fallback is active after each."""
     states = []
-    for i, c in enumerate(confidences):
-        m.observe_llm(c)
+    for i, observation in enumerate(observations):
+        (m.observe_route if routed else m.observe_llm)(observation)
         m.step(start + i)
         states.append(m.active)
     return states
@@ -324,18 +325,10 @@ def test_fallback_full_low_window_triggers_and_holds_for_hold_tokens():
 
 def test_fallback_when_the_router_sends_most_tokens_to_the_llm():
     m = FallbackMonitor(FallbackOptions(window=4, max_llm_share=0.5, hold_tokens=3))
-
-    def route(calls: list[bool], start: int) -> list[bool]:
-        states = []
-        for i, called in enumerate(calls):
-            m.observe_route(called)
-            m.step(start + i)
-            states.append(m.active)
-        return states
-
-    assert route([True, False, False, False, True, False, False, False], 0) == [False] * 8  # 25%: routing pays
+    sparse = [True, False, False, False, True, False, False, False]
+    assert feed(m, sparse, 0, routed=True) == [False] * 8  # 25%: routing pays
     # the window is then [F, F, F, T], [F, F, T, T]: half of it went to the LLM
-    assert route([True, True, False, False], 8) == [False, True, True, True]
+    assert feed(m, [True, True, False, False], 8, routed=True) == [False, True, True, True]
     assert m.events == [9]
 
 
