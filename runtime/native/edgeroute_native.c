@@ -1061,13 +1061,19 @@ static void kv_store(void *cache, size_t at, const float *x, int hd, int half) {
                          _mm256_cvtps_ph(_mm256_loadu_ps(x + c), _MM_FROUND_TO_NEAREST_INT));
 }
 
+/* the 8 rows' accumulators advance together, column block by column block: 8 independent FMA
+ * chains (one row's alone is a chain of dependent FMAs, bound by their latency). Rows past
+ * `available` repeat row 0; the caller masks their scores. */
 INLINE void scores8(const float *q, const float *rows, int hd, int available, float scale, float *out) {
     __m256 acc[8];
-    for (int j = 0; j < 8; j++) {
+    const float *r[8];
+    UNROLL_TILE for (int j = 0; j < 8; j++) {
         acc[j] = _mm256_setzero_ps();
-        if (j >= available) continue;
-        const float *r = rows + (size_t)j * hd;
-        for (int c = 0; c < hd; c += 8) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), _mm256_loadu_ps(r + c), acc[j]);
+        r[j] = rows + (size_t)(j < available ? j : 0) * hd;
+    }
+    for (int c = 0; c < hd; c += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + c);
+        UNROLL_TILE for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r[j] + c), acc[j]);
     }
     _mm256_storeu_ps(out, _mm256_mul_ps(sums8(acc), _mm256_set1_ps(scale)));
 }
