@@ -67,10 +67,13 @@ def measure_costs(engine: Engine, repeats: int = 15, longest_draft: int = max(MA
     on one machine."""
     prefix = (engine.encode("The driver asked for the route to the station and the assistant answered ") * 8)
     prefix = prefix[:MEASURED_CONTEXT]
+    caches = {}  # one per model, the prefix in it: every pass starts from it (a cache is the whole context's K/V)
+    for model in (engine.slm, engine.llm):
+        caches[model] = model.new_cache()
+        model.forward(caches[model], prefix)
 
     def pass_after_prefix(model, tokens: int):
-        cache = model.new_cache()
-        model.forward(cache, prefix)
+        cache = caches[model]
 
         def one() -> None:
             cache.truncate(len(prefix))
