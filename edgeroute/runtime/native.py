@@ -152,9 +152,10 @@ def native_library(kernels: str = "auto") -> ctypes.CDLL:
                 if prebuilt:
                     _libraries[kernels] = _bind(ctypes.CDLL(prebuilt))
                 else:
-                    build = kernels if kernels != "auto" else ("generic" if _x86_kernels_here() else "x86")
-                    if build == "x86" and (why := _x86_kernels_here()):
-                        raise NativeBackendUnavailable(f"the x86 kernels need {', '.join(REQUIRED_FLAGS)}: {why}")
+                    why_not_x86 = _x86_kernels_here()
+                    build = kernels if kernels != "auto" else ("generic" if why_not_x86 else "x86")
+                    if build == "x86" and why_not_x86:
+                        raise NativeBackendUnavailable(f"the x86 kernels need {', '.join(REQUIRED_FLAGS)}: {why_not_x86}")
                     _libraries[kernels] = _bind(ctypes.CDLL(str(_compile(native_source(), build))))
             except OSError as err:
                 _libraries[kernels] = NativeBackendUnavailable(f"the native kernels do not load ({err})")
