@@ -130,11 +130,21 @@ INLINE void q4_k_scales(const uint8_t *sc, uint8_t scale[8], uint8_t mins[8]) {
     memcpy(mins + 4, &m47, 4);
 }
 
+/* bytes of one 32-value block: fp16 d (Q4_1: and fp16 m; Q5_0: and 32 fifth bits), then the codes */
+static inline int block32_bytes(int type) { return type == T_Q4_0 ? 18 : type == T_Q4_1 ? 20 : type == T_Q5_0 ? 22 : 34; }
+
+/* the unsigned code that stands for 0 (Q4_0, Q5_0, Q8_0 as q + 128; Q4_1 has an offset m instead) */
+static inline float block32_zero(int type) { return type == T_Q4_0 ? 8.0f : type == T_Q5_0 ? 16.0f : 128.0f; }
+
+/* value = d * u + offset for the block's unsigned codes u (Q8_0's: q + 128) */
+static inline float block32_offset(int type, const uint8_t *w, float d) {
+    return type == T_Q4_1 ? read_f16(w + 2) : -block32_zero(type) * d;
+}
+
 /* the unsigned code of value v (0..31) of a 32-value block (Q8_0: q + 128) */
 static uint8_t block32_code(int type, const uint8_t *w, int v) {
     if (type == T_Q8_0) return (uint8_t)(w[2 + v] ^ 0x80);
-    const int bytes = type == T_Q4_0 ? 18 : type == T_Q4_1 ? 20 : 22;
-    const uint8_t byte = w[bytes - 16 + v % 16];
+    const uint8_t byte = w[block32_bytes(type) - 16 + v % 16];
     uint8_t code = v < 16 ? byte & 0x0F : byte >> 4;
     if (type == T_Q5_0) {
         uint32_t qh;
@@ -198,19 +208,18 @@ static inline __m256i bits_to_bytes(uint32_t bits, uint8_t value) { /* bit i -> 
 INLINE __m256i block32_codes(int type, const uint8_t *w, int bytes, float *d, float *offset, __m256i *sign,
                              int biased) {
     *d = read_f16(w);
+    *offset = block32_offset(type, w, *d);
     if (type == T_Q8_0) {
         const __m256i q = _mm256_loadu_si256((const __m256i *)(w + 2));
         *sign = q;
-        *offset = biased ? -128.0f * *d : 0.0f;
+        if (!biased) *offset = 0.0f;
         return biased ? _mm256_xor_si256(q, _mm256_set1_epi8((char)0x80)) : _mm256_sign_epi8(q, q);
     }
     if (type == T_Q5_0) {
         uint32_t qh;
         memcpy(&qh, w + 2, 4);
-        *offset = -16.0f * *d;
         return _mm256_or_si256(nibbles16(w + 6), bits_to_bytes(qh, 0x10));
     }
-    *offset = type == T_Q4_0 ? -8.0f * *d : read_f16(w + 2);
     return nibbles16(w + bytes - 16);
 }
 
@@ -221,7 +230,7 @@ INLINE void dot_blocks32_wide(const er_matrix *m, const uint8_t *w, const er_q8 
     __m512 acc[TILE];
     for (int i = 0; i < mt; i++) acc[i] = _mm512_setzero_ps();
     const int type = m->type, n = m->cols / 32;
-    const int bytes = type == T_Q4_0 ? 18 : type == T_Q4_1 ? 20 : type == T_Q5_0 ? 22 : 34;
+    const int bytes = block32_bytes(type);
     int b = 0;
     for (; b + 2 <= n; b += 2, w += 2 * bytes) {
         float d0, d1, o0, o1;
@@ -230,7 +239,7 @@ INLINE void dot_blocks32_wide(const er_matrix *m, const uint8_t *w, const er_q8 
             uint32_t qh[2];
             memcpy(qh, w + 2, 4);
             memcpy(qh + 1, w + bytes + 2, 4);
-            d0 = read_f16(w), d1 = read_f16(w + bytes), o0 = -16.0f * d0, o1 = -16.0f * d1;
+            d0 = read_f16(w), d1 = read_f16(w + bytes), o0 = block32_offset(type, w, d0), o1 = block32_offset(type, w, d1);
             u = _mm512_inserti64x4(_mm512_castsi256_si512(nibbles16(w + 6)), nibbles16(w + bytes + 6), 1);
             const __mmask64 high = (__mmask64)qh[0] | ((__mmask64)qh[1] << 32);
             u = _mm512_or_si512(u, _mm512_maskz_mov_epi8(high, _mm512_set1_epi8(0x10)));
@@ -274,7 +283,7 @@ INLINE void dot_blocks32(const er_matrix *m, const uint8_t *w, const er_q8 *x, c
         off[i] = 0.0f;
     }
     const int type = m->type, n = m->cols / 32;
-    const int bytes = type == T_Q4_0 ? 18 : type == T_Q4_1 ? 20 : type == T_Q5_0 ? 22 : 34;
+    const int bytes = block32_bytes(type);
     for (int b = 0; b < n; b++, w += bytes) {
         float d, offset;
         __m256i sign = _mm256_setzero_si256();
@@ -451,11 +460,9 @@ INLINE void dot_rows(const er_matrix *m, const uint8_t *w, const er_q8 *x, const
     float acc[TILE] = {0};
     uint8_t u[256];
     if (!is_k_quant(type)) {
-        const int bytes = type == T_Q4_0 ? 18 : type == T_Q4_1 ? 20 : type == T_Q5_0 ? 22 : 34;
+        const int bytes = block32_bytes(type);
         for (int b = 0; b < m->cols / 32; b++, w += bytes) {
-            const float d = read_f16(w);
-            const float offset = type == T_Q4_0 ? -8.0f * d : type == T_Q4_1 ? read_f16(w + 2)
-                               : type == T_Q5_0 ? -16.0f * d : -128.0f * d;
+            const float d = read_f16(w), offset = block32_offset(type, w, d);
             for (int v = 0; v < 32; v++) u[v] = block32_code(type, w, v);
             for (int i = 0; i < mt; i++) {
                 const int8_t *a = x[i].q + 32 * b;
@@ -511,10 +518,10 @@ static void row_dot(const er_matrix *m, const uint8_t *w, const er_q8 *x, int mt
 
 static size_t row_bytes(const er_matrix *m) {
     switch (m->type) {
-    case T_Q4_0: return (size_t)m->cols / 32 * 18;
-    case T_Q4_1: return (size_t)m->cols / 32 * 20;
-    case T_Q5_0: return (size_t)m->cols / 32 * 22;
-    case T_Q8_0: return (size_t)m->cols / 32 * 34;
+    case T_Q4_0:
+    case T_Q4_1:
+    case T_Q5_0:
+    case T_Q8_0: return (size_t)m->cols / 32 * block32_bytes(m->type);
     case T_Q4_K: return (size_t)m->cols / 256 * 144;
     case T_Q6_K: return (size_t)m->cols / 256 * 210;
     default: return 0;
@@ -741,7 +748,7 @@ INLINE void dot_packed_blocks32(const er_matrix *m, int g, const er_q8 *x, const
         const uint8_t *blk = m->packed + ((size_t)g * nb + b) * bytes;
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + d_at)));
         const __m512 offset = type == T_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + d_at + 32)))
-                            : _mm512_mul_ps(d, _mm512_set1_ps(type == T_Q4_0 ? -8.0f : type == T_Q5_0 ? -16.0f : -128.0f));
+                            : _mm512_mul_ps(d, _mm512_set1_ps(-block32_zero(type)));
         __m512i codes[8];
         if (type == T_Q8_0) {
             for (int k = 0; k < 8; k++) codes[k] = _mm512_loadu_si512((const void *)(blk + 64 * k));
@@ -1009,8 +1016,7 @@ size_t er_scratch_bytes(const er_dims *D, int M) {
 #define KV_CHUNK 32 /* cache rows converted / accumulated at a time: they stay in L1 across a group's heads */
 
 /* Attention's inner steps, each in an x86 and a generic form:
- *   kv_rows         rows of the cache as float32 (float16 caches converted into a buffer)
- *   kv_store        a row into the cache
+ *   halves_to_floats, floats_to_halves   a float16 cache's values (n a multiple of 8)
  *   scores8         q . 8 rows, scaled
  *   exp_segment     e^(s - max) in place over a segment's scores; returns the max, and the sum
  *   accumulate_rows o += sum_t p[t] * rows[t] */
@@ -1043,22 +1049,13 @@ static inline __m256 sums8(const __m256 *a) {
     return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 
-INLINE const float *kv_rows(const void *cache, size_t t, int n, int hd, int half, float *buf) {
-    if (!half) return (const float *)cache + t * hd;
-    const uint16_t *from = (const uint16_t *)cache + t * hd;
-    for (size_t c = 0; c < (size_t)n * hd; c += 8)
-        _mm256_storeu_ps(buf + c, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(from + c))));
-    return buf;
+INLINE void halves_to_floats(const uint16_t *from, size_t n, float *to) {
+    for (size_t c = 0; c < n; c += 8) _mm256_storeu_ps(to + c, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(from + c))));
 }
 
-static void kv_store(void *cache, size_t at, const float *x, int hd, int half) {
-    if (!half) {
-        memcpy((float *)cache + at, x, (size_t)hd * sizeof(float));
-        return;
-    }
-    for (int c = 0; c < hd; c += 8)
-        _mm_storeu_si128((__m128i *)((uint16_t *)cache + at + c),
-                         _mm256_cvtps_ph(_mm256_loadu_ps(x + c), _MM_FROUND_TO_NEAREST_INT));
+INLINE void floats_to_halves(const float *from, size_t n, uint16_t *to) {
+    for (size_t c = 0; c < n; c += 8)
+        _mm_storeu_si128((__m128i *)(to + c), _mm256_cvtps_ph(_mm256_loadu_ps(from + c), _MM_FROUND_TO_NEAREST_INT));
 }
 
 /* the 8 rows' accumulators advance together, column block by column block: 8 independent FMA
@@ -1112,19 +1109,19 @@ INLINE void accumulate_rows(const float *p, const float *rows, int n, int hd, fl
     }
 }
 #else
-INLINE const float *kv_rows(const void *cache, size_t t, int n, int hd, int half, float *buf) {
-    if (!half) return (const float *)cache + t * hd;
-    const _Float16 *from = (const _Float16 *)cache + t * hd;
-    for (size_t c = 0; c < (size_t)n * hd; c++) buf[c] = (float)from[c];
-    return buf;
+INLINE void halves_to_floats(const uint16_t *from, size_t n, float *to) {
+    for (size_t c = 0; c < n; c++) {
+        _Float16 h;
+        memcpy(&h, from + c, 2);
+        to[c] = (float)h;
+    }
 }
 
-static void kv_store(void *cache, size_t at, const float *x, int hd, int half) {
-    if (!half) {
-        memcpy((float *)cache + at, x, (size_t)hd * sizeof(float));
-        return;
+INLINE void floats_to_halves(const float *from, size_t n, uint16_t *to) {
+    for (size_t c = 0; c < n; c++) {
+        const _Float16 h = (_Float16)from[c];
+        memcpy(to + c, &h, 2);
     }
-    for (int c = 0; c < hd; c++) ((_Float16 *)cache)[at + c] = (_Float16)x[c];
 }
 
 INLINE void scores8(const float *q, const float *rows, int hd, int available, float scale, float *out) {
@@ -1150,6 +1147,20 @@ INLINE void accumulate_rows(const float *p, const float *rows, int n, int hd, fl
         for (int c = 0; c < hd; c++) o[c] += p[t] * rows[(size_t)t * hd + c];
 }
 #endif
+
+/* rows [t, t + n) of a cache (row length hd) as float32: the cache itself where it is float32,
+ * else converted into buf */
+INLINE const float *kv_rows(const void *cache, size_t t, int n, int hd, int half, float *buf) {
+    if (!half) return (const float *)cache + t * hd;
+    halves_to_floats((const uint16_t *)cache + t * hd, (size_t)n * hd, buf);
+    return buf;
+}
+
+/* one row of hd values into a float32 or float16 cache at element `at` */
+static void kv_store(void *cache, size_t at, const float *x, int hd, int half) {
+    if (half) floats_to_halves(x, (size_t)hd, (uint16_t *)cache + at);
+    else memcpy((float *)cache + at, x, (size_t)hd * sizeof(float));
+}
 
 /* Attention of each row over positions 0..pos0 + row (head_dim a multiple of 8, at most
  * KV_MAX_HEAD_DIM). The positions are cut into segments of SEGMENT at fixed places, and one work
@@ -1356,7 +1367,7 @@ int er_dequantize_rows(const er_matrix *m, const int64_t *ids, int n, float *out
         case T_Q4_1:
         case T_Q5_0:
         case T_Q8_0: {
-            const int bytes = m->type == T_Q4_0 ? 18 : m->type == T_Q4_1 ? 20 : m->type == T_Q5_0 ? 22 : 34;
+            const int bytes = block32_bytes(m->type);
             for (int b = 0; b < cols / 32; b++, w += bytes, y += 32) {
                 const float d = read_f16(w);
                 if (m->type == T_Q8_0) {
@@ -1366,7 +1377,7 @@ int er_dequantize_rows(const er_matrix *m, const int64_t *ids, int n, float *out
                 const uint8_t *qs = w + bytes - 16;
                 uint32_t qh = 0;
                 if (m->type == T_Q5_0) memcpy(&qh, w + 2, 4);
-                const float offset = m->type == T_Q4_0 ? -8.0f * d : m->type == T_Q4_1 ? read_f16(w + 2) : -16.0f * d;
+                const float offset = block32_offset(m->type, w, d);
                 for (int j = 0; j < 16; j++) {
                     const int lo = (qs[j] & 0x0F) | (((qh >> j) & 1) << 4), hi = (qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
                     y[j] = d * lo + offset;
