@@ -155,10 +155,18 @@ class Calibration:
         return cls(**{**data, "routers": routers})
 
 
-KV_DTYPES = ("float32", "float16")
+# int8: per 32 values int8 codes at scale max|x| / 127, the float32 scales after a row's codes
+# (1.125 bytes a value); the native backend's only
+KV_DTYPES = ("float32", "float16", "int8")
 # the (flavour, KV cache dtype) variants of the attention graphs (layer_i, attn_i) an export
 # writes; the first is the default, and an fp16 cache exists in the portable flavour only
 ATTENTION_VARIANTS = ((PORTABLE, "float32"), ("ort", "float32"), (PORTABLE, "float16"))
+GRAPH_KV_DTYPES = ("float32", "float16")
+
+
+def kv_row_bytes(head_dim: int, kv_dtype: str) -> int:
+    """Bytes of one cached position of one KV head."""
+    return {"float32": 4 * head_dim, "float16": 2 * head_dim, "int8": head_dim + -(-head_dim // 32) * 4}[kv_dtype]
 
 
 def attention_graph_name(kind: str, layer: int | None, flavour: str = PORTABLE, kv_dtype: str = "float32") -> str:

@@ -211,7 +211,8 @@ def run(
     attention: str = typer.Option(None, help="attention graphs: auto | portable | ort (default: the device "
                                              "profile's, else auto)"),
     kv_dtype: str = typer.Option(None, help="KV cache element type: float32 | float16 (half the memory; native or "
-                                            "portable attention; default: the device profile's, else float32)"),
+                                            "portable attention) | int8 (0.28x; native backend only); default: the "
+                                            "device profile's, else float32"),
     exact_steps: bool = typer.Option(False, "--exact-steps", help="run the LLM's one-token steps as two rows: "
                                      "`full` then gives exactly the tokens `speculate` gives (~10%% slower full)"),
     system: str = typer.Option(None, help="system prompt that opens the conversation (chat template only)"),

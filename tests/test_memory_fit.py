@@ -40,6 +40,18 @@ def test_kv_bytes_are_layers_capacity_kv_heads_head_dim_k_and_v_bytes():
     arch = ArchConfig(**QWEN_15B)
     assert kv_cache_bytes(arch, 32768) == 28 * 32768 * 2 * 128 * 2 * 4
     assert kv_cache_bytes(arch, 32768, "float16") == kv_cache_bytes(arch, 32768) // 2
+    assert kv_cache_bytes(arch, 32768, "int8") == 28 * 32768 * 2 * (128 + 4 * 4) * 2  # codes, then 4 scales a row
+
+
+def test_a_budget_only_an_int8_cache_meets_offers_it():
+    bundle = qwen_pair(32768)
+    int8, half = estimate(bundle, 32768, "int8"), estimate(bundle, 32768, "float16")
+    with pytest.raises(InputError, match="What would fit: .*int8 KV cache .*kv_dtype='int8'") as err:
+        check_fit(bundle, 32768, int8.total)
+    assert "kv_dtype='float16'" not in str(err.value)
+    with pytest.raises(InputError, match="kv_dtype='float16'.*kv_dtype='int8'"):
+        check_fit(bundle, 32768, half.total)
+    assert check_fit(bundle, 32768, int8.total, "int8") == int8
 
 
 def test_need_adds_weights_kv_of_both_models_and_working_memory():

@@ -253,26 +253,46 @@ def test_settings_only_onnx_runtime_has_choose_it(demo):
 
 
 @pytest.mark.slow
-def test_a_float16_cache_keeps_the_float32_choices_and_exact_steps(demo, models, text_ids):
-    """Half the bytes attention reads per position; K/V rounded to float16, computed in float32."""
+@pytest.mark.parametrize("kv_dtype", ["float16", "int8"])
+def test_a_narrow_cache_keeps_the_float32_choices_and_exact_steps(demo, models, text_ids, kv_dtype):
+    """Fewer bytes read per position (fp16: half; int8: codes per 32 values and their scales);
+    K/V rounded on write, computed in float32."""
     full = models[0]
-    half = native.NativeModel(demo, kv_dtype="float16", kernels="generic" if full.kernels == "generic" else "auto")
-    cache = half.new_cache()
-    assert cache.dtype == "float16"
-    got = half.forward(cache, text_ids, all_logits=True)
+    narrow = native.NativeModel(demo, kv_dtype=kv_dtype, kernels="generic" if full.kernels == "generic" else "auto")
+    cache = narrow.new_cache()
+    assert cache.dtype == kv_dtype
+    got = narrow.forward(cache, text_ids, all_logits=True)
     assert_same_clear_choices(got, full.forward(full.new_cache(), text_ids, all_logits=True))
-    stepped, passed = half.new_cache(), half.new_cache()
+    stepped, passed = narrow.new_cache(), narrow.new_cache()
     for c in (stepped, passed):
-        half.forward(c, text_ids[:40])
-    steps = np.stack([half.forward(stepped, text_ids[40 + i:41 + i]) for i in range(6)])
-    assert np.array_equal(steps, half.forward(passed, text_ids[40:46], all_logits=True))
-    with pytest.raises(InputError, match="heads-first float16"):
-        half.forward(full.new_cache(), text_ids[:2])
-    engine = Engine(demo, kv_dtype="float16")
-    assert engine.llm.flavour == "native" and engine.llm.kv_dtype == "float16"
+        narrow.forward(c, text_ids[:40])
+    steps = np.stack([narrow.forward(stepped, text_ids[40 + i:41 + i]) for i in range(6)])
+    assert np.array_equal(steps, narrow.forward(passed, text_ids[40:46], all_logits=True))
+    with pytest.raises(InputError, match=f"heads-first {kv_dtype}"):
+        narrow.forward(full.new_cache(), text_ids[:2])
+    engine = Engine(demo, kv_dtype=kv_dtype)
+    assert engine.llm.flavour == "native" and engine.llm.kv_dtype == kv_dtype
     prompt = "List three things to check before a long drive."
     full_run = engine.session(mode="full", max_new_tokens=32).generate(prompt)
     assert engine.session(mode="speculate", max_new_tokens=32).generate(prompt).tokens == full_run.tokens
+
+
+@pytest.mark.slow
+def test_an_int8_cache_row_holds_codes_then_their_per_32_scales(demo, models, text_ids):
+    full = models[0]
+    narrow = native.NativeModel(demo, kv_dtype="int8", kernels="generic" if full.kernels == "generic" else "auto")
+    wide_cache, cache = full.new_cache(), narrow.new_cache()
+    full.forward(wide_cache, text_ids[:40])
+    narrow.forward(cache, text_ids[:40])
+    hd = demo.llm.arch.head_dim
+    assert cache.keys.shape[-1] == hd + hd // 32 * 4 and cache.keys.nbytes * 32 == wide_cache.keys.nbytes * 9
+    for wide, rows in ((wide_cache.keys, cache.keys), (wide_cache.values, cache.values)):
+        want = wide[0, 0, :, :40].reshape(-1, hd // 32, 32)  # layer 0: both computed from the same embeddings
+        codes = rows[0, 0, :, :40, :hd].reshape(want.shape).astype(np.float32)
+        scales = np.ascontiguousarray(rows[0, 0, :, :40, hd:]).view(np.float32).reshape(*want.shape[:2], 1)
+        np.testing.assert_allclose(scales, np.abs(want).max(-1, keepdims=True) / 127, rtol=1e-6)
+        assert (np.abs(codes * scales - want) <= scales * 0.5 * (1 + 1e-5)).all()
+        assert np.abs(codes).max() == 127
 
 
 @pytest.mark.slow

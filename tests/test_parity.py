@@ -180,5 +180,7 @@ def test_manifest_records_flavours_and_a_missing_or_unknown_flavour_is_a_clear_e
         choose_flavour(entry, "ort", "float16")
     with pytest.raises(InputError, match="'fast' is not one of auto, portable, ort"):
         choose_flavour(entry, "fast")
-    with pytest.raises(InputError, match="KV dtype 'int8' is not one of float32, float16"):
+    with pytest.raises(InputError, match="KV dtype 'int4' is not one of float32, float16, int8"):
+        choose_flavour(entry, "auto", "int4")
+    with pytest.raises(InputError, match="int8 KV cache runs on the native backend only"):
         choose_flavour(entry, "auto", "int8")

@@ -1,5 +1,5 @@
 """Speed and memory over context length: edgeroute (the native backend, each ONNX Runtime
-attention flavour; ``:float16`` after one names an fp16 KV cache, e.g.
+attention flavour; ``:float16`` or ``:int8`` (native) after one names the KV cache type, e.g.
 ``edgeroute:native:float16``) vs llama.cpp.
 
 Every case runs in a fresh subprocess (so one case's memory never shows in another's), and

@@ -1,18 +1,19 @@
-"""What an fp16 KV cache changes: agreement with the fp32 cache, teacher-forced and generated.
+"""What a narrower KV cache (fp16, int8) changes: agreement with the fp32 cache, teacher-forced
+and generated.
 
 For each model of a bundle (LLM, SLM), on the same ids of the held-out evaluation text in
 windows of ``--window`` tokens (long windows: the cache's rounding accumulates over context):
 
-- teacher-forced top-1 agreement of the fp16-cache model with the fp32-cache one, and each
-  one's perplexity and next-token accuracy;
+- teacher-forced top-1 agreement of each narrower cache's model with the fp32-cache one, and
+  each one's perplexity and next-token accuracy;
 
 and for the LLM, greedy ``full`` answers to the templated and json workloads' prompts with
 each cache: identical answers, the position of the first difference, and each answer's task
 check (templated: the record's values appear; json: parses with full's keys and values).
 
-``--backend`` names the runtime (ONNX Runtime's portable graphs, or the native kernels). Speed
-and memory over context length are bench_context.py's (runtimes ``edgeroute:portable:float16``,
-``edgeroute:native:float16``).
+``--backend`` names the runtime (ONNX Runtime's portable graphs: fp16; or the native kernels:
+fp16 and int8). Speed and memory over context length are bench_context.py's (runtimes
+``edgeroute:portable:float16``, ``edgeroute:native:float16``, ``edgeroute:native:int8``).
 
     python tools/kv_dtype_report.py --bundle bundles/smollm2-demo --out bench-results/kv-dtype-smollm2.json
 """
@@ -33,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib.metrics import common_prefix  # noqa: E402
 from benchlib.tasks import task_check  # noqa: E402
 
-from edgeroute.bundle import KV_DTYPES, Bundle  # noqa: E402
+from edgeroute.bundle import Bundle  # noqa: E402
 from edgeroute.runtime import Engine  # noqa: E402
 from edgeroute.runtime.backend import open_model  # noqa: E402
 from edgeroute.runtime.evaluate import teacher_forced, tokenize_text  # noqa: E402
@@ -42,35 +43,40 @@ from edgeroute.texts import evaluation_text  # noqa: E402
 WORKLOADS = Path(__file__).resolve().parent / "workloads"
 
 
+NARROW = {"onnxruntime": ("float16",), "native": ("float16", "int8")}  # the caches each backend keeps
+
+
 def teacher_forced_figures(bundle: Bundle, role: str, tokens: int, window: int, backend: str) -> dict:
     ids = tokenize_text(bundle, evaluation_text(), tokens)
     runs = {}
-    for kv_dtype in KV_DTYPES:
+    for kv_dtype in ("float32", *NARROW[backend]):
         start = time.perf_counter()
         runs[kv_dtype] = teacher_forced(open_model(bundle, role, backend, kv_dtype=kv_dtype)[0], ids, window)
         print(f"{role} {kv_dtype}: {len(ids)} tokens teacher-forced in {time.perf_counter() - start:.0f} s",
               file=sys.stderr)
-    wide, narrow = runs["float32"], runs["float16"]
-    return {"positions": len(wide), "window": window, "agreement": narrow.agreement(wide),
-            **{f"{kind}_{dtype}": getattr(runs[dtype], kind) for kind in ("perplexity", "accuracy")
-               for dtype in KV_DTYPES}}
+    return {"positions": len(runs["float32"]), "window": window,
+            **{f"agreement_{dtype}": runs[dtype].agreement(runs["float32"]) for dtype in NARROW[backend]},
+            **{f"{kind}_{dtype}": getattr(run, kind) for kind in ("perplexity", "accuracy") for dtype, run in runs.items()}}
 
 
 def generation_figures(bundle: Bundle, max_tokens: int, per_workload: int, backend: str) -> dict:
-    engines = {kv_dtype: Engine(bundle, kv_dtype=kv_dtype, slm=False, backend=backend) for kv_dtype in KV_DTYPES}
+    engines = {kv_dtype: Engine(bundle, kv_dtype=kv_dtype, slm=False, backend=backend)
+               for kv_dtype in ("float32", *NARROW[backend])}
     rows = []
     for workload in ("templated", "json"):
         prompts = json.loads((WORKLOADS / f"{workload}.json").read_text())["prompts"][:per_workload]
         for prompt in prompts:
             answers = {k: e.generate(prompt["messages"], mode="full", max_new_tokens=max_tokens)
                        for k, e in engines.items()}
-            wide, narrow = answers["float32"], answers["float16"]
+            wide = answers["float32"]
             checks = {k: task_check(workload, prompt, a.text, wide.text) for k, a in answers.items()}
-            rows.append({"workload": workload, "id": prompt["id"], "identical": wide.tokens == narrow.tokens,
-                         "first_difference": common_prefix(wide.tokens, narrow.tokens), "tokens": len(wide.tokens),
+            rows.append({"workload": workload, "id": prompt["id"], "tokens": len(wide.tokens),
+                         **{f"identical_{k}": wide.tokens == answers[k].tokens for k in NARROW[backend]},
+                         **{f"first_difference_{k}": common_prefix(wide.tokens, answers[k].tokens)
+                            for k in NARROW[backend]},
                          **{f"pass_{k}": c.passed for k, c in checks.items()}})
-    return {"answers": len(rows), "identical": sum(r["identical"] for r in rows),
-            **{f"task_pass_{k}": sum(r[f"pass_{k}"] for r in rows) for k in KV_DTYPES}, "rows": rows}
+    return {"answers": len(rows), **{f"identical_{k}": sum(r[f"identical_{k}"] for r in rows) for k in NARROW[backend]},
+            **{f"task_pass_{k}": sum(r[f"pass_{k}"] for r in rows) for k in answers}, "rows": rows}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,18 +95,21 @@ def main(argv: list[str] | None = None) -> int:
         figures["teacher_forced"][role] = teacher_forced_figures(bundle, role, args.tokens, args.window, args.backend)
     figures["generation"] = generation_figures(bundle, args.max_tokens, args.prompts, args.backend)
 
-    table = Table(title=f"fp16 vs fp32 KV cache: {args.bundle} on {args.backend}")
-    for column in ("model", "positions", "top-1 agreement", "perplexity fp32 / fp16", "accuracy fp32 / fp16"):
+    table = Table(title=f"narrower KV caches vs fp32: {args.bundle} on {args.backend}")
+    for column in ("model", "cache", "positions", "top-1 agreement with fp32", "perplexity", "accuracy"):
         table.add_column(column)
     for role, f in figures["teacher_forced"].items():
-        table.add_row(role, str(f["positions"]), f"{f['agreement']:.2%}",
-                      f"{f['perplexity_float32']:.3f} / {f['perplexity_float16']:.3f}",
-                      f"{f['accuracy_float32']:.2%} / {f['accuracy_float16']:.2%}")
+        for dtype in ("float32", *NARROW[args.backend]):
+            agreement = f"{f[f'agreement_{dtype}']:.2%}" if dtype != "float32" else "-"
+            table.add_row(role, dtype, str(f["positions"]), agreement, f"{f[f'perplexity_{dtype}']:.3f}",
+                          f"{f[f'accuracy_{dtype}']:.2%}")
     console = Console()
     console.print(table)
     g = figures["generation"]
-    console.print(f"LLM greedy answers (full, {args.max_tokens} tokens): {g['identical']}/{g['answers']} identical; "
-                  f"task pass fp32 {g['task_pass_float32']}/{g['answers']}, fp16 {g['task_pass_float16']}/{g['answers']}")
+    n = g["answers"]
+    console.print(f"LLM greedy answers (full, {args.max_tokens} tokens): task pass fp32 {g['task_pass_float32']}/{n}; "
+                  + "; ".join(f"{k}: {g[f'identical_{k}']}/{n} identical, task pass {g[f'task_pass_{k}']}/{n}"
+                              for k in NARROW[args.backend]))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(figures, indent=1))
     return 0

@@ -11,7 +11,8 @@ it lies. Two flavours of the same attention (docs/bundle-format.md):
   (IO binding) as both ``past_*`` and ``present_*``, so the kernel writes the new rows in place.
 
 The portable cache may hold fp16 (half the memory; the graphs widen it to fp32 for the
-arithmetic); the ort flavour's is fp32.
+arithmetic); the ort flavour's is fp32. The native backend (``native.py``) keeps a heads-first
+cache of fp32, fp16 or int8 rows (an int8 row: head_dim codes, then its per-32 float32 scales).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from edgeroute.bundle import KV_DTYPES
+from edgeroute.bundle import KV_DTYPES, kv_row_bytes
 from edgeroute.errors import InputError
 
 MASKED = np.finfo(np.float32).min
@@ -60,7 +61,8 @@ class KVCache:
     @classmethod
     def allocate(cls, layers: int, capacity: int, kv_heads: int, head_dim: int, heads_first: bool,
                  dtype: str = "float32") -> KVCache:
-        shape = (layers, 1, kv_heads, capacity, head_dim) if heads_first else (layers, capacity, kv_heads, head_dim)
+        row = kv_row_bytes(head_dim, dtype) // np.dtype(dtype).itemsize  # an int8 row ends with its scales
+        shape = (layers, 1, kv_heads, capacity, row) if heads_first else (layers, capacity, kv_heads, row)
         return cls(_resident_zeros(shape, dtype), _resident_zeros(shape, dtype), capacity, heads_first)
 
     @property
@@ -106,8 +108,11 @@ class KVCache:
         self.truncate(0)
         self.dropped = None
 
-    def _layout(self) -> tuple[int, bool, int, int, str]:
-        return self.keys.shape[0], self.heads_first, self.keys.shape[2], self.keys.shape[-1], self.dtype
+    def _layout(self) -> tuple[tuple[int, ...], bool, str]:
+        """What two caches must share for positions to move between them (all but capacity)."""
+        shape = list(self.keys.shape)
+        del shape[-2 if self.heads_first else 1]
+        return tuple(shape), self.heads_first, self.dtype
 
     def copy_from(self, other: KVCache, length: int | None = None) -> None:
         """Take over ``other``'s first ``length`` positions (all by default), e.g. a shared
@@ -129,8 +134,8 @@ class KVCache:
 
     def clone(self) -> KVCache:
         """An independent cache of the same capacity holding the same positions."""
-        layers, heads_first, kv_heads, head_dim, dtype = self._layout()
-        copy = KVCache.allocate(layers, self.capacity, kv_heads, head_dim, heads_first, dtype)
+        copy = KVCache(_resident_zeros(self.keys.shape, self.dtype), _resident_zeros(self.values.shape, self.dtype),
+                       self.capacity, self.heads_first)
         copy.copy_from(self)
         return copy
 

@@ -19,8 +19,9 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from edgeroute.arch import ArchConfig
-from edgeroute.bundle import Bundle, ModelEntry
+from edgeroute.bundle import GRAPH_KV_DTYPES, Bundle, ModelEntry
 from edgeroute.errors import InputError, NativeBackendUnavailable
+from edgeroute.runtime.attention import check_kv_dtype
 from edgeroute.runtime.model import LayerPlan
 from edgeroute.runtime.vocab import HeadVocabulary
 
@@ -107,6 +108,7 @@ def open_model(bundle: Bundle, role: str, backend: str = "auto", providers: Sequ
 
     if backend not in BACKENDS:
         raise InputError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
+    check_kv_dtype(kv_dtype)
     if role not in bundle.models:
         raise InputError(f"bundle {bundle.path} has no {role!r} model (it has: {', '.join(bundle.models)})")
     why_not = None
@@ -123,5 +125,8 @@ def open_model(bundle: Bundle, role: str, backend: str = "auto", providers: Sequ
                 why_not = str(err)
         if backend == "native":
             raise NativeBackendUnavailable(f"backend='native' cannot run here: {why_not}")
+        if kv_dtype not in GRAPH_KV_DTYPES:
+            raise InputError(f"a {kv_dtype} KV cache runs on the native backend only, which does not take the {role} "
+                             f"model here: {why_not}")
     return OrtModel(bundle, role, providers, activations, attention, exact_steps=exact_steps,
                     kv_dtype=kv_dtype), why_not

@@ -67,9 +67,9 @@ class Engine:
         one-token steps run as two rows, so that with int8 activations too a speculative
         verification pass rounds exactly like them and ``speculate`` reproduces ``full``
         bit for bit; costs ``full`` decode speed (README), not ``speculate``'s. ``kv_dtype``: the
-        KV caches' element type, "float32" or "float16" (half the cache's memory; the native
-        backend or ONNX Runtime's portable attention graphs; agreement with float32 measured in
-        the README). ``backend``: what
+        KV caches' element type, "float32", "float16" (half the cache's memory; the native
+        backend or ONNX Runtime's portable attention graphs) or "int8" (0.28x; the native
+        backend only); agreement with float32 measured in the README. ``backend``: what
         runs the models, "onnxruntime", "native" (edgeroute's CPU kernels over the bundle's GGUF
         blocks, ``edgeroute.runtime.native``) or "auto": native where a model has native weights,
         the other settings are the defaults and the kernels build here, else ONNX Runtime

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from edgeroute.arch import ArchConfig
-from edgeroute.bundle import Bundle
+from edgeroute.bundle import Bundle, kv_row_bytes
 from edgeroute.errors import InputError
 
 MIB = 1 << 20
@@ -30,7 +30,6 @@ RUNTIME_BYTES = 96 * MIB  # measured: Python + numpy + onnxruntime + tokenizers 
 # transient [heads, T, S] scores stay ~10-20 MB instead of growing with T * S (an 1800-token
 # SmolLM2 prompt in one pass needs ~350 MB of them per layer call); working memory is sized for one.
 PREFILL_CHUNK = 256
-KV_BYTES = {"float32": 4, "float16": 2}
 CONTEXT_STEP = 256  # a suggested shorter context is a multiple of this
 
 
@@ -55,7 +54,7 @@ def _mib(n: int) -> str:
 
 
 def kv_cache_bytes(arch: ArchConfig, context: int, kv_dtype: str = "float32") -> int:
-    return arch.num_layers * context * arch.num_kv_heads * arch.head_dim * 2 * KV_BYTES[kv_dtype]
+    return arch.num_layers * context * arch.num_kv_heads * 2 * kv_row_bytes(arch.head_dim, kv_dtype)
 
 
 def activation_bytes(arch: ArchConfig, context: int, chunk: int = PREFILL_CHUNK) -> int:
@@ -100,8 +99,10 @@ def check_fit(bundle: Bundle, context: int, budget: int, kv_dtype: str = "float3
     if shorter:
         options.append(f"a context of {shorter} (context_length={shorter}, --context-length {shorter}): "
                        f"{_mib(estimate(bundle, shorter, kv_dtype, slm).total)}")
-    if kv_dtype != "float16" and (half := estimate(bundle, context, "float16", slm)).total <= budget:
-        options.append(f"an fp16 KV cache (kv_dtype='float16', --kv-dtype float16): {_mib(half.total)}")
+    for narrower, what in (("float16", "an fp16 KV cache"), ("int8", "an int8 KV cache (the native backend's)")):
+        if kv_row_bytes(32, narrower) < kv_row_bytes(32, kv_dtype) and \
+                (fits := estimate(bundle, context, narrower, slm)).total <= budget:
+            options.append(f"{what} (kv_dtype='{narrower}', --kv-dtype {narrower}): {_mib(fits.total)}")
     if slm and bundle.slm is not None and (alone := estimate(bundle, context, kv_dtype, False)).total <= budget:
         options.append(f"no SLM (slm=False, --no-slm; modes full, skip, and route/speculate with --light ngram): "
                        f"{_mib(alone.total)}")

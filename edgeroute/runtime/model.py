@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from edgeroute.bundle import ATTENTION_VARIANTS, Bundle, ModelEntry
+from edgeroute.bundle import ATTENTION_VARIANTS, GRAPH_KV_DTYPES, Bundle, ModelEntry
 from edgeroute.errors import InputError
 from edgeroute.rope import rope_tables
 from edgeroute.runtime.attention import ATTENTION_CHOICES, FLAVOURS, KVCache, check_kv_dtype
@@ -144,10 +144,12 @@ def choose_flavour(entry: ModelEntry, requested: str = "auto", kv_dtype: str = "
     portable graphs for SmolLM2 (it reads K/V once per query head; the portable graph's
     batched MatMuls read them once per KV head), and other providers run the portable graphs
     anyway (the CUDA kernel wants fp16). ``ort`` stays available where it pays. An fp16 KV
-    cache (``kv_dtype``) has portable graphs only."""
+    cache (``kv_dtype``) has portable graphs only, an int8 one none (the native backend's)."""
     if requested not in ATTENTION_CHOICES:
         raise InputError(f"attention {requested!r} is not one of {', '.join(ATTENTION_CHOICES)}")
-    check_kv_dtype(kv_dtype)
+    if check_kv_dtype(kv_dtype) not in GRAPH_KV_DTYPES:
+        raise InputError(f"a {kv_dtype} KV cache runs on the native backend only (no graphs keep one): use "
+                         "backend='native' on a model with native weights, or kv_dtype='float16'")
     flavour = "portable" if requested == "auto" else requested
     if (flavour, kv_dtype) not in ATTENTION_VARIANTS:
         raise InputError(f"the {flavour} attention keeps a float32 KV cache only: use attention='portable' for a "

@@ -48,7 +48,7 @@ from edgeroute.runtime.attention import KVCache, check_kv_dtype
 from edgeroute.runtime.model import DROP, RUN, SKIP, SKIP_MLP, LayerPlan, LayerwiseModel, plan_action
 
 SOURCE_NAME = "edgeroute_native.c"
-LIBRARY_VERSION = 2  # er_version() of the C source this module drives
+LIBRARY_VERSION = 3  # er_version() of the C source this module drives
 KERNELS = ("auto", "x86", "generic")
 KERNEL_NAMES = {0: "generic", 1: "avx2", 2: "avx512-vnni"}  # er_kernels()
 REQUIRED_FLAGS = ("avx2", "fma", "f16c")
@@ -56,6 +56,7 @@ GGML_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14
 FORMAT_NAMES = {type_id: name for name, type_id in GGML_TYPES.items()}
 MODES = {RUN: 0, SKIP_MLP: 1, SKIP: 2}  # er_layer_forward's mode per plan action
 TIMING_KINDS = {RUN: "layer", SKIP_MLP: "attn", SKIP: "kv"}
+KV_FORMATS = {"float32": 0, "float16": 1, "int8": 2}  # er_dims.kv_format
 
 
 class _Matrix(ctypes.Structure):
@@ -70,7 +71,7 @@ class _Layer(ctypes.Structure):
 
 class _Dims(ctypes.Structure):
     _fields_ = [*((name, ctypes.c_int32) for name in ("hidden", "heads", "kv_heads", "head_dim", "ffn", "capacity")),
-                ("eps", ctypes.c_float), ("threads", ctypes.c_int32), ("kv_half", ctypes.c_int32)]
+                ("eps", ctypes.c_float), ("threads", ctypes.c_int32), ("kv_format", ctypes.c_int32)]
 
 
 # -- the library --------------------------------------------------------------------------------
@@ -222,8 +223,9 @@ class NativeModel(LayerwiseModel):
 
     def __init__(self, bundle: Bundle, role: str = "llm", threads: int | None = None,
                  kv_dtype: str = "float32", kernels: str = "auto") -> None:
-        """``kv_dtype``: the cache's element type, "float32" or "float16" (half the bytes that
-        attention reads per position; the kernels compute in float32 either way). ``kernels``:
+        """``kv_dtype``: the cache's element type, "float32", "float16" (half the bytes that
+        attention reads per position) or "int8" (codes per 32 values and their float32 scales:
+        0.28x); the kernels compute in float32 either way. ``kernels``:
         see :func:`native_library` ("generic" runs the plain C kernels on an x86 CPU too)."""
         if role not in bundle.models:
             raise InputError(f"bundle {bundle.path} has no {role!r} model (it has: {', '.join(bundle.models)})")
@@ -232,6 +234,9 @@ class NativeModel(LayerwiseModel):
             raise NativeBackendUnavailable(f"the {role} model of {bundle.path} has no native weights (export writes "
                                            "them for GGUF sources in the formats the kernels read)")
         self.kv_dtype = check_kv_dtype(kv_dtype)
+        if kv_dtype == "int8" and entry.arch.head_dim % 32:
+            raise InputError(f"an int8 KV cache keeps scales per 32 values: the {role} model's head_dim "
+                             f"{entry.arch.head_dim} is not a multiple of 32 (use kv_dtype='float16')")
         self.lib = native_library(kernels)
         self.kernels = KERNEL_NAMES[self.lib.er_kernels()]
         self.arch = entry.arch
@@ -321,7 +326,7 @@ class NativeModel(LayerwiseModel):
     def _dims(self, capacity: int) -> _Dims:
         a = self.arch
         return _Dims(a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim, a.intermediate_size, capacity,
-                     a.rms_norm_eps, self.threads, self.kv_dtype == "float16")
+                     a.rms_norm_eps, self.threads, KV_FORMATS[self.kv_dtype])
 
     def _scratch_of(self, size: int) -> int:
         if self._scratch.size < size:

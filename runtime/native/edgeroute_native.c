@@ -9,7 +9,7 @@
  * interleaved by 16 rows at load (er_pack) so one instruction serves 16 weight rows.
  *
  * The layer math (RMSNorm, rotary embedding in the rotate-half convention, grouped-query
- * attention over a heads-first float32 or float16 cache, SwiGLU MLP) is the same as the bundle's ONNX
+ * attention over a heads-first float32, float16 or int8 cache, SwiGLU MLP) is the same as the bundle's ONNX
  * graphs (docs/bundle-format.md); edgeroute/runtime/native.py drives it and the tests compare
  * the two. One OpenMP parallel region per layer call; the worksharing loops inside split
  * output rows (matrices) or (row, KV head) pairs (attention) over the threads.
@@ -62,10 +62,14 @@ typedef struct {
     int32_t capacity; /* positions per layer in the cache */
     float eps;
     int32_t threads;
-    int32_t kv_half;  /* the cache holds float16 (else float32) */
+    int32_t kv_format; /* the cache's rows: KV_F32, KV_F16 or KV_INT8 */
 } er_dims;
 
 #define KV_MAX_HEAD_DIM 256
+
+/* A cache row (one position of one KV head, head_dim values): float32, float16, or int8 codes
+ * per 32 values at scale max|x| / 127 followed by the head_dim / 32 float32 scales */
+enum { KV_F32 = 0, KV_F16 = 1, KV_INT8 = 2 };
 
 /* int8 activations of one row, in the two forms the weight formats want: per 32 values a scale
  * and the scale times the codes' sum (32-value block formats), or per 256 values one scale and
@@ -87,7 +91,7 @@ enum { FORM_32 = 1, FORM_256 = 2 };
 
 static int is_k_quant(int type) { return type == T_Q4_K || type == T_Q6_K; }
 
-int er_version(void) { return 2; }
+int er_version(void) { return 3; }
 
 /* which kernels this build runs: 0 the generic C ones, 1 x86 AVX2 (256-bit VNNI where present),
  * 2 x86 AVX-512 VNNI with 16-row packing */
@@ -1058,6 +1062,17 @@ INLINE void floats_to_halves(const float *from, size_t n, uint16_t *to) {
         _mm_storeu_si128((__m128i *)(to + c), _mm256_cvtps_ph(_mm256_loadu_ps(from + c), _MM_FROUND_TO_NEAREST_INT));
 }
 
+/* an int8 row's n codes times their per-32 scales */
+INLINE void codes_to_floats(const int8_t *codes, const float *scales, int n, float *to) {
+    for (int b = 0; b < n / 32; b++) {
+        const __m256 d = _mm256_set1_ps(scales[b]);
+        for (int c = 32 * b; c < 32 * b + 32; c += 8) {
+            const __m256i wide = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(codes + c)));
+            _mm256_storeu_ps(to + c, _mm256_mul_ps(_mm256_cvtepi32_ps(wide), d));
+        }
+    }
+}
+
 /* the 8 rows' accumulators advance together, column block by column block: 8 independent FMA
  * chains (one row's alone is a chain of dependent FMAs, bound by their latency). Rows past
  * `available` repeat row 0; the caller masks their scores. */
@@ -1124,6 +1139,10 @@ INLINE void floats_to_halves(const float *from, size_t n, uint16_t *to) {
     }
 }
 
+INLINE void codes_to_floats(const int8_t *codes, const float *scales, int n, float *to) {
+    for (int c = 0; c < n; c++) to[c] = (float)codes[c] * scales[c / 32];
+}
+
 INLINE void scores8(const float *q, const float *rows, int hd, int available, float scale, float *out) {
     for (int j = 0; j < 8; j++) {
         float dot = 0.0f;
@@ -1148,18 +1167,36 @@ INLINE void accumulate_rows(const float *p, const float *rows, int n, int hd, fl
 }
 #endif
 
-/* rows [t, t + n) of a cache (row length hd) as float32: the cache itself where it is float32,
- * else converted into buf */
-INLINE const float *kv_rows(const void *cache, size_t t, int n, int hd, int half, float *buf) {
-    if (!half) return (const float *)cache + t * hd;
-    halves_to_floats((const uint16_t *)cache + t * hd, (size_t)n * hd, buf);
+size_t er_kv_row_bytes(int kv_format, int hd) {
+    return kv_format == KV_F32 ? (size_t)hd * 4 : kv_format == KV_F16 ? (size_t)hd * 2 : (size_t)hd + hd / 32 * 4;
+}
+
+/* rows [row, row + n) of a cache as float32: the cache itself where it is float32, else
+ * converted into buf */
+INLINE const float *kv_rows(const void *cache, size_t row, int n, int hd, int format, float *buf) {
+    if (format == KV_F32) return (const float *)cache + row * hd;
+    if (format == KV_F16) halves_to_floats((const uint16_t *)cache + row * hd, (size_t)n * hd, buf);
+    else {
+        const size_t bytes = er_kv_row_bytes(KV_INT8, hd);
+        for (int t = 0; t < n; t++) {
+            const int8_t *codes = (const int8_t *)cache + (row + t) * bytes;
+            codes_to_floats(codes, (const float *)(codes + hd), hd, buf + (size_t)t * hd);
+        }
+    }
     return buf;
 }
 
-/* one row of hd values into a float32 or float16 cache at element `at` */
-static void kv_store(void *cache, size_t at, const float *x, int hd, int half) {
-    if (half) floats_to_halves(x, (size_t)hd, (uint16_t *)cache + at);
-    else memcpy((float *)cache + at, x, (size_t)hd * sizeof(float));
+/* one row of hd values into a cache at row `row` */
+static void kv_store(void *cache, size_t row, const float *x, int hd, int format) {
+    const size_t bytes = er_kv_row_bytes(format, hd);
+    uint8_t *to = (uint8_t *)cache + row * bytes;
+    if (format == KV_F32) memcpy(to, x, bytes);
+    else if (format == KV_F16) floats_to_halves(x, (size_t)hd, (uint16_t *)to);
+    else
+        for (int b = 0; b < hd / 32; b++) {
+            const float d = quantize32(x + 32 * b, (int8_t *)to + 32 * b, max_abs(x + 32 * b, 32));
+            memcpy(to + hd + 4 * b, &d, 4);
+        }
 }
 
 /* Attention of each row over positions 0..pos0 + row (head_dim a multiple of 8, at most
@@ -1171,7 +1208,7 @@ static void kv_store(void *cache, size_t at, const float *x, int hd, int half) {
  * (flash-decoding). Segments depend on positions only, so every (row, head) is computed alike
  * whatever M is. Rows run in blocks (attention_rows) so the partial results stay small. */
 INLINE void attention_of(const void *kcache, const void *vcache, const float *q, const uint8_t *masked,
-                         const er_dims *D, int M, int pos0, float *scores, float *partials, float *out, int half) {
+                         const er_dims *D, int M, int pos0, float *scores, float *partials, float *out, int format) {
     const int H = D->heads, KV = D->kv_heads, hd = D->head_dim, cap = D->capacity, G = H / KV;
     const int S = segments(cap), R = attention_rows(D), stride = hd + 2; /* outputs, max, sum */
     const float scale = 1.0f / sqrtf((float)hd);
@@ -1189,7 +1226,7 @@ INLINE void attention_of(const void *kcache, const void *vcache, const float *q,
             float *part = partials + ((size_t)ig * S + seg) * G * stride;
             for (int t0 = 0; t0 < len; t0 += KV_CHUNK) {
                 const int rows = len - t0 < KV_CHUNK ? len - t0 : KV_CHUNK;
-                const float *kc = kv_rows(kcache, base + t0, rows, hd, half, buf);
+                const float *kc = kv_rows(kcache, base + t0, rows, hd, format, buf);
                 for (int t = 0; t < rows; t += 8)
                     for (int h = 0; h < G; h++) {
                         float *sv = thread_scores + (size_t)h * (SEGMENT + 8) + t0 + t;
@@ -1207,7 +1244,7 @@ INLINE void attention_of(const void *kcache, const void *vcache, const float *q,
             }
             for (int t0 = 0; t0 < len; t0 += KV_CHUNK) {
                 const int rows = len - t0 < KV_CHUNK ? len - t0 : KV_CHUNK;
-                const float *vc = kv_rows(vcache, base + t0, rows, hd, half, buf);
+                const float *vc = kv_rows(vcache, base + t0, rows, hd, format, buf);
                 for (int h = 0; h < G; h++)
                     if (part[(size_t)h * stride + hd + 1] > 0.0f) /* else every position of the segment was dropped */
                         accumulate_rows(thread_scores + (size_t)h * (SEGMENT + 8) + t0, vc, rows, hd, part + (size_t)h * stride);
@@ -1238,8 +1275,10 @@ INLINE void attention_of(const void *kcache, const void *vcache, const float *q,
 
 static void attention(const void *kcache, const void *vcache, const float *q, const uint8_t *masked,
                       const er_dims *D, int M, int pos0, float *scores, float *partials, float *out) {
-    if (D->kv_half) attention_of(kcache, vcache, q, masked, D, M, pos0, scores, partials, out, 1);
-    else attention_of(kcache, vcache, q, masked, D, M, pos0, scores, partials, out, 0);
+    /* one copy of the loop per format: the conversion inlines into it */
+    if (D->kv_format == KV_INT8) attention_of(kcache, vcache, q, masked, D, M, pos0, scores, partials, out, KV_INT8);
+    else if (D->kv_format == KV_F16) attention_of(kcache, vcache, q, masked, D, M, pos0, scores, partials, out, KV_F16);
+    else attention_of(kcache, vcache, q, masked, D, M, pos0, scores, partials, out, KV_F32);
 }
 
 static void add_into(float *x, const float *y, size_t n) {
@@ -1255,7 +1294,8 @@ int er_layer_forward(const er_layer *L, const er_dims *D, float *x, int M, int p
                      const float *sin_t, void *kcache, void *vcache, const uint8_t *masked, int mode,
                      void *scratch_memory) {
     const int d = D->hidden, H = D->heads, KV = D->kv_heads, hd = D->head_dim, F = D->ffn, cap = D->capacity;
-    if (pos0 < 0 || pos0 + M > cap || d % 32 || F % 32 || (H * hd) % 32 || hd % 8 || hd > KV_MAX_HEAD_DIM || mode < 0 ||
+    if (pos0 < 0 || pos0 + M > cap || d % 32 || F % 32 || (H * hd) % 32 || hd % 8 || hd > KV_MAX_HEAD_DIM ||
+        (D->kv_format == KV_INT8 && hd % 32) || mode < 0 ||
         mode > 2)
         return -1;
     carver c = {(char *)scratch_memory, 0};
@@ -1274,9 +1314,9 @@ int er_layer_forward(const er_layer *L, const er_dims *D, float *x, int M, int p
             if (mode != 2) rope(s.q + (size_t)i * H * hd, H, hd, cs, sn);
             rope(s.k + (size_t)i * KV * hd, KV, hd, cs, sn);
             for (int g = 0; g < KV; g++) {
-                const size_t at = ((size_t)g * cap + pos0 + i) * hd;
-                kv_store(kcache, at, s.k + ((size_t)i * KV + g) * hd, hd, D->kv_half);
-                kv_store(vcache, at, s.v + ((size_t)i * KV + g) * hd, hd, D->kv_half);
+                const size_t row = (size_t)g * cap + pos0 + i;
+                kv_store(kcache, row, s.k + ((size_t)i * KV + g) * hd, hd, D->kv_format);
+                kv_store(vcache, row, s.v + ((size_t)i * KV + g) * hd, hd, D->kv_format);
             }
         }
         if (mode != 2) {
