@@ -1017,14 +1017,22 @@ size_t er_scratch_bytes(const er_dims *D, int M) {
     return c.used + 64;
 }
 
-#define KV_CHUNK 32 /* cache rows converted / accumulated at a time: they stay in L1 across a group's heads */
-
-/* Attention's inner steps, each in an x86 and a generic form:
- *   halves_to_floats, floats_to_halves   a float16 cache's values (n a multiple of 8)
- *   scores8         q . 8 rows, scaled
- *   exp_segment     e^(s - max) in place over a segment's scores; returns the max, and the sum
- *   accumulate_rows o += sum_t p[t] * rows[t] */
+/* Attention's inner steps, each in an x86 and a generic form. A cache row (one position of one
+ * KV head) is read from the cache in its format and widened in registers (kv8 / kv_value), once
+ * per block of HEAD_BLOCK query heads that share it:
+ *   floats_to_halves  a row into a float16 cache (n a multiple of 8)
+ *   head_scores       sc[h][t] = scale * q[h] . K[t], t < n (written up to n rounded to 4)
+ *   exp_segment       e^(s - max) in place over a segment's scores; returns the max, and the sum
+ *   head_outputs      o[h] = sum_t p[h][t] * V[t], t < n
+ * q, sc, p and o hold the block's heads `q_stride` / `sc_stride` / `o_stride` floats apart. */
 #if ER_X86
+#if defined(__AVX512VL__)
+#define HEAD_BLOCK 3 /* 32 vector registers: 3 heads x 8 accumulators (outputs) or x 4 rows (scores) */
+#else
+#define HEAD_BLOCK 1 /* 16 vector registers */
+#endif
+#define PREFETCH_ROWS 16 /* cache rows ahead (past a segment's end it reads the next segment or KV head: harmless) */
+
 /* e^x for x <= 0 (softmax after the max is subtracted): 2^n e^r, |r| <= ln2 / 2, a degree-6
  * polynomial; below -87 it is 0 */
 static inline __m256 exp_nonpositive(__m256 x) {
@@ -1045,16 +1053,10 @@ static inline __m256 exp_nonpositive(__m256 x) {
     return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
 }
 
-/* the 8 horizontal sums of a[0..7], in order */
-static inline __m256 sums8(const __m256 *a) {
-    const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
-    const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
-    const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
-    return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
-}
-
-INLINE void halves_to_floats(const uint16_t *from, size_t n, float *to) {
-    for (size_t c = 0; c < n; c += 8) _mm256_storeu_ps(to + c, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(from + c))));
+/* the 4 horizontal sums of a[0..3], in order */
+static inline __m128 sums4(const __m256 *a) {
+    const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
 }
 
 INLINE void floats_to_halves(const float *from, size_t n, uint16_t *to) {
@@ -1062,32 +1064,36 @@ INLINE void floats_to_halves(const float *from, size_t n, uint16_t *to) {
         _mm_storeu_si128((__m128i *)(to + c), _mm256_cvtps_ph(_mm256_loadu_ps(from + c), _MM_FROUND_TO_NEAREST_INT));
 }
 
-/* an int8 row's n codes times their per-32 scales */
-INLINE void codes_to_floats(const int8_t *codes, const float *scales, int n, float *to) {
-    for (int b = 0; b < n / 32; b++) {
-        const __m256 d = _mm256_set1_ps(scales[b]);
-        for (int c = 32 * b; c < 32 * b + 32; c += 8) {
-            const __m256i wide = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(codes + c)));
-            _mm256_storeu_ps(to + c, _mm256_mul_ps(_mm256_cvtepi32_ps(wide), d));
-        }
-    }
+/* values c..c+7 of a cache row as float32 */
+INLINE __m256 kv8(const uint8_t *row, int c, int hd, int format) {
+    if (format == KV_F32) return _mm256_loadu_ps((const float *)row + c);
+    if (format == KV_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + c)));
+    const __m256 codes = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + c))));
+    return _mm256_mul_ps(codes, _mm256_broadcast_ss((const float *)(row + hd) + c / 32));
 }
 
-/* the 8 rows' accumulators advance together, column block by column block: 8 independent FMA
- * chains (one row's alone is a chain of dependent FMAs, bound by their latency). Rows past
- * `available` repeat row 0; the caller masks their scores. */
-INLINE void scores8(const float *q, const float *rows, int hd, int available, float scale, float *out) {
-    __m256 acc[8];
-    const float *r[8];
-    UNROLL_TILE for (int j = 0; j < 8; j++) {
-        acc[j] = _mm256_setzero_ps();
-        r[j] = rows + (size_t)(j < available ? j : 0) * hd;
+/* 4 rows at a time, each row's 8-column blocks widened once for all nh heads; rows past n
+ * repeat the block's first (the caller masks their scores) */
+INLINE void head_scores(const float *q, size_t q_stride, int nh, const uint8_t *rows, size_t bytes, int n, int hd,
+                        int format, float scale, float *sc, size_t sc_stride) {
+    for (int t = 0; t < n; t += 4) {
+        const uint8_t *r[4];
+        __m256 acc[HEAD_BLOCK][4];
+        UNROLL_TILE for (int j = 0; j < 4; j++) r[j] = rows + (size_t)(t + j < n ? t + j : t) * bytes;
+        _mm_prefetch((const char *)(r[0] + PREFETCH_ROWS * bytes), _MM_HINT_T0);
+        UNROLL_TILE for (int h = 0; h < nh; h++)
+            UNROLL_TILE for (int j = 0; j < 4; j++) acc[h][j] = _mm256_setzero_ps();
+        for (int c = 0; c < hd; c += 8) {
+            __m256 k[4];
+            UNROLL_TILE for (int j = 0; j < 4; j++) k[j] = kv8(r[j], c, hd, format);
+            UNROLL_TILE for (int h = 0; h < nh; h++) {
+                const __m256 qv = _mm256_loadu_ps(q + h * q_stride + c);
+                UNROLL_TILE for (int j = 0; j < 4; j++) acc[h][j] = _mm256_fmadd_ps(qv, k[j], acc[h][j]);
+            }
+        }
+        UNROLL_TILE for (int h = 0; h < nh; h++)
+            _mm_storeu_ps(sc + h * sc_stride + t, _mm_mul_ps(sums4(acc[h]), _mm_set1_ps(scale)));
     }
-    for (int c = 0; c < hd; c += 8) {
-        const __m256 qv = _mm256_loadu_ps(q + c);
-        UNROLL_TILE for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r[j] + c), acc[j]);
-    }
-    _mm256_storeu_ps(out, _mm256_mul_ps(sums8(acc), _mm256_set1_ps(scale)));
 }
 
 /* sc holds len scores, padded with -inf to a multiple of 8 */
@@ -1109,28 +1115,35 @@ INLINE float exp_segment(float *sc, int len, float *sum) {
     return mx;
 }
 
-INLINE void accumulate_rows(const float *p, const float *rows, int n, int hd, float *o) {
-    for (int c0 = 0; c0 < hd; c0 += 64) { /* 8 accumulators over 64 columns */
-        __m256 acc[8];
-        UNROLL_TILE for (int k = 0; k < 8; k++) acc[k] = _mm256_setzero_ps();
-        for (int t = 0; t < n; t++) {
-            const __m256 wt = _mm256_set1_ps(p[t]);
-            const float *vr = rows + (size_t)t * hd + c0;
-            UNROLL_TILE for (int k = 0; k < 8; k++)
-                if (c0 + 8 * k < hd) acc[k] = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vr + 8 * k), acc[k]);
+/* columns c0.. (width 8-column blocks, at most 8): nh heads x width accumulators, each row's
+ * block widened once */
+INLINE void head_outputs_cols(const float *p, size_t p_stride, int nh, const uint8_t *rows, size_t bytes, int n,
+                              int hd, int format, float *o, size_t o_stride, int c0, int width) {
+    __m256 acc[HEAD_BLOCK][8];
+    UNROLL_TILE for (int h = 0; h < nh; h++)
+        UNROLL_TILE for (int k = 0; k < 8; k++) acc[h][k] = _mm256_setzero_ps();
+    for (int t = 0; t < n; t++) {
+        const uint8_t *r = rows + (size_t)t * bytes;
+        _mm_prefetch((const char *)(r + PREFETCH_ROWS * bytes), _MM_HINT_T0);
+        __m256 w[HEAD_BLOCK];
+        UNROLL_TILE for (int h = 0; h < nh; h++) w[h] = _mm256_broadcast_ss(p + h * p_stride + t);
+        UNROLL_TILE for (int k = 0; k < width; k++) {
+            const __m256 v = kv8(r, c0 + 8 * k, hd, format);
+            UNROLL_TILE for (int h = 0; h < nh; h++) acc[h][k] = _mm256_fmadd_ps(w[h], v, acc[h][k]);
         }
-        UNROLL_TILE for (int k = 0; k < 8; k++)
-            if (c0 + 8 * k < hd) _mm256_storeu_ps(o + c0 + 8 * k, _mm256_add_ps(_mm256_loadu_ps(o + c0 + 8 * k), acc[k]));
     }
+    UNROLL_TILE for (int h = 0; h < nh; h++)
+        UNROLL_TILE for (int k = 0; k < width; k++) _mm256_storeu_ps(o + h * o_stride + c0 + 8 * k, acc[h][k]);
+}
+
+INLINE void head_outputs(const float *p, size_t p_stride, int nh, const uint8_t *rows, size_t bytes, int n, int hd,
+                         int format, float *o, size_t o_stride) {
+    for (int c0 = 0; c0 < hd; c0 += 64)
+        if (hd - c0 >= 64) head_outputs_cols(p, p_stride, nh, rows, bytes, n, hd, format, o, o_stride, c0, 8);
+        else head_outputs_cols(p, p_stride, nh, rows, bytes, n, hd, format, o, o_stride, c0, (hd - c0) / 8);
 }
 #else
-INLINE void halves_to_floats(const uint16_t *from, size_t n, float *to) {
-    for (size_t c = 0; c < n; c++) {
-        _Float16 h;
-        memcpy(&h, from + c, 2);
-        to[c] = (float)h;
-    }
-}
+#define HEAD_BLOCK 3
 
 INLINE void floats_to_halves(const float *from, size_t n, uint16_t *to) {
     for (size_t c = 0; c < n; c++) {
@@ -1139,17 +1152,26 @@ INLINE void floats_to_halves(const float *from, size_t n, uint16_t *to) {
     }
 }
 
-INLINE void codes_to_floats(const int8_t *codes, const float *scales, int n, float *to) {
-    for (int c = 0; c < n; c++) to[c] = (float)codes[c] * scales[c / 32];
+INLINE float kv_value(const uint8_t *row, int c, int hd, int format) {
+    if (format == KV_F32) return ((const float *)row)[c];
+    if (format == KV_F16) {
+        _Float16 h;
+        memcpy(&h, row + 2 * c, 2);
+        return (float)h;
+    }
+    float d;
+    memcpy(&d, row + hd + 4 * (c / 32), 4);
+    return (float)((const int8_t *)row)[c] * d;
 }
 
-INLINE void scores8(const float *q, const float *rows, int hd, int available, float scale, float *out) {
-    for (int j = 0; j < 8; j++) {
-        float dot = 0.0f;
-        if (j < available)
-            for (int c = 0; c < hd; c++) dot += q[c] * rows[(size_t)j * hd + c];
-        out[j] = dot * scale;
-    }
+INLINE void head_scores(const float *q, size_t q_stride, int nh, const uint8_t *rows, size_t bytes, int n, int hd,
+                        int format, float scale, float *sc, size_t sc_stride) {
+    for (int t = 0; t < n; t++)
+        for (int h = 0; h < nh; h++) {
+            float dot = 0.0f;
+            for (int c = 0; c < hd; c++) dot += q[h * q_stride + c] * kv_value(rows + (size_t)t * bytes, c, hd, format);
+            sc[h * sc_stride + t] = dot * scale;
+        }
 }
 
 INLINE float exp_segment(float *sc, int len, float *sum) {
@@ -1161,29 +1183,17 @@ INLINE float exp_segment(float *sc, int len, float *sum) {
     return mx;
 }
 
-INLINE void accumulate_rows(const float *p, const float *rows, int n, int hd, float *o) {
+INLINE void head_outputs(const float *p, size_t p_stride, int nh, const uint8_t *rows, size_t bytes, int n, int hd,
+                         int format, float *o, size_t o_stride) {
+    for (int h = 0; h < nh; h++) memset(o + h * o_stride, 0, (size_t)hd * sizeof(float));
     for (int t = 0; t < n; t++)
-        for (int c = 0; c < hd; c++) o[c] += p[t] * rows[(size_t)t * hd + c];
+        for (int h = 0; h < nh; h++)
+            for (int c = 0; c < hd; c++) o[h * o_stride + c] += p[h * p_stride + t] * kv_value(rows + (size_t)t * bytes, c, hd, format);
 }
 #endif
 
 size_t er_kv_row_bytes(int kv_format, int hd) {
     return kv_format == KV_F32 ? (size_t)hd * 4 : kv_format == KV_F16 ? (size_t)hd * 2 : (size_t)hd + hd / 32 * 4;
-}
-
-/* rows [row, row + n) of a cache as float32: the cache itself where it is float32, else
- * converted into buf */
-INLINE const float *kv_rows(const void *cache, size_t row, int n, int hd, int format, float *buf) {
-    if (format == KV_F32) return (const float *)cache + row * hd;
-    if (format == KV_F16) halves_to_floats((const uint16_t *)cache + row * hd, (size_t)n * hd, buf);
-    else {
-        const size_t bytes = er_kv_row_bytes(KV_INT8, hd);
-        for (int t = 0; t < n; t++) {
-            const int8_t *codes = (const int8_t *)cache + (row + t) * bytes;
-            codes_to_floats(codes, (const float *)(codes + hd), hd, buf + (size_t)t * hd);
-        }
-    }
-    return buf;
 }
 
 /* one row of hd values into a cache at row `row` */
@@ -1199,21 +1209,30 @@ static void kv_store(void *cache, size_t row, const float *x, int hd, int format
         }
 }
 
+/* the heads h0.. of a KV group in blocks of at most HEAD_BLOCK (1 or 3), each block's head count
+ * nh a constant where the kernels inline into `body` (their accumulators stay in registers) */
+#define FOR_HEAD_BLOCKS(G, h0, nh, body)                                                           \
+    for (int h0 = 0; h0 < (G);) {                                                                  \
+        if (HEAD_BLOCK >= 3 && (G) - h0 >= 3) { const int nh = 3; body; h0 += 3; }                \
+        else if (HEAD_BLOCK >= 3 && (G) - h0 == 2) { const int nh = 2; body; h0 += 2; }           \
+        else { const int nh = 1; body; h0 += 1; }                                                  \
+    }
+
 /* Attention of each row over positions 0..pos0 + row (head_dim a multiple of 8, at most
  * KV_MAX_HEAD_DIM). The positions are cut into segments of SEGMENT at fixed places, and one work
  * item is a (row, KV head, segment): a long context keeps every thread busy whatever the number
- * of KV heads, and the query heads that share a KV head read each K and V row from memory once
- * (KV_CHUNK rows at a time are re-read from L1 per head). An item leaves, per head, its softmax
- * max, its sum of exponentials and its unnormalized output; a second loop merges the segments
- * (flash-decoding). Segments depend on positions only, so every (row, head) is computed alike
- * whatever M is. Rows run in blocks (attention_rows) so the partial results stay small. */
+ * of KV heads. Within an item each K and V row is read and widened once per block of query heads
+ * sharing it. An item leaves, per head, its softmax max, its sum of exponentials and its
+ * unnormalized output; a second loop merges the segments (flash-decoding). Segments depend on
+ * positions only, so every (row, head) is computed alike whatever M is. Rows run in blocks
+ * (attention_rows) so the partial results stay small. */
 INLINE void attention_of(const void *kcache, const void *vcache, const float *q, const uint8_t *masked,
                          const er_dims *D, int M, int pos0, float *scores, float *partials, float *out, int format) {
     const int H = D->heads, KV = D->kv_heads, hd = D->head_dim, cap = D->capacity, G = H / KV;
     const int S = segments(cap), R = attention_rows(D), stride = hd + 2; /* outputs, max, sum */
+    const size_t bytes = er_kv_row_bytes(format, hd), sc_stride = SEGMENT + 8;
     const float scale = 1.0f / sqrtf((float)hd);
-    float *thread_scores = scores + (size_t)omp_get_thread_num() * G * (SEGMENT + 8);
-    float buf[KV_CHUNK * KV_MAX_HEAD_DIM] __attribute__((aligned(64)));
+    float *thread_scores = scores + (size_t)omp_get_thread_num() * G * sc_stride;
     for (int r0 = 0; r0 < M; r0 += R) {
         const int rn = M - r0 < R ? M - r0 : R;
 #pragma omp for schedule(dynamic, 1)
@@ -1222,33 +1241,26 @@ INLINE void attention_of(const void *kcache, const void *vcache, const float *q,
             const int first = seg * SEGMENT;
             if (first >= n) continue;
             const int len = n - first < SEGMENT ? n - first : SEGMENT;
-            const size_t base = (size_t)g * cap + first;
+            const uint8_t *krows = (const uint8_t *)kcache + ((size_t)g * cap + first) * bytes;
+            const uint8_t *vrows = (const uint8_t *)vcache + ((size_t)g * cap + first) * bytes;
+            const float *qg = q + ((size_t)i * H + (size_t)g * G) * hd;
             float *part = partials + ((size_t)ig * S + seg) * G * stride;
-            for (int t0 = 0; t0 < len; t0 += KV_CHUNK) {
-                const int rows = len - t0 < KV_CHUNK ? len - t0 : KV_CHUNK;
-                const float *kc = kv_rows(kcache, base + t0, rows, hd, format, buf);
-                for (int t = 0; t < rows; t += 8)
-                    for (int h = 0; h < G; h++) {
-                        float *sv = thread_scores + (size_t)h * (SEGMENT + 8) + t0 + t;
-                        scores8(q + ((size_t)i * H + g * G + h) * hd, kc + (size_t)t * hd, hd, rows - t, scale, sv);
-                        const int at = first + t0 + t;
-                        if (at + 8 > n || masked) /* past the row's last position, and dropped positions */
-                            for (int j = 0; j < 8; j++)
-                                if (at + j >= n || (masked && masked[at + j])) sv[j] = -INFINITY;
-                    }
-            }
+            FOR_HEAD_BLOCKS(G, h0, nh, head_scores(qg + (size_t)h0 * hd, hd, nh, krows, bytes, len, hd, format, scale,
+                                                   thread_scores + h0 * sc_stride, sc_stride))
             for (int h = 0; h < G; h++) {
-                float *ph = part + (size_t)h * stride;
-                memset(ph, 0, (size_t)hd * sizeof(float));
-                ph[hd] = exp_segment(thread_scores + (size_t)h * (SEGMENT + 8), len, ph + hd + 1);
+                float *sv = thread_scores + h * sc_stride, *ph = part + (size_t)h * stride;
+                for (int t = len; t < ((len + 7) & ~7); t++) sv[t] = -INFINITY; /* past the row's last position */
+                if (masked)
+                    for (int t = 0; t < len; t++)
+                        if (masked[first + t]) sv[t] = -INFINITY; /* positions this layer dropped */
+                ph[hd] = exp_segment(sv, len, ph + hd + 1);
             }
-            for (int t0 = 0; t0 < len; t0 += KV_CHUNK) {
-                const int rows = len - t0 < KV_CHUNK ? len - t0 : KV_CHUNK;
-                const float *vc = kv_rows(vcache, base + t0, rows, hd, format, buf);
-                for (int h = 0; h < G; h++)
-                    if (part[(size_t)h * stride + hd + 1] > 0.0f) /* else every position of the segment was dropped */
-                        accumulate_rows(thread_scores + (size_t)h * (SEGMENT + 8) + t0, vc, rows, hd, part + (size_t)h * stride);
+            if (part[hd + 1] == 0.0f) { /* every position of the segment was dropped (alike for the group) */
+                for (int h = 0; h < G; h++) memset(part + (size_t)h * stride, 0, (size_t)hd * sizeof(float));
+                continue;
             }
+            FOR_HEAD_BLOCKS(G, h0, nh, head_outputs(thread_scores + h0 * sc_stride, sc_stride, nh, vrows, bytes, len, hd,
+                                                    format, part + (size_t)h0 * stride, stride))
         }
 #pragma omp for schedule(static)
         for (int ih = 0; ih < rn * H; ih++) {
