@@ -12,11 +12,19 @@ import pytest
 from typer.testing import CliRunner
 
 from edgeroute.bundle import MANIFEST, Bundle, Calibration, RouterCalibration
-from edgeroute.calibration.calibrate import CalibrateOptions, RunConfig, calibrate, choose_profiles
+from edgeroute.calibration.calibrate import (
+    CalibrateOptions,
+    DraftingResult,
+    RunConfig,
+    calibrate,
+    choose_profiles,
+    confirm_task_drafts,
+)
 from edgeroute.calibration.checks import echoes_instructions, task_pass
 from edgeroute.calibration.drafting import (
     RUNTIME_DEFAULT,
     DraftCosts,
+    DraftFit,
     DraftSetting,
     fit_drafting,
     fit_per_task,
@@ -231,6 +239,29 @@ def test_a_task_runs_and_keeps_its_own_options():
     profiles = choose_profiles(runs, [full, config])
     assert profiles["json"]["max_draft_tokens"] == 6 and profiles["json"]["draft_confidence"] == 0.5
     assert profiles["code"]["max_draft_tokens"] == 1 and "draft_confidence" not in profiles["code"]
+
+
+def test_a_tasks_own_draft_setting_stays_only_where_its_runtime_runs_beat_the_overall_one():
+    costs = DraftCosts(slm_step=0.3, llm_pass=1.0, llm_row=0.15)
+    fit = lambda confidence, longest: DraftFit(DraftSetting(confidence, longest), costs, {}, 1.1)  # noqa: E731
+    drafting = DraftingResult(fit(0.2, 1), "", {}, {"json": fit(0.8, 8), "code": fit(0.5, 4)})
+    fitted, overall = drafting.run_config(), drafting.overall_config()
+    assert overall.options_for("json")["max_draft_tokens"] == 1 and fitted.options_for("json")["max_draft_tokens"] == 8
+
+    def rows(seconds: dict[str, float]) -> list[dict]:
+        return [{"task": task, "tokens": 33, "seconds": seconds[task], "llm_tokens": 5, "pass": True,
+                 "same_as_full": True} for task in ("json", "code", "dialogue")]
+
+    runs = {"full": rows({"json": 1.0, "code": 1.0, "dialogue": 1.0}),
+            fitted.name: rows({"json": 0.9, "code": 0.6, "dialogue": 0.8}),  # json's own: slower than the overall
+            overall.name: rows({"json": 0.7, "code": 0.8, "dialogue": 0.8})}
+    messages = confirm_task_drafts(runs, drafting, fitted)
+    assert set(drafting.per_task) == {"code"} and set(fitted.per_task) == {"code"}
+    assert len(messages) == 1 and messages[0].startswith("json: its own draft setting 0.8/8")
+    assert runs[fitted.name][0]["seconds"] == 0.7  # json's prompts now stand for the overall setting
+    profiles = choose_profiles(runs, [RunConfig("full", {"mode": "full"}), fitted, overall])
+    assert profiles["json"]["max_draft_tokens"] == 1 and profiles["code"]["max_draft_tokens"] == 4
+    assert DraftingResult(fit(0.2, 1), "", {}, {}).overall_config() is None  # no task of its own: nothing to confirm
 
 
 def test_task_checks_catch_unclosed_json_missing_values_and_echoes():

@@ -50,6 +50,7 @@ Progress = Callable[[str, int, int], None]
 SPLITS = ("train", "calibration", "validation")
 MIN_REPLAYED_SPEEDUP = 1.01  # a draft setting that replays slower than this is not worth a runtime run
 FITTED_DRAFTS = "speculate/slm+fitted"  # the runtime runs' name for speculate/slm with the fitted draft setting
+OVERALL_DRAFTS = "speculate/slm+overall"  # the overall fitted setting on every task (confirms tasks' own settings)
 MIN_SPEEDUP = 1.05  # below this a configuration's gain over full is within the timing noise of a shared machine
 SLM_BASELINES = {"entropy": TOP_K, "top1": TOP_K + 1, "margin": TOP_K + 2}  # column after the hidden state
 
@@ -309,6 +310,37 @@ class DraftingResult:
         return RunConfig(FITTED_DRAFTS, {"mode": "speculate", "light": "slm", **overall.options()},
                          {task: fit.setting.options() for task, fit in self.per_task.items()})
 
+    def overall_config(self) -> RunConfig | None:
+        """speculate/slm with the overall fitted setting on every task, where some task has its
+        own (a replay alone does not keep one: see :func:`confirm_task_drafts`)."""
+        if self.fit is None or not self.per_task:
+            return None
+        return RunConfig(OVERALL_DRAFTS, {"mode": "speculate", "light": "slm", **self.fit.setting.options()})
+
+
+def confirm_task_drafts(runs: dict[str, list[dict[str, Any]]], drafting: DraftingResult,
+                        fitted: RunConfig) -> list[str]:
+    """Keep a task's own draft setting only where its runtime runs on the task's prompts were
+    faster than the overall setting's; elsewhere the task takes the overall setting (``fitted``
+    and its runs then stand for the overall one on that task's prompts). Found on the pair: json's
+    own long drafts (0.8 / 8) replayed 1.13x the overall 1-token drafts on calibration labels but
+    ran 0.91x of them on the benchmark's json prompts, twice."""
+    if OVERALL_DRAFTS not in runs:
+        return []
+    messages = []
+    for task in list(drafting.per_task):
+        pick = [i for i, r in enumerate(runs["full"]) if r["task"] == task]
+        own, overall = (summarize([runs[name][i] for i in pick], [runs["full"][i] for i in pick])["tok_s"]
+                        for name in (FITTED_DRAFTS, OVERALL_DRAFTS))
+        if own > overall:
+            continue
+        messages.append(f"{task}: its own draft setting {drafting.per_task[task].setting.name} ran at {own:.1f} tok/s "
+                        f"against {overall:.1f} with the overall setting in the runtime runs: the overall one kept")
+        del drafting.per_task[task], fitted.per_task[task]
+        for i in pick:
+            runs[FITTED_DRAFTS][i] = runs[OVERALL_DRAFTS][i]
+    return messages
+
 
 def calibrate_drafting(engine: Engine, slm: LightData) -> DraftingResult:
     """Fit how speculate/slm drafts (see :mod:`edgeroute.calibration.drafting`) on the SLM
@@ -430,6 +462,9 @@ def calibrate(bundle_path: str | Path, options: CalibrateOptions | None = None,
     fitted_drafts = drafting.run_config()
     if fitted_drafts is not None:
         configs.append(fitted_drafts)
+    overall_drafts = drafting.overall_config()
+    if overall_drafts is not None:
+        configs.append(overall_drafts)
     skipping: list[SkipVerdict] = []
     if options.skip_prompts and decision_points(engine.llm.num_layers, SkipOptions()):
         start = time.perf_counter()
@@ -445,6 +480,8 @@ def calibrate(bundle_path: str | Path, options: CalibrateOptions | None = None,
     start = time.perf_counter()
     runs = confirm(engine, held_out, configs, options.labels.max_answer_tokens, progress)
     seconds["runtime runs"] = time.perf_counter() - start
+    if fitted_drafts is not None:
+        messages.extend(confirm_task_drafts(runs, drafting, fitted_drafts))
     profiles = choose_profiles(runs, configs)
     decoding = {}
     if fitted_drafts is not None:
