@@ -638,6 +638,18 @@ int er_pack(const er_matrix *m, uint8_t *out) {
 }
 
 #if ER_PACKED
+/* The packed kernels ask for the bytes PREFETCH_BLOCKS blocks ahead while they compute: the
+ * hardware's own prefetching left the arithmetic and the memory reads overlapping poorly
+ * (measured on the Qwen2.5-Coder 1.5B, passes of 1 / 2 / 3 rows: 26.5 / 30.4 / 34.2 ms without,
+ * 25.0 / 25.7 / 27.0 with: a speculative verification row became nearly free) */
+#define PREFETCH_BLOCKS 2
+
+/* the cache lines of [from, from + n): spread over a block's inner loop, consecutive calls cover
+ * the block */
+INLINE void prefetch_lines(const uint8_t *from, size_t n) {
+    for (size_t at = 0; at < n; at += 64) _mm_prefetch((const char *)from + at, _MM_HINT_T0);
+}
+
 /* 16 rows x mt <= PACK_TILE activation rows of packed Q6_K: value = d * scale_j * (u - 32) */
 INLINE void dot_packed_q6_k(const er_matrix *m, int g, const er_q8 *x, const int mt, float *y, int ldy) {
     const int nsb = m->cols / 256;
@@ -652,6 +664,7 @@ INLINE void dot_packed_q6_k(const er_matrix *m, int g, const er_q8 *x, const int
         for (int c = 0; c < 8; c++) {
             __m512i codes[8];
             const uint8_t *chunk = blk + 384 * c;
+            prefetch_lines(blk + PREFETCH_BLOCKS * PACK_Q6_K_BYTES + PACK_Q6_K_BYTES / 8 * c, PACK_Q6_K_BYTES / 8);
             const __m512i h0 = _mm512_loadu_si512((const void *)(chunk + 256));
             const __m512i h1 = _mm512_loadu_si512((const void *)(chunk + 320));
             for (int k = 0; k < 4; k++) {
@@ -711,6 +724,7 @@ INLINE void dot_packed_q4_k(const er_matrix *m, int g, const er_q8 *x, const int
         }
         for (int j = 0; j < 8; j++) {
             __m512i codes[8];
+            prefetch_lines(blk + PREFETCH_BLOCKS * PACK_Q4_K_BYTES + PACK_Q4_K_BYTES / 8 * j, PACK_Q4_K_BYTES / 8);
             for (int k = 0; k < 4; k++) {
                 const __m512i v = _mm512_loadu_si512((const void *)(blk + (4 * j + k) * 64));
                 codes[2 * k] = _mm512_and_si512(v, m4);
@@ -751,6 +765,7 @@ INLINE void dot_packed_blocks32(const er_matrix *m, int g, const er_q8 *x, const
     for (int i = 0; i < mt; i++) acc[i] = _mm512_setzero_ps();
     for (int b = 0; b < nb; b++) {
         const uint8_t *blk = m->packed + ((size_t)g * nb + b) * bytes;
+        prefetch_lines(blk + PREFETCH_BLOCKS * bytes, bytes);
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + d_at)));
         const __m512 offset = type == T_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + d_at + 32)))
                             : _mm512_mul_ps(d, _mm512_set1_ps(-block32_zero(type)));
