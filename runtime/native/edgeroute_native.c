@@ -1062,7 +1062,6 @@ size_t er_scratch_bytes(const er_dims *D, int M) {
 #else
 #define HEAD_BLOCK 1 /* 16 vector registers */
 #endif
-#define PREFETCH_ROWS 16 /* cache rows ahead (past a segment's end it reads the next segment or KV head: harmless) */
 
 /* e^x for x <= 0 (softmax after the max is subtracted): 2^n e^r, |r| <= ln2 / 2, a degree-6
  * polynomial; below -87 it is 0 */
@@ -1111,7 +1110,6 @@ INLINE void head_scores(const float *q, size_t q_stride, int nh, const uint8_t *
         const uint8_t *r[4];
         __m256 acc[HEAD_BLOCK][4];
         UNROLL_TILE for (int j = 0; j < 4; j++) r[j] = rows + (size_t)(t + j < n ? t + j : t) * bytes;
-        _mm_prefetch((const char *)(r[0] + PREFETCH_ROWS * bytes), _MM_HINT_T0);
         UNROLL_TILE for (int h = 0; h < nh; h++)
             UNROLL_TILE for (int j = 0; j < 4; j++) acc[h][j] = _mm256_setzero_ps();
         for (int c = 0; c < hd; c += 8) {
@@ -1155,7 +1153,6 @@ INLINE void head_outputs_cols(const float *p, size_t p_stride, int nh, const uin
         UNROLL_TILE for (int k = 0; k < 8; k++) acc[h][k] = _mm256_setzero_ps();
     for (int t = 0; t < n; t++) {
         const uint8_t *r = rows + (size_t)t * bytes;
-        _mm_prefetch((const char *)(r + PREFETCH_ROWS * bytes), _MM_HINT_T0);
         __m256 w[HEAD_BLOCK];
         UNROLL_TILE for (int h = 0; h < nh; h++) w[h] = _mm256_broadcast_ss(p + h * p_stride + t);
         UNROLL_TILE for (int k = 0; k < width; k++) {
