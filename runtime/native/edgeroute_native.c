@@ -1220,13 +1220,13 @@ INLINE void head_outputs(const float *p, size_t p_stride, int nh, const uint8_t 
 }
 #endif
 
-size_t er_kv_row_bytes(int kv_format, int hd) {
+static size_t kv_row_bytes(int kv_format, int hd) {
     return kv_format == KV_F32 ? (size_t)hd * 4 : kv_format == KV_F16 ? (size_t)hd * 2 : (size_t)hd + hd / 32 * 4;
 }
 
 /* one row of hd values into a cache at row `row` */
 static void kv_store(void *cache, size_t row, const float *x, int hd, int format) {
-    const size_t bytes = er_kv_row_bytes(format, hd);
+    const size_t bytes = kv_row_bytes(format, hd);
     uint8_t *to = (uint8_t *)cache + row * bytes;
     if (format == KV_F32) memcpy(to, x, bytes);
     else if (format == KV_F16) floats_to_halves(x, (size_t)hd, (uint16_t *)to);
@@ -1258,7 +1258,7 @@ INLINE void attention_of(const void *kcache, const void *vcache, const float *q,
                          const er_dims *D, int M, int pos0, float *scores, float *partials, float *out, int format) {
     const int H = D->heads, KV = D->kv_heads, hd = D->head_dim, cap = D->capacity, G = H / KV;
     const int S = segments(cap), R = attention_rows(D), stride = hd + 2; /* outputs, max, sum */
-    const size_t bytes = er_kv_row_bytes(format, hd), sc_stride = SEGMENT + 8;
+    const size_t bytes = kv_row_bytes(format, hd), sc_stride = SEGMENT + 8;
     const float scale = 1.0f / sqrtf((float)hd);
     float *thread_scores = scores + (size_t)omp_get_thread_num() * G * sc_stride;
     for (int r0 = 0; r0 < M; r0 += R) {
