@@ -103,6 +103,11 @@ def models(demo, request):
     return native.NativeModel(demo, kernels=request.param), OrtModel(demo)
 
 
+def alike(model, bundle: Bundle, kv_dtype: str):
+    """A native model on the same kernel set as ``model``, with a ``kv_dtype`` cache."""
+    return native.NativeModel(bundle, kv_dtype=kv_dtype, kernels="generic" if model.kernels == "generic" else "auto")
+
+
 @pytest.fixture(scope="module")
 def text_ids(demo):
     from tokenizers import Tokenizer
@@ -258,7 +263,7 @@ def test_a_narrow_cache_keeps_the_float32_choices_and_exact_steps(demo, models, 
     """Fewer bytes read per position (fp16: half; int8: codes per 32 values and their scales);
     K/V rounded on write, computed in float32."""
     full = models[0]
-    narrow = native.NativeModel(demo, kv_dtype=kv_dtype, kernels="generic" if full.kernels == "generic" else "auto")
+    narrow = alike(full, demo, kv_dtype)
     cache = narrow.new_cache()
     assert cache.dtype == kv_dtype
     got = narrow.forward(cache, text_ids, all_logits=True)
@@ -280,7 +285,7 @@ def test_a_narrow_cache_keeps_the_float32_choices_and_exact_steps(demo, models, 
 @pytest.mark.slow
 def test_an_int8_cache_row_holds_codes_then_their_per_32_scales(demo, models, text_ids):
     full = models[0]
-    narrow = native.NativeModel(demo, kv_dtype="int8", kernels="generic" if full.kernels == "generic" else "auto")
+    narrow = alike(full, demo, "int8")
     wide_cache, cache = full.new_cache(), narrow.new_cache()
     full.forward(wide_cache, text_ids[:40])
     narrow.forward(cache, text_ids[:40])
