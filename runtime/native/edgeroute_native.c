@@ -28,10 +28,9 @@
 #else
 #define ER_X86 0
 #endif
-#if ER_X86 && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define ER_PACKED 1 /* matrices interleaved by 16 rows (er_pack) for the 512-bit VNNI kernels */
-#else
-#define ER_PACKED 0
+#define ER_PACKED ER_X86 /* matrices interleaved by 16 rows (er_pack) for the packed kernels */
+#if ER_PACKED && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define PACKED_512 1 /* 16 rows per 512-bit VNNI instruction; otherwise 8 per 256-bit maddubs */
 #endif
 #include <math.h>
 #include <omp.h>
@@ -94,8 +93,14 @@ static int is_k_quant(int type) { return type == T_Q4_K || type == T_Q6_K; }
 int er_version(void) { return 3; }
 
 /* which kernels this build runs: 0 the generic C ones, 1 x86 AVX2 (256-bit VNNI where present),
- * 2 x86 AVX-512 VNNI with 16-row packing */
-int er_kernels(void) { return ER_PACKED ? 2 : ER_X86; }
+ * 2 x86 AVX-512 VNNI; both x86 sets run 16-row packed matrices */
+int er_kernels(void) {
+#if defined(PACKED_512)
+    return 2;
+#else
+    return ER_X86;
+#endif
+}
 
 static inline float read_f16(const uint8_t *p) {
     uint16_t h;
@@ -116,7 +121,7 @@ static inline float read_f16(const uint8_t *p) {
 #else
 #define TILE 4 /* 16 vector registers (AVX2); the generic kernels' tile too */
 #endif
-#if ER_PACKED
+#if defined(PACKED_512)
 #define WIDE_BLOCKS32 1 /* 32-value block formats two blocks per instruction (Q8_0 needs VNNI: codes + 128) */
 #endif
 
@@ -650,6 +655,7 @@ INLINE void prefetch_lines(const uint8_t *from, size_t n) {
     for (size_t at = 0; at < n; at += 64) _mm_prefetch((const char *)from + at, _MM_HINT_T0);
 }
 
+#if defined(PACKED_512)
 /* 16 rows x mt <= PACK_TILE activation rows of packed Q6_K: value = d * scale_j * (u - 32) */
 INLINE void dot_packed_q6_k(const er_matrix *m, int g, const er_q8 *x, const int mt, float *y, int ldy) {
     const int nsb = m->cols / 256;
@@ -703,9 +709,7 @@ INLINE void dot_packed_q6_k(const er_matrix *m, int g, const er_q8 *x, const int
     }
     for (int i = 0; i < mt; i++) _mm512_storeu_ps(y + (size_t)i * ldy, acc[i]);
 }
-#endif
 
-#if ER_PACKED
 /* rows 16g..16g+15 against mt <= PACK_TILE activation rows: y[i * ldy + r] */
 INLINE void dot_packed_q4_k(const er_matrix *m, int g, const er_q8 *x, const int mt, float *y, int ldy) {
     const int nsb = m->cols / 256;
@@ -801,6 +805,194 @@ INLINE void dot_packed_blocks32(const er_matrix *m, int g, const er_q8 *x, const
     }
     for (int i = 0; i < mt; i++) _mm512_storeu_ps(y + (size_t)i * ldy, acc[i]);
 }
+#else
+/* The 256-bit packed kernels read the same layout as the 512-bit ones, a group's 64-byte vectors
+ * as two halves of 8 rows (bytes 0-31: rows 0-7). Without VNNI, maddubs makes 16-bit sums of
+ * code x activation pairs; sums of several are added in 16 bits while they cannot overflow
+ * (|activation code| <= 127), then widened once by madd, against the rows' sub-block scales
+ * where the format has them. */
+
+/* 4 activation codes, in every 32-bit lane */
+INLINE __m256i four_codes(const int8_t *a) {
+    int32_t four;
+    memcpy(&four, a, 4);
+    return _mm256_set1_epi32(four);
+}
+
+/* 8 rows' unsigned / signed bytes -> int16 lanes 2r and 2r + 1 = byte r (madd's pair layout) */
+INLINE __m256i row_pairs_u8(const uint8_t *s) {
+    const __m128i v = _mm_loadl_epi64((const __m128i *)s);
+    return _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(v, v));
+}
+
+INLINE __m256i row_pairs_i8(const uint8_t *s) {
+    const __m128i v = _mm_loadl_epi64((const __m128i *)s);
+    return _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(v, v));
+}
+
+INLINE __m256 f16x8(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+
+/* rows 16g..16g+15 of packed Q6_K against mt <= PACK_TILE activation rows: value = d * scale_j * (u - 32) */
+INLINE void dot_packed_q6_k(const er_matrix *m, int g, const er_q8 *x, const int mt, float *y, int ldy) {
+    const int nsb = m->cols / 256;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+    for (int h = 0; h < 2; h++) {
+        __m256 acc[PACK_TILE];
+        for (int i = 0; i < mt; i++) acc[i] = _mm256_setzero_ps();
+        for (int sb = 0; sb < nsb; sb++) {
+            const uint8_t *blk = m->packed + ((size_t)g * nsb + sb) * PACK_Q6_K_BYTES;
+            __m256i total[PACK_TILE];
+            for (int i = 0; i < mt; i++) total[i] = _mm256_setzero_si256();
+            for (int c = 0; c < 8; c++) {
+                const uint8_t *chunk = blk + 384 * c, *sc = blk + 3072 + 32 * c + 8 * h; /* sub-blocks 2c, 2c + 1 */
+                const __m256i s0 = row_pairs_i8(sc), s1 = row_pairs_i8(sc + 16);
+                const __m256i both = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *)sc),
+                                                                            _mm_loadl_epi64((const __m128i *)(sc + 16))));
+                __m256i codes[8];
+                for (int k = 0; k < 4; k++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(chunk + 64 * k + 32 * h));
+                    codes[2 * k] = _mm256_and_si256(v, m4);
+                    codes[2 * k + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                }
+                const __m256i h0 = _mm256_loadu_si256((const __m256i *)(chunk + 256 + 32 * h));
+                const __m256i h1 = _mm256_loadu_si256((const __m256i *)(chunk + 320 + 32 * h));
+                for (int k = 0; k < 8; k++) { /* the high bits, moved to bits 4-5 */
+                    const __m256i hb = k < 4 ? h0 : h1;
+                    const int q = k % 4;
+                    const __m256i bits = q == 0 ? _mm256_slli_epi16(hb, 4) : q == 1 ? _mm256_slli_epi16(hb, 2)
+                                       : q == 2 ? hb : _mm256_srli_epi16(hb, 2);
+                    codes[k] = _mm256_or_si256(codes[k], _mm256_and_si256(bits, m30));
+                }
+                UNROLL_TILE
+                for (int i = 0; i < mt; i++) {
+                    const int8_t *a = x[i].qk + 256 * sb + 32 * c;
+                    __m256i sum = _mm256_setzero_si256();
+                    for (int k = 0; k < 8; k += 2) { /* two products of codes <= 63: at most 32004 */
+                        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(codes[k], four_codes(a + 4 * k)),
+                                                           _mm256_maddubs_epi16(codes[k + 1], four_codes(a + 4 * k + 4)));
+                        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, k < 4 ? s0 : s1));
+                    }
+                    /* the codes' offset of 32: 2 * (scale_2c * 16 bsum_2c + scale_2c+1 * 16 bsum_2c+1) */
+                    const int16_t *bs = x[i].bsum + 16 * sb + 2 * c;
+                    const __m256i sums = _mm256_set1_epi32((int32_t)(uint16_t)(16 * bs[0]) | (int32_t)((uint32_t)(uint16_t)(16 * bs[1]) << 16));
+                    sum = _mm256_sub_epi32(sum, _mm256_slli_epi32(_mm256_madd_epi16(both, sums), 1));
+                    total[i] = _mm256_add_epi32(total[i], sum);
+                }
+            }
+            const __m256 d = f16x8(blk + 3328 + 16 * h);
+            UNROLL_TILE
+            for (int i = 0; i < mt; i++)
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[i]), _mm256_mul_ps(d, _mm256_set1_ps(x[i].dk[sb])), acc[i]);
+        }
+        for (int i = 0; i < mt; i++) _mm256_storeu_ps(y + (size_t)i * ldy + 8 * h, acc[i]);
+    }
+}
+
+/* rows 16g..16g+15 of packed Q4_K: value = d * scale_j * u - dmin * min_j */
+INLINE void dot_packed_q4_k(const er_matrix *m, int g, const er_q8 *x, const int mt, float *y, int ldy) {
+    const int nsb = m->cols / 256;
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int h = 0; h < 2; h++) {
+        __m256 acc[PACK_TILE];
+        for (int i = 0; i < mt; i++) acc[i] = _mm256_setzero_ps();
+        for (int sb = 0; sb < nsb; sb++) {
+            const uint8_t *blk = m->packed + ((size_t)g * nsb + sb) * PACK_Q4_K_BYTES;
+            __m256i total[PACK_TILE];
+            for (int i = 0; i < mt; i++) total[i] = _mm256_setzero_si256();
+            for (int j = 0; j < 8; j++) {
+                const __m256i scale = row_pairs_u8(blk + 2048 + 16 * j + 8 * h);
+                __m256i p[PACK_TILE]; /* 8 products of codes <= 15 per lane: at most 30480 */
+                for (int i = 0; i < mt; i++) p[i] = _mm256_setzero_si256();
+                for (int k = 0; k < 4; k++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 64 * (4 * j + k) + 32 * h));
+                    const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                    UNROLL_TILE
+                    for (int i = 0; i < mt; i++) {
+                        const int8_t *a = x[i].qk + 256 * sb + 32 * j + 8 * k;
+                        p[i] = _mm256_add_epi16(p[i], _mm256_add_epi16(_mm256_maddubs_epi16(lo, four_codes(a)),
+                                                                       _mm256_maddubs_epi16(hi, four_codes(a + 4))));
+                    }
+                }
+                UNROLL_TILE
+                for (int i = 0; i < mt; i++) total[i] = _mm256_add_epi32(total[i], _mm256_madd_epi16(p[i], scale));
+            }
+            const __m256 d = f16x8(blk + 2304 + 16 * h), dmin = f16x8(blk + 2336 + 16 * h);
+            UNROLL_TILE
+            for (int i = 0; i < mt; i++) {
+                __m256 mins = _mm256_setzero_ps();
+                for (int j = 0; j < 8; j++) {
+                    const __m256i min = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 2176 + 16 * j + 8 * h)));
+                    mins = _mm256_fmadd_ps(_mm256_cvtepi32_ps(min), _mm256_set1_ps(x[i].bsum32[8 * sb + j]), mins);
+                }
+                const __m256 dx = _mm256_set1_ps(x[i].dk[sb]);
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[i]), _mm256_mul_ps(d, dx), acc[i]);
+                acc[i] = _mm256_fnmadd_ps(mins, _mm256_mul_ps(dmin, dx), acc[i]);
+            }
+        }
+        for (int i = 0; i < mt; i++) _mm256_storeu_ps(y + (size_t)i * ldy + 8 * h, acc[i]);
+    }
+}
+
+/* rows 16g..16g+15 of a packed 32-value block format: value = d * u + offset (Q8_0: signed
+ * codes, moved back from the stored q + 128, their sign moved to the activations) */
+INLINE void dot_packed_blocks32(const er_matrix *m, int g, const er_q8 *x, const int mt, float *y, int ldy,
+                                const int type) {
+    const int nb = m->cols / 32;
+    const size_t bytes = pack_block_bytes(type), d_at = bytes - (type == T_Q4_1 ? 64 : 32);
+    const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    for (int h = 0; h < 2; h++) {
+        __m256 acc[PACK_TILE];
+        for (int i = 0; i < mt; i++) acc[i] = _mm256_setzero_ps();
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *blk = m->packed + ((size_t)g * nb + b) * bytes;
+            const __m256 d = f16x8(blk + d_at + 16 * h);
+            const __m256 offset = type == T_Q4_1 ? f16x8(blk + d_at + 32 + 16 * h)
+                                : _mm256_mul_ps(d, _mm256_set1_ps(-block32_zero(type)));
+            __m256i codes[8];
+            if (type == T_Q8_0) {
+                for (int k = 0; k < 8; k++)
+                    codes[k] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + 64 * k + 32 * h)),
+                                                _mm256_set1_epi8((char)0x80));
+            } else {
+                for (int k = 0; k < 4; k++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 64 * k + 32 * h));
+                    codes[2 * k] = _mm256_and_si256(v, m4);
+                    codes[2 * k + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                }
+                if (type == T_Q5_0)
+                    for (int k = 0; k < 8; k++) {
+                        uint32_t high;
+                        memcpy(&high, blk + 256 + 8 * k + 4 * h, 4);
+                        codes[k] = _mm256_or_si256(codes[k], bits_to_bytes(high, 0x10));
+                    }
+            }
+            UNROLL_TILE
+            for (int i = 0; i < mt; i++) {
+                const int8_t *a = x[i].q + 32 * b;
+                __m256i sum = _mm256_setzero_si256();
+                if (type == T_Q8_0) { /* one product pair per 16-bit lane: at most 32512 */
+                    for (int k = 0; k < 8; k++) {
+                        const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(codes[k], codes[k]),
+                                                               _mm256_sign_epi8(four_codes(a + 4 * k), codes[k]));
+                        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, ones));
+                    }
+                } else { /* codes <= 31: 4 pairs per 16-bit lane (at most 31496); <= 15: 8 */
+                    const int per_sum = type == T_Q5_0 ? 4 : 8;
+                    for (int k0 = 0; k0 < 8; k0 += per_sum) {
+                        __m256i p = _mm256_setzero_si256();
+                        for (int k = k0; k < k0 + per_sum; k++)
+                            p = _mm256_add_epi16(p, _mm256_maddubs_epi16(codes[k], four_codes(a + 4 * k)));
+                        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, ones));
+                    }
+                }
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_set1_ps(x[i].d[b])), acc[i]);
+                if (type != T_Q8_0) acc[i] = _mm256_fmadd_ps(offset, _mm256_set1_ps(x[i].s[b]), acc[i]);
+            }
+        }
+        for (int i = 0; i < mt; i++) _mm256_storeu_ps(y + (size_t)i * ldy + 8 * h, acc[i]);
+    }
+}
+#endif
 
 #define PACKED_TILES(kernel)                                  \
     switch (mt) {                                             \
