@@ -20,11 +20,14 @@ native = pytest.importorskip("edgeroute.runtime.native")
 
 def unavailable(kernels: str) -> str | None:
     """Why this machine cannot build the kernel set (no compiler; an x86 C compiler without
-    _Float16, i.e. older than GCC 12, cannot build the generic set), or None."""
+    _Float16, i.e. older than GCC 12, cannot build the generic set; the avx2 set is what "auto"
+    already runs on an AVX2-only CPU), or None."""
     try:
         native.native_library(kernels)
     except NativeBackendUnavailable as err:
         return str(err)
+    if kernels == "avx2" and native.native_kernels("auto") == "avx2":
+        return "this CPU's own kernels are the avx2 set (tested as auto)"
     return None
 
 
@@ -51,7 +54,7 @@ def dequantized(fmt: str, raw: np.ndarray, shape: tuple[int, int]) -> np.ndarray
 
 
 @needs_kernels
-@pytest.mark.parametrize("kernels", ["auto", "generic"])
+@pytest.mark.parametrize("kernels", ["auto", "avx2", "generic"])
 @pytest.mark.parametrize("fmt", sorted(native.GGML_TYPES))
 def test_kernels_match_the_gguf_decoders(fmt, kernels):
     if unavailable(kernels):
@@ -94,10 +97,10 @@ def demo(smollm2_bundles):
     return Bundle.open(smollm2_bundles["int4"][0])
 
 
-@pytest.fixture(scope="module", params=["auto", "generic"])
+@pytest.fixture(scope="module", params=["auto", "avx2", "generic"])
 def models(demo, request):
-    """The native model on this CPU's kernels, then on the generic ones (what Arm CPUs run),
-    and the ONNX Runtime model of the same bundle."""
+    """The native model on this CPU's kernels, on the AVX2 ones (where this CPU has AVX-512) and
+    on the generic ones (what Arm CPUs run), and the ONNX Runtime model of the same bundle."""
     if unavailable(request.param):
         pytest.skip(f"the {request.param} kernels do not build here: {unavailable(request.param)}")
     return native.NativeModel(demo, kernels=request.param), OrtModel(demo)
@@ -105,7 +108,8 @@ def models(demo, request):
 
 def alike(model, bundle: Bundle, kv_dtype: str):
     """A native model on the same kernel set as ``model``, with a ``kv_dtype`` cache."""
-    return native.NativeModel(bundle, kv_dtype=kv_dtype, kernels="generic" if model.kernels == "generic" else "auto")
+    kernels = model.kernels if model.kernels in ("generic", "avx2") else "auto"
+    return native.NativeModel(bundle, kv_dtype=kv_dtype, kernels=kernels)
 
 
 @pytest.fixture(scope="module")

@@ -49,7 +49,7 @@ from edgeroute.runtime.model import DROP, RUN, SKIP, SKIP_MLP, LayerPlan, Layerw
 
 SOURCE_NAME = "edgeroute_native.c"
 LIBRARY_VERSION = 3  # er_version() of the C source this module drives
-KERNELS = ("auto", "x86", "generic")
+KERNELS = ("auto", "x86", "avx2", "generic")
 KERNEL_NAMES = {0: "generic", 1: "avx2", 2: "avx512-vnni"}  # er_kernels()
 REQUIRED_FLAGS = ("avx2", "fma", "f16c")
 GGML_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
@@ -101,6 +101,8 @@ def _x86_kernels_here() -> str | None:
 def _flags(kernels: str) -> list[str]:
     if kernels == "x86":
         return ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+    if kernels == "avx2":  # the x86 kernels an AVX2-only CPU runs, buildable on any newer x86 CPU
+        return ["-O3", "-march=x86-64-v3", "-mtune=native", "-fopenmp", "-shared", "-fPIC"]
     # the compiler vectorizes the generic C for this CPU; no contraction into FMAs, which it
     # would apply differently in the tile sizes' specializations (a row's bits would then
     # depend on the pass's length, and speculation would no longer be exact)
@@ -140,7 +142,9 @@ _library_lock = threading.Lock()
 
 def native_library(kernels: str = "auto") -> ctypes.CDLL:
     """The kernels, built or found once per process: "x86" (AVX2, FMA, F16C; AVX-512 VNNI where
-    the CPU has it), "generic" (plain C the compiler vectorizes: any CPU, e.g. Arm), or "auto"
+    the CPU has it), "avx2" (the x86 kernels held to AVX2, FMA and F16C, as an AVX2-only CPU runs
+    them: tests and comparisons on newer CPUs), "generic" (plain C the compiler vectorizes: any
+    CPU, e.g. Arm), or "auto"
     (x86 where this CPU runs them, else generic; ``EDGEROUTE_NATIVE_LIB`` names a prebuilt
     library instead). Raises NativeBackendUnavailable with the reason (kept: later calls raise
     it again at no cost)."""
@@ -155,7 +159,7 @@ def native_library(kernels: str = "auto") -> ctypes.CDLL:
                 else:
                     why_not_x86 = _x86_kernels_here()
                     build = kernels if kernels != "auto" else ("generic" if why_not_x86 else "x86")
-                    if build == "x86" and why_not_x86:
+                    if build in ("x86", "avx2") and why_not_x86:
                         raise NativeBackendUnavailable(f"the x86 kernels need {', '.join(REQUIRED_FLAGS)}: {why_not_x86}")
                     _libraries[kernels] = _bind(ctypes.CDLL(str(_compile(native_source(), build))))
             except OSError as err:
