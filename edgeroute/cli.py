@@ -200,7 +200,8 @@ def run(
     raw: bool = typer.Option(False, help="send the prompt as plain text, without the chat template"),
     mode: str = typer.Option(None, help="full (default) | slm | route | speculate | skip | route+skip | speculate+skip"
                              " | auto (the calibrated choice for the task profile)"),
-    light: str = typer.Option(None, help="light path for route/speculate: ngram (default) | slm"),
+    light: str = typer.Option(None, help="light path for route/speculate: ngram (default) | slm | ngram+slm "
+                                         "(speculate: prompt lookup where its match is long enough, else the SLM)"),
     profile: str = typer.Option(None, help="device or task profile (name in profiles/ or a JSON file)"),
     context_length: int = typer.Option(None, help="KV capacity per session (default: the device profile's, at most "
                                                   "the bundle's)"),
@@ -228,6 +229,9 @@ def run(
     draft_tokens: int = typer.Option(None, help="initial speculative draft length"),
     draft_confidence: float = typer.Option(None, help="speculate --light slm: end a draft before a token the SLM "
                                                       "gives less probability than this (default: calibrated, else 0)"),
+    lookup_min_match: int = typer.Option(None, help="speculate --light ngram+slm: draft by lookup where the "
+                                                    "sequence's suffix matched at least this many tokens"),
+    lookup_tokens: int = typer.Option(None, help="speculate --light ngram+slm: tokens per lookup draft"),
     importance_threshold: float = typer.Option(None, help="skip when a token's importance is below this"),
     skip_ratio: float = typer.Option(None, help="cap on the skipped share of layer work"),
     max_free_layers: int = typer.Option(None),
@@ -251,7 +255,7 @@ def run(
     overrides = {k: v for k, v in dict(
         mode=mode, light=light, max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
         stop=tuple(stop or ()), router=router, route_threshold=route_threshold, draft_tokens=draft_tokens,
-        draft_confidence=draft_confidence,
+        draft_confidence=draft_confidence, lookup_min_match=lookup_min_match, lookup_tokens=lookup_tokens,
         importance_threshold=importance_threshold, skip_ratio=skip_ratio, max_free_layers=max_free_layers,
         re_eval_interval=re_eval_interval, granularity=granularity, kv_cache_reduction=kv_cache_reduction,
     ).items() if v is not None}

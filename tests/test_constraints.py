@@ -42,6 +42,7 @@ MODES = {
     "route-slm": dict(mode="route", light="slm"),
     "speculate-ngram": dict(mode="speculate"),
     "speculate-slm": dict(mode="speculate", light="slm"),
+    "speculate-ngram+slm": dict(mode="speculate", light="ngram+slm"),
     "skip": dict(mode="skip", scorer="random", skip_ratio=0.5, protected_first=1, protected_last=0,
                  max_free_layers=1, re_eval_interval=1, fallback=None),
     "speculate+skip": dict(mode="speculate+skip", scorer="random", skip_ratio=0.5, protected_first=1,
@@ -90,7 +91,7 @@ def test_sampled_output_is_valid_too(mode, tiny_engine):
         assert parses_and_validates(got.text, INTENT), got.text
 
 
-@pytest.mark.parametrize("variant", ["full", "speculate-ngram", "speculate-slm", "route-ngram"])
+@pytest.mark.parametrize("variant", ["full", "speculate-ngram", "speculate-slm", "speculate-ngram+slm", "route-ngram"])
 def test_forced_tokens_are_exactly_the_tokens_a_masked_full_run_picks(variant, tiny_engine, monkeypatch):
     """Free forced tokens (and, for speculation, masked drafts) change no token: the reference
     runs a masked LLM step for every token. Route with the n-gram router is lossy in general,

@@ -57,6 +57,8 @@ LOSSLESS = {
     "speculate-ngram": dict(mode="speculate"),
     "speculate-ngram-fixed-8": dict(mode="speculate", draft_tokens=8, adaptive_draft=False),
     "speculate-slm": dict(mode="speculate", light="slm"),
+    "speculate-ngram+slm": dict(mode="speculate", light="ngram+slm"),
+    "speculate-ngram+slm-long-lookups": dict(mode="speculate", light="ngram+slm", lookup_min_match=1, lookup_tokens=8),
 }
 
 
@@ -74,6 +76,49 @@ def test_route_with_always_router_and_speculate_give_exactly_fulls_greedy_tokens
         assert drafted > 0
     if variant.startswith("speculate-ngram"):
         assert accepted > 0, "no n-gram draft was ever accepted: the test would prove nothing"
+
+
+def test_lookup_then_slm_drafts_by_lookup_where_the_match_is_long_and_by_the_slm_elsewhere(tiny_engine, full,
+                                                                                         monkeypatch):
+    from edgeroute.runtime.drafters import LookupThenSlmDrafter
+
+    proposals = []
+    propose = LookupThenSlmDrafter.propose
+    monkeypatch.setattr(LookupThenSlmDrafter, "propose",
+                        lambda self, tokens, k: proposals.append(propose(self, tokens, k)) or proposals[-1])
+    accepted_lookups = 0
+    for prompt in PROMPTS:
+        got = tiny_engine.generate(prompt, max_new_tokens=NEW, mode="speculate", light="ngram+slm", lookup_min_match=3)
+        assert got.tokens == full[prompt], prompt
+        accepted_lookups += sum(t.source == "draft:ngram" for t in got.trace)
+    assert all(p.match_length >= 3 for p in proposals if p.source == "ngram")
+    assert {p.source for p in proposals if p.tokens} == {"ngram", "slm"}
+    assert accepted_lookups > 0, "no lookup draft was accepted: the test would prove nothing"
+
+
+def test_lookup_then_slm_takes_the_lookup_only_from_min_match_on(tiny_engine):
+    from edgeroute.runtime.drafters import LookupThenSlmDrafter, SlmDrafter
+
+    slm = SlmDrafter(tiny_engine.slm)
+    tokens = [5, 6, 7, 8, 9, 5, 6, 7]  # the suffix [5, 6, 7] matched 3 tokens: the lookup continues [8, 9]
+    drafter = LookupThenSlmDrafter(NgramDrafter(), slm, min_match=3, lookup_tokens=2)
+    lookup = drafter.propose(tokens, 1)
+    assert (lookup.tokens, lookup.source, lookup.match_length) == ([8, 9], "ngram", 3)
+    stricter = LookupThenSlmDrafter(NgramDrafter(), slm, min_match=4, lookup_tokens=2).propose(tokens, 1)
+    assert stricter.source == "slm" and len(stricter.tokens) == 1
+    assert stricter.tokens == slm.propose(tokens, 1).tokens
+    with pytest.raises(ValueError, match="min_match"):
+        LookupThenSlmDrafter(NgramDrafter(), slm, min_match=0)
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(mode="route", light="ngram+slm"), "speculate only"),
+    (dict(mode="speculate", light="ngram+slm", lookup_tokens=0), "lookup_tokens"),
+    (dict(mode="speculate", light="ngram+slm", lookup_min_match=0), "lookup_min_match"),
+])
+def test_lookup_then_slm_refuses_what_it_cannot_do(tiny_engine, options, match):
+    with pytest.raises(InputError, match=match):
+        tiny_engine.generate("hi", max_new_tokens=2, **options)
 
 
 @pytest.mark.parametrize("right", ["all wrong", "partly right", "all right"])

@@ -51,6 +51,7 @@ SPLITS = ("train", "calibration", "validation")
 MIN_REPLAYED_SPEEDUP = 1.01  # a draft setting that replays slower than this is not worth a runtime run
 FITTED_DRAFTS = "speculate/slm+fitted"  # the runtime runs' name for speculate/slm with the fitted draft setting
 OVERALL_DRAFTS = "speculate/slm+overall"  # the overall fitted setting on every task (confirms tasks' own settings)
+LOOKUP_THEN_SLM = "speculate/ngram+slm"  # prompt lookup where its match is long, the SLM (fitted drafts) elsewhere
 MIN_SPEEDUP = 1.05  # below this a configuration's gain over full is within the timing noise of a shared machine
 SLM_BASELINES = {"entropy": TOP_K, "top1": TOP_K + 1, "margin": TOP_K + 2}  # column after the hidden state
 
@@ -318,6 +319,15 @@ class DraftingResult:
         return RunConfig(OVERALL_DRAFTS, {"mode": "speculate", "light": "slm", **self.fit.setting.options()})
 
 
+def lookup_then_slm(fitted: RunConfig | None) -> RunConfig:
+    """speculate/ngram+slm with the SLM drafting as ``fitted`` does (a task's own setting too);
+    the lookup's own settings stay the runtime's defaults (``DecodeOptions.lookup_min_match`` /
+    ``lookup_tokens``). Its runtime runs decide where it becomes a task's choice."""
+    if fitted is None:
+        return RunConfig(LOOKUP_THEN_SLM, {"mode": "speculate", "light": "ngram+slm"})
+    return RunConfig(LOOKUP_THEN_SLM, {**fitted.options, "light": "ngram+slm"}, dict(fitted.per_task))
+
+
 def confirm_task_drafts(runs: dict[str, list[dict[str, Any]]], drafting: DraftingResult,
                         fitted: RunConfig) -> list[str]:
     """Keep a task's own draft setting only where its runtime runs on the task's prompts were
@@ -462,6 +472,7 @@ def calibrate(bundle_path: str | Path, options: CalibrateOptions | None = None,
     fitted_drafts = drafting.run_config()
     if fitted_drafts is not None:
         configs.append(fitted_drafts)
+    configs.append(lookup_then_slm(fitted_drafts))
     overall_drafts = drafting.overall_config()
     if overall_drafts is not None:
         configs.append(overall_drafts)

@@ -24,7 +24,8 @@ from edgeroute.runtime.policies import Router, SkipOptions
 
 # characters whose token a JSON answer cannot get wrong and still parse
 FORMAT_CHARACTERS = frozenset('{}[]":,')
-AUTO_KEYS = ("mode", "light", "draft_tokens", "max_draft_tokens", "draft_confidence", "protect_format")
+AUTO_KEYS = ("mode", "light", "draft_tokens", "max_draft_tokens", "draft_confidence", "lookup_min_match", "lookup_tokens",
+             "protect_format")
 # skip options a calibrated profile or ``decoding["skip"]`` may set (flat SkipOptions fields)
 SKIP_KEYS = ("granularity", "scorer", "importance_threshold", "max_free_layers", "skip_ratio")
 DEFAULT_DRAFT_LENGTHS = (DecodeOptions.draft_tokens, DecodeOptions.max_draft_tokens)

@@ -216,7 +216,7 @@ class Constraint:
         masked /= total
         return replace(proposal, tokens=[int(np.argmax(masked))], probabilities=[masked], hidden=proposal.hidden[:1])
 
-    def draft(self, light, tokens: list[int], light_tokens: int, limit: int, source: str) -> Draft:
+    def draft(self, light, tokens: list[int], light_tokens: int, limit: int) -> Draft:
         """Up to ``light_tokens`` light-path tokens, each checked by the grammar, with the
         tokens it forces in between, ``limit`` tokens in all; it ends at the first light
         token the grammar rejects. The state is rolled back afterwards."""
@@ -236,7 +236,7 @@ class Constraint:
                     proposal = self.constrain(light.propose(sequence, 1)) if light_tokens > 0 else Proposal([], [])
                     if not proposal.tokens:
                         break
-                    token, origin = proposal.tokens[0], source
+                    token, origin = proposal.tokens[0], f"draft:{proposal.source or light.name}"
                     light_tokens -= 1
                 self.advance(token)
                 sequence.append(token)

@@ -24,7 +24,7 @@ import numpy as np
 from edgeroute.errors import InputError
 from edgeroute.runtime.backend import Cache, ModelBackend
 from edgeroute.runtime.constraints import Constraint, Draft, ResponseFormat, apply_mask
-from edgeroute.runtime.drafters import NgramDrafter, Proposal, SlmDrafter
+from edgeroute.runtime.drafters import LookupThenSlmDrafter, NgramDrafter, Proposal, SlmDrafter
 from edgeroute.runtime.model import RUN
 from edgeroute.runtime.policies import (
     LAYER_LETTERS,
@@ -39,7 +39,8 @@ from edgeroute.runtime.sampling import Sampler, top1_probability
 
 DEFAULT_ROUTE_THRESHOLD = 0.5
 MODES = ("full", "slm", "route", "speculate", "skip", "route+skip", "speculate+skip")
-LIGHT_PATHS = ("ngram", "slm")
+LIGHT_PATHS = ("ngram", "slm", "ngram+slm")  # ngram+slm: speculation only (drafters.LookupThenSlmDrafter)
+SLM_LIGHT_PATHS = ("slm", "ngram+slm")
 
 
 @dataclass
@@ -64,6 +65,10 @@ class DecodeOptions:
     # the SLM's draft ends before a token it gives less probability than this (0: never; None:
     # the bundle's calibrated value, else 0), fitted from the cost of an SLM step and an LLM row
     draft_confidence: float | None = None
+    # speculate --light ngram+slm: the lookup drafts where the sequence's suffix matched at least
+    # lookup_min_match earlier tokens, lookup_tokens at a time; the SLM drafts elsewhere
+    lookup_min_match: int = 3
+    lookup_tokens: int = 4
     skip: SkipOptions = field(default_factory=SkipOptions)
     fallback: FallbackOptions | None = field(default_factory=FallbackOptions)
     # structured output: a JSON schema, regex or grammar every token must fit (see constraints.py)
@@ -91,9 +96,15 @@ class DecodeOptions:
             raise InputError(f"mode {self.mode!r} is not one of {', '.join(MODES)}, auto")
         if self.light not in LIGHT_PATHS:
             raise InputError(f"light path {self.light!r} is not one of {', '.join(LIGHT_PATHS)}")
-        if (self.mode == "slm" or (self.light == "slm" and self.mode.split("+")[0] in ("route", "speculate"))) \
-                and not has_slm:
+        base = self.mode.split("+")[0]
+        if (self.mode == "slm" or (self.light in SLM_LIGHT_PATHS and base in ("route", "speculate"))) and not has_slm:
             raise InputError("this bundle has no SLM: use --light ngram, or export with --slm")
+        if self.light == "ngram+slm" and base == "route":
+            raise InputError("light path ngram+slm drafts for speculate only: route scores one light path with "
+                             "that path's router (use --light slm or --light ngram)")
+        if self.lookup_min_match < 1 or self.lookup_tokens < 1:
+            raise InputError(f"lookup_min_match and lookup_tokens must be >= 1 "
+                             f"(got {self.lookup_min_match}, {self.lookup_tokens})")
         if isinstance(self.router, str) and self.router not in ROUTERS:
             raise InputError(f"router {self.router!r} is not one of {', '.join(ROUTERS)}")
         if self.route_threshold is not None and not 0.0 <= self.route_threshold <= 1.0:
@@ -217,8 +228,14 @@ class Decoder:
         self.skipper = SkipController(options.skip, self.llm.num_layers) if "skip" in (base, extra) else None
         risky = base == "route" or self.skipper is not None  # speculation is lossless: nothing to guard
         self.monitor = FallbackMonitor(options.fallback) if options.fallback and risky else None
-        light = state.slm_drafter if options.light == "slm" else state.ngram_drafter
+        light = {"slm": state.slm_drafter, "ngram": state.ngram_drafter}.get(options.light)
+        if options.light == "ngram+slm":
+            light = LookupThenSlmDrafter(state.ngram_drafter, state.slm_drafter, options.lookup_min_match,
+                                         options.lookup_tokens)
         self.light = state.slm_drafter if base == "slm" else light
+        # the drafts whose acceptance the draft length follows (ngram+slm: the SLM's; the lookup's
+        # have their own length)
+        self.adaptive_source = f"draft:{getattr(self.light, 'adaptive_source', None) or self.light.name}"
         if state.slm_drafter is not None:
             state.slm_drafter.min_confidence = (options.draft_confidence or 0.0) if base == "speculate" else 0.0
         router = options.router or ("entropy" if options.light == "slm" else "ngram")
@@ -264,11 +281,10 @@ class Decoder:
     def _draft(self) -> Draft:
         """The light path's draft; under a grammar, checked token by token, with the tokens
         the grammar forces in between."""
-        source = f"draft:{self.light.name}"
         if self.constraint is None:
-            return Draft.unconstrained(self.light.propose(self.state.tokens, self.draft_length).tokens, source)
-        return self.constraint.draft(self.light, self.state.tokens, self.draft_length, self.options.max_draft_tokens,
-                                     source)
+            proposal = self.light.propose(self.state.tokens, self.draft_length)
+            return Draft.unconstrained(proposal.tokens, f"draft:{proposal.source or self.light.name}")
+        return self.constraint.draft(self.light, self.state.tokens, self.draft_length, self.options.max_draft_tokens)
 
     def step_llm(self) -> list[TokenTrace]:
         logits, trace = self._llm_pass([])
@@ -334,7 +350,7 @@ class Decoder:
         self.stats.accepted += accepted
         trace.token = chosen
         traces.append(trace)
-        if self.options.adaptive_draft and drafted:
+        if self.options.adaptive_draft and drafted and self.adaptive_source in draft.sources:
             if accepted == drafted:
                 self.draft_length = min(self.draft_length + 1, self.options.max_draft_tokens)
             elif accepted < drafted / 2:

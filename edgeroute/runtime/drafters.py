@@ -6,6 +6,11 @@
 - :class:`SlmDrafter`: the bundle's small model, greedy, with its own KV cache. With a
   reduced-vocabulary head it maps the head's columns back to token ids and never drafts a
   token outside them: where the head's "rest" column wins, the draft stops there.
+- :class:`LookupThenSlmDrafter` (``ngram+slm``, speculation only): the lookup's continuation
+  where the sequence's suffix matched at least ``min_match`` earlier tokens, else the SLM. An
+  answer that copies a span of its request (an address, a time, a JSON key) gets it drafted for
+  free and several tokens at a time, and the SLM drafts the words in between; the SLM catches
+  up on the copied tokens in one pass when it is next asked.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ class Proposal:
     match_count: int = 0  # n-gram: how often that suffix occurred earlier
     hidden: list[np.ndarray | None] = field(default_factory=list)  # SLM: last hidden state per token
     answer_position: int = 0  # tokens generated before the first proposed one (set by the decoder)
+    source: str = ""  # the drafter that proposed the tokens ("ngram", "slm"; "": the light path's name)
 
 
 class NgramDrafter:
@@ -59,8 +65,8 @@ class NgramDrafter:
             if hits.size:
                 start = int(hits[-1]) + 1
                 continuation = tokens[start:start + k]
-                return Proposal(continuation, [None] * len(continuation), n, int(hits.size))
-        return Proposal([], [])
+                return Proposal(continuation, [None] * len(continuation), n, int(hits.size), source=self.name)
+        return Proposal([], [], source=self.name)
 
     def reset(self) -> None:
         pass
@@ -118,7 +124,7 @@ class SlmDrafter:
         """Up to k greedy tokens of the SLM (catching up on tokens it has not seen first);
         fewer when a reduced head's rest column wins (a token it cannot draft comes next) or
         the next token's probability is below ``min_confidence``."""
-        proposal = Proposal([], [])
+        proposal = Proposal([], [], source=self.name)
         sequence = list(tokens)
         vocab = self.model.head_vocab
         for _ in range(k):
@@ -133,3 +139,30 @@ class SlmDrafter:
             proposal.hidden.append(self.last_hidden)
             sequence.append(token)
         return proposal
+
+
+class LookupThenSlmDrafter:
+    """Prompt lookup where its match is long enough to trust, the SLM elsewhere. The lookup's
+    drafts are ``lookup_tokens`` long (they cost no model step; a rejected one costs only its
+    verification row), the SLM's ``k`` (the decoder adapts it to the SLM's acceptance)."""
+
+    name = "ngram+slm"
+    adaptive_source = "slm"  # whose acceptance the decoder's draft length follows
+
+    def __init__(self, lookup: NgramDrafter, slm: SlmDrafter, min_match: int = 3, lookup_tokens: int = 4) -> None:
+        if min_match < 1 or lookup_tokens < 1:
+            raise ValueError(f"min_match and lookup_tokens must be >= 1 (got {min_match}, {lookup_tokens})")
+        self.lookup, self.slm = lookup, slm
+        self.min_match, self.lookup_tokens = min_match, lookup_tokens
+
+    def propose(self, tokens: list[int], k: int) -> Proposal:
+        lookup = self.lookup.propose(tokens, self.lookup_tokens)
+        if lookup.tokens and lookup.match_length >= self.min_match:
+            return lookup
+        return self.slm.propose(tokens, k)
+
+    def reset(self) -> None:
+        self.slm.reset()
+
+    def sync(self, tokens: list[int]) -> None:
+        self.slm.sync(tokens)

@@ -28,7 +28,14 @@ from edgeroute.runtime.attention import check_kv_dtype
 from edgeroute.runtime.backend import ModelBackend, open_model
 from edgeroute.runtime.calibrated import calibrated_options, format_token_ids
 from edgeroute.runtime.constraints import Constraint, GrammarCompiler
-from edgeroute.runtime.decoding import DecodeOptions, Decoder, GenerationStats, SequenceState, TokenTrace
+from edgeroute.runtime.decoding import (
+    SLM_LIGHT_PATHS,
+    DecodeOptions,
+    Decoder,
+    GenerationStats,
+    SequenceState,
+    TokenTrace,
+)
 from edgeroute.runtime.memory import check_fit
 from edgeroute.runtime.model import KVCache
 from edgeroute.runtime.routers import TrainedRouter
@@ -392,7 +399,7 @@ class Session:
         if state.llm_cache.length == 0:
             self.engine._copy_shared_prefix(state.tokens + turn.new, state.llm_cache)
         self.messages = turn.messages
-        if (options.mode == "slm" or options.light == "slm") and state.slm_drafter is None:
+        if (options.mode == "slm" or options.light in SLM_LIGHT_PATHS) and state.slm_drafter is None:
             state.attach_slm(self.engine.slm)
         drafter = state.slm_drafter
         if drafter is not None and not drafter.seen:
