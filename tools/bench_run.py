@@ -145,7 +145,9 @@ def all_configs(skip_ratio: float, lookup_tokens: int, draft_tokens: int = 4, al
         tag = f"[{alt_slm}]" if alt else ""
         configs += [Config(f"slm{tag}", "edgeroute", {"mode": "slm"}, "edgeroute-llm+slm", alt_slm=alt),
                     Config(f"speculate+slm{tag}", "edgeroute", {"mode": "speculate", "light": "slm"}, "edgeroute-llm+slm",
-                           alt_slm=alt)]
+                           alt_slm=alt),
+                    Config(f"speculate+ngram+slm{tag}", "edgeroute", {"mode": "speculate", "light": "ngram+slm"},
+                           "edgeroute-llm+slm", alt_slm=alt)]
         configs += [Config(f"route+slm@{t}{tag}", "edgeroute", {"mode": "route", "light": "slm", "route_threshold": t},
                            "edgeroute-llm+slm", f"route+slm{tag}", t, alt_slm=alt) for t in ROUTE_SLM_THRESHOLDS]
     for granularity in ("layer", "mlp"):
@@ -155,8 +157,8 @@ def all_configs(skip_ratio: float, lookup_tokens: int, draft_tokens: int = 4, al
     return configs
 
 
-QUICK_CONFIGS = ("llama.cpp", "llama.cpp+draft-slm", "full", "speculate+ngram", "speculate+slm", "route+ngram",
-                 "route+slm@0.15", "skip-layer@0.5", "skip-mlp@0.5")
+QUICK_CONFIGS = ("llama.cpp", "llama.cpp+draft-slm", "full", "speculate+ngram", "speculate+slm", "speculate+ngram+slm",
+                 "route+ngram", "route+slm@0.15", "skip-layer@0.5", "skip-mlp@0.5")
 PROFILE_CONFIGS = ("full", "speculate+ngram", "route+ngram")
 
 # -- workloads ----------------------------------------------------------------------------------
