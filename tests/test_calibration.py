@@ -19,6 +19,7 @@ from edgeroute.calibration.calibrate import (
     calibrate,
     choose_profiles,
     confirm_task_drafts,
+    lookup_then_slm,
 )
 from edgeroute.calibration.checks import echoes_instructions, task_pass
 from edgeroute.calibration.drafting import (
@@ -403,6 +404,22 @@ def test_json_profile_never_routes_format_tokens(tiny_engine):
     assert any(t.source == "llm" for t in guarded)
 
 
+def test_lookup_then_slm_runs_with_the_slms_fitted_drafts_and_can_become_a_tasks_choice():
+    costs = DraftCosts(slm_step=0.3, llm_pass=1.0, llm_row=0.15)
+    fit = lambda confidence, longest: DraftFit(DraftSetting(confidence, longest), costs, {}, 1.1)  # noqa: E731
+    fitted = DraftingResult(fit(0.2, 1), "", {}, {"json": fit(0.8, 2)}).run_config()
+    hybrid = lookup_then_slm(fitted)
+    assert hybrid.options_for("code") == {**fitted.options_for("code"), "light": "ngram+slm"}
+    assert hybrid.options_for("json")["draft_confidence"] == 0.8 and hybrid.options_for("json")["light"] == "ngram+slm"
+    del fitted.per_task["json"]  # confirm_task_drafts dropping json's own setting: the hybrid ran with it, keeps it
+    assert hybrid.options_for("json")["max_draft_tokens"] == 2
+    assert lookup_then_slm(None).options == {"mode": "speculate", "light": "ngram+slm"}
+    runs = {name: [{"task": "templated", "tokens": 33, "seconds": seconds, "llm_tokens": 5, "pass": True,
+                    "same_as_full": True}] for name, seconds in (("full", 1.0), (fitted.name, 0.8), (hybrid.name, 0.6))}
+    profiles = choose_profiles(runs, [RunConfig("full", {"mode": "full"}), fitted, hybrid])
+    assert profiles["templated"]["config"] == "speculate/ngram+slm" and profiles["templated"]["light"] == "ngram+slm"
+
+
 def test_calibrate_end_to_end_writes_a_section_the_runtime_reads(slm_bundle_copy, tmp_path):
     options = CalibrateOptions(budget=0.8, builtin_per_task=4, labels=SMALL, work=tmp_path / "work",
                                validation_prompts_per_task=1,
@@ -417,6 +434,7 @@ def test_calibrate_end_to_end_writes_a_section_the_runtime_reads(slm_bundle_copy
     assert calibration.figures["labels"]["positions"] > 0 and "default" in calibration.profiles
     for profile in calibration.profiles.values():
         assert profile["figures"][profile["config"]]["task_pass"] >= profile["figures"]["full"]["task_pass"]
+        assert "speculate/ngram+slm" in profile["figures"]
     for router in calibration.routers.values():
         assert router.figures["bound"]["bound"] <= 1 - 0.8 + 1e-9
     drafting = calibration.figures["drafting"]
