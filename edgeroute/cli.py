@@ -182,8 +182,8 @@ def _print_calibration(b) -> None:
                       shown(f.get("validation_tf_agreement"), ".2%"), shown(f.get("validation_llm_share"), ".0%"))
     console.print(table)
     table = Table(title="task profiles (mode auto)")
-    for column in ("task", "configuration", "speed vs full", "LLM share", "task pass (full)"):
-        table.add_column(column)
+    for column in ("task", "configuration", "x full", "LLM share", "task pass (full)"):
+        table.add_column(column, no_wrap=column == "configuration")  # names differ in their ends: shown whole
     for task, profile in c.profiles.items():
         f = profile["figures"][profile["config"]]
         full = profile["figures"]["full"]
