@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from edgeroute.errors import InputError
-from edgeroute.runtime.drafters import Proposal
+from edgeroute.runtime.drafters import Proposal, draft_source
 
 FORMAT_TYPES = ("json_schema", "json_object", "regex", "grammar", "text")
 # Minified JSON, as models write it when asked for JSON on one line (Qwen2.5 does unprompted):
@@ -236,7 +236,7 @@ class Constraint:
                     proposal = self.constrain(light.propose(sequence, 1)) if light_tokens > 0 else Proposal([], [])
                     if not proposal.tokens:
                         break
-                    token, origin = proposal.tokens[0], f"draft:{proposal.source or light.name}"
+                    token, origin = proposal.tokens[0], draft_source(proposal, light)
                     light_tokens -= 1
                 self.advance(token)
                 sequence.append(token)

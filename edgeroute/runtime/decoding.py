@@ -24,7 +24,7 @@ import numpy as np
 from edgeroute.errors import InputError
 from edgeroute.runtime.backend import Cache, ModelBackend
 from edgeroute.runtime.constraints import Constraint, Draft, ResponseFormat, apply_mask
-from edgeroute.runtime.drafters import LookupThenSlmDrafter, NgramDrafter, Proposal, SlmDrafter
+from edgeroute.runtime.drafters import LookupThenSlmDrafter, NgramDrafter, Proposal, SlmDrafter, draft_source
 from edgeroute.runtime.model import RUN
 from edgeroute.runtime.policies import (
     LAYER_LETTERS,
@@ -283,7 +283,7 @@ class Decoder:
         the grammar forces in between."""
         if self.constraint is None:
             proposal = self.light.propose(self.state.tokens, self.draft_length)
-            return Draft.unconstrained(proposal.tokens, f"draft:{proposal.source or self.light.name}")
+            return Draft.unconstrained(proposal.tokens, draft_source(proposal, self.light))
         return self.constraint.draft(self.light, self.state.tokens, self.draft_length, self.options.max_draft_tokens)
 
     def step_llm(self) -> list[TokenTrace]:

@@ -35,6 +35,12 @@ class Proposal:
     source: str = ""  # the drafter that proposed the tokens ("ngram", "slm"; "": the light path's name)
 
 
+def draft_source(proposal: Proposal, light) -> str:
+    """A drafted token's trace source: the drafter that proposed it (a light path that mixes
+    drafters names each), else the light path."""
+    return f"draft:{proposal.source or light.name}"
+
+
 class NgramDrafter:
     name = "ngram"
 
