@@ -92,6 +92,59 @@ def test_kernels_refuse_what_they_do_not_take():
         native.native_matmul("IQ2_XS", raw, (4, 512), np.zeros((1, 512), np.float32))
 
 
+def cache_rows(x: np.ndarray, kv_dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """[kv, positions, hd] floats as native cache rows, and the values those rows hold. An int8
+    row: its codes per 32 values at scale max|x| / 127, then the float32 scales' bytes."""
+    if kv_dtype != "int8":
+        rows = x.astype(kv_dtype)
+        return rows, rows.astype(np.float32)
+    blocks = x.reshape(*x.shape[:-1], -1, 32)
+    scales = (np.abs(blocks).max(-1, keepdims=True) / 127).astype(np.float32)
+    codes = np.rint(blocks / np.where(scales == 0, 1, scales)).astype(np.int8)
+    rows = np.concatenate([codes.reshape(x.shape), scales.view(np.int8).reshape(*x.shape[:-1], -1)], -1)
+    return rows, (codes * scales).reshape(x.shape)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kernels", ["auto", "avx2", "generic"])
+@pytest.mark.parametrize("kv_dtype,head_dim", [("float32", 8), ("float32", 24), ("float16", 72), ("float32", 136),
+                                               ("float16", 64), ("int8", 32), ("int8", 96), ("int8", 128)])
+def test_attention_kernels_match_a_softmax_over_the_cache(kernels, kv_dtype, head_dim):
+    """Every head_dim the kernels take (a multiple of 8; of 32 for int8), whole and partial vectors
+    on each kernel set, over more than one 256-position segment, causal rows, dropped positions."""
+    if unavailable(kernels):
+        pytest.skip(f"the {kernels} kernels do not build here: {unavailable(kernels)}")
+    rng = np.random.default_rng(head_dim)
+    heads, kv_heads, capacity, start, m = 6, 2, 640, 597, 3
+    rows, held = {}, {}
+    for name in ("keys", "values"):
+        x = rng.standard_normal((kv_heads, capacity, head_dim)).astype(np.float32)
+        rows[name], held[name] = cache_rows(x, kv_dtype)
+    q = rng.standard_normal((m, heads, head_dim)).astype(np.float32)
+    masked = np.zeros(capacity, bool)
+    masked[100:180] = True
+    got = native.native_attention(q, rows["keys"], rows["values"], start, kv_dtype, masked, kernels=kernels)
+    group = heads // kv_heads
+    for i in range(m):
+        seen = ~masked[:start + i + 1]
+        for h in range(heads):
+            k, v = held["keys"][h // group, :start + i + 1][seen], held["values"][h // group, :start + i + 1][seen]
+            scores = k.astype(np.float64) @ q[i, h] / np.sqrt(head_dim)
+            p = np.exp(scores - scores.max())
+            np.testing.assert_allclose(got[i, h], p @ v / p.sum(), rtol=2e-4, atol=2e-5)
+
+
+def test_attention_kernels_refuse_shapes_they_do_not_take():
+    if UNAVAILABLE:
+        pytest.skip(UNAVAILABLE)
+    keys = np.zeros((1, 16, 40), np.int8)  # an int8 row of head_dim 36 would need 36 % 32 == 0
+    with pytest.raises(InputError, match="not int8 cache rows"):
+        native.native_attention(np.zeros((1, 1, 36), np.float32), keys, keys, 0, "int8")
+    keys = np.zeros((1, 16, 8), np.float32)
+    with pytest.raises(InputError, match="shapes the kernels do not take"):
+        native.native_attention(np.zeros((1, 1, 8), np.float32), keys, keys, 16, "float32")  # past the capacity
+
+
 @pytest.fixture(scope="module")
 def demo(smollm2_bundles):
     return Bundle.open(smollm2_bundles["int4"][0])

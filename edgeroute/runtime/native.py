@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edgeroute.bundle import NATIVE_FORMATS, Bundle, NativeTensor
+from edgeroute.bundle import NATIVE_FORMATS, Bundle, NativeTensor, kv_row_bytes
 from edgeroute.cpu import cpu_signature
 from edgeroute.errors import BundleError, InputError, NativeBackendUnavailable
 from edgeroute.rope import rope_tables
@@ -48,7 +48,7 @@ from edgeroute.runtime.attention import KVCache, check_kv_dtype
 from edgeroute.runtime.model import DROP, RUN, SKIP, SKIP_MLP, LayerPlan, LayerwiseModel, plan_action
 
 SOURCE_NAME = "edgeroute_native.c"
-LIBRARY_VERSION = 3  # er_version() of the C source this module drives
+LIBRARY_VERSION = 4  # er_version() of the C source this module drives
 KERNELS = ("auto", "x86", "avx2", "generic")
 KERNEL_NAMES = {0: "generic", 1: "avx2", 2: "avx512-vnni"}  # er_kernels()
 REQUIRED_FLAGS = ("avx2", "fma", "f16c")
@@ -191,6 +191,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         "er_head_scratch_bytes": ([i32, i32], size),
         "er_matmul": ([ctypes.POINTER(_Matrix), pointer, i32, pointer, i32, pointer], i32),
         "er_matmul_scratch_bytes": ([i32, i32], size),
+        "er_attention": ([ctypes.POINTER(_Dims), pointer, pointer, pointer, pointer, i32, i32, pointer, pointer], i32),
         "er_dequantize_rows": ([ctypes.POINTER(_Matrix), pointer, i32, pointer], i32),
         "er_pack_bytes": ([ctypes.POINTER(_Matrix)], size),
         "er_pack": ([ctypes.POINTER(_Matrix), pointer], i32),
@@ -448,4 +449,29 @@ def native_dequantize(tensor_format: str, blocks: np.ndarray, shape: tuple[int, 
     out = np.empty((rows.shape[0], shape[1]), np.float32)
     if lib.er_dequantize_rows(ctypes.byref(matrix), _address(rows), rows.shape[0], _address(out)) != 0:
         raise InputError(f"rows {rows.tolist()} are outside a matrix of {shape[0]} rows")
+    return out
+
+
+def native_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int, kv_dtype: str = "float32",
+                     masked: np.ndarray | None = None, threads: int | None = None,
+                     kernels: str = "auto") -> np.ndarray:
+    """Attention of ``q`` [M, heads, head_dim] (rotated) at positions ``start``.. over one layer's
+    heads-first cache rows ``keys`` / ``values`` [kv_heads, capacity, row] in the native cache
+    format of ``kv_dtype`` (positions up to ``start + M`` filled), causal; ``masked``
+    [capacity] bool drops positions. Returns [M, heads, head_dim]."""
+    lib = native_library(kernels)
+    q = np.ascontiguousarray(q, np.float32)
+    m, heads, head_dim = q.shape
+    keys, values = (np.ascontiguousarray(a, check_kv_dtype(kv_dtype)) for a in (keys, values))
+    kv_heads, capacity, row = keys.shape
+    if values.shape != keys.shape or row * keys.itemsize != kv_row_bytes(head_dim, kv_dtype):
+        raise InputError(f"keys {keys.shape} and values {values.shape} are not {kv_dtype} cache rows of head_dim {head_dim}")
+    dims = _Dims(0, heads, kv_heads, head_dim, 0, capacity, 0.0, threads or os.cpu_count() or 1, KV_FORMATS[kv_dtype])
+    drops = None if masked is None else np.ascontiguousarray(masked, np.uint8)
+    out = np.empty_like(q)
+    scratch = np.empty(lib.er_scratch_bytes(ctypes.byref(dims), m), np.uint8)
+    if lib.er_attention(ctypes.byref(dims), _address(q), _address(keys), _address(values),
+                        None if drops is None else _address(drops), m, start, _address(out), _address(scratch)) != 0:
+        raise InputError(f"attention of {m} rows at {start} over {kv_heads} x {capacity} positions of head_dim "
+                         f"{head_dim} ({kv_dtype}): shapes the kernels do not take")
     return out
