@@ -121,6 +121,8 @@ def test_attention_kernels_match_a_softmax_over_the_cache(kernels, kv_dtype, hea
         x = rng.standard_normal((kv_heads, capacity, head_dim)).astype(np.float32)
         rows[name], held[name] = cache_rows(x, kv_dtype)
     q = rng.standard_normal((m, heads, head_dim)).astype(np.float32)
+    # an int8 cache's scores are the query's quantized like the rows (per 32 values)
+    q_held = cache_rows(q, kv_dtype)[1] if kv_dtype == "int8" else q
     masked = np.zeros(capacity, bool)
     masked[100:180] = True
     got = native.native_attention(q, rows["keys"], rows["values"], start, kv_dtype, masked, kernels=kernels)
@@ -129,7 +131,7 @@ def test_attention_kernels_match_a_softmax_over_the_cache(kernels, kv_dtype, hea
         seen = ~masked[:start + i + 1]
         for h in range(heads):
             k, v = held["keys"][h // group, :start + i + 1][seen], held["values"][h // group, :start + i + 1][seen]
-            scores = k.astype(np.float64) @ q[i, h] / np.sqrt(head_dim)
+            scores = k.astype(np.float64) @ q_held[i, h] / np.sqrt(head_dim)
             p = np.exp(scores - scores.max())
             np.testing.assert_allclose(got[i, h], p @ v / p.sum(), rtol=2e-4, atol=2e-5)
 

@@ -65,6 +65,7 @@ typedef struct {
 } er_dims;
 
 #define KV_MAX_HEAD_DIM 256
+#define KV_QUERY_STRIDE KV_MAX_HEAD_DIM /* a head's query codes apart (block_scores) */
 
 /* A cache row (one position of one KV head, head_dim values): float32, float16, or int8 codes
  * per 32 values at scale max|x| / 127 followed by the head_dim / 32 float32 scales */
@@ -1382,6 +1383,59 @@ INLINE void head_scores(const float *q, size_t q_stride, int nh, const uint8_t *
     }
 }
 
+#if defined(PACKED_512)
+#define SCORES_INT8_VNNI 1
+/* An int8 cache's scores as integer dot products, 64 codes per vpdpbusd (query_codes has
+ * quantized the heads' queries per 32 values like the rows): the rows' codes are made unsigned
+ * (+128: an xor) and each accumulator starts at -128 x the query codes' sums of 4, which undoes
+ * it; a lane's int32 then turns float at the product of the two scales of its 32 values. Per row
+ * and head this is 4 instructions in place of 8 (hd 64; the float path widened and scaled the
+ * codes), and it needs no widened copy of the row. */
+INLINE void head_scores_int8(const int8_t *codes, const float *qd, int nh, const uint8_t *rows, size_t bytes, int n,
+                             int hd, float *sc, size_t sc_stride) {
+    const int chunks = (hd + 63) / 64;
+    const __m512i lane_block = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m512i qc[HEAD_BLOCK][KV_MAX_HEAD_DIM / 64], undo[HEAD_BLOCK][KV_MAX_HEAD_DIM / 64];
+    __m512 qs[HEAD_BLOCK][KV_MAX_HEAD_DIM / 64];
+    for (int h = 0; h < nh; h++)
+        for (int ch = 0; ch < chunks; ch++) {
+            qc[h][ch] = _mm512_loadu_si512(codes + h * KV_QUERY_STRIDE + 64 * ch); /* zero past hd */
+            undo[h][ch] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), flip, qc[h][ch]));
+            qs[h][ch] = _mm512_permutexvar_ps(lane_block, _mm512_castps128_ps512(_mm_loadu_ps(qd + h * KV_QUERY_STRIDE / 32 + 2 * ch)));
+        }
+    for (int t = 0; t < n; t += 4) {
+        const uint8_t *r[4];
+        __m512 acc[HEAD_BLOCK][4];
+        UNROLL_TILE for (int j = 0; j < 4; j++) r[j] = rows + (size_t)(t + j < n ? t + j : t) * bytes;
+        prefetch_rows(rows + (size_t)(t + PREFETCH_ROWS) * bytes, 4 * bytes);
+        UNROLL_TILE for (int h = 0; h < nh; h++)
+            UNROLL_TILE for (int j = 0; j < 4; j++) acc[h][j] = _mm512_setzero_ps();
+        for (int ch = 0; ch < chunks; ch++) {
+            const int full = hd - 64 * ch >= 64; /* else 32 codes and one scale */
+            __m512i k[4];
+            __m512 kd[4];
+            UNROLL_TILE for (int j = 0; j < 4; j++) {
+                const uint8_t *at = r[j] + 64 * ch;
+                const float *scales = (const float *)(r[j] + hd) + 2 * ch;
+                k[j] = _mm512_xor_si512(full ? _mm512_loadu_si512(at) : _mm512_maskz_loadu_epi8(0xffffffffULL, at), flip);
+                kd[j] = _mm512_permutexvar_ps(lane_block, _mm512_castps128_ps512(_mm_maskz_loadu_ps(full ? 3 : 1, scales)));
+            }
+            UNROLL_TILE for (int h = 0; h < nh; h++)
+                UNROLL_TILE for (int j = 0; j < 4; j++) {
+                    const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(undo[h][ch], k[j], qc[h][ch]));
+                    acc[h][j] = _mm512_fmadd_ps(dot, _mm512_mul_ps(kd[j], qs[h][ch]), acc[h][j]);
+                }
+        }
+        UNROLL_TILE for (int h = 0; h < nh; h++) {
+            __m256 folded[4];
+            UNROLL_TILE for (int j = 0; j < 4; j++) folded[j] = att_fold(acc[h][j]);
+            _mm_storeu_ps(sc + h * sc_stride + t, sums4(folded));
+        }
+    }
+}
+#endif
+
 /* sc holds len scores, padded with -inf to a multiple of 8 */
 INLINE float exp_segment(float *sc, int len, float *sum) {
     __m256 top = _mm256_set1_ps(-INFINITY);
@@ -1503,6 +1557,40 @@ static void kv_store(void *cache, size_t row, const float *x, int hd, int format
         }
 }
 
+/* An int8 cache's scores are those of the query quantized like its rows, per 32 values (as
+ * llama.cpp's q8_0 cache does): integer dot products where the CPU has VNNI, the dequantized
+ * query's float products elsewhere; the kernel sets agree to float rounding. codes: nh x
+ * KV_QUERY_STRIDE, zero past hd; qd: nh x KV_QUERY_STRIDE / 32 (+ 4) scales, times `scale`. */
+static void query_codes(const float *q, size_t q_stride, int nh, int hd, float scale, int8_t *codes, float *qd) {
+    memset(codes, 0, (size_t)nh * KV_QUERY_STRIDE);
+    memset(qd, 0, ((size_t)nh * KV_QUERY_STRIDE / 32 + 4) * sizeof(float));
+    for (int h = 0; h < nh; h++)
+        for (int b = 0; b < hd / 32; b++) {
+            const float *x = q + h * q_stride + 32 * b;
+            qd[h * KV_QUERY_STRIDE / 32 + b] = scale * quantize32(x, codes + h * KV_QUERY_STRIDE + 32 * b, max_abs(x, 32));
+        }
+}
+
+INLINE void block_scores(const float *q, size_t q_stride, int nh, const uint8_t *rows, size_t bytes, int n, int hd,
+                         int format, float scale, float *sc, size_t sc_stride) {
+    if (format != KV_INT8) {
+        head_scores(q, q_stride, nh, rows, bytes, n, hd, format, scale, sc, sc_stride);
+        return;
+    }
+    int8_t codes[HEAD_BLOCK * KV_QUERY_STRIDE] __attribute__((aligned(64)));
+    float qd[HEAD_BLOCK * KV_QUERY_STRIDE / 32 + 4];
+    query_codes(q, q_stride, nh, hd, scale, codes, qd);
+#if defined(SCORES_INT8_VNNI)
+    head_scores_int8(codes, qd, nh, rows, bytes, n, hd, sc, sc_stride);
+#else
+    float dequantized[HEAD_BLOCK * KV_QUERY_STRIDE];
+    for (int h = 0; h < nh; h++)
+        for (int c = 0; c < hd; c++)
+            dequantized[h * KV_QUERY_STRIDE + c] = codes[h * KV_QUERY_STRIDE + c] * qd[h * KV_QUERY_STRIDE / 32 + c / 32];
+    head_scores(dequantized, KV_QUERY_STRIDE, nh, rows, bytes, n, hd, format, 1.0f, sc, sc_stride);
+#endif
+}
+
 /* the heads h0.. of a KV group in blocks of at most HEAD_BLOCK (1 or 3), each block's head count
  * nh a constant where the kernels inline into `body` (their accumulators stay in registers) */
 #define FOR_HEAD_BLOCKS(G, h0, nh, body)                                                           \
@@ -1539,7 +1627,7 @@ INLINE void attention_of(const void *kcache, const void *vcache, const float *q,
             const uint8_t *vrows = (const uint8_t *)vcache + ((size_t)g * cap + first) * bytes;
             const float *qg = q + ((size_t)i * H + (size_t)g * G) * hd;
             float *part = partials + ((size_t)ig * S + seg) * G * stride;
-            FOR_HEAD_BLOCKS(G, h0, nh, head_scores(qg + (size_t)h0 * hd, hd, nh, krows, bytes, len, hd, format, scale,
+            FOR_HEAD_BLOCKS(G, h0, nh, block_scores(qg + (size_t)h0 * hd, hd, nh, krows, bytes, len, hd, format, scale,
                                                    thread_scores + h0 * sc_stride, sc_stride))
             for (int h = 0; h < G; h++) {
                 float *sv = thread_scores + h * sc_stride, *ph = part + (size_t)h * stride;
