@@ -1291,6 +1291,13 @@ INLINE void floats_to_halves(const float *from, size_t n, uint16_t *to) {
  * vector), else 8 (head_dim is a multiple of 8: never a partial vector). The two widths do the
  * same per-lane arithmetic in different groupings; a build uses one, so a row's bits never
  * depend on anything but the row. */
+#if defined(__AVX512F__)
+/* the two 8-float halves added (their lanes' sums are the vector's) */
+INLINE __m256 fold512(__m512 v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+#endif
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define ATT_LANES 16
 #define ATT_FULL ((__mmask16)0xffff)
@@ -1307,10 +1314,7 @@ INLINE void att_store(float *p, att_vec v, att_mask m) {
     else _mm512_mask_storeu_ps(p, m, v);
 }
 INLINE att_vec att_fmadd(att_vec a, att_vec b, att_vec c) { return _mm512_fmadd_ps(a, b, c); }
-/* the two 8-float halves added (their lanes' sums are the vector's) */
-INLINE __m256 att_fold(att_vec v) {
-    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-}
+INLINE __m256 att_fold(att_vec v) { return fold512(v); }
 /* values c..c+15 of a cache row as float32 (an int8 row's 16 lie in one 32-value block) */
 INLINE att_vec kv_vec(const uint8_t *row, int c, int hd, int format, att_mask m) {
     const int full = m == ATT_FULL;
@@ -1429,7 +1433,7 @@ INLINE void head_scores_int8(const int8_t *codes, const float *qd, int nh, const
         }
         UNROLL_TILE for (int h = 0; h < nh; h++) {
             __m256 folded[4];
-            UNROLL_TILE for (int j = 0; j < 4; j++) folded[j] = att_fold(acc[h][j]);
+            UNROLL_TILE for (int j = 0; j < 4; j++) folded[j] = fold512(acc[h][j]);
             _mm_storeu_ps(sc + h * sc_stride + t, sums4(folded));
         }
     }
