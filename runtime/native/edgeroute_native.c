@@ -1670,6 +1670,14 @@ INLINE void attention_of(const void *kcache, const void *vcache, const float *q,
     }
 }
 
+/* whether attention takes rows pos0..pos0 + M - 1 of a cache of D's shape: within its capacity, a
+ * head_dim the kernels read (a multiple of 8, of 32 for int8 rows' scales, at most KV_MAX_HEAD_DIM) */
+static int attention_takes(const er_dims *D, int M, int pos0) {
+    const int hd = D->head_dim;
+    return pos0 >= 0 && pos0 + M <= D->capacity && hd % 8 == 0 && hd <= KV_MAX_HEAD_DIM &&
+           !(D->kv_format == KV_INT8 && hd % 32);
+}
+
 static void attention(const void *kcache, const void *vcache, const float *q, const uint8_t *masked,
                       const er_dims *D, int M, int pos0, float *scores, float *partials, float *out) {
     /* one copy of the loop per format: the conversion inlines into it */
@@ -1691,10 +1699,7 @@ int er_layer_forward(const er_layer *L, const er_dims *D, float *x, int M, int p
                      const float *sin_t, void *kcache, void *vcache, const uint8_t *masked, int mode,
                      void *scratch_memory) {
     const int d = D->hidden, H = D->heads, KV = D->kv_heads, hd = D->head_dim, F = D->ffn, cap = D->capacity;
-    if (pos0 < 0 || pos0 + M > cap || d % 32 || F % 32 || (H * hd) % 32 || hd % 8 || hd > KV_MAX_HEAD_DIM ||
-        (D->kv_format == KV_INT8 && hd % 32) || mode < 0 ||
-        mode > 2)
-        return -1;
+    if (!attention_takes(D, M, pos0) || d % 32 || F % 32 || (H * hd) % 32 || mode < 0 || mode > 2) return -1;
     carver c = {(char *)scratch_memory, 0};
     const layer_scratch s = carve_layer(&c, D, M);
     const int forms_qkv = forms_for(mode == 2 ? NULL : &L->q, &L->k, &L->v);
@@ -1775,10 +1780,7 @@ int er_head(const er_matrix *head, const float *norm, const er_dims *D, const fl
  * D->kv_format, positions 0..pos0 + M - 1 filled); scratch: er_scratch_bytes(D, M) */
 int er_attention(const er_dims *D, const float *q, const void *kcache, const void *vcache, const uint8_t *masked,
                  int M, int pos0, float *out, void *scratch_memory) {
-    const int hd = D->head_dim;
-    if (M < 1 || pos0 < 0 || pos0 + M > D->capacity || D->kv_heads < 1 || D->heads % D->kv_heads || hd % 8 ||
-        hd > KV_MAX_HEAD_DIM || (D->kv_format == KV_INT8 && hd % 32))
-        return -1;
+    if (!attention_takes(D, M, pos0) || M < 1 || D->kv_heads < 1 || D->heads % D->kv_heads) return -1;
     carver c = {(char *)scratch_memory, 0};
     const layer_scratch s = carve_layer(&c, D, M);
 #pragma omp parallel num_threads(D->threads)
