@@ -136,9 +136,8 @@ def test_attention_kernels_match_a_softmax_over_the_cache(kernels, kv_dtype, hea
             np.testing.assert_allclose(got[i, h], p @ v / p.sum(), rtol=2e-4, atol=2e-5)
 
 
+@needs_kernels
 def test_attention_kernels_refuse_shapes_they_do_not_take():
-    if UNAVAILABLE:
-        pytest.skip(UNAVAILABLE)
     keys = np.zeros((1, 16, 40), np.int8)  # an int8 row of head_dim 36 would need 36 % 32 == 0
     with pytest.raises(InputError, match="not int8 cache rows"):
         native.native_attention(np.zeros((1, 1, 36), np.float32), keys, keys, 0, "int8")
