@@ -211,9 +211,10 @@ def run(
                                 "allow, else ONNX Runtime"),
     attention: str = typer.Option(None, help="attention graphs: auto | portable | ort (default: the device "
                                              "profile's, else auto)"),
-    kv_dtype: str = typer.Option(None, help="KV cache element type: float32 | float16 (half the memory; native or "
-                                            "portable attention) | int8 (0.28x; native backend only); default: the "
-                                            "device profile's, else float32"),
+    kv_dtype: str = typer.Option(None, help="KV cache element type: auto (float16 on the native backend, float32 on "
+                                            "ONNX Runtime) | float32 | float16 (half the memory; native or portable "
+                                            "attention) | int8 (0.28x; native backend only); default: the device "
+                                            "profile's, else auto"),
     exact_steps: bool = typer.Option(False, "--exact-steps", help="run the LLM's one-token steps as two rows: "
                                      "`full` then gives exactly the tokens `speculate` gives (~10%% slower full)"),
     system: str = typer.Option(None, help="system prompt that opens the conversation (chat template only)"),
@@ -272,7 +273,7 @@ def run(
         engine = Engine(opened, providers=settings.providers if settings else None, context_length=context_length,
                         memory_budget=settings.memory_budget if settings else None, slm=not no_slm,
                         attention=attention or (settings.attention if settings else "auto"), exact_steps=exact_steps,
-                        kv_dtype=kv_dtype or (settings.kv_dtype if settings else "float32"), backend=backend)
+                        kv_dtype=kv_dtype or (settings.kv_dtype if settings else "auto"), backend=backend)
         decoding = {**(settings.decoding if settings else {}), **overrides}
         if mode == "auto" and "task" not in decoding:
             raise EdgerouteError("--mode auto picks the calibrated configuration of a task profile: add "

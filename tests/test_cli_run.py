@@ -46,8 +46,8 @@ def test_attention_kv_dtype_and_exact_steps_come_from_the_profile_or_the_options
     narrow = tmp_path / "narrow.json"
     narrow.write_text(json.dumps({"extends": "cpu", "kv_dtype": "float16"}))
     for args, attention, exact, kv_dtype in (
-            (["--profile", str(device)], "ort", False, "float32"),
-            (["--profile", str(device), "--attention", "portable", "--exact-steps"], "portable", True, "float32"),
+            (["--profile", str(device)], "ort", False, "auto"),
+            (["--profile", str(device), "--attention", "portable", "--exact-steps"], "portable", True, "auto"),
             (["--profile", str(narrow)], "auto", False, "float16"),
             (["--kv-dtype", "float16"], "auto", False, "float16")):
         result = runner.invoke(app, ["run", str(tiny_slm_bundle), "--prompt", "a b a b", "--raw", "--max-tokens", "4",
@@ -60,7 +60,7 @@ def test_attention_kv_dtype_and_exact_steps_come_from_the_profile_or_the_options
 def test_run_rejects_bad_options_with_a_clear_error(tiny_slm_bundle):
     for args, message in ((["--mode", "turbo"], "mode 'turbo'"), (["--skip-ratio", "1.5", "--mode", "skip"], "skip_ratio"),
                           (["--profile", "nosuch"], "profile 'nosuch' not found"),
-                          (["--kv-dtype", "int4"], "KV dtype 'int4' is not one of float32, float16, int8")):
+                          (["--kv-dtype", "int4"], "KV dtype 'int4' is not one of auto, float32, float16, int8")):
         result = runner.invoke(app, ["run", str(tiny_slm_bundle), "--prompt", "hi", *args])
         assert result.exit_code == 2, result.output
         assert "error:" in result.output and message in " ".join(result.output.split())

@@ -13,6 +13,7 @@ from edgeroute.bundle import NATIVE_FORMATS, Bundle
 from edgeroute.errors import BundleError, InputError, NativeBackendUnavailable
 from edgeroute.export.gguf_blocks import decode_gguf_tensor
 from edgeroute.runtime import Engine
+from edgeroute.runtime.memory import estimate
 from edgeroute.runtime.model import DROP, RUN, SKIP, SKIP_MLP, OrtModel
 
 native = pytest.importorskip("edgeroute.runtime.native")
@@ -157,7 +158,7 @@ def models(demo, request):
     on the generic ones (what Arm CPUs run), and the ONNX Runtime model of the same bundle."""
     if unavailable(request.param):
         pytest.skip(f"the {request.param} kernels do not build here: {unavailable(request.param)}")
-    return native.NativeModel(demo, kernels=request.param), OrtModel(demo)
+    return native.NativeModel(demo, kv_dtype="float32", kernels=request.param), OrtModel(demo)
 
 
 def alike(model, bundle: Bundle, kv_dtype: str):
@@ -338,6 +339,23 @@ def test_a_narrow_cache_keeps_the_float32_choices_and_exact_steps(demo, models, 
     prompt = "List three things to check before a long drive."
     full_run = engine.session(mode="full", max_new_tokens=32).generate(prompt)
     assert engine.session(mode="speculate", max_new_tokens=32).generate(prompt).tokens == full_run.tokens
+
+
+@needs_kernels
+def test_the_default_cache_is_fp16_on_the_native_backend_and_fp32_on_onnx_runtime(demo):
+    """kv_dtype='auto', the default: half the bytes per position where the native kernels run
+    (their answers differ from the fp32 cache's as much as fp32's own do between kernel sets:
+    README), fp32 where ONNX Runtime's graphs do; the fit check counts the cache it will be."""
+    default = Engine(demo, slm=False)
+    assert (default.llm.flavour, default.llm.kv_dtype) == ("native", "float16")
+    assert Engine(demo, slm=False, backend="onnxruntime").llm.kv_dtype == "float32"
+    assert Engine(demo, slm=False, kv_dtype="float32").llm.kv_dtype == "float32"
+    fp16 = estimate(demo, default.context_length, "float16", slm=False)
+    Engine(demo, slm=False, memory_budget=fp16.total)
+    with pytest.raises(InputError, match="more than the memory budget .*kv_dtype='float16'"):
+        Engine(demo, slm=False, memory_budget=fp16.total, backend="onnxruntime")
+    with pytest.raises(InputError, match="'bfloat16' is not one of auto, float32, float16, int8"):
+        Engine(demo, kv_dtype="bfloat16")
 
 
 @pytest.mark.slow

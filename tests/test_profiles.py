@@ -47,7 +47,7 @@ def test_jetson_profiles_carry_usable_memory_default_context_and_tensorrt(name):
     ({"memory": {"usable_gib": -1}}, "usable_gib must be > 0"),
     ({"memory": {"default_context": 0}}, "default_context >= 1"),
     ({"attention": "flash"}, "attention 'flash' is not one of auto, portable, ort"),
-    ({"kv_dtype": "int4"}, "kv_dtype .int4. is not one of float32, float16, int8"),
+    ({"kv_dtype": "int4"}, "kv_dtype .int4. is not one of auto, float32, float16, int8"),
     ({"extends": "nosuch"}, "profile 'nosuch' not found; known profiles: .*jetson-orin"),
 ])
 def test_malformed_profile_is_an_input_error_naming_the_file_and_key(data, message, tmp_path):

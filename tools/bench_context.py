@@ -1,6 +1,7 @@
 """Speed and memory over context length: edgeroute (the native backend, each ONNX Runtime
-attention flavour; ``:float16`` or ``:int8`` (native) after one names the KV cache type, e.g.
-``edgeroute:native:float16``) vs llama.cpp.
+attention flavour; ``:float32``, ``:float16`` or ``:int8`` (native) after one names the KV
+cache type, e.g. ``edgeroute:native:float32``; without one, the backend's default: fp16 native,
+fp32 on ONNX Runtime) vs llama.cpp.
 
 Every case runs in a fresh subprocess (so one case's memory never shows in another's), and
 the cases are interleaved runtime by runtime and repeated (``--repeats``; medians reported),
@@ -16,6 +17,14 @@ one-token steps (no detokenizing).
 - **decode tok/s at context C**: the steps after the prefill. edgeroute: the LLM model's
   ``forward`` (the ``full`` path); llama.cpp: ``Llama.eval`` of one token after a greedy argmax of
   its logits.
+
+**Decode kept over context** (``--paired``): the runtime's decode at each context over its
+decode at the first, measured in one process per runtime: a sequence per context, prefilled
+once, then ``--rounds`` rounds of ``--steps`` steps at each context in alternating order (ABBA),
+each block truncated back to its context. Both contexts see the same load and the same
+process, so the ratio holds on a machine whose speed drifts from one minute to the next, where
+the medians of separate processes do not (no TTFT or RSS in this mode: one process holds every
+context's sequence).
 
 On a machine shared with other work, ``--clock cpu --threads 1`` times the process's CPU
 time instead of the wall clock: a single-threaded runtime's work per token, which other
@@ -62,7 +71,7 @@ def _text_ids(tokenizer_file: Path, n: int) -> list[int]:
 
 
 class EdgerouteCase:
-    def __init__(self, bundle: Path, flavour: str, kv_dtype: str = "float32") -> None:
+    def __init__(self, bundle: Path, flavour: str, kv_dtype: str = "auto") -> None:
         from edgeroute.runtime import Bundle
         from edgeroute.runtime.backend import open_model
 
@@ -78,6 +87,9 @@ class EdgerouteCase:
 
     def step(self, logits) -> object:
         return self.model.forward(self.cache, [int(logits.argmax())])
+
+    def truncate(self, length: int) -> None:
+        self.cache.truncate(length)
 
 
 class LlamaCppCase:
@@ -101,15 +113,23 @@ class LlamaCppCase:
         self.llm.eval([int(logits.argmax())])
         return self._last_logits()
 
+    def truncate(self, length: int) -> None:
+        self.llm.n_tokens = length  # the next eval drops the cache's positions from here on
+
+
+def open_case(spec: dict) -> EdgerouteCase | LlamaCppCase:
+    if spec["runtime"] == "llama.cpp":
+        return LlamaCppCase(Path(spec["gguf"]), spec["threads"], spec["n_ctx"])
+    return EdgerouteCase(Path(spec["bundle"]), *spec["runtime"].split(":")[1:])  # edgeroute:FLAVOUR[:KV_DTYPE]
+
 
 def worker(spec: dict) -> dict:
     """One case in this (fresh) process: load, prefill, decode; print a JSON record."""
     os.environ["EDGEROUTE_THREADS"] = str(spec["threads"])
+    if "contexts" in spec:
+        return paired_worker(spec)
     ids = _text_ids(Path(spec["tokenizer"]), spec["tokens"])
-    if spec["runtime"] == "llama.cpp":
-        case = LlamaCppCase(Path(spec["gguf"]), spec["threads"], spec["n_ctx"])
-    else:
-        case = EdgerouteCase(Path(spec["bundle"]), *spec["runtime"].split(":")[1:])  # edgeroute:FLAVOUR[:KV_DTYPE]
+    case = open_case(spec)
     clock = time.process_time if spec["clock"] == "cpu" else time.perf_counter
     load_rss = _status_bytes("VmRSS")
     _reset_peak()
@@ -122,6 +142,36 @@ def worker(spec: dict) -> dict:
         logits = case.step(logits)
     record["decode_tok_s"] = spec["steps"] / (clock() - start)
     return record
+
+
+def paired_worker(spec: dict) -> dict:
+    """Decode at every context of ``spec["contexts"]`` in this one process, in alternating rounds."""
+    contexts = spec["contexts"]
+    ids = _text_ids(Path(spec["tokenizer"]), max(contexts))
+    cases = {c: open_case(spec) for c in contexts}
+    logits = {c: cases[c].prefill(ids[:c]) for c in contexts}
+    clock = time.process_time if spec["clock"] == "cpu" else time.perf_counter
+    seconds = dict.fromkeys(contexts, 0.0)
+    for round_ in range(spec["rounds"]):
+        for c in contexts if round_ % 2 == 0 else contexts[::-1]:
+            last, start = logits[c], clock()
+            for _ in range(spec["steps"]):
+                last = cases[c].step(last)
+            seconds[c] += clock() - start
+            cases[c].truncate(c)
+    return {**spec, "decode_tok_s": {str(c): spec["rounds"] * spec["steps"] / seconds[c] for c in contexts}}
+
+
+def paired(args: argparse.Namespace, base: dict, runtimes: list[str], contexts: list[int]) -> dict:
+    records = []
+    for runtime in runtimes:
+        record = run_case({**base, "runtime": runtime, "contexts": contexts, "steps": args.steps,
+                           "rounds": args.rounds})
+        records.append(record)
+        rates = record["decode_tok_s"]
+        print(f"{runtime:26s} " + "  ".join(f"{c}: {rates[str(c)]:.1f}" for c in contexts) + " tok/s  kept: " +
+              "  ".join(f"{rates[str(c)] / rates[str(contexts[0])]:.0%}" for c in contexts[1:]), flush=True)
+    return {"records": records}
 
 
 def run_case(spec: dict) -> dict:
@@ -149,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="cpu: the process's CPU time (use with --threads 1 on a shared machine)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--paired", action="store_true",
+                        help="decode kept over context, every context in one process per runtime (see above)")
+    parser.add_argument("--rounds", type=int, default=8, help="--paired: alternating rounds of --steps per context")
     parser.add_argument("--out", type=Path, default=Path("bench-context.json"))
     args = parser.parse_args(argv)
     if args.worker:
@@ -164,6 +217,15 @@ def main(argv: list[str] | None = None) -> int:
             "tokenizer": str(bundle.file(bundle.tokenizer["file"])), "n_ctx": int(bundle.generation["context_length"])}
     runtimes = args.runtimes.split(",")
     contexts = [int(c) for c in args.contexts.split(",") if c]
+    if args.paired:
+        print(f"decode tok/s per context, one process per runtime, {args.rounds} alternating rounds of "
+              f"{args.steps} steps, {args.threads} thread(s), {args.clock} clock; kept = over the first context")
+        result = paired(args, base, runtimes, contexts)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, **result,
+                                        "load_average": os.getloadavg()}, indent=1))
+        print(f"\nwrote {args.out}")
+        return 0
     records: list[dict] = []
     for repeat in range(args.repeats):
         for tokens in contexts:

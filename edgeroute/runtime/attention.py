@@ -27,6 +27,7 @@ from edgeroute.bundle import KV_DTYPES, kv_row_bytes
 from edgeroute.errors import InputError
 
 MASKED = np.finfo(np.float32).min
+KV_DTYPE_CHOICES = ("auto", *KV_DTYPES)  # auto: the backend's default (backend.AUTO_KV_DTYPES)
 
 
 def check_kv_dtype(kv_dtype: str) -> str:

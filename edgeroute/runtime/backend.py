@@ -19,9 +19,9 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from edgeroute.arch import ArchConfig
-from edgeroute.bundle import GRAPH_KV_DTYPES, Bundle, ModelEntry
+from edgeroute.bundle import GRAPH_KV_DTYPES, KV_DTYPES, Bundle, ModelEntry
 from edgeroute.errors import InputError, NativeBackendUnavailable
-from edgeroute.runtime.attention import check_kv_dtype
+from edgeroute.runtime.attention import KV_DTYPE_CHOICES
 from edgeroute.runtime.model import LayerPlan
 from edgeroute.runtime.vocab import HeadVocabulary
 
@@ -95,38 +95,69 @@ def native_blocker(entry: ModelEntry, providers: Sequence[str] | None, activatio
     return None
 
 
-def open_model(bundle: Bundle, role: str, backend: str = "auto", providers: Sequence[str] | None = None,
-               activations: str = "int8", attention: str = "auto", exact_steps: bool = False,
-               kv_dtype: str = "float32") -> tuple[ModelBackend, str | None]:
-    """The model of ``role`` on ``backend``, and why ``auto`` did not take the native backend
-    (None where it did, or where a backend was named). ``auto`` takes the native backend where
-    the model has native weights, the settings are its own (CPU, attention auto, int8
-    activations) and the x86 kernels build here (the generic ones, on Arm, only when named);
-    otherwise ONNX Runtime."""
-    from edgeroute.runtime.model import OrtModel
-    from edgeroute.runtime.native import NativeModel, native_kernels
+# What kv_dtype="auto" (the default) keeps per backend. The native kernels' fp16 cache: its
+# answers differ from the fp32 cache's no more than fp32's own do between kernel sets (the
+# same arithmetic summed in another order; measurements in the README), llama.cpp's default
+# cache is fp16 too, and it reads half the bytes per position (decode at long context). On
+# ONNX Runtime the fp16 graphs' Casts cost ~10% decode on SmolLM2, so float32 stays there.
+AUTO_KV_DTYPES = {"native": "float16", "onnxruntime": "float32"}
+
+
+def resolve_kv_dtype(kv_dtype: str, backend: str) -> str:
+    """The cache element type ``kv_dtype`` means on ``backend`` ("native" or "onnxruntime")."""
+    if kv_dtype == "auto":
+        return AUTO_KV_DTYPES[backend]
+    if kv_dtype not in KV_DTYPES:
+        raise InputError(f"KV dtype {kv_dtype!r} is not one of {', '.join(KV_DTYPE_CHOICES)}")
+    return kv_dtype
+
+
+def backend_for(entry: ModelEntry, backend: str = "auto", providers: Sequence[str] | None = None,
+                activations: str = "int8", attention: str = "auto") -> tuple[str, str | None]:
+    """Which backend ``open_model`` runs the model on, "native" or "onnxruntime", without
+    loading it; and why ``auto`` did not take the native backend (None where it did, or where
+    a backend was named). ``auto`` takes the native backend where the model has native
+    weights, the settings are its own (CPU, attention auto, int8 activations) and the x86
+    kernels build here (the generic ones, on Arm, only when named); otherwise ONNX Runtime."""
+    from edgeroute.runtime.native import native_kernels
 
     if backend not in BACKENDS:
         raise InputError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
-    check_kv_dtype(kv_dtype)
+    if backend == "onnxruntime":
+        return "onnxruntime", None
+    why_not = native_blocker(entry, providers, activations, attention)
+    if why_not is None:
+        try:
+            if backend == "auto" and native_kernels() == "generic":
+                why_not = ("this CPU runs the generic native kernels, not measured against ONNX Runtime here: "
+                           "backend='native' opts in")
+        except NativeBackendUnavailable as err:
+            why_not = str(err)
+    if why_not is None:
+        return "native", None
+    if backend == "native":
+        raise NativeBackendUnavailable(f"backend='native' cannot run here: {why_not}")
+    return "onnxruntime", why_not
+
+
+def open_model(bundle: Bundle, role: str, backend: str = "auto", providers: Sequence[str] | None = None,
+               activations: str = "int8", attention: str = "auto", exact_steps: bool = False,
+               kv_dtype: str = "auto") -> tuple[ModelBackend, str | None]:
+    """The model of ``role`` on the backend :func:`backend_for` picks, and why ``auto`` did
+    not take the native backend (None where it did, or where a backend was named).
+    ``kv_dtype`` "auto": the backend's default cache (``AUTO_KV_DTYPES``)."""
+    from edgeroute.runtime.model import OrtModel
+    from edgeroute.runtime.native import NativeModel
+
+    resolve_kv_dtype(kv_dtype, "native")  # a wrong name fails before anything is chosen or loaded
     if role not in bundle.models:
         raise InputError(f"bundle {bundle.path} has no {role!r} model (it has: {', '.join(bundle.models)})")
-    why_not = None
-    if backend != "onnxruntime":
-        why_not = native_blocker(bundle.models[role], providers, activations, attention)
-        if why_not is None:
-            try:
-                if backend == "auto" and native_kernels() == "generic":
-                    why_not = ("this CPU runs the generic native kernels, not measured against ONNX Runtime here: "
-                               "backend='native' opts in")
-                else:
-                    return NativeModel(bundle, role, kv_dtype=kv_dtype), None
-            except NativeBackendUnavailable as err:
-                why_not = str(err)
-        if backend == "native":
-            raise NativeBackendUnavailable(f"backend='native' cannot run here: {why_not}")
-        if kv_dtype not in GRAPH_KV_DTYPES:
-            raise InputError(f"a {kv_dtype} KV cache runs on the native backend only, which does not take the {role} "
-                             f"model here: {why_not}")
+    chosen, why_not = backend_for(bundle.models[role], backend, providers, activations, attention)
+    cache = resolve_kv_dtype(kv_dtype, chosen)
+    if chosen == "native":
+        return NativeModel(bundle, role, kv_dtype=cache), None
+    if cache not in GRAPH_KV_DTYPES:
+        raise InputError(f"a {cache} KV cache runs on the native backend only, which does not take the {role} "
+                         f"model here: {why_not}")
     return OrtModel(bundle, role, providers, activations, attention, exact_steps=exact_steps,
-                    kv_dtype=kv_dtype), why_not
+                    kv_dtype=cache), why_not

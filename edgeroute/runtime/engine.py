@@ -20,12 +20,11 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from edgeroute.bundle import Bundle, RouterCalibration
+from edgeroute.bundle import Bundle, RouterCalibration, kv_row_bytes
 from edgeroute.chat_format import format_messages
 from edgeroute.cpu import cpu_signature, signature_difference
 from edgeroute.errors import CalibrationDeviceWarning, InputError, SessionBusy
-from edgeroute.runtime.attention import check_kv_dtype
-from edgeroute.runtime.backend import ModelBackend, open_model
+from edgeroute.runtime.backend import ModelBackend, backend_for, open_model, resolve_kv_dtype
 from edgeroute.runtime.calibrated import calibrated_options, format_token_ids
 from edgeroute.runtime.constraints import Constraint, GrammarCompiler
 from edgeroute.runtime.decoding import (
@@ -62,7 +61,7 @@ class Engine:
     def __init__(self, bundle: str | Path | Bundle, providers: Sequence[str] | None = None, verify: bool = True,
                  options: DecodeOptions | None = None, activations: str = "int8", context_length: int | None = None,
                  memory_budget: int | None = None, slm: bool = True, attention: str = "auto",
-                 exact_steps: bool = False, kv_dtype: str = "float32", backend: str = "auto") -> None:
+                 exact_steps: bool = False, kv_dtype: str = "auto", backend: str = "auto") -> None:
         """``activations``: "int8" (fast int4 kernels that quantize activations, like
         llama.cpp) or "fp32" (slower, but a multi-token verification pass then rounds like a
         one-token step, so speculation reproduces full decoding except at near-ties).
@@ -74,9 +73,11 @@ class Engine:
         one-token steps run as two rows, so that with int8 activations too a speculative
         verification pass rounds exactly like them and ``speculate`` reproduces ``full``
         bit for bit; costs ``full`` decode speed (README), not ``speculate``'s. ``kv_dtype``: the
-        KV caches' element type, "float32", "float16" (half the cache's memory; the native
-        backend or ONNX Runtime's portable attention graphs) or "int8" (0.28x; the native
-        backend only); agreement with float32 measured in the README. ``backend``: what
+        KV caches' element type, "auto" (float16 on the native backend, float32 on ONNX
+        Runtime's graphs: ``AUTO_KV_DTYPES``), "float32", "float16" (half the cache's memory; the
+        native backend or ONNX Runtime's portable attention graphs) or "int8" (0.28x; the native
+        backend only); agreement with float32 measured in the README; ``llm.kv_dtype`` says
+        which one a model keeps. ``backend``: what
         runs the models, "onnxruntime", "native" (edgeroute's CPU kernels over the bundle's GGUF
         blocks, ``edgeroute.runtime.native``) or "auto": native where a model has native weights,
         the other settings are the defaults and the kernels build here, else ONNX Runtime
@@ -88,8 +89,13 @@ class Engine:
             raise InputError(f"context_length {self.context_length} is outside 1..{exported}: the bundle was exported "
                              f"with --context-length {exported}; export again for a longer one")
         self.use_slm = slm and self.bundle.slm is not None
+        resolve_kv_dtype(kv_dtype, "native")  # a wrong name fails before anything loads
         if memory_budget is not None:
-            check_fit(self.bundle, self.context_length, memory_budget, check_kv_dtype(kv_dtype), slm=self.use_slm)
+            roles = ["llm", "slm"] if self.use_slm else ["llm"]
+            caches = [resolve_kv_dtype(kv_dtype, backend_for(self.bundle.models[role], backend, providers, activations,
+                                                             attention)[0]) for role in roles]
+            check_fit(self.bundle, self.context_length, memory_budget, max(caches, key=lambda c: kv_row_bytes(32, c)),
+                      slm=self.use_slm)
         self.tokenizer = Tokenizer.from_file(str(self.bundle.file(self.bundle.tokenizer["file"])))
         self.providers, self.activations, self.attention, self.kv_dtype = providers, activations, attention, kv_dtype
         self.backend = backend

@@ -2,7 +2,7 @@
 
 A device profile chooses execution providers (and their options), may choose the attention
 graphs' flavour (``attention``: auto, portable or ort, see ``OrtModel``) and the KV caches'
-element type (``kv_dtype``: float32 or float16), and may declare the memory the process can
+element type (``kv_dtype``: auto, float32, float16 or int8), and may declare the memory the process can
 use and the device's default context; a task profile chooses decoding settings.
 ``--profile jetson-orin-nano-8gb,templated`` merges several, later ones winning; a profile
 may ``extend`` another.
@@ -21,9 +21,8 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from edgeroute.bundle import KV_DTYPES
 from edgeroute.errors import InputError
-from edgeroute.runtime.attention import ATTENTION_CHOICES
+from edgeroute.runtime.attention import ATTENTION_CHOICES, KV_DTYPE_CHOICES
 from edgeroute.runtime.decoding import DecodeOptions
 
 if TYPE_CHECKING:
@@ -40,7 +39,7 @@ class Profile:
     names: list[str] = field(default_factory=list)
     providers: list[Any] | None = None  # names, or [name, {options}] pairs as onnxruntime takes them
     attention: str = "auto"  # the attention graphs' flavour
-    kv_dtype: str = "float32"  # the KV caches' element type
+    kv_dtype: str = "auto"  # the KV caches' element type (auto: the backend's default)
     decoding: dict[str, Any] = field(default_factory=dict)
     memory_budget: int | None = None  # bytes the process may use (CPU and GPU share it on Jetson)
     context_length: int | None = None  # the device's default context
@@ -107,8 +106,9 @@ def validate_profile(data: Any, source: str) -> None:
     if data.get("attention", "auto") not in ATTENTION_CHOICES:
         raise InputError(f"profile {source}: attention {data['attention']!r} is not one of "
                          f"{', '.join(ATTENTION_CHOICES)}")
-    if data.get("kv_dtype", "float32") not in KV_DTYPES:
-        raise InputError(f"profile {source}: kv_dtype {data['kv_dtype']!r} is not one of {', '.join(KV_DTYPES)}")
+    if data.get("kv_dtype", "auto") not in KV_DTYPE_CHOICES:
+        raise InputError(f"profile {source}: kv_dtype {data['kv_dtype']!r} is not one of "
+                         f"{', '.join(KV_DTYPE_CHOICES)}")
     _check_memory(data.get("memory", {}), source)
     try:
         DecodeOptions().updated(**data.get("decoding", {}))
