@@ -1606,7 +1606,8 @@ INLINE void block_scores(const float *q, size_t q_stride, int nh, const uint8_t 
 /* Attention of each row over positions 0..pos0 + row (head_dim a multiple of 8, at most
  * KV_MAX_HEAD_DIM). The positions are cut into segments of SEGMENT at fixed places, and one work
  * item is a (row, KV head, segment): a long context keeps every thread busy whatever the number
- * of KV heads. Within an item each K and V row is read and widened once per block of query heads
+ * of KV heads. Only segments up to the block's last position are items (not the capacity's: at
+ * an 8k capacity most would be empty, each still a trip through the dynamic schedule). Within an item each K and V row is read and widened once per block of query heads
  * sharing it. An item leaves, per head, its softmax max, its sum of exponentials and its
  * unnormalized output; a second loop merges the segments (flash-decoding). Segments depend on
  * positions only, so every (row, head) is computed alike whatever M is. Rows run in blocks
@@ -1619,10 +1620,10 @@ INLINE void attention_of(const void *kcache, const void *vcache, const float *q,
     const float scale = 1.0f / sqrtf((float)hd);
     float *thread_scores = scores + (size_t)omp_get_thread_num() * G * sc_stride;
     for (int r0 = 0; r0 < M; r0 += R) {
-        const int rn = M - r0 < R ? M - r0 : R;
+        const int rn = M - r0 < R ? M - r0 : R, live = segments(pos0 + r0 + rn); /* the block's last row's */
 #pragma omp for schedule(dynamic, 1)
-        for (int item = 0; item < rn * KV * S; item++) {
-            const int seg = item % S, ig = item / S, i = r0 + ig / KV, g = ig % KV, n = pos0 + i + 1;
+        for (int item = 0; item < rn * KV * live; item++) {
+            const int seg = item % live, ig = item / live, i = r0 + ig / KV, g = ig % KV, n = pos0 + i + 1;
             const int first = seg * SEGMENT;
             if (first >= n) continue;
             const int len = n - first < SEGMENT ? n - first : SEGMENT;
