@@ -11,6 +11,11 @@ and for the LLM, greedy ``full`` answers to the templated and json workloads' pr
 each cache: identical answers, the position of the first difference, and each answer's task
 check (templated: the record's values appear; json: parses with full's keys and values).
 
+``--floor-kernels avx2`` (native backend) adds the noise floor: the fp32 cache on another kernel
+set, the same arithmetic summed in another order, teacher-forced against the default set. A
+narrower cache whose agreement is no lower than that floor changes no more than fp32 itself
+does between CPUs.
+
 ``--backend`` names the runtime (ONNX Runtime's portable graphs: fp16; or the native kernels:
 fp16 and int8). Speed and memory over context length are bench_context.py's (runtimes
 ``edgeroute:portable:float16``, ``edgeroute:native:float16``, ``edgeroute:native:int8``).
@@ -46,17 +51,25 @@ WORKLOADS = Path(__file__).resolve().parent / "workloads"
 NARROW = {"onnxruntime": ("float16",), "native": ("float16", "int8")}  # the caches each backend keeps
 
 
-def teacher_forced_figures(bundle: Bundle, role: str, tokens: int, window: int, backend: str) -> dict:
+def teacher_forced_figures(bundle: Bundle, role: str, tokens: int, window: int, backend: str,
+                           floor_kernels: str | None = None) -> dict:
+    """Each cache's run; with ``floor_kernels``, also the fp32 cache on that native kernel set
+    (reported as the cache "float32@KERNELS")."""
     ids = tokenize_text(bundle, evaluation_text(), tokens)
+    models = {kv_dtype: lambda kv_dtype=kv_dtype: open_model(bundle, role, backend, kv_dtype=kv_dtype)[0]
+              for kv_dtype in ("float32", *NARROW[backend])}
+    if floor_kernels:
+        from edgeroute.runtime.native import NativeModel
+
+        models[f"float32@{floor_kernels}"] = lambda: NativeModel(bundle, role, kv_dtype="float32", kernels=floor_kernels)
     runs = {}
-    for kv_dtype in ("float32", *NARROW[backend]):
+    for name, model in models.items():
         start = time.perf_counter()
-        runs[kv_dtype] = teacher_forced(open_model(bundle, role, backend, kv_dtype=kv_dtype)[0], ids, window)
-        print(f"{role} {kv_dtype}: {len(ids)} tokens teacher-forced in {time.perf_counter() - start:.0f} s",
-              file=sys.stderr)
-    return {"positions": len(runs["float32"]), "window": window,
-            **{f"agreement_{dtype}": runs[dtype].agreement(runs["float32"]) for dtype in NARROW[backend]},
-            **{f"{kind}_{dtype}": getattr(run, kind) for kind in ("perplexity", "accuracy") for dtype, run in runs.items()}}
+        runs[name] = teacher_forced(model(), ids, window)
+        print(f"{role} {name}: {len(ids)} tokens teacher-forced in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    return {"positions": len(runs["float32"]), "window": window, "caches": list(runs),
+            **{f"agreement_{name}": run.agreement(runs["float32"]) for name, run in runs.items() if name != "float32"},
+            **{f"{kind}_{name}": getattr(run, kind) for kind in ("perplexity", "accuracy") for name, run in runs.items()}}
 
 
 def generation_figures(bundle: Bundle, max_tokens: int, per_workload: int, backend: str) -> dict:
@@ -87,19 +100,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per generated answer")
     parser.add_argument("--prompts", type=int, default=8, help="prompts per workload (templated, json)")
     parser.add_argument("--backend", choices=("onnxruntime", "native"), default="onnxruntime")
+    parser.add_argument("--floor-kernels", choices=("avx2", "generic"),
+                        help="native: add the fp32 cache on this kernel set (the noise floor)")
     parser.add_argument("--out", type=Path, default=Path("bench-results/kv-dtype.json"))
     args = parser.parse_args(argv)
+    if args.floor_kernels and args.backend != "native":
+        parser.error("--floor-kernels compares native kernel sets: add --backend native")
     bundle = Bundle.open(args.bundle)
     figures = {"bundle": str(args.bundle), "backend": args.backend, "teacher_forced": {}}
     for role in bundle.models:
-        figures["teacher_forced"][role] = teacher_forced_figures(bundle, role, args.tokens, args.window, args.backend)
+        figures["teacher_forced"][role] = teacher_forced_figures(bundle, role, args.tokens, args.window, args.backend,
+                                                                 args.floor_kernels)
     figures["generation"] = generation_figures(bundle, args.max_tokens, args.prompts, args.backend)
 
     table = Table(title=f"narrower KV caches vs fp32: {args.bundle} on {args.backend}")
     for column in ("model", "cache", "positions", "top-1 agreement with fp32", "perplexity", "accuracy"):
         table.add_column(column)
     for role, f in figures["teacher_forced"].items():
-        for dtype in ("float32", *NARROW[args.backend]):
+        for dtype in f["caches"]:
             agreement = f"{f[f'agreement_{dtype}']:.2%}" if dtype != "float32" else "-"
             table.add_row(role, dtype, str(f["positions"]), agreement, f"{f[f'perplexity_{dtype}']:.3f}",
                           f"{f[f'accuracy_{dtype}']:.2%}")
