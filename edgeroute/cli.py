@@ -296,7 +296,7 @@ def run(
                 sys.stdout.flush()
             sys.stdout.write("\n")
             err_console.print(f"[dim]{session.last.stats.summary(session.options.mode, engine.llm.num_layers)} "
-                              f"({engine.llm.flavour})[/]")
+                              f"({engine.llm.flavour}, {engine.llm.kv_dtype} KV cache)[/]")
             if session.last.finish_reason == "incomplete":
                 incomplete.append(session.last)
                 err_console.print("[bold red]error:[/] the answer is incomplete: it ended before the response format's "

@@ -55,6 +55,8 @@ def test_attention_kv_dtype_and_exact_steps_come_from_the_profile_or_the_options
         assert result.exit_code == 0, result.output
         assert (engines[-1]["attention"], engines[-1]["exact_steps"], engines[-1]["kv_dtype"]) == \
             (attention, exact, kv_dtype)
+        kept = "float32" if kv_dtype == "auto" else kv_dtype  # auto on ONNX Runtime (the tiny bundle has no native weights)
+        assert f"{kept} KV cache" in result.output
 
 
 def test_run_rejects_bad_options_with_a_clear_error(tiny_slm_bundle):
