@@ -3,6 +3,7 @@ ONNX Runtime model of the same bundle, exact steps, the plan's actions, export a
 
 from __future__ import annotations
 
+import ctypes
 import json
 import shutil
 
@@ -339,6 +340,19 @@ def test_a_narrow_cache_keeps_the_float32_choices_and_exact_steps(demo, models, 
     prompt = "List three things to check before a long drive."
     full_run = engine.session(mode="full", max_new_tokens=32).generate(prompt)
     assert engine.session(mode="speculate", max_new_tokens=32).generate(prompt).tokens == full_run.tokens
+
+
+@needs_kernels
+def test_the_working_memory_is_allocated_at_load_for_the_longest_pass(demo, text_ids):
+    """A long prompt or a context policy's re-prefill mid-conversation takes no new memory: the
+    scratch of a PREFILL_CHUNK-row pass at the full capacity is there (written) from the load."""
+    from edgeroute.runtime.memory import PREFILL_CHUNK
+
+    model = native.NativeModel(demo)
+    scratch = model._scratch
+    assert scratch.nbytes >= model.lib.er_scratch_bytes(ctypes.byref(model._dims(model.capacity)), PREFILL_CHUNK)
+    model.forward(model.new_cache(), np.tile(text_ids, 3)[:PREFILL_CHUNK + 40], all_logits=False)
+    assert model._scratch is scratch
 
 
 @needs_kernels

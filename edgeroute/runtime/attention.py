@@ -36,7 +36,7 @@ def check_kv_dtype(kv_dtype: str) -> str:
     return kv_dtype
 
 
-def _resident_zeros(shape: tuple[int, ...], dtype: str) -> np.ndarray:
+def resident_zeros(shape: tuple[int, ...], dtype: str) -> np.ndarray:
     """Zeros written now. ``np.zeros`` maps pages that become resident only as positions fill,
     so a session's memory would grow over a conversation (by ~480 MB over 10k SmolLM2 tokens)
     and a device that cannot hold the cache would be killed mid-conversation instead of
@@ -64,7 +64,7 @@ class KVCache:
                  dtype: str = "float32") -> KVCache:
         row = kv_row_bytes(head_dim, dtype) // np.dtype(dtype).itemsize  # an int8 row ends with its scales
         shape = (layers, 1, kv_heads, capacity, row) if heads_first else (layers, capacity, kv_heads, row)
-        return cls(_resident_zeros(shape, dtype), _resident_zeros(shape, dtype), capacity, heads_first)
+        return cls(resident_zeros(shape, dtype), resident_zeros(shape, dtype), capacity, heads_first)
 
     @property
     def dtype(self) -> str:
@@ -135,7 +135,7 @@ class KVCache:
 
     def clone(self) -> KVCache:
         """An independent cache of the same capacity holding the same positions."""
-        copy = KVCache(_resident_zeros(self.keys.shape, self.dtype), _resident_zeros(self.values.shape, self.dtype),
+        copy = KVCache(resident_zeros(self.keys.shape, self.dtype), resident_zeros(self.values.shape, self.dtype),
                        self.capacity, self.heads_first)
         copy.copy_from(self)
         return copy

@@ -44,7 +44,8 @@ from edgeroute.bundle import NATIVE_FORMATS, Bundle, NativeTensor, kv_row_bytes
 from edgeroute.cpu import cpu_signature
 from edgeroute.errors import BundleError, InputError, NativeBackendUnavailable
 from edgeroute.rope import rope_tables
-from edgeroute.runtime.attention import KVCache, check_kv_dtype
+from edgeroute.runtime.attention import KVCache, check_kv_dtype, resident_zeros
+from edgeroute.runtime.memory import PREFILL_CHUNK
 from edgeroute.runtime.model import DROP, RUN, SKIP, SKIP_MLP, LayerPlan, LayerwiseModel, plan_action
 
 SOURCE_NAME = "edgeroute_native.c"
@@ -275,7 +276,12 @@ class NativeModel(LayerwiseModel):
         cos, sin = rope_tables(self.capacity, a.head_dim, a.rope_theta, a.rope_scaling)
         self.cos = np.ascontiguousarray(cos.reshape(self.capacity, a.head_dim), np.float32)
         self.sin = np.ascontiguousarray(sin.reshape(self.capacity, a.head_dim), np.float32)
-        self._scratch = np.empty(0, np.uint8)
+        # sized and written at load for the longest pass (PREFILL_CHUNK rows at the full capacity):
+        # grown on first need instead, the first long prompt or context-policy re-prefill raised
+        # RSS mid-conversation (SmolLM2: +13 MiB, 5.6% of the process, at a 400-turn chat's first
+        # context fill) and kept it
+        longest = self.lib.er_scratch_bytes(ctypes.byref(self._dims(self.capacity)), PREFILL_CHUNK)
+        self._scratch = resident_zeros((longest,), "uint8")
         self._lock = threading.Lock()  # one pass at a time: the passes share the scratch memory
 
     # -- weights --------------------------------------------------------------------------------
