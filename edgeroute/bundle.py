@@ -141,8 +141,9 @@ class Calibration:
         device = data.get("device", {})
         if not (isinstance(device, dict) and isinstance(device.get("machine", ""), str)
                 and isinstance(device.get("isa", []), list) and all(isinstance(f, str) for f in device.get("isa", []))
-                and isinstance(device.get("backend", ""), str)):
-            raise ValueError(f"device must be {{'machine': str, 'isa': [str, ...], 'backend': str}} (got {device!r})")
+                and isinstance(device.get("backend", ""), str) and device.get("kv_dtype", "float32") in KV_DTYPES):
+            raise ValueError("device must be {'machine': str, 'isa': [str, ...], 'backend': str, 'kv_dtype': "
+                             f"{' | '.join(KV_DTYPES)}}} (got {device!r})")
         skip = data.get("decoding", {}).get("skip")
         if skip is not None:
             from edgeroute.runtime.policies import SkipOptions  # the runtime's own checks, imported late

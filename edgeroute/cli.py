@@ -165,6 +165,7 @@ def _print_calibration(b) -> None:
     if c.device:
         difference = signature_difference(c.device, cpu_signature())
         backend = f", {c.device['backend']} backend" if c.device.get("backend") else ""
+        backend += f", {c.device['kv_dtype']} KV cache" if c.device.get("kv_dtype") else ""
         console.print(f"timings taken on: {c.device['machine']} ({' '.join(c.device['isa']) or 'no listed ISA extensions'})"
                       + backend
                       + (f"; [yellow]{difference}[/]: timing-based choices may not be the fastest here" if difference else

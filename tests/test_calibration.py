@@ -346,7 +346,7 @@ def test_a_bundle_calibrated_on_another_kind_of_cpu_warns(slm_bundle_copy):
         (slm_bundle_copy / MANIFEST).write_text(json.dumps(data))
 
     # nothing recorded (an older calibration), this kind of CPU, and the backend this engine runs
-    for device in (None, here, {**here, "backend": "portable"}):
+    for device in (None, here, {**here, "backend": "portable"}, {**here, "backend": "portable", "kv_dtype": "float32"}):
         recorded(device)
         with warnings.catch_warnings():
             warnings.simplefilter("error")
@@ -354,6 +354,12 @@ def test_a_bundle_calibrated_on_another_kind_of_cpu_warns(slm_bundle_copy):
     recorded({**here, "backend": "native"})  # the tiny bundle runs on ONNX Runtime (no native weights)
     with pytest.warns(CalibrationDeviceWarning, match="timings of the native backend; this engine runs portable"):
         Engine(slm_bundle_copy)
+    recorded({**here, "backend": "portable", "kv_dtype": "float16"})  # the engine keeps ONNX Runtime's fp32 cache
+    with pytest.warns(CalibrationDeviceWarning, match="calibrated on a float16 KV cache; this engine keeps float32"):
+        Engine(slm_bundle_copy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Engine(slm_bundle_copy, kv_dtype="float16")
     for device, message in (({**here, "isa": [*here["isa"], "made_up_isa"]}, "this CPU lacks made_up_isa"),
                             ({**here, "isa": []}, "this CPU adds" if here["isa"] else None),
                             ({**here, "machine": "riscv64"}, "calibrated on riscv64")):
@@ -365,6 +371,9 @@ def test_a_bundle_calibrated_on_another_kind_of_cpu_warns(slm_bundle_copy):
         assert engine.session(mode="route", light="slm").options.route_threshold == 0.42  # still applied
     result = runner.invoke(app, ["inspect", str(slm_bundle_copy)])
     assert result.exit_code == 0 and "timings taken on: riscv64" in result.output
+    recorded({**here, "backend": "native", "kv_dtype": "float16"})
+    result = runner.invoke(app, ["inspect", str(slm_bundle_copy)])
+    assert result.exit_code == 0 and "native backend, float16 KV cache" in " ".join(result.output.split())
 
 
 def test_corrupt_calibration_section_is_a_clear_error(slm_bundle_copy):
@@ -380,6 +389,7 @@ def test_corrupt_calibration_section_is_a_clear_error(slm_bundle_copy):
                             (lambda c: c["decoding"].update(skip={"layers": 3}), "decoding.skip is not a valid"),
                             (lambda c: c.update(device={"machine": 3}), "device must be"),
                             (lambda c: c.update(device={"machine": "x86_64", "backend": 1}), "device must be"),
+                            (lambda c: c.update(device={"machine": "x86_64", "kv_dtype": "int4"}), "device must be"),
                             (lambda c: c["routers"]["slm"].update(file="calibration/gone.onnx"), "does not list")):
         broken = json.loads(json.dumps(manifest))
         damage(broken["calibration"])
@@ -430,7 +440,7 @@ def test_calibrate_end_to_end_writes_a_section_the_runtime_reads(slm_bundle_copy
     calibration = bundle.calibration
     assert calibration == report.calibration
     # the timings' CPU and backend, for the runtime's check
-    assert calibration.device == {**cpu_signature(), "backend": "portable"}
+    assert calibration.device == {**cpu_signature(), "backend": "portable", "kv_dtype": "float32"}
     assert calibration.figures["labels"]["positions"] > 0 and "default" in calibration.profiles
     for profile in calibration.profiles.values():
         assert profile["figures"][profile["config"]]["task_pass"] >= profile["figures"]["full"]["task_pass"]

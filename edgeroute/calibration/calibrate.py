@@ -554,7 +554,7 @@ def calibrate(bundle_path: str | Path, options: CalibrateOptions | None = None,
         budget={"tf_agreement": options.budget, "task_pass": "no lower than full", "bound": options.bound,
                 "delta": options.delta if options.bound == "ltt" else None},
         routers=entries, profiles=profiles, decoding=decoding,
-        device={**cpu_signature(), "backend": engine.llm.flavour},
+        device={**cpu_signature(), "backend": engine.llm.flavour, "kv_dtype": engine.llm.kv_dtype},
         figures={"labels": label_counts, "seconds": dict(seconds), "drafting": drafting.figures,
                  "routers": {light: {"candidates": r.figures["candidates"], "why": r.figures["why"]}
                              for light, r in routers.items()},

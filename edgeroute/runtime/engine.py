@@ -122,6 +122,8 @@ class Engine:
         if device.get("backend") and device["backend"] != self.llm.flavour:
             differences.append(f"calibrated with timings of the {device['backend']} backend; this engine runs "
                                f"{self.llm.flavour}")
+        if device.get("kv_dtype") and device["kv_dtype"] != self.llm.kv_dtype:
+            differences.append(f"calibrated on a {device['kv_dtype']} KV cache; this engine keeps {self.llm.kv_dtype}")
         if differences:
             warnings.warn(f"{self.bundle.path}: {'; '.join(differences)}. Its quality budget holds; its timing-based "
                           "choices (draft length, --mode auto) may not be the fastest here: run `edgeroute calibrate` "
