@@ -400,6 +400,18 @@ def test_auto_keeps_onnx_runtime_where_only_the_generic_kernels_run(demo, monkey
     assert Engine(demo, slm=False, backend="native").llm.flavour == "native"
 
 
+def test_kernels_that_do_not_load_leave_auto_on_onnx_runtime_with_its_cache(demo, monkeypatch):
+    def no_library(kernels="auto"):
+        raise NativeBackendUnavailable("no C compiler (cc or gcc, or $CC) to build the native kernels")
+
+    monkeypatch.setattr(native, "native_kernels", no_library)
+    engine = Engine(demo, slm=False)
+    assert (engine.llm.flavour, engine.llm.kv_dtype) == ("portable", "float32")
+    assert "no C compiler" in engine.backend_notes["llm"]
+    with pytest.raises(NativeBackendUnavailable, match="backend='native' cannot run here: no C compiler"):
+        Engine(demo, slm=False, backend="native", memory_budget=1 << 40)  # the fit check asks first
+
+
 def test_a_bundle_without_native_weights_runs_on_onnx_runtime(tiny_slm_bundle):
     engine = Engine(tiny_slm_bundle)
     assert engine.llm.flavour == "portable" and "no native weights" in engine.backend_notes["llm"]

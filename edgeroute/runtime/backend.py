@@ -128,11 +128,13 @@ def backend_for(entry: ModelEntry, backend: str = "auto", providers: Sequence[st
     why_not = native_blocker(entry, providers, activations, attention)
     if why_not is None:
         try:
-            if backend == "auto" and native_kernels() == "generic":
-                why_not = ("this CPU runs the generic native kernels, not measured against ONNX Runtime here: "
-                           "backend='native' opts in")
+            kernels = native_kernels()  # builds or loads the library: whether the backend runs here at all
         except NativeBackendUnavailable as err:
             why_not = str(err)
+        else:
+            if backend == "auto" and kernels == "generic":
+                why_not = ("this CPU runs the generic native kernels, not measured against ONNX Runtime here: "
+                           "backend='native' opts in")
     if why_not is None:
         return "native", None
     if backend == "native":
