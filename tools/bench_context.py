@@ -31,6 +31,9 @@ time instead of the wall clock: a single-threaded runtime's work per token, whic
 processes' load does not inflate (llama.cpp's worker threads spin-wait, so with two threads
 on oversubscribed cores its wall-clock speed collapses to a fraction of a token per second).
 
+Both modes print a table, write the records as JSON (``--out``) and plot decode tok/s over
+context per runtime next to it (the same name, ``.png``).
+
     python tools/bench_context.py --bundle bundles/smollm2 --out bench-context.json
 """
 
@@ -174,6 +177,27 @@ def paired(args: argparse.Namespace, base: dict, runtimes: list[str], contexts: 
     return {"records": records}
 
 
+def plot(path: Path, title: str, contexts: list[int], rates: dict[str, list[float]]) -> None:
+    """Decode tok/s over context, a line per runtime."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, ax = plt.subplots(figsize=(7, 4.5))
+    for runtime, values in rates.items():
+        ax.plot(contexts, values, marker="o", label=runtime)
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("decode tokens/s")
+    ax.set_ylim(bottom=0)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
 def run_case(spec: dict) -> dict:
     out = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
@@ -224,7 +248,9 @@ def main(argv: list[str] | None = None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, **result,
                                         "load_average": os.getloadavg()}, indent=1))
-        print(f"\nwrote {args.out}")
+        plot(args.out.with_suffix(".png"), f"decode over context, one process per runtime ({args.threads} threads)",
+             contexts, {r["runtime"]: [r["decode_tok_s"][str(c)] for c in contexts] for r in result["records"]})
+        print(f"\nwrote {args.out} and {args.out.with_suffix('.png')}")
         return 0
     records: list[dict] = []
     for repeat in range(args.repeats):
@@ -262,7 +288,10 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "summary": summary,
                                     "records": records, "load_average": os.getloadavg()}, indent=1))
-    print(f"\nwrote {args.out} (load average now {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
+    plot(args.out.with_suffix(".png"), f"decode over context, medians of {args.repeats} processes ({args.threads} threads)",
+         contexts, {r: [summary[str(c)][r]["decode_tok_s"] for c in contexts] for r in runtimes})
+    print(f"\nwrote {args.out} and {args.out.with_suffix('.png')} (load average now {os.getloadavg()[0]:.1f} on "
+          f"{os.cpu_count()} cores)")
     return 0
 
 
