@@ -30,9 +30,10 @@ MASKED = np.finfo(np.float32).min
 KV_DTYPE_CHOICES = ("auto", *KV_DTYPES)  # auto: the backend's default (backend.AUTO_KV_DTYPES)
 
 
-def check_kv_dtype(kv_dtype: str) -> str:
-    if kv_dtype not in KV_DTYPES:
-        raise InputError(f"KV dtype {kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
+def check_kv_dtype(kv_dtype: str, choices: tuple[str, ...] = KV_DTYPES) -> str:
+    """``kv_dtype`` if it is one of ``choices`` (a cache's types; KV_DTYPE_CHOICES where "auto" may be asked)."""
+    if kv_dtype not in choices:
+        raise InputError(f"KV dtype {kv_dtype!r} is not one of {', '.join(choices)}")
     return kv_dtype
 
 

@@ -19,9 +19,9 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from edgeroute.arch import ArchConfig
-from edgeroute.bundle import GRAPH_KV_DTYPES, KV_DTYPES, Bundle, ModelEntry
+from edgeroute.bundle import GRAPH_KV_DTYPES, Bundle, ModelEntry
 from edgeroute.errors import InputError, NativeBackendUnavailable
-from edgeroute.runtime.attention import KV_DTYPE_CHOICES
+from edgeroute.runtime.attention import KV_DTYPE_CHOICES, check_kv_dtype
 from edgeroute.runtime.model import LayerPlan
 from edgeroute.runtime.vocab import HeadVocabulary
 
@@ -105,11 +105,7 @@ AUTO_KV_DTYPES = {"native": "float16", "onnxruntime": "float32"}
 
 def resolve_kv_dtype(kv_dtype: str, backend: str) -> str:
     """The cache element type ``kv_dtype`` means on ``backend`` ("native" or "onnxruntime")."""
-    if kv_dtype == "auto":
-        return AUTO_KV_DTYPES[backend]
-    if kv_dtype not in KV_DTYPES:
-        raise InputError(f"KV dtype {kv_dtype!r} is not one of {', '.join(KV_DTYPE_CHOICES)}")
-    return kv_dtype
+    return AUTO_KV_DTYPES[backend] if check_kv_dtype(kv_dtype, KV_DTYPE_CHOICES) == "auto" else kv_dtype
 
 
 def backend_for(entry: ModelEntry, backend: str = "auto", providers: Sequence[str] | None = None,
@@ -151,7 +147,7 @@ def open_model(bundle: Bundle, role: str, backend: str = "auto", providers: Sequ
     from edgeroute.runtime.model import OrtModel
     from edgeroute.runtime.native import NativeModel
 
-    resolve_kv_dtype(kv_dtype, "native")  # a wrong name fails before anything is chosen or loaded
+    check_kv_dtype(kv_dtype, KV_DTYPE_CHOICES)  # a wrong name fails before anything is chosen or loaded
     if role not in bundle.models:
         raise InputError(f"bundle {bundle.path} has no {role!r} model (it has: {', '.join(bundle.models)})")
     chosen, why_not = backend_for(bundle.models[role], backend, providers, activations, attention)

@@ -24,6 +24,7 @@ from edgeroute.bundle import Bundle, RouterCalibration, kv_row_bytes
 from edgeroute.chat_format import format_messages
 from edgeroute.cpu import cpu_signature, signature_difference
 from edgeroute.errors import CalibrationDeviceWarning, InputError, SessionBusy
+from edgeroute.runtime.attention import KV_DTYPE_CHOICES, check_kv_dtype
 from edgeroute.runtime.backend import ModelBackend, backend_for, open_model, resolve_kv_dtype
 from edgeroute.runtime.calibrated import calibrated_options, format_token_ids
 from edgeroute.runtime.constraints import Constraint, GrammarCompiler
@@ -89,7 +90,7 @@ class Engine:
             raise InputError(f"context_length {self.context_length} is outside 1..{exported}: the bundle was exported "
                              f"with --context-length {exported}; export again for a longer one")
         self.use_slm = slm and self.bundle.slm is not None
-        resolve_kv_dtype(kv_dtype, "native")  # a wrong name fails before anything loads
+        check_kv_dtype(kv_dtype, KV_DTYPE_CHOICES)  # a wrong name fails before anything loads
         if memory_budget is not None:
             roles = ["llm", "slm"] if self.use_slm else ["llm"]
             caches = [resolve_kv_dtype(kv_dtype, backend_for(self.bundle.models[role], backend, providers, activations,
