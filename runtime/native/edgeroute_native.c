@@ -1607,8 +1607,8 @@ INLINE void block_scores(const float *q, size_t q_stride, int nh, const uint8_t 
  * KV_MAX_HEAD_DIM). The positions are cut into segments of SEGMENT at fixed places, and one work
  * item is a (row, KV head, segment): a long context keeps every thread busy whatever the number
  * of KV heads. Only segments up to the block's last position are items (not the capacity's: at
- * an 8k capacity most would be empty, each still a trip through the dynamic schedule). Within an item each K and V row is read and widened once per block of query heads
- * sharing it. An item leaves, per head, its softmax max, its sum of exponentials and its
+ * an 8k capacity most would be empty, each still a trip through the dynamic schedule). Within an
+ * item each K and V row is read and widened once per block of query heads sharing it. An item leaves, per head, its softmax max, its sum of exponentials and its
  * unnormalized output; a second loop merges the segments (flash-decoding). Segments depend on
  * positions only, so every (row, head) is computed alike whatever M is. Rows run in blocks
  * (attention_rows) so the partial results stay small. */
