@@ -360,6 +360,9 @@ def test_a_bundle_calibrated_on_another_kind_of_cpu_warns(slm_bundle_copy):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         Engine(slm_bundle_copy, kv_dtype="float16")
+    recorded({**here, "backend": "portable"})  # before the cache was recorded: calibrate ran on float32
+    with pytest.warns(CalibrationDeviceWarning, match=r"float32 KV cache \(not recorded.*this engine keeps float16"):
+        Engine(slm_bundle_copy, kv_dtype="float16")
     for device, message in (({**here, "isa": [*here["isa"], "made_up_isa"]}, "this CPU lacks made_up_isa"),
                             ({**here, "isa": []}, "this CPU adds" if here["isa"] else None),
                             ({**here, "machine": "riscv64"}, "calibrated on riscv64")):

@@ -24,7 +24,8 @@ once, then ``--rounds`` rounds of ``--steps`` steps at each context in alternati
 each block truncated back to its context. Both contexts see the same load and the same
 process, so the ratio holds on a machine whose speed drifts from one minute to the next, where
 the medians of separate processes do not (no TTFT or RSS in this mode: one process holds every
-context's sequence).
+context's sequence). "kept" is the median over rounds of each round's ratio, with its quartiles
+in parentheses (at least 2 rounds).
 
 On a machine shared with other work, ``--clock cpu --threads 1`` times the process's CPU
 time instead of the wall clock: a single-threaded runtime's work per token, which other
@@ -154,15 +155,21 @@ def paired_worker(spec: dict) -> dict:
     cases = {c: open_case(spec) for c in contexts}
     logits = {c: cases[c].prefill(ids[:c]) for c in contexts}
     clock = time.process_time if spec["clock"] == "cpu" else time.perf_counter
-    seconds = dict.fromkeys(contexts, 0.0)
+    seconds: dict[int, list[float]] = {c: [] for c in contexts}
     for round_ in range(spec["rounds"]):
         for c in contexts if round_ % 2 == 0 else contexts[::-1]:
             last, start = logits[c], clock()
             for _ in range(spec["steps"]):
                 last = cases[c].step(last)
-            seconds[c] += clock() - start
+            seconds[c].append(clock() - start)
             cases[c].truncate(c)
-    return {**spec, "decode_tok_s": {str(c): spec["rounds"] * spec["steps"] / seconds[c] for c in contexts}}
+    # a round's contexts ran back to back: their ratio is a paired sample, whatever the machine's
+    # speed did between rounds; the quartiles over rounds show how far one run can be trusted
+    firsts = seconds[contexts[0]]
+    kept = {str(c): statistics.quantiles([first / this for first, this in zip(firsts, seconds[c], strict=True)], n=4)
+            for c in contexts[1:]}
+    return {**spec, "decode_tok_s": {str(c): len(seconds[c]) * spec["steps"] / sum(seconds[c]) for c in contexts},
+            "round_seconds": {str(c): seconds[c] for c in contexts}, "kept_quartiles": kept}
 
 
 def paired(args: argparse.Namespace, base: dict, runtimes: list[str], contexts: list[int]) -> dict:
@@ -172,8 +179,10 @@ def paired(args: argparse.Namespace, base: dict, runtimes: list[str], contexts: 
                            "rounds": args.rounds})
         records.append(record)
         rates = record["decode_tok_s"]
+        kept = record["kept_quartiles"]
         print(f"{runtime:26s} " + "  ".join(f"{c}: {rates[str(c)]:.1f}" for c in contexts) + " tok/s  kept: " +
-              "  ".join(f"{rates[str(c)] / rates[str(contexts[0])]:.0%}" for c in contexts[1:]), flush=True)
+              "  ".join(f"{c}: {kept[str(c)][1]:.0%} ({kept[str(c)][0]:.0%}-{kept[str(c)][2]:.0%})"
+                        for c in contexts[1:]), flush=True)
     return {"records": records}
 
 
@@ -225,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--paired", action="store_true",
                         help="decode kept over context, every context in one process per runtime (see above)")
-    parser.add_argument("--rounds", type=int, default=8, help="--paired: alternating rounds of --steps per context")
+    parser.add_argument("--rounds", type=int, default=8,
+                        help="--paired: alternating rounds of --steps per context (at least 2)")
     parser.add_argument("--out", type=Path, default=Path("bench-context.json"))
     args = parser.parse_args(argv)
     if args.worker:
@@ -242,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     runtimes = args.runtimes.split(",")
     contexts = [int(c) for c in args.contexts.split(",") if c]
     if args.paired:
+        if args.rounds < 2:
+            parser.error("--paired needs --rounds >= 2 (kept is a median over rounds)")
         print(f"decode tok/s per context, one process per runtime, {args.rounds} alternating rounds of "
               f"{args.steps} steps, {args.threads} thread(s), {args.clock} clock; kept = over the first context")
         result = paired(args, base, runtimes, contexts)

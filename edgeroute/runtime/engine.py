@@ -123,8 +123,13 @@ class Engine:
         if device.get("backend") and device["backend"] != self.llm.flavour:
             differences.append(f"calibrated with timings of the {device['backend']} backend; this engine runs "
                                f"{self.llm.flavour}")
-        if device.get("kv_dtype") and device["kv_dtype"] != self.llm.kv_dtype:
-            differences.append(f"calibrated on a {device['kv_dtype']} KV cache; this engine keeps {self.llm.kv_dtype}")
+        # a calibration that records its backend but not its cache predates the record, when
+        # calibrate always ran on the float32 cache
+        calibrated_kv = device.get("kv_dtype") or ("float32" if device.get("backend") else None)
+        if calibrated_kv and calibrated_kv != self.llm.kv_dtype:
+            unrecorded = "" if device.get("kv_dtype") else " (not recorded: calibrated before the record, on float32)"
+            differences.append(f"calibrated on a {calibrated_kv} KV cache{unrecorded}; this engine keeps "
+                               f"{self.llm.kv_dtype}")
         if differences:
             warnings.warn(f"{self.bundle.path}: {'; '.join(differences)}. Its quality budget holds; its timing-based "
                           "choices (draft length, --mode auto) may not be the fastest here: run `edgeroute calibrate` "
