@@ -374,20 +374,53 @@ def test_the_default_cache_is_fp16_on_the_native_backend_and_fp32_on_onnx_runtim
 
 @pytest.mark.slow
 def test_an_int8_cache_row_holds_codes_then_their_per_32_scales(demo, models, text_ids):
+    """Values as they are; keys divided by their channel's scale (the queries are multiplied by
+    it), a channel's peak over the calibration text, floored at a tenth of its head's mean."""
     full = models[0]
     narrow = alike(full, demo, "int8")
     wide_cache, cache = full.new_cache(), narrow.new_cache()
     full.forward(wide_cache, text_ids[:40])
     narrow.forward(cache, text_ids[:40])
-    hd = demo.llm.arch.head_dim
+    a, hd = demo.llm.arch, demo.llm.arch.head_dim
     assert cache.keys.shape[-1] == hd + hd // 32 * 4 and cache.keys.nbytes * 32 == wide_cache.keys.nbytes * 9
-    for wide, rows in ((wide_cache.keys, cache.keys), (wide_cache.values, cache.values)):
-        want = wide[0, 0, :, :40].reshape(-1, hd // 32, 32)  # layer 0: both computed from the same embeddings
+    key_scales = narrow.key_scales
+    assert key_scales.shape == (a.num_layers, a.num_kv_heads, hd) and np.isfinite(key_scales).all()
+    assert (key_scales >= 0.1 * key_scales.mean(-1, keepdims=True) * (1 - 1e-6)).all()
+    assert key_scales.max() / key_scales.min() > 4  # the channels differ: this is not a no-op
+    assert full.key_scales is None  # only an int8 cache divides its keys
+    for wide, rows, divisor in ((wide_cache.keys, cache.keys, key_scales[0][:, None, :]),
+                                (wide_cache.values, cache.values, 1.0)):
+        want = (wide[0, 0, :, :40] / divisor).reshape(-1, hd // 32, 32)  # layer 0: from the same embeddings
         codes = rows[0, 0, :, :40, :hd].reshape(want.shape).astype(np.float32)
         scales = np.ascontiguousarray(rows[0, 0, :, :40, hd:]).view(np.float32).reshape(*want.shape[:2], 1)
         np.testing.assert_allclose(scales, np.abs(want).max(-1, keepdims=True) / 127, rtol=1e-6)
         assert (np.abs(codes * scales - want) <= scales * 0.5 * (1 + 1e-5)).all()
         assert np.abs(codes).max() == 127
+
+
+@needs_kernels
+def test_an_int8_cache_measures_its_key_scales_once_and_keeps_them(demo, tmp_path, monkeypatch):
+    """The load's pass over the calibration text runs once per weights, tokenizer and kernels;
+    a damaged kept file is measured again, and a cache directory that cannot be written costs
+    the pass each time, not the load."""
+    monkeypatch.setenv("EDGEROUTE_CACHE", str(tmp_path))
+    native.native_library()  # built or found before the cache directory moved: kept per process
+    first = native.NativeModel(demo, kv_dtype="int8")
+    kept = list((tmp_path / "key-scales").glob("*.npy"))
+    assert len(kept) == 1
+
+    def measured(scales):
+        monkeypatch.setattr(native.NativeModel, "_key_channel_peaks", lambda self, bundle: scales)
+
+    measured(None)  # a second measurement would fail the load
+    np.testing.assert_array_equal(native.NativeModel(demo, kv_dtype="int8").key_scales, first.key_scales)
+    kept[0].write_bytes(b"half a file")
+    measured(first.key_scales * 2)
+    np.testing.assert_array_equal(native.NativeModel(demo, kv_dtype="int8").key_scales, first.key_scales * 2)
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    monkeypatch.setenv("EDGEROUTE_CACHE", str(blocked))  # key-scales/ cannot be made under a file
+    np.testing.assert_array_equal(native.NativeModel(demo, kv_dtype="int8").key_scales, first.key_scales * 2)
 
 
 @pytest.mark.slow

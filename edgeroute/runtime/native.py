@@ -27,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import json
 import mmap
 import os
 import platform
@@ -45,11 +46,13 @@ from edgeroute.cpu import cpu_signature
 from edgeroute.errors import BundleError, InputError, NativeBackendUnavailable
 from edgeroute.rope import rope_tables
 from edgeroute.runtime.attention import KVCache, check_kv_dtype, resident_zeros
+from edgeroute.runtime.evaluate import tokenize_text
 from edgeroute.runtime.memory import PREFILL_CHUNK
 from edgeroute.runtime.model import DROP, RUN, SKIP, SKIP_MLP, LayerPlan, LayerwiseModel, plan_action
+from edgeroute.texts import calibration_text
 
 SOURCE_NAME = "edgeroute_native.c"
-LIBRARY_VERSION = 4  # er_version() of the C source this module drives
+LIBRARY_VERSION = 5  # er_version() of the C source this module drives
 KERNELS = ("auto", "x86", "avx2", "generic")
 KERNEL_NAMES = {0: "generic", 1: "avx2", 2: "avx512-vnni"}  # er_kernels()
 REQUIRED_FLAGS = ("avx2", "fma", "f16c")
@@ -58,6 +61,7 @@ FORMAT_NAMES = {type_id: name for name, type_id in GGML_TYPES.items()}
 MODES = {RUN: 0, SKIP_MLP: 1, SKIP: 2}  # er_layer_forward's mode per plan action
 TIMING_KINDS = {RUN: "layer", SKIP_MLP: "attn", SKIP: "kv"}
 KV_FORMATS = {"float32": 0, "float16": 1, "int8": 2}  # er_dims.kv_format
+KEY_SCALE_TOKENS = 256  # of the calibration text, for an int8 cache's key channel scales
 
 
 class _Matrix(ctypes.Structure):
@@ -67,7 +71,8 @@ class _Matrix(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [*((name, _Matrix) for name in ("q", "k", "v", "o", "gate", "up", "down")),
-                *((name, ctypes.c_void_p) for name in ("attn_norm", "ffn_norm", "q_bias", "k_bias", "v_bias"))]
+                *((name, ctypes.c_void_p)
+                  for name in ("attn_norm", "ffn_norm", "q_bias", "k_bias", "v_bias", "key_scales"))]
 
 
 class _Dims(ctypes.Structure):
@@ -283,6 +288,57 @@ class NativeModel(LayerwiseModel):
         longest = self.lib.er_scratch_bytes(ctypes.byref(self._dims(self.capacity)), PREFILL_CHUNK)
         self._scratch = resident_zeros((longest,), "uint8")
         self._lock = threading.Lock()  # one pass at a time: the passes share the scratch memory
+        self.key_scales: np.ndarray | None = None  # [layers, kv_heads, head_dim], int8 caches only
+        if self.kv_dtype == "int8":
+            self.key_scales = self._key_scales(bundle, role)
+            for layer, scales in zip(self._layers, self.key_scales, strict=True):
+                layer.key_scales = _address(scales)
+
+    def _key_scales(self, bundle: Bundle, role: str) -> np.ndarray:
+        """_key_channel_peaks, kept in the cache directory under what they depend on (the
+        weights, the tokenizer, the kernels): measured on the first load only (Qwen2.5-Coder-1.5B
+        ~1.5 s). A cache directory that cannot be written costs the pass at every load."""
+        files = bundle.manifest["files"]
+        key = hashlib.sha256(json.dumps([files[bundle.models[role].native.file]["sha256"],
+                                         files[bundle.tokenizer["file"]]["sha256"], self.kernels,
+                                         LIBRARY_VERSION, KEY_SCALE_TOKENS]).encode()).hexdigest()
+        path = _cache_dir() / "key-scales" / f"{key[:32]}.npy"
+        a = self.arch
+        try:
+            kept = np.load(path)
+            if kept.shape == (a.num_layers, a.num_kv_heads, a.head_dim) and kept.dtype == np.float32 \
+                    and np.isfinite(kept).all() and (kept > 0).all():
+                return kept
+        except (OSError, ValueError):
+            pass
+        peaks = self._key_channel_peaks(bundle)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".npy", delete=False) as tmp:
+                np.save(tmp, peaks)
+            os.replace(tmp.name, path)  # atomic: a concurrent load reads the old file or the new one
+        except OSError:
+            pass
+        return peaks
+
+    def _key_channel_peaks(self, bundle: Bundle) -> np.ndarray:
+        """Each key channel's largest magnitude over KEY_SCALE_TOKENS of a fixed text, the divisor
+        an int8 cache stores the channel's keys by (the C source's key_channel_scales says why),
+        from the int8 rows of a pass without scales; a channel far quieter than its head's others
+        keeps a floor of a tenth of their mean, so a key that is louder later does not take its
+        block's whole range."""
+        # a prefix of the text: its whole (~1 MB) took longer to tokenize than the pass to run
+        ids = tokenize_text(bundle, calibration_text()[:KEY_SCALE_TOKENS * 16], KEY_SCALE_TOKENS)
+        cache = self.new_cache(len(ids))
+        for _ in self._passes(cache, ids, None):
+            pass
+        hd = self.arch.head_dim
+        rows = cache.keys[:, 0, :, :len(ids)]  # [layers, kv, positions, hd codes + hd / 32 float32 scales]
+        codes = rows[..., :hd].astype(np.float32).reshape(*rows.shape[:-1], hd // 32, 32)
+        block_scales = np.ascontiguousarray(rows[..., hd:]).view(np.float32)[..., None]
+        peaks = np.abs(codes * block_scales).reshape(*rows.shape[:-1], hd).max(axis=2)  # [layers, kv, hd]
+        floor = 0.1 * peaks.mean(axis=-1, keepdims=True)
+        return np.ascontiguousarray(np.maximum(peaks, np.maximum(floor, np.finfo(np.float32).tiny)), np.float32)
 
     # -- weights --------------------------------------------------------------------------------
 

@@ -54,6 +54,7 @@ typedef struct {
     er_matrix q, k, v, o, gate, up, down;
     const float *attn_norm, *ffn_norm;
     const float *q_bias, *k_bias, *v_bias; /* NULL where the architecture has none */
+    const float *key_scales; /* int8 caches (or NULL): [kv_heads, head_dim] (key_channel_scales) */
 } er_layer;
 
 typedef struct {
@@ -91,7 +92,7 @@ enum { FORM_32 = 1, FORM_256 = 2 };
 
 static int is_k_quant(int type) { return type == T_Q4_K || type == T_Q6_K; }
 
-int er_version(void) { return 4; }
+int er_version(void) { return 5; }
 
 /* which kernels this build runs: 0 the generic C ones, 1 x86 AVX2 (256-bit VNNI where present),
  * 2 x86 AVX-512 VNNI; both x86 sets run 16-row packed matrices */
@@ -1704,6 +1705,23 @@ static void attention(const void *kcache, const void *vcache, const float *q, co
     else attention_of(kcache, vcache, q, masked, D, M, pos0, scores, partials, out, KV_F32);
 }
 
+/* An int8 cache's keys are stored divided per channel by key_scales and the queries multiplied
+ * by them: every score q . k stays what it was, but a channel whose keys run far larger than the
+ * rest (Qwen2's, from its key biases) no longer takes the 32-value block's range from its
+ * neighbours. Per 32 values the int8 rows otherwise lost Qwen2.5-Coder-0.5B 6 points of top-1
+ * agreement with the fp32 cache, fp16 1. The scales are the channels' peaks over a fixed text
+ * (NativeModel). */
+static void key_channel_scales(const float *scales, float *q, float *k, int queries, const er_dims *D) {
+    const int KV = D->kv_heads, hd = D->head_dim, G = D->heads / KV;
+    for (int g = 0; g < KV; g++)
+        for (int c = 0; c < hd; c++) {
+            const float scale = scales[g * hd + c];
+            k[g * hd + c] /= scale;
+            if (queries)
+                for (int h = g * G; h < (g + 1) * G; h++) q[h * hd + c] *= scale;
+        }
+}
+
 static void add_into(float *x, const float *y, size_t n) {
 #pragma omp for schedule(static)
     for (size_t j = 0; j < n; j++) x[j] += y[j];
@@ -1733,6 +1751,8 @@ int er_layer_forward(const er_layer *L, const er_dims *D, float *x, int M, int p
             const float *cs = cos_t + (size_t)(pos0 + i) * hd, *sn = sin_t + (size_t)(pos0 + i) * hd;
             if (mode != 2) rope(s.q + (size_t)i * H * hd, H, hd, cs, sn);
             rope(s.k + (size_t)i * KV * hd, KV, hd, cs, sn);
+            if (L->key_scales && D->kv_format == KV_INT8)
+                key_channel_scales(L->key_scales, s.q + (size_t)i * H * hd, s.k + (size_t)i * KV * hd, mode != 2, D);
             for (int g = 0; g < KV; g++) {
                 const size_t row = (size_t)g * cap + pos0 + i;
                 kv_store(kcache, row, s.k + ((size_t)i * KV + g) * hd, hd, D->kv_format);
