@@ -212,10 +212,10 @@ def run(
                                 "allow, else ONNX Runtime"),
     attention: str = typer.Option(None, help="attention graphs: auto | portable | ort (default: the device "
                                              "profile's, else auto)"),
-    kv_dtype: str = typer.Option(None, help="KV cache element type: auto (float16 on the native backend, float32 on "
-                                            "ONNX Runtime) | float32 | float16 (half the memory; native or portable "
-                                            "attention) | int8 (0.28x; native backend only); default: the device "
-                                            "profile's, else auto"),
+    kv_dtype: str = typer.Option(None, help="KV cache element type: auto (int8 on the native AVX-512 VNNI kernels, "
+                                            "float16 on the other native ones, float32 on ONNX Runtime) | float32 | "
+                                            "float16 (half the memory; native or portable attention) | int8 (0.28x; "
+                                            "native backend only); default: the device profile's, else auto"),
     exact_steps: bool = typer.Option(False, "--exact-steps", help="run the LLM's one-token steps as two rows: "
                                      "`full` then gives exactly the tokens `speculate` gives (~10%% slower full)"),
     system: str = typer.Option(None, help="system prompt that opens the conversation (chat template only)"),

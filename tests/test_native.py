@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import json
 import shutil
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from edgeroute.bundle import NATIVE_FORMATS, Bundle
 from edgeroute.errors import BundleError, InputError, NativeBackendUnavailable
 from edgeroute.export.gguf_blocks import decode_gguf_tensor
 from edgeroute.runtime import Engine
+from edgeroute.runtime.backend import resolve_kv_dtype
 from edgeroute.runtime.memory import estimate
 from edgeroute.runtime.model import DROP, RUN, SKIP, SKIP_MLP, OrtModel
 
@@ -356,20 +358,33 @@ def test_the_working_memory_is_allocated_at_load_for_the_longest_pass(demo, text
 
 
 @needs_kernels
-def test_the_default_cache_is_fp16_on_the_native_backend_and_fp32_on_onnx_runtime(demo):
-    """kv_dtype='auto', the default: half the bytes per position where the native kernels run
-    (their answers differ from the fp32 cache's as much as fp32's own do between kernel sets:
-    README), fp32 where ONNX Runtime's graphs do; the fit check counts the cache it will be."""
+def test_the_default_cache_is_the_narrowest_that_holds_on_the_kernels_that_run(demo):
+    """kv_dtype='auto', the default: int8 on the AVX-512 VNNI kernels, fp16 on the other native
+    ones (their answers differ from the fp32 cache's as much as fp32's own do between kernel
+    sets: README), fp32 where ONNX Runtime's graphs run; the fit check counts the cache it will be."""
+    expected = "int8" if native.native_kernels() == "avx512-vnni" else "float16"
     default = Engine(demo, slm=False)
-    assert (default.llm.flavour, default.llm.kv_dtype) == ("native", "float16")
+    assert (default.llm.flavour, default.llm.kv_dtype) == ("native", expected)
     assert Engine(demo, slm=False, backend="onnxruntime").llm.kv_dtype == "float32"
     assert Engine(demo, slm=False, kv_dtype="float32").llm.kv_dtype == "float32"
-    fp16 = estimate(demo, default.context_length, "float16", slm=False)
-    Engine(demo, slm=False, memory_budget=fp16.total)
-    with pytest.raises(InputError, match="more than the memory budget .*kv_dtype='float16'"):
-        Engine(demo, slm=False, memory_budget=fp16.total, backend="onnxruntime")
+    need = estimate(demo, default.context_length, expected, slm=False)
+    Engine(demo, slm=False, memory_budget=need.total)
+    with pytest.raises(InputError, match=f"more than the memory budget .*kv_dtype='{expected}'"):
+        Engine(demo, slm=False, memory_budget=need.total, backend="onnxruntime")
     with pytest.raises(InputError, match="'bfloat16' is not one of auto, float32, float16, int8"):
         Engine(demo, kv_dtype="bfloat16")
+
+
+def test_auto_takes_int8_only_on_the_vnni_kernels_and_a_head_dim_of_32s(monkeypatch):
+    def entry(head_dim: int):
+        return SimpleNamespace(arch=SimpleNamespace(head_dim=head_dim))
+
+    for kernels, head_dim, want in (("avx512-vnni", 64, "int8"), ("avx512-vnni", 40, "float16"),
+                                    ("avx2", 64, "float16"), ("generic", 128, "float16")):
+        monkeypatch.setattr(native, "native_kernels", lambda kernels=kernels: kernels)
+        assert resolve_kv_dtype("auto", "native", entry(head_dim)) == want
+        assert resolve_kv_dtype("auto", "onnxruntime", entry(head_dim)) == "float32"
+        assert resolve_kv_dtype("float32", "native", entry(head_dim)) == "float32"
 
 
 @pytest.mark.slow

@@ -74,11 +74,11 @@ class Engine:
         one-token steps run as two rows, so that with int8 activations too a speculative
         verification pass rounds exactly like them and ``speculate`` reproduces ``full``
         bit for bit; costs ``full`` decode speed (README), not ``speculate``'s. ``kv_dtype``: the
-        KV caches' element type, "auto" (float16 on the native backend, float32 on ONNX
-        Runtime's graphs: ``AUTO_KV_DTYPES``), "float32", "float16" (half the cache's memory; the
-        native backend or ONNX Runtime's portable attention graphs) or "int8" (0.28x; the native
-        backend only); agreement with float32 measured in the README; ``llm.kv_dtype`` says
-        which one a model keeps. ``backend``: what
+        KV caches' element type, "auto" (int8 on the native AVX-512 VNNI kernels, float16
+        on the other native kernels, float32 on ONNX Runtime's graphs: ``AUTO_KV_DTYPES``),
+        "float32", "float16" (half the cache's memory; the native backend or ONNX Runtime's
+        portable attention graphs) or "int8" (0.28x; the native backend only); agreement with
+        float32 measured in the README; ``llm.kv_dtype`` says which one a model keeps. ``backend``: what
         runs the models, "onnxruntime", "native" (edgeroute's CPU kernels over the bundle's GGUF
         blocks, ``edgeroute.runtime.native``) or "auto": native where a model has native weights,
         the other settings are the defaults and the kernels build here, else ONNX Runtime
@@ -93,8 +93,9 @@ class Engine:
         check_kv_dtype(kv_dtype, KV_DTYPE_CHOICES)  # a wrong name fails before anything loads
         if memory_budget is not None:
             roles = ["llm", "slm"] if self.use_slm else ["llm"]
-            caches = [resolve_kv_dtype(kv_dtype, backend_for(self.bundle.models[role], backend, providers, activations,
-                                                             attention)[0]) for role in roles]
+            entries = [self.bundle.models[role] for role in roles]
+            caches = [resolve_kv_dtype(kv_dtype, backend_for(entry, backend, providers, activations, attention)[0], entry)
+                      for entry in entries]
             check_fit(self.bundle, self.context_length, memory_budget, max(caches, key=lambda c: kv_row_bytes(32, c)),
                       slm=self.use_slm)
         self.tokenizer = Tokenizer.from_file(str(self.bundle.file(self.bundle.tokenizer["file"])))

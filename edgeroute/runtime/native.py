@@ -234,10 +234,10 @@ class NativeModel(LayerwiseModel):
 
     def __init__(self, bundle: Bundle, role: str = "llm", threads: int | None = None,
                  kv_dtype: str = "float16", kernels: str = "auto") -> None:
-        """``kv_dtype``: the cache's element type, "float16" (the default: half the bytes that
-        attention reads per position, see ``backend.AUTO_KV_DTYPES``), "float32" or "int8"
-        (codes per 32 values and their float32 scales: 0.28x); the kernels compute in float32
-        either way. ``kernels``:
+        """``kv_dtype``: the cache's element type, "float16" (half the bytes that attention reads
+        per position), "float32" or "int8" (codes per 32 values and their float32 scales: 0.28x;
+        keys scaled per channel, ``key_scales``); the kernels compute in float32 either way
+        (``backend.AUTO_KV_DTYPES``: what ``kv_dtype="auto"`` picks per kernel set). ``kernels``:
         see :func:`native_library` ("generic" runs the plain C kernels on an x86 CPU too)."""
         if role not in bundle.models:
             raise InputError(f"bundle {bundle.path} has no {role!r} model (it has: {', '.join(bundle.models)})")
