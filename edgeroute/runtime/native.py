@@ -299,10 +299,12 @@ class NativeModel(LayerwiseModel):
         weights, the tokenizer, the kernels): measured on the first load only (Qwen2.5-Coder-1.5B
         ~1.5 s). A cache directory that cannot be written costs the pass at every load."""
         files = bundle.manifest["files"]
-        key = hashlib.sha256(json.dumps([files[bundle.models[role].native.file]["sha256"],
-                                         files[bundle.tokenizer["file"]]["sha256"], self.kernels,
-                                         LIBRARY_VERSION, KEY_SCALE_TOKENS]).encode()).hexdigest()
-        path = _cache_dir() / "key-scales" / f"{key[:32]}.npy"
+        identity = [files.get(name, {}).get("sha256") for name in (bundle.models[role].native.file,
+                                                                   bundle.tokenizer["file"])]
+        if None in identity:  # nothing to name the scales by: measured each time
+            return self._key_channel_peaks(bundle)
+        key = hashlib.sha256(json.dumps([*identity, self.kernels, LIBRARY_VERSION, KEY_SCALE_TOKENS]).encode())
+        path = _cache_dir() / "key-scales" / f"{key.hexdigest()[:32]}.npy"
         a = self.arch
         try:
             kept = np.load(path)
