@@ -1215,8 +1215,8 @@ static int segments(int positions) { return (positions + SEGMENT - 1) / SEGMENT;
 /* Attention's work items are handed out in units of consecutive items: a thread then streams a KV
  * head's segments one after another instead of starting a new stream at every item, which costs
  * a memory latency each time on top of the rows (SmolLM2 decode at 1800 positions, fp16 cache,
- * one model swapping libraries, 24 paired rounds: +7.2% and +7.9% with one unit per thread, +4.4%
- * with three; nothing at 32). About UNIT_ITEMS items per unit, a multiple of the threads; with
+ * one model swapping libraries, 20-40 paired rounds: +1.5% to +7.9% over four runs with one unit
+ * per thread, +4.4% with three; nothing at 32). About UNIT_ITEMS items per unit, a multiple of the threads; with
  * fewer than 4 items per thread, one item per unit, as the segments' unequal lengths (a short
  * last one per head) would otherwise leave one thread with most of the work. */
 #define UNIT_ITEMS 12
