@@ -1452,6 +1452,37 @@ INLINE void head_scores_int8(const int8_t *codes, const float *qd, int nh, const
         }
     }
 }
+#else
+#define SCORES_INT8_X86 1
+/* Without AVX-512 VNNI, a row's 32 codes meet a head's in a maddubs: its unsigned operand the
+ * row's magnitudes, its signed one the query's codes given the row's signs (|k| x sign(q, k) =
+ * k x q; a pair's sum is at most 2 x 127 x 127, so nothing saturates), then pairs summed to 8
+ * int32 lanes that turn float at the product of the two scales of their 32 values. Per row, head
+ * and 32 values 5 instructions and an FMA, where widening the codes to floats took 12 and 4 FMAs. */
+INLINE void head_scores_int8(const int8_t *codes, const float *qd, int nh, const uint8_t *rows, size_t bytes, int n,
+                             int hd, float *sc, size_t sc_stride) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int t = 0; t < n; t += 4) {
+        const uint8_t *r[4];
+        UNROLL_TILE for (int j = 0; j < 4; j++) r[j] = rows + (size_t)(t + j < n ? t + j : t) * bytes;
+        prefetch_rows(rows + (size_t)(t + PREFETCH_ROWS) * bytes, 4 * bytes);
+        for (int h = 0; h < nh; h++) {
+            __m256 acc[4];
+            UNROLL_TILE for (int j = 0; j < 4; j++) acc[j] = _mm256_setzero_ps();
+            for (int b = 0; b < hd / 32; b++) {
+                const __m256i q = _mm256_loadu_si256((const __m256i *)(codes + h * KV_QUERY_STRIDE + 32 * b));
+                const float qs = qd[h * KV_QUERY_STRIDE / 32 + b];
+                UNROLL_TILE for (int j = 0; j < 4; j++) {
+                    const __m256i k = _mm256_loadu_si256((const __m256i *)(r[j] + 32 * b));
+                    const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(k, k), _mm256_sign_epi8(q, k));
+                    const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+                    acc[j] = _mm256_fmadd_ps(dot, _mm256_set1_ps(((const float *)(r[j] + hd))[b] * qs), acc[j]);
+                }
+            }
+            _mm_storeu_ps(sc + h * sc_stride + t, sums4(acc));
+        }
+    }
+}
 #endif
 
 /* sc holds len scores, padded with -inf to a multiple of 8 */
@@ -1576,8 +1607,9 @@ static void kv_store(void *cache, size_t row, const float *x, int hd, int format
 }
 
 /* An int8 cache's scores are those of the query quantized like its rows, per 32 values (as
- * llama.cpp's q8_0 cache does): integer dot products where the CPU has VNNI, the dequantized
- * query's float products elsewhere; the kernel sets agree to float rounding. codes: nh x
+ * llama.cpp's q8_0 cache does): integer dot products on the x86 kernels (vpdpbusd or maddubs),
+ * the dequantized query's float products in the generic ones; the kernel sets agree to float
+ * rounding. codes: nh x
  * KV_QUERY_STRIDE, zero past hd; qd: nh x KV_QUERY_STRIDE / 32 (+ 4) scales, times `scale`. */
 static void query_codes(const float *q, size_t q_stride, int nh, int hd, float scale, int8_t *codes, float *qd) {
     memset(codes, 0, (size_t)nh * KV_QUERY_STRIDE);
@@ -1598,7 +1630,7 @@ INLINE void block_scores(const float *q, size_t q_stride, int nh, const uint8_t 
     int8_t codes[HEAD_BLOCK * KV_QUERY_STRIDE] __attribute__((aligned(64)));
     float qd[HEAD_BLOCK * KV_QUERY_STRIDE / 32 + 4];
     query_codes(q, q_stride, nh, hd, scale, codes, qd);
-#if defined(SCORES_INT8_VNNI)
+#if defined(SCORES_INT8_VNNI) || defined(SCORES_INT8_X86)
     head_scores_int8(codes, qd, nh, rows, bytes, n, hd, sc, sc_stride);
 #else
     float dequantized[HEAD_BLOCK * KV_QUERY_STRIDE];
