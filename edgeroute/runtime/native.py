@@ -24,6 +24,7 @@ measured yet, so ``backend="auto"`` keeps ONNX Runtime there and ``backend="nati
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -35,7 +36,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from importlib import resources
 from pathlib import Path
 
@@ -131,15 +132,24 @@ def _compile(source: Path, kernels: str) -> Path:
     target = _cache_dir() / "native" / f"libedgeroute_native-{kernels}-{key[:16]}.so"
     if target.is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        built = Path(tmp) / target.name
+    with _written_atomically(target) as built:
         done = subprocess.run([compiler, *flags, "-o", str(built), str(source)], capture_output=True, text=True)
         if done.returncode != 0:
             raise NativeBackendUnavailable(f"building the native kernels failed ({compiler} {' '.join(flags)}):\n"
                                            f"{done.stderr.strip()[-2000:]}")
-        os.replace(built, target)  # atomic: a concurrent build or a crash never leaves half a library
     return target
+
+
+@contextlib.contextmanager
+def _written_atomically(target: Path) -> Iterator[Path]:
+    """A path to write ``target``'s new contents to, in the same directory: it replaces
+    ``target`` in one step when the block ends, and is removed if the block raises, so a crash
+    or a concurrent writer never leaves half a file in the cache directory."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        staged = Path(tmp) / target.name
+        yield staged
+        os.replace(staged, target)
 
 
 _libraries: dict[str, ctypes.CDLL | NativeBackendUnavailable] = {}
@@ -315,10 +325,8 @@ class NativeModel(LayerwiseModel):
             pass
         peaks = self._key_channel_peaks(bundle)
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".npy", delete=False) as tmp:
-                np.save(tmp, peaks)
-            os.replace(tmp.name, path)  # atomic: a concurrent load reads the old file or the new one
+            with _written_atomically(path) as staged:
+                np.save(staged, peaks)
         except OSError:
             pass
         return peaks
