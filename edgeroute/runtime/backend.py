@@ -102,8 +102,8 @@ def native_blocker(entry: ModelEntry, providers: Sequence[str] | None, activatio
 # scaled, see NativeModel.key_scales; 0.56x fp16's bytes; decode at 1800 positions 3-6% faster
 # than fp16, at 32 alike). The other native kernels: fp16 (half fp32's bytes; llama.cpp's default
 # cache too). int8 on the AVX2 set, its scores integer too, decodes at fp16's speed on this Zen 5
-# VM; an AVX2-only CPU has not measured it, and the generic kernels widen every code to a float. ONNX Runtime: fp32
-# (the fp16 graphs' Casts cost ~10% decode on SmolLM2).
+# VM; an AVX2-only CPU has not measured it, and the generic kernels widen every code to a float.
+# ONNX Runtime: fp32 (the fp16 graphs' Casts cost ~10% decode on SmolLM2).
 AUTO_KV_DTYPES = {"native": "float16", "native:avx512-vnni": "int8", "onnxruntime": "float32"}
 
 
