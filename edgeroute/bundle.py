@@ -215,13 +215,16 @@ class NativeTensor:
 @dataclass(frozen=True)
 class NativeWeights:
     """A model's weights as the native backend reads them: GGUF blocks as stored in the source
-    (llama's Q/K rows put back in rotate-half order), one file, tensors by GGUF name."""
+    (llama's Q/K rows put back in rotate-half order), one file, tensors by GGUF name. The file
+    is a GGUF (``container``) whose own header the C library reads; bundles written before it
+    hold the bare blocks (no ``container``) and run on ONNX Runtime only."""
 
     file: str
     tensors: dict[str, NativeTensor]
+    container: str | None = "gguf"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"file": self.file, "alignment": NATIVE_ALIGNMENT,
+        return {"file": self.file, "container": self.container, "alignment": NATIVE_ALIGNMENT,
                 "tensors": {name: {**asdict(t), "shape": list(t.shape)} for name, t in self.tensors.items()}}
 
     @classmethod
@@ -232,7 +235,7 @@ class NativeWeights:
                    for name, t in data["tensors"].items()}
         for name, tensor in tensors.items():
             tensor.check(name, int(files[data["file"]]["bytes"]))
-        return cls(data["file"], tensors)
+        return cls(data["file"], tensors, data.get("container"))
 
 
 @dataclass(frozen=True)

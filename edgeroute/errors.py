@@ -36,5 +36,5 @@ class CalibrationDeviceWarning(UserWarning):
 
 
 class NativeBackendUnavailable(EdgerouteError):
-    """The native CPU backend cannot run here (no native weights in the bundle, no C compiler,
-    a CPU without AVX2): ``backend="auto"`` then runs ONNX Runtime."""
+    """The native CPU backend cannot run here (no native weights in the bundle, a library that
+    does not load, kernels this CPU lacks): ``backend="auto"`` then runs ONNX Runtime."""

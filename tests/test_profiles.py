@@ -76,41 +76,69 @@ def _wheel(tmp_path: Path) -> Path:
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
     for part in ("edgeroute", "profiles", "runtime"):
         shutil.copytree(REPO / part, source / part, ignore=ignore)
-    for part in ("pyproject.toml", "README.md"):
+    for part in ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md"):
         shutil.copy(REPO / part, source / part)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
                     "-w", str(tmp_path / "dist"), str(source)], check=True, capture_output=True)
     return next((tmp_path / "dist").glob("edgeroute-*.whl"))
 
 
-def test_profiles_load_from_an_installed_wheel(tmp_path):
+@pytest.fixture(scope="module")
+def installed_wheel(tmp_path_factory) -> tuple[Path, Path]:
+    """The wheel, and a folder it is installed into (its dependencies are this venv's)."""
+    tmp_path = tmp_path_factory.mktemp("wheel")
     wheel = _wheel(tmp_path)
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)],
+                   check=True, capture_output=True)
+    return wheel, site
+
+
+def _installed_env(site: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("EDGEROUTE_PROFILES", "PYTHONPATH", "EDGEROUTE_NATIVE_LIB", "CC")}
+    env["PYTHONPATH"] = str(site)
+    return env
+
+
+def test_profiles_load_from_an_installed_wheel(installed_wheel, tmp_path):
+    wheel, site = installed_wheel
     names = set(zipfile.ZipFile(wheel).namelist())
     packages = {p.parent.relative_to(REPO).as_posix() for p in (REPO / "edgeroute").rglob("__init__.py")}
     assert {f"{p}/__init__.py" for p in packages} <= names, "a package is missing from pyproject's package list"
     shipped = {f"edgeroute/{p.relative_to(REPO).as_posix()}" for p in REPO.glob("profiles/*/*.json")}
     assert shipped <= names, "a profile folder is missing from pyproject's package list"
-    assert "edgeroute/native/edgeroute_native.c" in names, "the native kernels' source is missing from the wheel"
+    assert "edgeroute/libedgeroute.so" in names, "the native library is missing from the wheel"
+    assert "edgeroute/native/include/edgeroute.h" in names, "the native library's header is missing from the wheel"
 
-    site = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)],
-                   check=True, capture_output=True)
     script = textwrap.dedent("""
         import json, edgeroute
-        from edgeroute.runtime.native import native_source
+        from edgeroute.runtime.native import library_path, native_header
         from edgeroute.runtime.profiles import known_profiles, load_profile
         profile = load_profile("jetson-orin-nano-8gb,templated")
         print(json.dumps({"package": edgeroute.__file__, "files": sorted(str(f) for f in known_profiles().values()),
                           "names": profile.names, "budget": profile.memory_budget, "decoding": profile.decoding,
-                          "native_source": str(native_source())}))
+                          "library": str(library_path()), "header": str(native_header())}))
     """)
-    env = {k: v for k, v in os.environ.items() if k not in ("EDGEROUTE_PROFILES", "PYTHONPATH")}
-    env["PYTHONPATH"] = str(site)
-    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=_installed_env(site), capture_output=True,
+                          text=True)
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     assert result["package"].startswith(str(site))
     assert result["files"] and all(f.startswith(str(site / "edgeroute" / "profiles")) for f in result["files"])
     assert result["names"] == ["jetson-orin-nano-8gb", "templated"]
-    assert result["native_source"] == str(site / "edgeroute" / "native" / "edgeroute_native.c")
+    assert result["library"] == str(site / "edgeroute" / "libedgeroute.so")
+    assert result["header"] == str(site / "edgeroute" / "native" / "include" / "edgeroute.h")
     assert result["budget"] == int(5.5 * GIB) and result["decoding"]["mode"] == "speculate"
+
+
+@pytest.mark.slow
+def test_an_installed_wheel_runs_the_native_backend_with_no_compiler_on_the_path(installed_wheel, smollm2_bundles, tmp_path):
+    """Nothing is compiled at run time: the wheel carries libedgeroute, dispatched by the CPU."""
+    _, site = installed_wheel
+    env = {**_installed_env(site), "PATH": str(tmp_path / "no-tools")}
+    command = [sys.executable, "-c", "from edgeroute.cli import app; app()", "run", str(smollm2_bundles["int4"][0]),
+               "--backend", "native", "--mode", "full", "--max-tokens", "8", "--prompt", "Hi!"]
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "native" in done.stdout + done.stderr
+    assert shutil.which("cc", path=env["PATH"]) is None and shutil.which("gcc", path=env["PATH"]) is None

@@ -295,7 +295,7 @@ def export_bundle(options: ExportOptions, progress: Progress | None = None) -> E
             if options.native and carried_over:  # the graphs hold the same blocks: both backends run one model
                 with _stage(report, "native weights"):
                     rel = f"{role}/native.bin"
-                    written = write_native_weights(source, arch, writer.path(rel), rel, head_vocab is not None)
+                    written = write_native_weights(source, arch, writer.path(rel), rel, context, head_vocab is not None)
                 if isinstance(written, NativeWeights):
                     writer.record(rel)
                     native = written

@@ -127,7 +127,8 @@ def backend_for(entry: ModelEntry, backend: str = "auto", providers: Sequence[st
     loading it; and why ``auto`` did not take the native backend (None where it did, or where
     a backend was named). ``auto`` takes the native backend where the model has native
     weights, the settings are its own (CPU, attention auto, int8 activations) and the x86
-    kernels build here (the generic ones, on Arm, only when named); otherwise ONNX Runtime."""
+    library's best kernels here are not the generic ones (those, on Arm, only when named); otherwise
+    ONNX Runtime."""
     from edgeroute.runtime.native import native_kernels
 
     if backend not in BACKENDS:
@@ -137,7 +138,7 @@ def backend_for(entry: ModelEntry, backend: str = "auto", providers: Sequence[st
     why_not = native_blocker(entry, providers, activations, attention)
     if why_not is None:
         try:
-            kernels = native_kernels()  # builds or loads the library: whether the backend runs here at all
+            kernels = native_kernels()  # loads the library: whether the backend runs here at all
         except NativeBackendUnavailable as err:
             why_not = str(err)
         else:

@@ -81,8 +81,8 @@ class Engine:
         float32 measured in the README; ``llm.kv_dtype`` says which one a model keeps. ``backend``: what
         runs the models, "onnxruntime", "native" (edgeroute's CPU kernels over the bundle's GGUF
         blocks, ``edgeroute.runtime.native``) or "auto": native where a model has native weights,
-        the other settings are the defaults and the kernels build here, else ONNX Runtime
-        (``backend_notes`` says why, per model)."""
+        the other settings are the defaults and the library runs more than its generic kernels
+        here, else ONNX Runtime (``backend_notes`` says why, per model)."""
         self.bundle = bundle if isinstance(bundle, Bundle) else Bundle.open(bundle, verify=verify)
         exported = int(self.bundle.generation["context_length"])
         self.context_length = context_length or exported

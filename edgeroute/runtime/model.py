@@ -229,16 +229,21 @@ class LayerwiseModel(ABC):
         hiddens = [hidden for _, hidden in self._passes(cache, ids, plan)]
         return np.concatenate(hiddens) if len(hiddens) > 1 else hiddens[0]
 
-    def _passes(self, cache: KVCache, ids: Sequence[int] | np.ndarray,
-                plan: Sequence[bool] | LayerPlan | None) -> Iterator[tuple[int, np.ndarray]]:
-        """(offset, last hidden states) of each pass of at most PREFILL_CHUNK tokens."""
-        ids = np.asarray(ids, np.int64).reshape(-1)
-        t = ids.shape[0]
+    @staticmethod
+    def check_room(cache: Any, t: int) -> None:
+        """Refuses a pass of ``t`` tokens that is empty or does not fit the cache."""
         if t == 0:
             raise InputError("nothing to run: the token list is empty")
         if cache.length + t > cache.capacity:
             raise InputError(f"{cache.length + t} tokens exceed the context of {cache.capacity}: shorten the prompt "
                              "or export with a larger context")
+
+    def _passes(self, cache: KVCache, ids: Sequence[int] | np.ndarray,
+                plan: Sequence[bool] | LayerPlan | None) -> Iterator[tuple[int, np.ndarray]]:
+        """(offset, last hidden states) of each pass of at most PREFILL_CHUNK tokens."""
+        ids = np.asarray(ids, np.int64).reshape(-1)
+        t = ids.shape[0]
+        self.check_room(cache, t)
         for offset in range(0, t, PREFILL_CHUNK):
             chunk = ids[offset:offset + PREFILL_CHUNK]
             hidden = self._pass(cache, chunk, plan)

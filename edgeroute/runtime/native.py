@@ -1,25 +1,23 @@
-"""The native CPU backend: a bundle's GGUF blocks run by edgeroute's own kernels.
+"""The native CPU backend: a bundle's GGUF blocks run by libedgeroute, edgeroute's C library.
 
 A decode step on a CPU is bound by the bytes it reads. ONNX Runtime's int4 kernel reads its
 own repacked format (fp32 block scales, an fp32 offset table), 1.4x the GGUF's bytes on the
-Qwen2.5-Coder 1.5B; :class:`NativeModel` reads the blocks of the bundle's native weight file
-(``models.<role>.native``, written by export for GGUF sources) as they are stored, with the
-decoder layer in C (``runtime/native/edgeroute_native.c``: int8 activations, VNNI / AVX2 byte
-dot products, OpenMP over output rows). It implements
-:class:`edgeroute.runtime.backend.ModelBackend` like :class:`OrtModel`, on the heads-first
-float32 :class:`KVCache`.
+Qwen2.5-Coder 1.5B; :class:`NativeModel` has the library read the blocks of the bundle's native
+weight file (``models.<role>.native``, a GGUF file written by export for GGUF sources) as they
+are stored. It implements :class:`edgeroute.runtime.backend.ModelBackend` like
+:class:`OrtModel`; its caches (:class:`NativeCache`) are the library's sessions.
 
-Every row of a pass is computed alike whatever the pass's length (activations are quantized
-per row, dot products summed in one order), so a speculative verification pass reproduces
-one-token steps bit for bit without ``exact_steps``' second row.
+This module is a thin binding over the library's public header (``runtime/native/include/
+edgeroute.h``): the handles are opaque, the ABI version and the enum values are read from the
+header itself, and the params structs carry their size, which the library checks. One forward
+is one call into C (the per-layer steps are used only where a plan is decided from the hidden
+state as it goes, or where calibration reruns layers).
 
-The library is compiled on first use with the machine's C compiler for its own CPU
-(``-march=native``, ~1 s) into ``$EDGEROUTE_CACHE/native`` (default ``~/.cache/edgeroute``),
-keyed by the source, compiler and instruction sets; ``EDGEROUTE_NATIVE_LIB`` names a prebuilt
-one. On x86-64 with AVX2, FMA and F16C it runs the x86 kernels (AVX-512 VNNI where present);
-on any other CPU (Arm: Jetson, in-car SoCs) the generic C kernels, the same arithmetic
-vectorized by the compiler, which the tests check on x86 too. Their speed on Arm is not
-measured yet, so ``backend="auto"`` keeps ONNX Runtime there and ``backend="native"`` opts in.
+The library is built with the package (``pip install .`` / the wheel: ``setup.py`` runs
+``runtime/native/build.py``) and carries every kernel set of its architecture, chosen at load
+by the CPU's features: nothing is compiled at run time. ``EDGEROUTE_NATIVE_LIB`` names another
+build. Every row of a pass is computed alike whatever the pass's length, so a speculative
+verification pass reproduces one-token steps bit for bit.
 """
 
 from __future__ import annotations
@@ -29,188 +27,117 @@ import ctypes
 import functools
 import hashlib
 import json
-import mmap
 import os
-import platform
-import shutil
-import subprocess
+import re
 import tempfile
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from importlib import resources
 from pathlib import Path
 
 import numpy as np
 
-from edgeroute.bundle import NATIVE_FORMATS, Bundle, NativeTensor, kv_row_bytes
-from edgeroute.cpu import cpu_signature
+from edgeroute.bundle import Bundle
 from edgeroute.errors import BundleError, InputError, NativeBackendUnavailable
-from edgeroute.rope import rope_tables
-from edgeroute.runtime.attention import KVCache, check_kv_dtype, resident_zeros
+from edgeroute.runtime.attention import check_kv_dtype
 from edgeroute.runtime.evaluate import tokenize_text
 from edgeroute.runtime.memory import PREFILL_CHUNK
 from edgeroute.runtime.model import DROP, RUN, SKIP, SKIP_MLP, LayerPlan, LayerwiseModel, plan_action
 from edgeroute.texts import calibration_text
 
-SOURCE_NAME = "edgeroute_native.c"
-LIBRARY_VERSION = 5  # er_version() of the C source this module drives
-KERNELS = ("auto", "x86", "avx2", "generic")
-KERNEL_NAMES = {0: "generic", 1: "avx2", 2: "avx512-vnni"}  # er_kernels()
-REQUIRED_FLAGS = ("avx2", "fma", "f16c")
-GGML_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
-FORMAT_NAMES = {type_id: name for name, type_id in GGML_TYPES.items()}
-MODES = {RUN: 0, SKIP_MLP: 1, SKIP: 2}  # er_layer_forward's mode per plan action
-TIMING_KINDS = {RUN: "layer", SKIP_MLP: "attn", SKIP: "kv"}
-KV_FORMATS = {"float32": 0, "float16": 1, "int8": 2}  # er_dims.kv_format
+LIBRARY_NAME = "libedgeroute.so"
+KERNELS = ("auto", "x86", "generic", "avx2", "avx512-vnni")  # "x86": the best x86 set this CPU runs
+BLOCK_FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K")  # er_block_format: ER_<name>
+KV_FORMAT_NAMES = {"float32": "ER_KV_F32", "float16": "ER_KV_F16", "int8": "ER_KV_INT8"}
+ACTION_NAMES = {RUN: "ER_LAYER_RUN", SKIP_MLP: "ER_LAYER_SKIP_MLP", SKIP: "ER_LAYER_SKIP", DROP: "ER_LAYER_DROP"}
+TIMING_KINDS = {RUN: "layer", SKIP_MLP: "attn", SKIP: "kv", DROP: "kv"}
 KEY_SCALE_TOKENS = 256  # of the calibration text, for an int8 cache's key channel scales
 
 
-class _Matrix(ctypes.Structure):
-    _fields_ = [("data", ctypes.c_void_p), ("packed", ctypes.c_void_p), ("type", ctypes.c_int32),
-                ("rows", ctypes.c_int32), ("cols", ctypes.c_int32), ("packed_rows", ctypes.c_int32)]
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [*((name, _Matrix) for name in ("q", "k", "v", "o", "gate", "up", "down")),
-                *((name, ctypes.c_void_p)
-                  for name in ("attn_norm", "ffn_norm", "q_bias", "k_bias", "v_bias", "key_scales"))]
-
-
-class _Dims(ctypes.Structure):
-    _fields_ = [*((name, ctypes.c_int32) for name in ("hidden", "heads", "kv_heads", "head_dim", "ffn", "capacity")),
-                ("eps", ctypes.c_float), ("threads", ctypes.c_int32), ("kv_format", ctypes.c_int32)]
-
-
-# -- the library --------------------------------------------------------------------------------
-
-def native_source() -> Path:
-    """The C source: inside the installed package (``edgeroute/native``) or the checkout's
-    top-level ``runtime/native``."""
-    packaged = resources.files("edgeroute") / "native" / SOURCE_NAME
+def native_header() -> Path:
+    """The public header: inside the installed package (``edgeroute/native/include``) or the
+    checkout's ``runtime/native/include``."""
+    packaged = resources.files("edgeroute") / "native" / "include" / "edgeroute.h"
     if packaged.is_file():
         return Path(str(packaged))
-    return Path(__file__).resolve().parents[2] / "runtime" / "native" / SOURCE_NAME
+    return Path(__file__).resolve().parents[2] / "runtime" / "native" / "include" / "edgeroute.h"
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("EDGEROUTE_CACHE")
-    return Path(root) if root else Path.home() / ".cache" / "edgeroute"
+@functools.cache
+def header_constants() -> dict[str, int]:
+    """ER_ABI_VERSION and every ``ER_NAME = value`` enum constant of the header."""
+    text = native_header().read_text()
+    constants = {name: int(value) for name, value in re.findall(r"\b(ER_[A-Z0-9_]+) = (-?\d+)", text)}
+    constants["ER_ABI_VERSION"] = int(re.search(r"#define ER_ABI_VERSION (\d+)", text).group(1))
+    return constants
 
 
-def _x86_kernels_here() -> str | None:
-    """Why this CPU cannot run the x86 kernels (None: it can)."""
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return f"this CPU is {platform.machine()}"
-    missing = [flag for flag in REQUIRED_FLAGS if flag not in cpu_signature()["isa"]]
-    return f"this CPU lacks {', '.join(missing)}" if missing else None
+# -- the params structs: sized and checked by the library (struct_size) ---------------------------
+
+class _ModelParams(ctypes.Structure):
+    _fields_ = [("struct_size", ctypes.c_uint32), ("kernels", ctypes.c_int32), ("threads", ctypes.c_int32),
+                ("max_pass", ctypes.c_int32)]
 
 
-def _flags(kernels: str) -> list[str]:
-    if kernels == "x86":
-        return ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
-    if kernels == "avx2":  # the x86 kernels an AVX2-only CPU runs, buildable on any newer x86 CPU
-        return ["-O3", "-march=x86-64-v3", "-mtune=native", "-fopenmp", "-shared", "-fPIC"]
-    # the compiler vectorizes the generic C for this CPU; no contraction into FMAs, which it
-    # would apply differently in the tile sizes' specializations (a row's bits would then
-    # depend on the pass's length, and speculation would no longer be exact)
-    target = "-mcpu=native" if platform.machine() in ("aarch64", "arm64") else "-march=native"
-    return ["-O3", target, "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-DER_GENERIC"]
+class _ModelInfo(ctypes.Structure):
+    _fields_ = [("struct_size", ctypes.c_uint32),
+                *((name, ctypes.c_int32) for name in ("layers", "hidden", "heads", "kv_heads", "head_dim", "ffn",
+                                                       "vocab", "context_length", "kernels", "threads"))]
 
 
-def _compile(source: Path, kernels: str) -> Path:
-    """Build the library with the x86 (AVX2 / AVX-512) or the generic kernels."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise NativeBackendUnavailable("no C compiler (cc or gcc, or $CC) to build the native kernels")
-    flags = _flags(kernels)
-    try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError) as err:
-        raise NativeBackendUnavailable(f"the C compiler {compiler} does not run ({err})") from err
-    isa = cpu_signature()["isa"]
-    key = hashlib.sha256("\0".join([source.read_text(), compiler, version, *flags, *isa]).encode()).hexdigest()
-    target = _cache_dir() / "native" / f"libedgeroute_native-{kernels}-{key[:16]}.so"
-    if target.is_file():
-        return target
-    with _written_atomically(target) as built:
-        done = subprocess.run([compiler, *flags, "-o", str(built), str(source)], capture_output=True, text=True)
-        if done.returncode != 0:
-            raise NativeBackendUnavailable(f"building the native kernels failed ({compiler} {' '.join(flags)}):\n"
-                                           f"{done.stderr.strip()[-2000:]}")
-    return target
+class _SessionParams(ctypes.Structure):
+    _fields_ = [("struct_size", ctypes.c_uint32), ("capacity", ctypes.c_int32), ("kv_format", ctypes.c_int32)]
 
 
-@contextlib.contextmanager
-def _written_atomically(target: Path) -> Iterator[Path]:
-    """A path to write ``target``'s new contents to, in the same directory: it replaces
-    ``target`` in one step when the block ends, and is removed if the block raises, so a crash
-    or a concurrent writer never leaves half a file in the cache directory."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        staged = Path(tmp) / target.name
-        yield staged
-        os.replace(staged, target)
+class _ForwardParams(ctypes.Structure):
+    _fields_ = [("struct_size", ctypes.c_uint32), ("plan", ctypes.c_void_p), ("plan_layers", ctypes.c_int32),
+                ("logits_rows", ctypes.c_int32), ("logits", ctypes.c_void_p), ("hidden", ctypes.c_void_p),
+                ("layer_seconds", ctypes.c_void_p)]
 
 
-_libraries: dict[str, ctypes.CDLL | NativeBackendUnavailable] = {}
+def _sized(struct: type[ctypes.Structure], **fields) -> ctypes.Structure:
+    return struct(struct_size=ctypes.sizeof(struct), **fields)
+
+
+# -- the library ------------------------------------------------------------------------------------
+
+def library_path() -> Path:
+    """``EDGEROUTE_NATIVE_LIB``, else the library built into the package."""
+    named = os.environ.get("EDGEROUTE_NATIVE_LIB")
+    return Path(named) if named else Path(__file__).resolve().parents[1] / LIBRARY_NAME
+
+
+_library: ctypes.CDLL | NativeBackendUnavailable | None = None
 _library_lock = threading.Lock()
 
 
-def native_library(kernels: str = "auto") -> ctypes.CDLL:
-    """The kernels, built or found once per process: "x86" (AVX2, FMA, F16C; AVX-512 VNNI where
-    the CPU has it), "avx2" (the x86 kernels held to AVX2, FMA and F16C, as an AVX2-only CPU runs
-    them: tests and comparisons on newer CPUs), "generic" (plain C the compiler vectorizes: any
-    CPU, e.g. Arm), or "auto"
-    (x86 where this CPU runs them, else generic; ``EDGEROUTE_NATIVE_LIB`` names a prebuilt
-    library instead). Raises NativeBackendUnavailable with the reason (kept: later calls raise
-    it again at no cost)."""
-    if kernels not in KERNELS:
-        raise InputError(f"kernels {kernels!r} is not one of {', '.join(KERNELS)}")
-    with _library_lock:
-        if kernels not in _libraries:
-            try:
-                prebuilt = os.environ.get("EDGEROUTE_NATIVE_LIB") if kernels == "auto" else None
-                if prebuilt:
-                    _libraries[kernels] = _bind(ctypes.CDLL(prebuilt))
-                else:
-                    why_not_x86 = _x86_kernels_here()
-                    build = kernels if kernels != "auto" else ("generic" if why_not_x86 else "x86")
-                    if build in ("x86", "avx2") and why_not_x86:
-                        raise NativeBackendUnavailable(f"the x86 kernels need {', '.join(REQUIRED_FLAGS)}: {why_not_x86}")
-                    _libraries[kernels] = _bind(ctypes.CDLL(str(_compile(native_source(), build))))
-            except OSError as err:
-                _libraries[kernels] = NativeBackendUnavailable(f"the native kernels do not load ({err})")
-            except NativeBackendUnavailable as err:
-                _libraries[kernels] = err
-        library = _libraries[kernels]
-        if isinstance(library, NativeBackendUnavailable):
-            raise library
-        return library
-
-
-def native_kernels(kernels: str = "auto") -> str:
-    """Which kernels the library of ``kernels`` runs: "generic", "avx2" or "avx512-vnni"."""
-    return KERNEL_NAMES[native_library(kernels).er_kernels()]
-
-
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
-    if lib.er_version() != LIBRARY_VERSION:
-        raise NativeBackendUnavailable(f"the native library is version {lib.er_version()}, this edgeroute drives "
-                                       f"version {LIBRARY_VERSION}: rebuild it (unset EDGEROUTE_NATIVE_LIB)")
-    pointer, size, i32 = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
+    expected = header_constants()["ER_ABI_VERSION"]
+    lib.er_abi_version.restype = ctypes.c_int
+    if lib.er_abi_version() != expected:
+        raise NativeBackendUnavailable(f"{library_path()} is libedgeroute ABI {lib.er_abi_version()}, this edgeroute "
+                                       f"drives ABI {expected}: reinstall edgeroute (or unset EDGEROUTE_NATIVE_LIB)")
+    p, i32, size, status = ctypes.c_void_p, ctypes.c_int32, ctypes.c_size_t, ctypes.c_int
     signatures = {
-        "er_kernels": ([], i32),
-        "er_layer_forward": ([ctypes.POINTER(_Layer), ctypes.POINTER(_Dims), pointer, i32, i32, pointer, pointer,
-                              pointer, pointer, pointer, i32, pointer], i32),
-        "er_scratch_bytes": ([ctypes.POINTER(_Dims), i32], size),
-        "er_head": ([ctypes.POINTER(_Matrix), pointer, ctypes.POINTER(_Dims), pointer, i32, pointer, pointer], i32),
-        "er_head_scratch_bytes": ([i32, i32], size),
-        "er_matmul": ([ctypes.POINTER(_Matrix), pointer, i32, pointer, i32, pointer], i32),
-        "er_matmul_scratch_bytes": ([i32, i32], size),
-        "er_attention": ([ctypes.POINTER(_Dims), pointer, pointer, pointer, pointer, i32, i32, pointer, pointer], i32),
-        "er_dequantize_rows": ([ctypes.POINTER(_Matrix), pointer, i32, pointer], i32),
-        "er_pack_bytes": ([ctypes.POINTER(_Matrix)], size),
-        "er_pack": ([ctypes.POINTER(_Matrix), pointer], i32),
+        "er_last_error": ([], ctypes.c_char_p), "er_kernels_name": ([ctypes.c_int], ctypes.c_char_p),
+        "er_kernels_supported": ([ctypes.c_int], ctypes.c_int), "er_kernels_best": ([], ctypes.c_int),
+        "er_kv_row_bytes": ([ctypes.c_int, ctypes.c_int], size),
+        "er_model_open": ([ctypes.c_char_p, ctypes.POINTER(_ModelParams), ctypes.POINTER(p)], status),
+        "er_model_free": ([p], None), "er_model_get_info": ([p, ctypes.POINTER(_ModelInfo)], status),
+        "er_model_set_key_scales": ([p, p, size], status),
+        "er_session_create": ([p, ctypes.POINTER(_SessionParams), ctypes.POINTER(p)], status),
+        "er_session_free": ([p], None), "er_session_length": ([p], i32), "er_session_capacity": ([p], i32),
+        "er_session_truncate": ([p, i32], status), "er_session_copy": ([p, p, i32], status),
+        "er_session_kv": ([p, ctypes.POINTER(p), ctypes.POINTER(p), ctypes.POINTER(size)], status),
+        "er_session_dropped": ([p], ctypes.POINTER(ctypes.c_uint8)),
+        "er_session_forward": ([p, p, i32, ctypes.POINTER(_ForwardParams)], status),
+        "er_model_embed": ([p, p, i32, p], status), "er_model_head": ([p, p, i32, p], status),
+        "er_session_run_layers": ([p, p, i32, i32, i32, i32, p, p], status),
+        "er_session_advance": ([p, i32], status),
+        "er_matmul": ([ctypes.c_int, ctypes.c_int, p, size, i32, i32, p, i32, p, i32], status),
+        "er_dequantize_rows": ([ctypes.c_int, p, size, i32, i32, p, i32, p], status),
+        "er_attention": ([ctypes.c_int, ctypes.c_int, i32, i32, i32, i32, p, p, p, p, i32, i32, p, i32], status),
     }
     for name, (args, result) in signatures.items():
         function = getattr(lib, name)
@@ -218,29 +145,146 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
-def _address(array: np.ndarray) -> int:
-    return array.ctypes.data
+def native_library(kernels: str = "auto") -> ctypes.CDLL:
+    """The library, loaded once per process, after checking that it runs ``kernels`` here
+    ("auto": the best set this CPU runs; "x86": the best x86 set; "generic", "avx2",
+    "avx512-vnni": that set, e.g. to compare or to test what another CPU runs). Raises
+    NativeBackendUnavailable with the reason (kept: later calls raise it again at no cost)."""
+    global _library
+    kernel_id(kernels)  # a wrong name is the caller's error, not the library's
+    with _library_lock:
+        if _library is None:
+            path = library_path()
+            try:
+                _library = _bind(ctypes.CDLL(str(path)))
+            except OSError as err:
+                _library = NativeBackendUnavailable(f"libedgeroute does not load from {path} ({err}): reinstall "
+                                                    "edgeroute, or name a build with EDGEROUTE_NATIVE_LIB")
+            except NativeBackendUnavailable as err:
+                _library = err
+    if isinstance(_library, NativeBackendUnavailable):
+        raise _library
+    _resolve(_library, kernels)
+    return _library
 
 
-def _pack(lib: ctypes.CDLL, matrix: _Matrix) -> np.ndarray | None:
-    """Interleave the matrix's rows by 16 for the packed kernels (AVX-512 VNNI builds);
-    returns the buffer the matrix now points into (keep it alive), or None."""
-    size = lib.er_pack_bytes(ctypes.byref(matrix))
-    if not size:
+def kernel_id(kernels: str) -> int | None:
+    """The er_kernels value ``kernels`` names (None: decided by the CPU)."""
+    if kernels not in KERNELS:
+        raise InputError(f"kernels {kernels!r} is not one of {', '.join(KERNELS)}")
+    if kernels in ("auto", "x86"):
         return None
-    buffer = np.empty(size, np.uint8)
-    matrix.packed_rows = lib.er_pack(ctypes.byref(matrix), _address(buffer))
-    matrix.packed = _address(buffer)
-    return buffer
+    return header_constants()[f"ER_KERNELS_{kernels.replace('-', '_').upper()}"]
 
 
-# -- the model ----------------------------------------------------------------------------------
+def _resolve(lib: ctypes.CDLL, kernels: str) -> int:
+    chosen = kernel_id(kernels)
+    if chosen is None:
+        chosen = lib.er_kernels_best()
+        if kernels == "x86" and chosen == header_constants()["ER_KERNELS_GENERIC"]:
+            raise NativeBackendUnavailable("the x86 kernels need an x86-64 CPU with AVX2, FMA and F16C: this CPU "
+                                           "runs the generic kernels only")
+    elif not lib.er_kernels_supported(chosen):
+        raise NativeBackendUnavailable(f"the {kernels} kernels do not run on this CPU (it runs "
+                                       f"{lib.er_kernels_name(lib.er_kernels_best()).decode()})")
+    return chosen
+
+
+def native_kernels(kernels: str = "auto") -> str:
+    """Which kernels ``kernels`` runs here: "generic", "avx2" or "avx512-vnni"."""
+    lib = native_library(kernels)
+    return lib.er_kernels_name(_resolve(lib, kernels)).decode()
+
+
+FILE_ERRORS = ("ER_ERR_IO", "ER_ERR_FORMAT", "ER_ERR_VERSION")  # the weight file's fault: a BundleError
+
+
+def _check(lib: ctypes.CDLL, status: int, error: type[Exception] = InputError) -> None:
+    """Raises ``error`` with the library's message where ``status`` is not ER_OK."""
+    if status != 0:
+        message = lib.er_last_error().decode(errors="replace")
+        file_error = status in (header_constants()[name] for name in FILE_ERRORS)
+        raise (BundleError if file_error and error is InputError else error)(message)
+
+
+def _address(array: np.ndarray | None) -> int | None:
+    return None if array is None else array.ctypes.data
+
+
+# -- caches: the library's sessions -----------------------------------------------------------------
+
+class NativeCache:
+    """One sequence's KV cache: a libedgeroute session (implements ``backend.Cache``). ``keys`` /
+    ``values`` view the session's memory as [layers, 1, kv_heads, capacity, row] of ``dtype``
+    (an int8 row: head_dim codes, then head_dim / 32 float32 scales)."""
+
+    heads_first = True
+
+    def __init__(self, model: NativeModel, capacity: int) -> None:
+        self.model, self.lib, self.capacity, self.dtype = model, model.lib, capacity, model.kv_dtype
+        handle = ctypes.c_void_p()
+        params = _sized(_SessionParams, capacity=capacity, kv_format=header_constants()[KV_FORMAT_NAMES[self.dtype]])
+        _check(self.lib, self.lib.er_session_create(model.handle, ctypes.byref(params), ctypes.byref(handle)),
+               NativeBackendUnavailable)
+        self.handle = handle
+        keys, values, each = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_size_t()
+        _check(self.lib, self.lib.er_session_kv(handle, ctypes.byref(keys), ctypes.byref(values), ctypes.byref(each)))
+        a = model.arch
+        row = self.lib.er_kv_row_bytes(params.kv_format, a.head_dim) // np.dtype(self.dtype).itemsize
+        shape = (a.num_layers, 1, a.num_kv_heads, capacity, row)
+        self.keys, self.values = (np.ctypeslib.as_array(ctypes.cast(pointer, ctypes.POINTER(ctypes.c_uint8)),
+                                                        (each.value,)).view(self.dtype).reshape(shape)
+                                  for pointer in (keys, values))
+
+    def __del__(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Frees the session now (otherwise when the cache is collected)."""
+        if getattr(self, "handle", None):
+            self.keys = self.values = None
+            self.lib.er_session_free(self.handle)
+            self.handle = None
+
+    @property
+    def length(self) -> int:
+        return self.lib.er_session_length(self.handle)
+
+    @property
+    def dropped(self) -> np.ndarray | None:
+        """[layers, capacity] bool: positions each layer dropped (a view), None while none was."""
+        pointer = self.lib.er_session_dropped(self.handle)
+        if not pointer:
+            return None
+        return np.ctypeslib.as_array(pointer, (self.model.num_layers, self.capacity)).view(bool)
+
+    def truncate(self, length: int) -> None:
+        """Forget positions >= length (rejected speculative tokens)."""
+        _check(self.lib, self.lib.er_session_truncate(self.handle, length), ValueError)
+
+    def reset(self) -> None:
+        self.truncate(0)
+
+    def copy_from(self, other: NativeCache, length: int | None = None) -> None:
+        """Take over ``other``'s first ``length`` positions (all by default), e.g. a shared prompt prefix."""
+        if not isinstance(other, NativeCache):
+            raise ValueError("cannot copy between caches of different backends")
+        _check(self.lib, self.lib.er_session_copy(self.handle, other.handle, -1 if length is None else length), ValueError)
+
+    def clone(self) -> NativeCache:
+        copy = NativeCache(self.model, self.capacity)
+        copy.copy_from(self)
+        return copy
+
+
+# -- the model --------------------------------------------------------------------------------------
 
 class NativeModel(LayerwiseModel):
-    """A bundle model on the native kernels; implements :class:`ModelBackend`."""
+    """A bundle model on libedgeroute; implements :class:`ModelBackend`."""
 
     flavour = "native"
     head_vocab = None  # export writes native weights for full-vocabulary heads only
+    exact_steps = True  # every row is computed alike whatever the pass's length: steps are always exact
 
     def __init__(self, bundle: Bundle, role: str = "llm", threads: int | None = None,
                  kv_dtype: str = "float16", kernels: str = "auto") -> None:
@@ -248,61 +292,46 @@ class NativeModel(LayerwiseModel):
         per position), "float32" or "int8" (codes per 32 values and their float32 scales: 0.28x;
         keys scaled per channel, ``key_scales``); the kernels compute in float32 either way
         (``backend.AUTO_KV_DTYPES``: what ``kv_dtype="auto"`` picks per kernel set). ``kernels``:
-        see :func:`native_library` ("generic" runs the plain C kernels on an x86 CPU too)."""
+        see :func:`native_library`."""
         if role not in bundle.models:
             raise InputError(f"bundle {bundle.path} has no {role!r} model (it has: {', '.join(bundle.models)})")
         entry = bundle.models[role]
         if entry.native is None:
             raise NativeBackendUnavailable(f"the {role} model of {bundle.path} has no native weights (export writes "
                                            "them for GGUF sources in the formats the kernels read)")
+        if entry.native.container != "gguf":
+            raise NativeBackendUnavailable(f"the {role} model's native weights in {bundle.path} predate the GGUF "
+                                           "container libedgeroute reads: re-export the bundle")
         self.kv_dtype = check_kv_dtype(kv_dtype)
         if kv_dtype == "int8" and entry.arch.head_dim % 32:
             raise InputError(f"an int8 KV cache keeps scales per 32 values: the {role} model's head_dim "
                              f"{entry.arch.head_dim} is not a multiple of 32 (use kv_dtype='float16')")
         self.lib = native_library(kernels)
-        self.kernels = KERNEL_NAMES[self.lib.er_kernels()]
         self.arch = entry.arch
         self.capacity = int(bundle.generation["context_length"])
-        # every row is computed alike whatever the pass's length: steps are always exact
-        self.exact_steps = True
-        self.threads = threads or int(os.environ.get("EDGEROUTE_THREADS", 0)) or (os.cpu_count() or 1)
-        self._file = np.memmap(bundle.file(entry.native.file), np.uint8, mode="r")
-        self._tensors = entry.native.tensors
-        self._where = f"the {role} model's native weights in {bundle.path}"
+        threads = threads or int(os.environ.get("EDGEROUTE_THREADS", 0)) or (os.cpu_count() or 1)
+        params = _sized(_ModelParams, kernels=_resolve(self.lib, kernels), threads=threads, max_pass=PREFILL_CHUNK)
+        handle = ctypes.c_void_p()
+        path = bundle.file(entry.native.file)
+        _check(self.lib, self.lib.er_model_open(str(path).encode(), ctypes.byref(params), ctypes.byref(handle)))
+        self.handle = handle
+        info = _sized(_ModelInfo)
+        _check(self.lib, self.lib.er_model_get_info(handle, ctypes.byref(info)))
         a = self.arch
-        q_rows, kv_rows = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-        shapes = {"attn_q": (q_rows, a.hidden_size), "attn_k": (kv_rows, a.hidden_size),
-                  "attn_v": (kv_rows, a.hidden_size), "attn_output": (a.hidden_size, q_rows),
-                  "ffn_gate": (a.intermediate_size, a.hidden_size), "ffn_up": (a.intermediate_size, a.hidden_size),
-                  "ffn_down": (a.hidden_size, a.intermediate_size)}
-        self._layers = []
-        for i in range(a.num_layers):
-            b = f"blk.{i}"
-            matrices = [self._matrix(f"{b}.{name}.weight", shape) for name, shape in shapes.items()]
-            biases = [self._vector(f"{b}.{name}.bias", rows, required=a.attention_bias)
-                      for name, rows in (("attn_q", q_rows), ("attn_k", kv_rows), ("attn_v", kv_rows))]
-            self._layers.append(_Layer(*matrices, self._vector(f"{b}.attn_norm.weight", a.hidden_size),
-                                       self._vector(f"{b}.ffn_norm.weight", a.hidden_size), *biases))
-        self._embedding = self._matrix("token_embd.weight", (a.vocab_size, a.hidden_size), rows_at_least=True)
-        head = "output.weight" if "output.weight" in self._tensors else "token_embd.weight"
-        self._head = self._matrix(head, (a.vocab_size, a.hidden_size), rows_at_least=True)
-        self._norm = self._vector("output_norm.weight", a.hidden_size)
-        self._packed = self._pack_all()
-        cos, sin = rope_tables(self.capacity, a.head_dim, a.rope_theta, a.rope_scaling)
-        self.cos = np.ascontiguousarray(cos.reshape(self.capacity, a.head_dim), np.float32)
-        self.sin = np.ascontiguousarray(sin.reshape(self.capacity, a.head_dim), np.float32)
-        # sized and written at load for the longest pass (PREFILL_CHUNK rows at the full capacity):
-        # grown on first need instead, the first long prompt or context-policy re-prefill raised
-        # RSS mid-conversation (SmolLM2: +13 MiB, 5.6% of the process, at a 400-turn chat's first
-        # context fill) and kept it
-        longest = self.lib.er_scratch_bytes(ctypes.byref(self._dims(self.capacity)), PREFILL_CHUNK)
-        self._scratch = resident_zeros((longest,), "uint8")
-        self._lock = threading.Lock()  # one pass at a time: the passes share the scratch memory
+        if (info.layers, info.hidden, info.heads, info.kv_heads, info.head_dim, info.vocab, info.context_length) != (
+                a.num_layers, a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim, a.vocab_size, self.capacity):
+            raise BundleError(f"{path} does not describe the manifest's {role} model: export the bundle again")
+        self.kernels = self.lib.er_kernels_name(info.kernels).decode()
+        self.threads = info.threads
         self.key_scales: np.ndarray | None = None  # [layers, kv_heads, head_dim], int8 caches only
         if self.kv_dtype == "int8":
             self.key_scales = self._key_scales(bundle, role)
-            for layer, scales in zip(self._layers, self.key_scales, strict=True):
-                layer.key_scales = _address(scales)
+            _check(self.lib, self.lib.er_model_set_key_scales(handle, _address(self.key_scales), self.key_scales.size))
+
+    def __del__(self) -> None:
+        if getattr(self, "handle", None):
+            self.lib.er_model_free(self.handle)
+            self.handle = None
 
     def _key_scales(self, bundle: Bundle, role: str) -> np.ndarray:
         """_key_channel_peaks, kept in the cache directory under what they depend on (the
@@ -313,7 +342,8 @@ class NativeModel(LayerwiseModel):
                                                                    bundle.tokenizer["file"])]
         if None in identity:  # nothing to name the scales by: measured each time
             return self._key_channel_peaks(bundle)
-        key = hashlib.sha256(json.dumps([*identity, self.kernels, LIBRARY_VERSION, KEY_SCALE_TOKENS]).encode())
+        abi = header_constants()["ER_ABI_VERSION"]
+        key = hashlib.sha256(json.dumps([*identity, self.kernels, abi, KEY_SCALE_TOKENS]).encode())
         path = _cache_dir() / "key-scales" / f"{key.hexdigest()[:32]}.npy"
         a = self.arch
         try:
@@ -325,7 +355,7 @@ class NativeModel(LayerwiseModel):
             pass
         peaks = self._key_channel_peaks(bundle)
         try:
-            with _written_atomically(path) as staged:
+            with written_atomically(path) as staged:
                 np.save(staged, peaks)
         except OSError:
             pass
@@ -333,166 +363,176 @@ class NativeModel(LayerwiseModel):
 
     def _key_channel_peaks(self, bundle: Bundle) -> np.ndarray:
         """Each key channel's largest magnitude over KEY_SCALE_TOKENS of a fixed text, the divisor
-        an int8 cache stores the channel's keys by (the C source's key_channel_scales says why),
+        an int8 cache stores the channel's keys by (the library's key_channel_scales says why),
         from the int8 rows of a pass without scales; a channel far quieter than its head's others
         keeps a floor of a tenth of their mean, so a key that is louder later does not take its
         block's whole range."""
         # a prefix of the text: its whole (~1 MB) took longer to tokenize than the pass to run
         ids = tokenize_text(bundle, calibration_text()[:KEY_SCALE_TOKENS * 16], KEY_SCALE_TOKENS)
         cache = self.new_cache(len(ids))
-        for _ in self._passes(cache, ids, None):
-            pass
+        self.hidden_states(cache, ids)
         hd = self.arch.head_dim
         rows = cache.keys[:, 0, :, :len(ids)]  # [layers, kv, positions, hd codes + hd / 32 float32 scales]
         codes = rows[..., :hd].astype(np.float32).reshape(*rows.shape[:-1], hd // 32, 32)
         block_scales = np.ascontiguousarray(rows[..., hd:]).view(np.float32)[..., None]
         peaks = np.abs(codes * block_scales).reshape(*rows.shape[:-1], hd).max(axis=2)  # [layers, kv, hd]
+        cache.close()  # the scales may change only while no int8 session exists
         floor = 0.1 * peaks.mean(axis=-1, keepdims=True)
         return np.ascontiguousarray(np.maximum(peaks, np.maximum(floor, np.finfo(np.float32).tiny)), np.float32)
 
-    # -- weights --------------------------------------------------------------------------------
-
-    def _tensor(self, name: str) -> NativeTensor:
-        if name not in self._tensors:
-            raise BundleError(f"{self._where} have no {name}: export the bundle again")
-        return self._tensors[name]
-
-    def _matrix(self, name: str, shape: tuple[int, int], rows_at_least: bool = False) -> _Matrix:
-        t = self._tensor(name)
-        rows_ok = t.shape[0] >= shape[0] if rows_at_least else t.shape[0] == shape[0]
-        if t.format not in GGML_TYPES or len(t.shape) != 2 or not rows_ok or t.shape[1] != shape[1]:
-            raise BundleError(f"{self._where}: {name} is {t.format} {t.shape}, expected a block matrix of {shape}: "
-                              "export the bundle again")
-        return _Matrix(_address(self._file) + t.offset, None, GGML_TYPES[t.format], t.shape[0], t.shape[1], 0)
-
-    def _pack_all(self) -> list[np.ndarray]:
-        """Interleave what the packed kernel takes; the file's pages of those tensors are then
-        given back (the mapping stays: nothing reads them again)."""
-        buffers = []
-        matrices = [getattr(layer, name) for layer in self._layers for name in ("q", "k", "v", "o", "gate", "up", "down")]
-        for matrix in [*matrices, self._head]:
-            buffer = _pack(self.lib, matrix)
-            if buffer is None:
-                continue
-            buffers.append(buffer)
-            values, block_bytes = NATIVE_FORMATS[FORMAT_NAMES[matrix.type]]
-            start = matrix.data - _address(self._file)
-            end = start + matrix.packed_rows * matrix.cols // values * block_bytes
-            page = mmap.PAGESIZE
-            first, last = -(-start // page) * page, end // page * page
-            if last > first and hasattr(self._file._mmap, "madvise"):
-                self._file._mmap.madvise(mmap.MADV_DONTNEED, first, last - first)
-        return buffers
-
-    def _vector(self, name: str, size: int, required: bool = True) -> int | None:
-        if not required and name not in self._tensors:
-            return None
-        t = self._tensor(name)
-        if t.format != "F32" or t.shape != (size,):
-            raise BundleError(f"{self._where}: {name} is {t.format} {t.shape}, expected F32 ({size},)")
-        return _address(self._file) + t.offset
-
     # -- passes ---------------------------------------------------------------------------------
 
-    def new_cache(self, capacity: int | None = None) -> KVCache:
+    def new_cache(self, capacity: int | None = None) -> NativeCache:
         capacity = capacity or self.capacity
         if capacity > self.capacity:
             raise InputError(f"a cache of {capacity} positions exceeds the bundle's context of {self.capacity}")
-        return KVCache.allocate(self.num_layers, capacity, self.arch.num_kv_heads, self.arch.head_dim,
-                                heads_first=True, dtype=self.kv_dtype)
+        return NativeCache(self, capacity)
 
-    def _dims(self, capacity: int) -> _Dims:
-        a = self.arch
-        return _Dims(a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim, a.intermediate_size, capacity,
-                     a.rms_norm_eps, self.threads, KV_FORMATS[self.kv_dtype])
-
-    def _scratch_of(self, size: int) -> int:
-        if self._scratch.size < size:
-            self._scratch = np.empty(size, np.uint8)
-        return _address(self._scratch)
-
-    def embed(self, ids: np.ndarray) -> np.ndarray:
-        ids = np.ascontiguousarray(ids, np.int64).reshape(-1)
-        out = np.empty((ids.shape[0], self.arch.hidden_size), np.float32)
-        rc = self._timed("embed", lambda: self.lib.er_dequantize_rows(ctypes.byref(self._embedding), _address(ids),
-                                                                      ids.shape[0], _address(out)))
-        if rc == -2:
-            raise InputError(f"token ids {ids.min()}..{ids.max()} are outside the vocabulary of {self._embedding.rows}")
-        return out
-
-    def head(self, hidden: np.ndarray) -> np.ndarray:
-        hidden = np.ascontiguousarray(hidden, np.float32)
-        m = hidden.shape[0]
-        logits = np.empty((m, self._head.rows), np.float32)
-        dims = self._dims(self.capacity)
-        with self._lock:
-            scratch = self._scratch_of(self.lib.er_head_scratch_bytes(m, self.arch.hidden_size))
-            self._timed("head", lambda: self.lib.er_head(ctypes.byref(self._head), self._norm, ctypes.byref(dims),
-                                                         _address(hidden), m, _address(logits), scratch))
-        return logits[:, :self.arch.vocab_size] if self._head.rows > self.arch.vocab_size else logits
-
-    def _check_cache(self, cache: KVCache) -> None:
-        if not cache.heads_first or cache.dtype != self.kv_dtype:
+    def _check_cache(self, cache: NativeCache) -> None:
+        if not isinstance(cache, NativeCache) or cache.model is not self:
             raise InputError(f"the native backend runs on its own caches (heads-first {self.kv_dtype}): use "
                              "model.new_cache()")
 
-    def _run_layer(self, layer: int, action: str, hidden: np.ndarray, cache: KVCache, start: int) -> None:
-        """One layer over ``hidden`` [T, d] (contiguous float32, updated in place; K/V only for
-        SKIP) at positions start.. of the cache; the caller holds the lock."""
-        t = hidden.shape[0]
-        dims = self._dims(cache.capacity)
-        scratch = self._scratch_of(self.lib.er_scratch_bytes(ctypes.byref(dims), t))
-        masked = None if cache.dropped is None else _address(cache.dropped[layer])
-        call = functools.partial(self.lib.er_layer_forward, ctypes.byref(self._layers[layer]), ctypes.byref(dims),
-                                 _address(hidden), t, start, _address(self.cos), _address(self.sin),
-                                 _address(cache.keys[layer, 0]), _address(cache.values[layer, 0]), masked,
-                                 MODES[action], scratch)
-        if self._timed(TIMING_KINDS[action], call) != 0:
-            raise InputError(f"positions {start}..{start + t} do not fit a cache of {cache.capacity}")
+    def _ids(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        ids = np.asarray(ids).reshape(-1)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.arch.vocab_size):
+            raise InputError(f"token ids {ids.min()}..{ids.max()} are outside the vocabulary of {self.arch.vocab_size}")
+        return np.ascontiguousarray(ids, np.int32)
 
-    def _sub_layer(self, action: str, layer: int, hidden: np.ndarray, cache: KVCache, start: int) -> np.ndarray:
+    def _plan(self, plan: Sequence[bool] | None) -> np.ndarray | None:
+        if plan is None:
+            return None
+        codes = header_constants()
+        return np.array([codes[ACTION_NAMES[RUN if keep else SKIP]] for keep in plan], np.uint8)
+
+    def _forward(self, cache: NativeCache, ids: Sequence[int] | np.ndarray, plan: Sequence[bool] | None,
+                 logits_rows: int, hidden: bool) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """One call into the library: the tokens through the layers, logits of the last rows."""
         self._check_cache(cache)
-        out = np.array(hidden, np.float32, order="C")  # a copy: the caller's array stays as it was
-        with self._lock:
-            self._run_layer(layer, action, out, cache, start)
+        ids = self._ids(ids)
+        self.check_room(cache, ids.shape[0])
+        plan_codes = self._plan(plan)
+        if plan_codes is not None and plan_codes.shape[0] != self.num_layers:
+            raise InputError(f"a plan of {plan_codes.shape[0]} layers for a model of {self.num_layers}")
+        logits = np.empty((logits_rows, self.arch.vocab_size), np.float32) if logits_rows else None
+        states = np.empty((ids.shape[0], self.arch.hidden_size), np.float32) if hidden else None
+        seconds = np.zeros(self.num_layers, np.float64) if self.timings is not None else None
+        params = _sized(_ForwardParams, plan=_address(plan_codes), plan_layers=self.num_layers,
+                        logits_rows=logits_rows, logits=_address(logits), hidden=_address(states),
+                        layer_seconds=_address(seconds))
+        call = functools.partial(self.lib.er_session_forward, cache.handle, _address(ids), ids.shape[0],
+                                 ctypes.byref(params))
+        if seconds is None:
+            _check(self.lib, call())
+        else:
+            self._timed_forward(call, seconds, plan)
+        return logits, states
+
+    def _timed_forward(self, call, seconds: np.ndarray, plan: Sequence[bool] | None) -> None:
+        """The trace's timings: each layer's, and the rest of the call as the LM head and embedding."""
+        start = time.perf_counter()
+        status = call()
+        total = time.perf_counter() - start
+        _check(self.lib, status)
+        for layer, spent in enumerate(seconds):
+            self.timings(TIMING_KINDS[RUN if plan is None or plan[layer] else SKIP], float(spent))
+        self.timings("head", max(0.0, total - float(seconds.sum())))
+
+    def forward(self, cache: NativeCache, ids: Sequence[int] | np.ndarray,
+                plan: Sequence[bool] | LayerPlan | None = None, all_logits: bool = False,
+                tail: int | None = None) -> np.ndarray:
+        """See ``OrtModel.forward``; a plan that is not a callable runs as one call into the library."""
+        if callable(plan):
+            return super().forward(cache, ids, plan, all_logits, tail)
+        t = len(ids)
+        logits, _ = self._forward(cache, ids, plan, t if all_logits else min(tail or 1, t), False)
+        return logits if all_logits or tail is not None else logits[0]
+
+    def hidden_states(self, cache: NativeCache, ids: Sequence[int] | np.ndarray,
+                      plan: Sequence[bool] | LayerPlan | None = None) -> np.ndarray:
+        if callable(plan):
+            return super().hidden_states(cache, ids, plan)
+        return self._forward(cache, ids, plan, 0, True)[1]
+
+    def embed(self, ids: np.ndarray) -> np.ndarray:
+        ids = self._ids(ids)
+        out = np.empty((ids.shape[0], self.arch.hidden_size), np.float32)
+        _check(self.lib, self._timed("embed", lambda: self.lib.er_model_embed(self.handle, _address(ids), ids.shape[0],
+                                                                              _address(out))))
         return out
 
-    def layer(self, layer: int, hidden: np.ndarray, cache: KVCache, start: int) -> np.ndarray:
+    def head(self, hidden: np.ndarray) -> np.ndarray:
+        hidden = np.ascontiguousarray(hidden, np.float32).reshape(-1, self.arch.hidden_size)
+        logits = np.empty((hidden.shape[0], self.arch.vocab_size), np.float32)
+        _check(self.lib, self._timed("head", lambda: self.lib.er_model_head(self.handle, _address(hidden),
+                                                                            hidden.shape[0], _address(logits))))
+        return logits
+
+    def _run_layers(self, cache: NativeCache, hidden: np.ndarray, start: int, first: int, last: int,
+                    actions: Sequence[str]) -> None:
+        """Layers [first, last) over ``hidden`` [T, d] (contiguous float32, updated in place) at
+        positions start.. of the cache, without moving its length."""
+        codes = header_constants()
+        plan = np.array([codes[ACTION_NAMES[action]] for action in actions], np.uint8)
+        call = functools.partial(self.lib.er_session_run_layers, cache.handle, _address(hidden), hidden.shape[0], start,
+                                 first, last, _address(plan), None)
+        _check(self.lib, self._timed(TIMING_KINDS[actions[0]] if len(actions) == 1 else "layer", call))
+
+    def _sub_layer(self, action: str, layer: int, hidden: np.ndarray, cache: NativeCache, start: int) -> np.ndarray:
+        self._check_cache(cache)
+        out = np.array(hidden, np.float32, order="C")  # a copy: the caller's array stays as it was
+        self._run_layers(cache, out, start, layer, layer + 1, [action])
+        return out
+
+    def layer(self, layer: int, hidden: np.ndarray, cache: NativeCache, start: int) -> np.ndarray:
         """The whole decoder layer (attention + MLP) over positions start.."""
         return self._sub_layer(RUN, layer, hidden, cache, start)
 
-    def attention(self, layer: int, hidden: np.ndarray, cache: KVCache, start: int) -> np.ndarray:
+    def attention(self, layer: int, hidden: np.ndarray, cache: NativeCache, start: int) -> np.ndarray:
         """The attention sub-layer alone (its residual included)."""
         return self._sub_layer(SKIP_MLP, layer, hidden, cache, start)
 
-    def kv_fill(self, layer: int, hidden: np.ndarray, cache: KVCache, start: int) -> None:
+    def kv_fill(self, layer: int, hidden: np.ndarray, cache: NativeCache, start: int) -> None:
         """The layer's K/V rows of ``hidden`` written at positions start.. (a skipped layer)."""
         self._sub_layer(SKIP, layer, hidden, cache, start)
 
-    def _pass(self, cache: KVCache, ids: np.ndarray, plan: Sequence[bool] | LayerPlan | None) -> np.ndarray:
+    def _pass(self, cache: NativeCache, ids: np.ndarray, plan: Sequence[bool] | LayerPlan | None) -> np.ndarray:
+        """A pass whose plan decides per layer from the hidden state: one library call per layer."""
         self._check_cache(cache)
         start, t = cache.length, ids.shape[0]
         hidden = self.embed(ids)
-        with self._lock:
-            for layer in range(self.num_layers):
-                action = plan_action(plan, layer, hidden)
-                if action == DROP:
-                    cache.drop(layer, start, t)
-                    continue
-                if callable(plan):
-                    hidden = hidden.copy()  # the kernel writes in place; a plan may keep what it was shown
-                self._run_layer(layer, action, hidden, cache, start)
-        cache.length = start + t
+        for layer in range(self.num_layers):
+            action = plan_action(plan, layer, hidden)
+            if callable(plan) and action != DROP:
+                hidden = hidden.copy()  # the library writes in place; a plan may keep what it was shown
+            self._run_layers(cache, hidden, start, layer, layer + 1, [action])
+        _check(self.lib, self.lib.er_session_advance(cache.handle, t))
         return hidden
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("EDGEROUTE_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "edgeroute"
+
+
+@contextlib.contextmanager
+def written_atomically(target: Path) -> Iterator[Path]:
+    """A path to write ``target``'s new contents to, in the same directory: it replaces
+    ``target`` in one step when the block ends, and is removed if the block raises, so a crash
+    or a concurrent writer never leaves half a file in the cache directory."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        staged = Path(tmp) / target.name
+        yield staged
+        os.replace(staged, target)
 
 
 # -- the kernels on their own (tests, kernel benchmarks) ------------------------------------------
 
-def _standalone(tensor_format: str, blocks: np.ndarray, shape: tuple[int, int]) -> _Matrix:
-    if tensor_format not in GGML_TYPES:
-        raise InputError(f"format {tensor_format!r} is not one of {', '.join(GGML_TYPES)}")
-    NativeTensor(tensor_format, shape, 0, blocks.nbytes).check("matrix", blocks.nbytes)
-    return _Matrix(_address(blocks), None, GGML_TYPES[tensor_format], shape[0], shape[1], 0)
+def _blocks(tensor_format: str, blocks: np.ndarray) -> tuple[int, np.ndarray]:
+    if tensor_format not in BLOCK_FORMATS:
+        raise InputError(f"format {tensor_format!r} is not one of {', '.join(BLOCK_FORMATS)}")
+    return header_constants()[f"ER_{tensor_format}"], np.ascontiguousarray(blocks, np.uint8)
 
 
 def native_matmul(tensor_format: str, blocks: np.ndarray, shape: tuple[int, int], x: np.ndarray,
@@ -500,15 +540,11 @@ def native_matmul(tensor_format: str, blocks: np.ndarray, shape: tuple[int, int]
     """``x [M, cols] @ W.T`` for a matrix W of ``shape`` (rows, cols) stored as ggml ``blocks``
     (uint8, as in a GGUF file), through the layer's kernels: activations quantized to int8."""
     lib = native_library(kernels)
-    blocks = np.ascontiguousarray(blocks, np.uint8)
-    matrix = _standalone(tensor_format, blocks, shape)
-    _packing = _pack(lib, matrix)  # the matrix points into it until the product is done
+    fmt, blocks = _blocks(tensor_format, blocks)
     x = np.ascontiguousarray(x, np.float32).reshape(-1, shape[1])
     y = np.empty((x.shape[0], shape[0]), np.float32)
-    scratch = np.empty(lib.er_matmul_scratch_bytes(x.shape[0], shape[1]), np.uint8)
-    if lib.er_matmul(ctypes.byref(matrix), _address(x), x.shape[0], _address(y), threads or os.cpu_count() or 1,
-                     _address(scratch)) != 0:
-        raise InputError(f"{tensor_format} {shape}: rows the kernels do not take")
+    _check(lib, lib.er_matmul(_resolve(lib, kernels), fmt, _address(blocks), blocks.nbytes, shape[0], shape[1],
+                              _address(x), x.shape[0], _address(y), threads or os.cpu_count() or 1))
     return y
 
 
@@ -516,12 +552,11 @@ def native_dequantize(tensor_format: str, blocks: np.ndarray, shape: tuple[int, 
                       kernels: str = "auto") -> np.ndarray:
     """Rows of a ggml block matrix as float32 (the embedding lookup's kernel)."""
     lib = native_library(kernels)
-    blocks = np.ascontiguousarray(blocks, np.uint8)
-    matrix = _standalone(tensor_format, blocks, shape)
+    fmt, blocks = _blocks(tensor_format, blocks)
     rows = np.ascontiguousarray(rows, np.int64).reshape(-1)
     out = np.empty((rows.shape[0], shape[1]), np.float32)
-    if lib.er_dequantize_rows(ctypes.byref(matrix), _address(rows), rows.shape[0], _address(out)) != 0:
-        raise InputError(f"rows {rows.tolist()} are outside a matrix of {shape[0]} rows")
+    _check(lib, lib.er_dequantize_rows(fmt, _address(blocks), blocks.nbytes, shape[0], shape[1], _address(rows),
+                                       rows.shape[0], _address(out)))
     return out
 
 
@@ -537,14 +572,12 @@ def native_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start:
     m, heads, head_dim = q.shape
     keys, values = (np.ascontiguousarray(a, check_kv_dtype(kv_dtype)) for a in (keys, values))
     kv_heads, capacity, row = keys.shape
-    if values.shape != keys.shape or row * keys.itemsize != kv_row_bytes(head_dim, kv_dtype):
+    kv_format = header_constants()[KV_FORMAT_NAMES[kv_dtype]]
+    if values.shape != keys.shape or row * keys.itemsize != lib.er_kv_row_bytes(kv_format, head_dim):
         raise InputError(f"keys {keys.shape} and values {values.shape} are not {kv_dtype} cache rows of head_dim {head_dim}")
-    dims = _Dims(0, heads, kv_heads, head_dim, 0, capacity, 0.0, threads or os.cpu_count() or 1, KV_FORMATS[kv_dtype])
     drops = None if masked is None else np.ascontiguousarray(masked, np.uint8)
     out = np.empty_like(q)
-    scratch = np.empty(lib.er_scratch_bytes(ctypes.byref(dims), m), np.uint8)
-    if lib.er_attention(ctypes.byref(dims), _address(q), _address(keys), _address(values),
-                        None if drops is None else _address(drops), m, start, _address(out), _address(scratch)) != 0:
-        raise InputError(f"attention of {m} rows at {start} over {kv_heads} x {capacity} positions of head_dim "
-                         f"{head_dim} ({kv_dtype}): shapes the kernels do not take")
+    _check(lib, lib.er_attention(_resolve(lib, kernels), kv_format, heads, kv_heads, head_dim, capacity, _address(q),
+                                 _address(keys), _address(values), _address(drops), m, start, _address(out),
+                                 threads or os.cpu_count() or 1))
     return out

@@ -1,0 +1,100 @@
+"""Builds libedgeroute: the one description of its sources and compiler flags.
+
+Used by the package build (``setup.py``: ``pip install .`` and the wheel put the library in
+``edgeroute/``), by ``make`` (the C tests, the example, sanitizer and cross builds) and by the
+tests. Standard library only. The library holds every kernel set of its architecture, each
+source compiled with its own instruction-set flags, and picks among them at run time
+(``src/dispatch.c``), so one x86-64 binary runs on any x86-64 CPU and one aarch64 binary on any
+aarch64 CPU.
+
+    python runtime/native/build.py OUT.so [--cc CC] [--arch x86_64|aarch64] [--sanitize]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+INCLUDE = HERE / "include"
+SOURCES = ["src/errors.c", "src/dispatch.c", "src/formats.c", "src/pack.c", "src/layer.c", "src/gguf.c",
+           "src/model.c", "src/standalone.c", "src/kernels/generic/kernels.c"]
+# per kernel set: its sources and the instruction sets they are compiled for
+KERNEL_SETS = {
+    "x86_64": {"src/kernels/x86/avx2.c": ["-march=x86-64-v3", "-mtune=generic"],
+               "src/kernels/x86/avx512_vnni.c": ["-march=x86-64-v4", "-mavx512vnni", "-mtune=generic"]},
+    "aarch64": {},
+}
+# -ffp-contract=off: the compiler would otherwise contract multiplies and adds into FMAs
+# differently in a kernel's tile-size specializations, and a row's bits would depend on the
+# pass's length (speculative decoding compares them)
+COMMON = ["-std=gnu11", "-O3", "-fPIC", "-fopenmp", "-fvisibility=hidden", "-ffp-contract=off", "-Wall",
+          "-Wno-unused-function", f"-I{INCLUDE}", f"-I{HERE / 'src'}"]
+SANITIZE = ["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"]
+LIBRARY_NAME = "libedgeroute.so"
+
+
+def host_arch() -> str:
+    machine = platform.machine().lower()
+    return {"amd64": "x86_64", "arm64": "aarch64"}.get(machine, machine)
+
+
+def find_compiler(cc: str | None = None) -> str:
+    compiler = cc or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        raise SystemExit("building libedgeroute needs a C compiler with OpenMP (gcc): none found (set CC)")
+    return compiler
+
+
+def compile_units(arch: str) -> list[tuple[Path, list[str]]]:
+    if arch not in KERNEL_SETS:
+        raise SystemExit(f"libedgeroute builds for {', '.join(KERNEL_SETS)}, not {arch}")
+    units = [(HERE / source, []) for source in SOURCES]
+    return units + [(HERE / source, flags) for source, flags in KERNEL_SETS[arch].items()]
+
+
+def build(out: Path, cc: str | None = None, arch: str | None = None, sanitize: bool = False,
+          extra: list[str] | None = None, quiet: bool = False) -> Path:
+    """Compiles and links the library to ``out``; returns it."""
+    compiler, arch = find_compiler(cc), arch or host_arch()
+    flags = COMMON + (SANITIZE if sanitize else []) + (extra or [])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        objects = []
+        for i, (source, own) in enumerate(compile_units(arch)):
+            obj = Path(tmp) / f"{i}-{source.stem}.o"
+            run([*shlex.split(compiler), *flags, *own, "-c", str(source), "-o", str(obj)], quiet)
+            objects.append(str(obj))
+        staged = Path(tmp) / LIBRARY_NAME
+        run([*shlex.split(compiler), *flags, "-shared", *objects, "-o", str(staged), "-lm"], quiet)
+        os.replace(staged, out) if out.parent.stat().st_dev == staged.parent.stat().st_dev else shutil.move(staged, out)
+    return out
+
+
+def run(command: list[str], quiet: bool) -> None:
+    if not quiet:
+        print(" ".join(command), file=sys.stderr)
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(command)}\n{done.stderr}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--cc")
+    parser.add_argument("--arch", choices=sorted(KERNEL_SETS))
+    parser.add_argument("--sanitize", action="store_true", help="AddressSanitizer + UBSan (tests)")
+    args = parser.parse_args()
+    print(build(args.out, args.cc, args.arch, args.sanitize, quiet=True))
+
+
+if __name__ == "__main__":
+    main()

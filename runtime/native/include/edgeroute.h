@@ -1,0 +1,243 @@
+/* libedgeroute: edgeroute's native CPU runtime for decoder-only LLMs over GGUF weight blocks.
+ *
+ * This header is the whole contract of the library (its ABI): everything a program or a
+ * binding needs is declared here, and nothing else is exported.
+ *
+ * What it does: a model's native weight file (an edgeroute bundle's `<role>/native.bin`, a
+ * GGUF file: docs/guide/native.md) is opened once; sessions hold one sequence's KV cache
+ * each; a forward runs token ids through the layers, each layer as a per-layer plan says
+ * (run, skip the MLP, skip with its K/V filled, drop: the FreeToken actions), and writes
+ * logits. Tokenization, sampling, routing and speculation policy stay with the host: the
+ * library takes and gives token ids and logits.
+ *
+ * Kernels: one library carries every kernel set its architecture has (x86-64: generic C,
+ * AVX2 + FMA + F16C, AVX-512 VNNI; other architectures: generic C) and picks the best the CPU
+ * runs when a model is opened (cpuid), unless the model's params name one.
+ *
+ * Errors: every call that can fail returns an er_status; ER_OK is 0. The message of the last
+ * failure on the calling thread is er_last_error() (thread-local: there is no other mutable
+ * global state). A failed call changes nothing it was handed.
+ *
+ * Ownership: an object made by er_X_open / er_X_create is the caller's until er_X_free; a
+ * session must be freed before its model. Pointers the library returns (er_last_error,
+ * er_kernels_name) are its own and stay valid as documented at each function.
+ *
+ * Threads: a model may be used from several threads at once. Forwards on sessions of one
+ * model run one at a time (they share the model's working memory, sized at open for the
+ * longest pass, and each already uses all the model's threads through OpenMP); forwards on
+ * sessions of different models run in parallel. One session must not be used by two threads
+ * at the same time.
+ */
+#ifndef EDGEROUTE_H
+#define EDGEROUTE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(_WIN32)
+#define ER_API __declspec(dllexport)
+#else
+#define ER_API __attribute__((visibility("default")))
+#endif
+
+/* Bumped on any change a caller compiled against an older header could not survive. */
+#define ER_ABI_VERSION 6
+
+/* ---- errors ------------------------------------------------------------------------------ */
+
+typedef enum er_status {
+    ER_OK = 0,
+    ER_ERR_ARGUMENT = 1,    /* a NULL handle, a value out of range, a plan of the wrong length */
+    ER_ERR_IO = 2,          /* the file cannot be opened or mapped */
+    ER_ERR_FORMAT = 3,      /* the file is not a native weight file, or it is damaged */
+    ER_ERR_VERSION = 4,     /* a file or params struct from another version of the library */
+    ER_ERR_CAPACITY = 5,    /* positions past the session's capacity */
+    ER_ERR_UNSUPPORTED = 6, /* kernels this CPU cannot run, a tensor format the kernels do not read */
+    ER_ERR_MEMORY = 7,      /* an allocation failed */
+} er_status;
+
+/* The message of the calling thread's last failed call ("" before any). Valid until that
+ * thread's next call into the library. */
+ER_API const char *er_last_error(void);
+
+/* ER_ABI_VERSION of the library actually loaded (compare it with the header's). */
+ER_API int er_abi_version(void);
+
+/* ---- kernels ----------------------------------------------------------------------------- */
+
+typedef enum er_kernels {
+    ER_KERNELS_AUTO = -1,       /* the best kernels this CPU runs */
+    ER_KERNELS_GENERIC = 0,     /* plain C: every CPU */
+    ER_KERNELS_AVX2 = 1,        /* x86-64 with AVX2, FMA and F16C */
+    ER_KERNELS_AVX512_VNNI = 2, /* x86-64 with AVX-512 F/BW/VL/VNNI */
+    ER_KERNELS_COUNT = 3,
+} er_kernels;
+
+/* "generic", "avx2", "avx512-vnni"; NULL for a value that names no kernel set. Static. */
+ER_API const char *er_kernels_name(int kernels);
+
+/* 1 when this library carries `kernels` and this CPU runs them, else 0. */
+ER_API int er_kernels_supported(int kernels);
+
+/* The kernels ER_KERNELS_AUTO picks here (EDGEROUTE_KERNELS=generic|avx2|avx512-vnni in the
+ * environment overrides it, for tests and comparisons). */
+ER_API int er_kernels_best(void);
+
+/* ---- KV cache formats -------------------------------------------------------------------- */
+
+/* One cached position of one KV head (a row of head_dim values) is stored as:
+ *   ER_KV_F32   head_dim float32
+ *   ER_KV_F16   head_dim IEEE float16
+ *   ER_KV_INT8  head_dim int8 codes, per 32 values at scale max|x| / 127, then the
+ *               head_dim / 32 float32 scales (head_dim must be a multiple of 32). Keys are
+ *               stored divided per channel by the model's key scales (er_model_set_key_scales)
+ *               and the queries multiplied by them, so a loud channel keeps its own range. */
+typedef enum er_kv_format { ER_KV_F32 = 0, ER_KV_F16 = 1, ER_KV_INT8 = 2, ER_KV_FORMAT_COUNT = 3 } er_kv_format;
+
+/* Bytes of one cache row of `head_dim` values in `kv_format` (0: a combination that does not exist). */
+ER_API size_t er_kv_row_bytes(int kv_format, int head_dim);
+
+/* ---- models ------------------------------------------------------------------------------ */
+
+typedef struct er_model er_model;
+
+typedef struct er_model_params {
+    uint32_t struct_size; /* sizeof(er_model_params) of the caller's header: checked */
+    int32_t kernels;      /* an er_kernels value; ER_KERNELS_AUTO by default */
+    int32_t threads;      /* OpenMP threads per forward; 0 (default): the CPU's count */
+    int32_t max_pass;     /* most tokens one internal pass runs (longer forwards run in passes): 256 */
+} er_model_params;
+
+ER_API er_model_params er_model_default_params(void);
+
+/* Opens a native weight file (mapped read-only; packed copies of its matrices are made for
+ * kernels that want them). The file must stay unchanged while the model is open. */
+ER_API er_status er_model_open(const char *path, const er_model_params *params, er_model **model);
+
+/* Frees the model (NULL: nothing). Its sessions must have been freed. */
+ER_API void er_model_free(er_model *model);
+
+typedef struct er_model_info {
+    uint32_t struct_size; /* set by the caller: sizeof(er_model_info) */
+    int32_t layers, hidden, heads, kv_heads, head_dim, ffn, vocab;
+    int32_t context_length; /* positions the rotary tables cover: a session's largest capacity */
+    int32_t kernels;        /* the er_kernels value the model runs */
+    int32_t threads;
+} er_model_info;
+
+ER_API er_status er_model_get_info(const er_model *model, er_model_info *info);
+
+/* The divisors an ER_KV_INT8 cache stores keys by, [layers][kv_heads][head_dim] float32, all
+ * finite and > 0 (copied). Without them the keys are stored as they are. Set them before any
+ * int8 session is created; sessions made earlier keep the scales they started with. */
+ER_API er_status er_model_set_key_scales(er_model *model, const float *scales, size_t count);
+
+/* ---- sessions ---------------------------------------------------------------------------- */
+
+typedef struct er_session er_session;
+
+typedef struct er_session_params {
+    uint32_t struct_size; /* sizeof(er_session_params) */
+    int32_t capacity;     /* positions; 0 (default): the model's context_length */
+    int32_t kv_format;    /* an er_kv_format; ER_KV_F16 by default */
+} er_session_params;
+
+ER_API er_session_params er_session_default_params(void);
+
+/* A new, empty sequence; its cache is allocated (and written: resident) here, in full. */
+ER_API er_status er_session_create(er_model *model, const er_session_params *params, er_session **session);
+
+ER_API void er_session_free(er_session *session);
+
+/* Positions held: the next token's position. -1 for NULL. */
+ER_API int32_t er_session_length(const er_session *session);
+
+ER_API int32_t er_session_capacity(const er_session *session);
+
+/* Forgets positions >= length (rejected speculative drafts); 0 <= length <= the length. */
+ER_API er_status er_session_truncate(er_session *session, int32_t length);
+
+/* Makes `to` hold `from`'s first `length` positions (-1: all of them), e.g. a shared system
+ * prompt: both sessions of one model, in one cache format; `length` fits `to`'s capacity. */
+ER_API er_status er_session_copy(er_session *to, const er_session *from, int32_t length);
+
+/* The cache's memory, for inspection and tests: keys and values, each
+ * [layers][kv_heads][capacity][er_kv_row_bytes(format, head_dim)] bytes. Owned by the session. */
+ER_API er_status er_session_kv(er_session *session, void **keys, void **values, size_t *bytes_each);
+
+/* Which positions each layer dropped (ER_LAYER_DROP): [layers][capacity] bytes, 1 = dropped;
+ * NULL while no layer dropped any. Owned by the session. */
+ER_API const uint8_t *er_session_dropped(const er_session *session);
+
+/* ---- forwards ---------------------------------------------------------------------------- */
+
+/* What a token does at one layer (FreeToken's actions). */
+typedef enum er_layer_action {
+    ER_LAYER_RUN = 0,      /* attention and MLP */
+    ER_LAYER_SKIP_MLP = 1, /* attention only: the cache stays exact */
+    ER_LAYER_SKIP = 2,     /* skipped; its K/V filled from the current hidden state (CALM) */
+    ER_LAYER_DROP = 3,     /* skipped, and its positions masked from this layer's attention later */
+} er_layer_action;
+
+typedef struct er_forward_params {
+    uint32_t struct_size;       /* sizeof(er_forward_params) */
+    const uint8_t *plan;        /* [plan_layers] er_layer_action, or NULL: every layer runs */
+    int32_t plan_layers;        /* must equal the model's layers where plan is set */
+    int32_t logits_rows;        /* logits of the last logits_rows tokens (0: none; at most n) */
+    float *logits;              /* [logits_rows][vocab], where logits_rows > 0 */
+    float *hidden;              /* NULL, or [n][hidden]: the last layer's output before the final norm */
+    double *layer_seconds;      /* NULL, or [layers]: wall time per layer, added to */
+} er_forward_params;
+
+ER_API er_forward_params er_forward_default_params(void);
+
+/* Runs tokens ids[0..n) at positions length.. of the session and appends them. Ids outside the
+ * vocabulary, n < 1, or positions past the capacity are refused before anything runs. Every
+ * row of a forward computes alike whatever n is, so a multi-token verification pass gives
+ * the same bits as one-token steps (speculative decoding stays exact). */
+ER_API er_status er_session_forward(er_session *session, const int32_t *ids, int32_t n, const er_forward_params *params);
+
+/* The layer-level steps, for hosts whose plan is decided from the hidden state as it goes
+ * (a skip scorer) or that rerun layers of positions already held: er_model_embed turns n ids
+ * into hidden [n][hidden]; er_session_run_layers runs layers [first, last) over hidden in place
+ * at positions start.. (start <= the session's length: rows there are rewritten) with `plan`
+ * [last - first] (NULL: run), without appending; er_session_advance appends n positions once
+ * every layer ran them; er_model_head turns hidden rows into logits [n][vocab] (the final norm
+ * included). */
+ER_API er_status er_model_embed(er_model *model, const int32_t *ids, int32_t n, float *hidden);
+ER_API er_status er_session_run_layers(er_session *session, float *hidden, int32_t n, int32_t start, int32_t first,
+                                       int32_t last, const uint8_t *plan, double *layer_seconds);
+ER_API er_status er_session_advance(er_session *session, int32_t n);
+ER_API er_status er_model_head(er_model *model, const float *hidden, int32_t n, float *logits);
+
+/* ---- kernels on their own (tests and benchmarks) ----------------------------------------- */
+
+/* ggml type ids of the block formats the kernels read */
+typedef enum er_block_format {
+    ER_Q4_0 = 2, ER_Q4_1 = 3, ER_Q5_0 = 6, ER_Q8_0 = 8, ER_Q4_K = 12, ER_Q6_K = 14,
+} er_block_format;
+
+/* y[M][rows] = x[M][cols] @ W^T for a matrix W stored as `blocks` (rows x cols in `format`,
+ * as in a GGUF file), activations quantized to int8 as in a forward. */
+ER_API er_status er_matmul(int kernels, int format, const void *blocks, size_t bytes, int32_t rows, int32_t cols,
+                           const float *x, int32_t M, float *y, int32_t threads);
+
+/* Rows `ids` of such a matrix as float32: out [n][cols]. */
+ER_API er_status er_dequantize_rows(int format, const void *blocks, size_t bytes, int32_t rows, int32_t cols,
+                                    const int64_t *ids, int32_t n, float *out);
+
+/* Causal attention of q [M][heads][head_dim] (rotated) at positions pos0.. over one layer's
+ * heads-first cache rows (keys, values: [kv_heads][capacity][row] in kv_format, positions up
+ * to pos0 + M filled); masked [capacity] (or NULL): positions dropped. out [M][heads][head_dim]. */
+ER_API er_status er_attention(int kernels, int kv_format, int32_t heads, int32_t kv_heads, int32_t head_dim,
+                              int32_t capacity, const float *q, const void *keys, const void *values,
+                              const uint8_t *masked, int32_t M, int32_t pos0, float *out, int32_t threads);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,72 @@
+/* Which kernel set runs: decided once per model from the CPU's features (cpuid and the OS's
+ * saved register state on x86-64; everything else runs the generic kernels), the way
+ * onnxruntime's MLAS fills its platform table. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+#if defined(__x86_64__)
+#include <cpuid.h>
+
+static unsigned long long xgetbv0(void) {
+    unsigned int eax, edx;
+    __asm__ volatile("xgetbv" : "=a"(eax), "=d"(edx) : "c"(0));
+    return ((unsigned long long)edx << 32) | eax;
+}
+
+static int x86_runs(int kernels) {
+    unsigned int a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
+    const int osxsave = (c >> 27) & 1, avx = (c >> 28) & 1, fma = (c >> 12) & 1, f16c = (c >> 29) & 1;
+    if (!osxsave || !avx) return 0;
+    const unsigned long long state = xgetbv0();
+    if ((state & 0x6) != 0x6) return 0; /* the OS saves the 256-bit registers */
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
+    const int avx2 = (b >> 5) & 1;
+    if (!(avx2 && fma && f16c)) return 0;
+    if (kernels == ER_KERNELS_AVX2) return 1;
+    const int avx512f = (b >> 16) & 1, avx512bw = (b >> 30) & 1, avx512vl = (b >> 31) & 1, vnni = (c >> 11) & 1;
+    return kernels == ER_KERNELS_AVX512_VNNI && avx512f && avx512bw && avx512vl && vnni &&
+           (state & 0xe0) == 0xe0; /* and the 512-bit ones and mask registers */
+}
+#endif
+
+static const er_kernel_table *carried(int kernels) {
+    switch (kernels) {
+    case ER_KERNELS_GENERIC: return &er_generic_kernels;
+#if defined(__x86_64__)
+    case ER_KERNELS_AVX2: return &er_avx2_kernels;
+    case ER_KERNELS_AVX512_VNNI: return &er_avx512_vnni_kernels;
+#endif
+    default: return NULL;
+    }
+}
+
+int er_kernels_supported(int kernels) {
+    if (!carried(kernels)) return 0;
+#if defined(__x86_64__)
+    if (kernels != ER_KERNELS_GENERIC) return x86_runs(kernels);
+#endif
+    return 1;
+}
+
+const char *er_kernels_name(int kernels) {
+    static const char *const names[ER_KERNELS_COUNT] = {"generic", "avx2", "avx512-vnni"};
+    return kernels >= 0 && kernels < ER_KERNELS_COUNT ? names[kernels] : NULL;
+}
+
+int er_kernels_best(void) {
+    const char *forced = getenv("EDGEROUTE_KERNELS");
+    if (forced && *forced)
+        for (int k = 0; k < ER_KERNELS_COUNT; k++)
+            if (strcmp(forced, er_kernels_name(k)) == 0 && er_kernels_supported(k)) return k;
+    for (int k = ER_KERNELS_COUNT - 1; k > 0; k--)
+        if (er_kernels_supported(k)) return k;
+    return ER_KERNELS_GENERIC;
+}
+
+const er_kernel_table *er_kernel_table_for(int kernels) {
+    if (kernels == ER_KERNELS_AUTO) kernels = er_kernels_best();
+    return er_kernels_supported(kernels) ? carried(kernels) : NULL;
+}

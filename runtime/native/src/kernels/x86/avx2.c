@@ -1,0 +1,317 @@
+/* The AVX2 kernels (x86-64 with AVX2, FMA and F16C: every x86 CPU since 2013-2015): 256-bit
+ * vectors, 16 of them; byte dot products by maddubs. */
+#define TIER_TABLE er_avx2_kernels
+#define TIER_ID ER_KERNELS_AVX2
+#define TILE 4      /* activation rows per pass over a weight row: 16 vector registers */
+#define HEAD_BLOCK 1 /* query heads per pass over a cache row: 16 vector registers */
+
+#include "x86.h"
+
+typedef __m256 acc_t;
+#define ACC_ZERO _mm256_setzero_ps()
+#define ACC_SUM(v) hsum(v)
+
+/* Q4_K: 8 sub-blocks of 32, value = d * scale_j * u - dmin * min_j (6-bit scale_j, min_j) */
+INLINE void dot_q4_k(const er_matrix *m, const uint8_t *w, const er_q8 *x, const int mt, float *y, int ldy) {
+    acc_t acc[TILE];
+    for (int i = 0; i < mt; i++) acc[i] = ACC_ZERO;
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int sb = 0; sb < m->cols / 256; sb++, w += 144) {
+        const float d = read_f16(w), dmin = read_f16(w + 2);
+        uint8_t scale[8], mins[8];
+        q4_k_scales(w + 4, scale, mins);
+        const __m256i mins16 = q4_k_mins16(mins);
+        const uint8_t *qs = w + 16;
+        __m256i u[8], s16[8]; /* sub-block j: its 32 codes and its scale */
+        for (int c = 0; c < 4; c++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+            u[2 * c] = _mm256_and_si256(v, m4);
+            u[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            s16[2 * c] = _mm256_set1_epi16(scale[2 * c]);
+            s16[2 * c + 1] = _mm256_set1_epi16(scale[2 * c + 1]);
+        }
+        UNROLL_TILE
+        for (int i = 0; i < mt; i++) {
+            const __m256i sumi = scaled_dot256_narrow(u, s16, x[i].qk + 256 * sb);
+            const __m256i bs = _mm256_loadu_si256((const __m256i *)(x[i].bsum + 16 * sb));
+            const __m256 summ = _mm256_cvtepi32_ps(_mm256_madd_epi16(bs, mins16));
+            const float dx = x[i].dk[sb];
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(d * dx), acc[i]);
+            acc[i] = _mm256_fnmadd_ps(summ, _mm256_set1_ps(dmin * dx), acc[i]);
+        }
+    }
+    for (int i = 0; i < mt; i++) y[(size_t)i * ldy] = ACC_SUM(acc[i]);
+}
+
+/* Q6_K: 16 sub-blocks of 16, value = d * scale_j * (u - 32) (signed 8-bit scale_j) */
+INLINE void dot_q6_k(const er_matrix *m, const uint8_t *w, const er_q8 *x, const int mt, float *y, int ldy) {
+    acc_t acc[TILE];
+    for (int i = 0; i < mt; i++) acc[i] = ACC_ZERO;
+    for (int sb = 0; sb < m->cols / 256; sb++, w += 210) {
+        const int8_t *sc = (const int8_t *)(w + 192);
+        const float d = read_f16(w + 208);
+        const __m256i scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
+        __m256i u[8], s[8];
+        for (int n = 0; n < 2; n++) {
+            q6_k_codes(w + 64 * n, w + 128 + 32 * n, u + 4 * n);
+            for (int g = 0; g < 4; g++) {
+                const int j = 8 * n + 2 * g;
+                s[4 * n + g] = _mm256_set_m128i(_mm_set1_epi16(sc[j + 1]), _mm_set1_epi16(sc[j]));
+            }
+        }
+        UNROLL_TILE
+        for (int i = 0; i < mt; i++) {
+            __m256i sumi = scaled_dot256_narrow(u, s, x[i].qk + 256 * sb);
+            /* the codes' offset of 32: sum_j scale_j * 32 * (sum of the activation codes of sub-block j) */
+            const __m256i bs = _mm256_loadu_si256((const __m256i *)(x[i].bsum + 16 * sb));
+            sumi = _mm256_sub_epi32(sumi, _mm256_slli_epi32(_mm256_madd_epi16(bs, scales16), 5));
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(d * x[i].dk[sb]), acc[i]);
+        }
+    }
+    for (int i = 0; i < mt; i++) y[(size_t)i * ldy] = ACC_SUM(acc[i]);
+}
+
+INLINE void dot_rows(const er_matrix *m, const uint8_t *w, const er_q8 *x, const int mt, float *y, int ldy) {
+    if (m->type == T_Q4_K) dot_q4_k(m, w, x, mt, y, ldy);
+    else if (m->type == T_Q6_K) dot_q6_k(m, w, x, mt, y, ldy);
+    else dot_blocks32(m, w, x, mt, y, ldy);
+}
+
+/* The 256-bit packed kernels read the same layout as the 512-bit ones, a group's 64-byte vectors
+ * as two halves of 8 rows (bytes 0-31: rows 0-7). Without VNNI, maddubs makes 16-bit sums of
+ * code x activation pairs; sums of several are added in 16 bits while they cannot overflow
+ * (|activation code| <= 127), then widened once by madd, against the rows' sub-block scales
+ * where the format has them. */
+
+/* 4 activation codes, in every 32-bit lane */
+INLINE __m256i four_codes(const int8_t *a) {
+    int32_t four;
+    memcpy(&four, a, 4);
+    return _mm256_set1_epi32(four);
+}
+
+/* 8 rows' unsigned / signed bytes -> int16 lanes 2r and 2r + 1 = byte r (madd's pair layout) */
+INLINE __m256i row_pairs_u8(const uint8_t *s) {
+    const __m128i v = _mm_loadl_epi64((const __m128i *)s);
+    return _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(v, v));
+}
+
+INLINE __m256i row_pairs_i8(const uint8_t *s) {
+    const __m128i v = _mm_loadl_epi64((const __m128i *)s);
+    return _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(v, v));
+}
+
+INLINE __m256 f16x8(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+
+/* rows 16g..16g+15 of packed Q6_K against mt <= PACK_TILE activation rows: value = d * scale_j * (u - 32) */
+INLINE void dot_packed_q6_k(const er_matrix *m, int g, const er_q8 *x, const int mt, float *y, int ldy) {
+    const int nsb = m->cols / 256;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+    for (int h = 0; h < 2; h++) {
+        __m256 acc[PACK_TILE];
+        for (int i = 0; i < mt; i++) acc[i] = _mm256_setzero_ps();
+        for (int sb = 0; sb < nsb; sb++) {
+            const uint8_t *blk = m->packed + ((size_t)g * nsb + sb) * PACK_Q6_K_BYTES;
+            __m256i total[PACK_TILE];
+            for (int i = 0; i < mt; i++) total[i] = _mm256_setzero_si256();
+            for (int c = 0; c < 8; c++) {
+                const uint8_t *chunk = blk + 384 * c, *sc = blk + 3072 + 32 * c + 8 * h; /* sub-blocks 2c, 2c + 1 */
+                const __m256i s0 = row_pairs_i8(sc), s1 = row_pairs_i8(sc + 16);
+                const __m256i both = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *)sc),
+                                                                            _mm_loadl_epi64((const __m128i *)(sc + 16))));
+                __m256i codes[8];
+                for (int k = 0; k < 4; k++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(chunk + 64 * k + 32 * h));
+                    codes[2 * k] = _mm256_and_si256(v, m4);
+                    codes[2 * k + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                }
+                const __m256i h0 = _mm256_loadu_si256((const __m256i *)(chunk + 256 + 32 * h));
+                const __m256i h1 = _mm256_loadu_si256((const __m256i *)(chunk + 320 + 32 * h));
+                for (int k = 0; k < 8; k++) { /* the high bits, moved to bits 4-5 */
+                    const __m256i hb = k < 4 ? h0 : h1;
+                    const int q = k % 4;
+                    const __m256i bits = q == 0 ? _mm256_slli_epi16(hb, 4) : q == 1 ? _mm256_slli_epi16(hb, 2)
+                                       : q == 2 ? hb : _mm256_srli_epi16(hb, 2);
+                    codes[k] = _mm256_or_si256(codes[k], _mm256_and_si256(bits, m30));
+                }
+                UNROLL_TILE
+                for (int i = 0; i < mt; i++) {
+                    const int8_t *a = x[i].qk + 256 * sb + 32 * c;
+                    __m256i sum = _mm256_setzero_si256();
+                    for (int k = 0; k < 8; k += 2) { /* two products of codes <= 63: at most 32004 */
+                        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(codes[k], four_codes(a + 4 * k)),
+                                                           _mm256_maddubs_epi16(codes[k + 1], four_codes(a + 4 * k + 4)));
+                        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, k < 4 ? s0 : s1));
+                    }
+                    /* the codes' offset of 32: 2 * (scale_2c * 16 bsum_2c + scale_2c+1 * 16 bsum_2c+1) */
+                    const int16_t *bs = x[i].bsum + 16 * sb + 2 * c;
+                    const __m256i sums = _mm256_set1_epi32((int32_t)(uint16_t)(16 * bs[0]) | (int32_t)((uint32_t)(uint16_t)(16 * bs[1]) << 16));
+                    sum = _mm256_sub_epi32(sum, _mm256_slli_epi32(_mm256_madd_epi16(both, sums), 1));
+                    total[i] = _mm256_add_epi32(total[i], sum);
+                }
+            }
+            const __m256 d = f16x8(blk + 3328 + 16 * h);
+            UNROLL_TILE
+            for (int i = 0; i < mt; i++)
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[i]), _mm256_mul_ps(d, _mm256_set1_ps(x[i].dk[sb])), acc[i]);
+        }
+        for (int i = 0; i < mt; i++) _mm256_storeu_ps(y + (size_t)i * ldy + 8 * h, acc[i]);
+    }
+}
+
+/* rows 16g..16g+15 of packed Q4_K: value = d * scale_j * u - dmin * min_j */
+INLINE void dot_packed_q4_k(const er_matrix *m, int g, const er_q8 *x, const int mt, float *y, int ldy) {
+    const int nsb = m->cols / 256;
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int h = 0; h < 2; h++) {
+        __m256 acc[PACK_TILE];
+        for (int i = 0; i < mt; i++) acc[i] = _mm256_setzero_ps();
+        for (int sb = 0; sb < nsb; sb++) {
+            const uint8_t *blk = m->packed + ((size_t)g * nsb + sb) * PACK_Q4_K_BYTES;
+            __m256i total[PACK_TILE];
+            for (int i = 0; i < mt; i++) total[i] = _mm256_setzero_si256();
+            for (int j = 0; j < 8; j++) {
+                const __m256i scale = row_pairs_u8(blk + 2048 + 16 * j + 8 * h);
+                __m256i p[PACK_TILE]; /* 8 products of codes <= 15 per lane: at most 30480 */
+                for (int i = 0; i < mt; i++) p[i] = _mm256_setzero_si256();
+                for (int k = 0; k < 4; k++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 64 * (4 * j + k) + 32 * h));
+                    const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                    UNROLL_TILE
+                    for (int i = 0; i < mt; i++) {
+                        const int8_t *a = x[i].qk + 256 * sb + 32 * j + 8 * k;
+                        p[i] = _mm256_add_epi16(p[i], _mm256_add_epi16(_mm256_maddubs_epi16(lo, four_codes(a)),
+                                                                       _mm256_maddubs_epi16(hi, four_codes(a + 4))));
+                    }
+                }
+                UNROLL_TILE
+                for (int i = 0; i < mt; i++) total[i] = _mm256_add_epi32(total[i], _mm256_madd_epi16(p[i], scale));
+            }
+            const __m256 d = f16x8(blk + 2304 + 16 * h), dmin = f16x8(blk + 2336 + 16 * h);
+            UNROLL_TILE
+            for (int i = 0; i < mt; i++) {
+                __m256 mins = _mm256_setzero_ps();
+                for (int j = 0; j < 8; j++) {
+                    const __m256i min = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 2176 + 16 * j + 8 * h)));
+                    mins = _mm256_fmadd_ps(_mm256_cvtepi32_ps(min), _mm256_set1_ps(x[i].bsum32[8 * sb + j]), mins);
+                }
+                const __m256 dx = _mm256_set1_ps(x[i].dk[sb]);
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[i]), _mm256_mul_ps(d, dx), acc[i]);
+                acc[i] = _mm256_fnmadd_ps(mins, _mm256_mul_ps(dmin, dx), acc[i]);
+            }
+        }
+        for (int i = 0; i < mt; i++) _mm256_storeu_ps(y + (size_t)i * ldy + 8 * h, acc[i]);
+    }
+}
+
+/* rows 16g..16g+15 of a packed 32-value block format: value = d * u + offset (Q8_0: signed
+ * codes, moved back from the stored q + 128, their sign moved to the activations) */
+INLINE void dot_packed_blocks32(const er_matrix *m, int g, const er_q8 *x, const int mt, float *y, int ldy,
+                                const int type) {
+    const int nb = m->cols / 32;
+    const size_t bytes = pack_block_bytes(type), d_at = bytes - (type == T_Q4_1 ? 64 : 32);
+    const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    for (int h = 0; h < 2; h++) {
+        __m256 acc[PACK_TILE];
+        for (int i = 0; i < mt; i++) acc[i] = _mm256_setzero_ps();
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *blk = m->packed + ((size_t)g * nb + b) * bytes;
+            const __m256 d = f16x8(blk + d_at + 16 * h);
+            const __m256 offset = type == T_Q4_1 ? f16x8(blk + d_at + 32 + 16 * h)
+                                : _mm256_mul_ps(d, _mm256_set1_ps(-block32_zero(type)));
+            __m256i codes[8];
+            if (type == T_Q8_0) {
+                for (int k = 0; k < 8; k++)
+                    codes[k] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + 64 * k + 32 * h)),
+                                                _mm256_set1_epi8((char)0x80));
+            } else {
+                for (int k = 0; k < 4; k++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 64 * k + 32 * h));
+                    codes[2 * k] = _mm256_and_si256(v, m4);
+                    codes[2 * k + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                }
+                if (type == T_Q5_0)
+                    for (int k = 0; k < 8; k++) {
+                        uint32_t high;
+                        memcpy(&high, blk + 256 + 8 * k + 4 * h, 4);
+                        codes[k] = _mm256_or_si256(codes[k], bits_to_bytes(high, 0x10));
+                    }
+            }
+            UNROLL_TILE
+            for (int i = 0; i < mt; i++) {
+                const int8_t *a = x[i].q + 32 * b;
+                __m256i sum = _mm256_setzero_si256();
+                if (type == T_Q8_0) { /* one product pair per 16-bit lane: at most 32512 */
+                    for (int k = 0; k < 8; k++) {
+                        const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(codes[k], codes[k]),
+                                                               _mm256_sign_epi8(four_codes(a + 4 * k), codes[k]));
+                        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, ones));
+                    }
+                } else { /* codes <= 31: 4 pairs per 16-bit lane (at most 31496); <= 15: 8 */
+                    const int per_sum = type == T_Q5_0 ? 4 : 8;
+                    for (int k0 = 0; k0 < 8; k0 += per_sum) {
+                        __m256i p = _mm256_setzero_si256();
+                        for (int k = k0; k < k0 + per_sum; k++)
+                            p = _mm256_add_epi16(p, _mm256_maddubs_epi16(codes[k], four_codes(a + 4 * k)));
+                        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, ones));
+                    }
+                }
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_set1_ps(x[i].d[b])), acc[i]);
+                if (type != T_Q8_0) acc[i] = _mm256_fmadd_ps(offset, _mm256_set1_ps(x[i].s[b]), acc[i]);
+            }
+        }
+        for (int i = 0; i < mt; i++) _mm256_storeu_ps(y + (size_t)i * ldy + 8 * h, acc[i]);
+    }
+}
+
+#define ATT_LANES 8
+typedef __m256 att_vec;
+typedef int att_mask;
+INLINE att_mask att_tail(int left) { return left; }
+INLINE att_vec att_zero(void) { return _mm256_setzero_ps(); }
+INLINE att_vec att_set1(float x) { return _mm256_set1_ps(x); }
+INLINE att_vec att_load(const float *p, att_mask m) { (void)m; return _mm256_loadu_ps(p); }
+INLINE void att_store(float *p, att_vec v, att_mask m) { (void)m; _mm256_storeu_ps(p, v); }
+INLINE att_vec att_fmadd(att_vec a, att_vec b, att_vec c) { return _mm256_fmadd_ps(a, b, c); }
+INLINE __m256 att_fold(att_vec v) { return v; }
+/* values c..c+7 of a cache row as float32 */
+INLINE att_vec kv_vec(const uint8_t *row, int c, int hd, int format, att_mask m) {
+    (void)m;
+    if (format == KV_F32) return _mm256_loadu_ps((const float *)row + c);
+    if (format == KV_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + c)));
+    const __m256 codes = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + c))));
+    return _mm256_mul_ps(codes, _mm256_broadcast_ss((const float *)(row + hd) + c / 32));
+}
+
+/* Without AVX-512 VNNI, a row's 32 codes meet a head's in a maddubs: its unsigned operand the
+ * row's magnitudes, its signed one the query's codes given the row's signs (|k| x sign(q, k) =
+ * k x q; a pair's sum is at most 2 x 127 x 127, so nothing saturates), then pairs summed to 8
+ * int32 lanes that turn float at the product of the two scales of their 32 values. Per row, head
+ * and 32 values 5 instructions and an FMA, where widening the codes to floats took 12 and 4 FMAs. */
+INLINE void head_scores_int8(const int8_t *codes, const float *qd, int nh, const uint8_t *rows, size_t bytes, int n,
+                             int hd, float *sc, size_t sc_stride) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int t = 0; t < n; t += 4) {
+        const uint8_t *r[4];
+        UNROLL_TILE for (int j = 0; j < 4; j++) r[j] = rows + (size_t)(t + j < n ? t + j : t) * bytes;
+        prefetch_lines(rows + (size_t)(t + PREFETCH_ROWS) * bytes, 4 * bytes);
+        for (int h = 0; h < nh; h++) {
+            __m256 acc[4];
+            UNROLL_TILE for (int j = 0; j < 4; j++) acc[j] = _mm256_setzero_ps();
+            for (int b = 0; b < hd / 32; b++) {
+                const __m256i q = _mm256_loadu_si256((const __m256i *)(codes + h * KV_QUERY_STRIDE + 32 * b));
+                const float qs = qd[h * KV_QUERY_STRIDE / 32 + b];
+                UNROLL_TILE for (int j = 0; j < 4; j++) {
+                    const __m256i k = _mm256_loadu_si256((const __m256i *)(r[j] + 32 * b));
+                    const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(k, k), _mm256_sign_epi8(q, k));
+                    const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+                    acc[j] = _mm256_fmadd_ps(dot, _mm256_set1_ps(((const float *)(r[j] + hd))[b] * qs), acc[j]);
+                }
+            }
+            _mm_storeu_ps(sc + h * sc_stride + t, sums4(acc));
+        }
+    }
+}
+
+#include "x86_loops.h"
+#include "../loops.h"

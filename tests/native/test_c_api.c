@@ -1,0 +1,451 @@
+/* libedgeroute's C tests, through the public header only: every kernel set this CPU runs
+ * against the generic one, a tiny random model written here as a native weight file (steps vs
+ * a pass, truncation, prefix copies), the API's refusals of bad input, and the file reader
+ * against truncated, bit-flipped and wrong-version files plus a bounded fuzz of mutated
+ * headers. Built with AddressSanitizer and UBSan by tests/test_c_library.py (make c-test).
+ *
+ *   test_c_api WORKDIR [FUZZ_ITERATIONS]
+ *
+ * Ends with "N passed, N failed" and exits non-zero on a failure. */
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "edgeroute.h"
+
+static int passed, failed;
+
+static void check(int ok, const char *format, ...) {
+    if (ok) {
+        passed++;
+        return;
+    }
+    failed++;
+    va_list args;
+    va_start(args, format);
+    fprintf(stderr, "FAILED: ");
+    vfprintf(stderr, format, args);
+    fprintf(stderr, " (last error: %s)\n", er_last_error());
+    va_end(args);
+}
+
+static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
+static uint32_t next_random(void) {
+    rng_state ^= rng_state << 13;
+    rng_state ^= rng_state >> 7;
+    rng_state ^= rng_state << 17;
+    return (uint32_t)(rng_state >> 11);
+}
+static float uniform(void) { return (next_random() & 0xffffff) / (float)0x1000000; }
+
+static void put_f16(uint8_t *p, float v) {
+    const _Float16 h = (_Float16)v;
+    memcpy(p, &h, 2);
+}
+
+/* ---- block matrices ---------------------------------------------------------------------- */
+
+typedef struct {
+    int format, values, bytes, fp16[2]; /* values and bytes per block; offsets of fp16 factors (-1: none) */
+} block_format;
+
+static const block_format FORMATS[] = {
+    {ER_Q4_0, 32, 18, {0, -1}}, {ER_Q4_1, 32, 20, {0, 2}}, {ER_Q5_0, 32, 22, {0, -1}},
+    {ER_Q8_0, 32, 34, {0, -1}}, {ER_Q4_K, 256, 144, {0, 2}}, {ER_Q6_K, 256, 210, {208, -1}},
+};
+
+/* random codes and sane fp16 factors, as a GGUF stores them */
+static uint8_t *random_blocks(const block_format *f, int rows, int cols, size_t *bytes) {
+    *bytes = (size_t)rows * cols / f->values * f->bytes;
+    uint8_t *raw = malloc(*bytes);
+    for (size_t i = 0; i < *bytes; i++) raw[i] = (uint8_t)next_random();
+    for (size_t b = 0; b < *bytes / f->bytes; b++)
+        for (int k = 0; k < 2; k++)
+            if (f->fp16[k] >= 0)
+                put_f16(raw + b * f->bytes + f->fp16[k], (0.002f + 0.018f * uniform()) * (next_random() & 1 ? 1 : -1));
+    return raw;
+}
+
+static void test_kernel_sets_agree(void) {
+    const int rows = 37, cols = 512, M = 9; /* an odd row count: the threads' shares differ */
+    float *x = malloc(sizeof(float) * M * cols), *want = malloc(sizeof(float) * M * rows);
+    float *got = malloc(sizeof(float) * M * rows), *one = malloc(sizeof(float) * rows);
+    for (int i = 0; i < M * cols; i++) x[i] = (float)((int)(next_random() % 255) - 127);
+    for (int i = 0; i < M; i++) x[(size_t)i * cols] = 127; /* integer activations: quantized exactly */
+    for (size_t fi = 0; fi < sizeof FORMATS / sizeof FORMATS[0]; fi++) {
+        size_t bytes;
+        uint8_t *raw = random_blocks(&FORMATS[fi], rows, cols, &bytes);
+        check(er_matmul(ER_KERNELS_GENERIC, FORMATS[fi].format, raw, bytes, rows, cols, x, M, want, 2) == ER_OK,
+              "generic matmul of format %d", FORMATS[fi].format);
+        for (int k = 0; k < ER_KERNELS_COUNT; k++) {
+            if (!er_kernels_supported(k)) continue;
+            check(er_matmul(k, FORMATS[fi].format, raw, bytes, rows, cols, x, M, got, 2) == ER_OK, "matmul");
+            double worst = 0, scale = 0;
+            for (int i = 0; i < M * rows; i++) {
+                worst = fmax(worst, fabs((double)got[i] - want[i]));
+                scale = fmax(scale, fabs((double)want[i]));
+            }
+            check(worst <= 1e-5 * scale, "%s format %d: max difference %g of %g", er_kernels_name(k), FORMATS[fi].format,
+                  worst, scale);
+            for (int i = 0; i < M; i += 4) { /* a row's bits do not depend on the rest of the pass */
+                er_matmul(k, FORMATS[fi].format, raw, bytes, rows, cols, x + (size_t)i * cols, 1, one, 1);
+                check(memcmp(one, got + (size_t)i * rows, sizeof(float) * rows) == 0, "%s format %d row %d alone",
+                      er_kernels_name(k), FORMATS[fi].format, i);
+            }
+        }
+        free(raw);
+    }
+    size_t bytes;
+    uint8_t *raw = random_blocks(&FORMATS[3], 4, 64, &bytes); /* Q8_0: value = d * q */
+    const int64_t ids[2] = {3, 0};
+    float rows_out[128];
+    check(er_dequantize_rows(ER_Q8_0, raw, bytes, 4, 64, ids, 2, rows_out) == ER_OK, "dequantize");
+    _Float16 d;
+    memcpy(&d, raw + 3 * 68, 2);
+    check(rows_out[5] == (float)d * (int8_t)raw[3 * 68 + 2 + 5], "Q8_0 dequantized value");
+    check(er_dequantize_rows(ER_Q8_0, raw, bytes, 4, 64, (const int64_t[]){4}, 1, rows_out) == ER_ERR_ARGUMENT,
+          "a row past the matrix");
+    check(er_matmul(ER_KERNELS_GENERIC, ER_Q8_0, raw, bytes - 1, 4, 64, x, 1, got, 1) == ER_ERR_ARGUMENT,
+          "a matrix one byte short");
+    check(er_matmul(ER_KERNELS_GENERIC, 99, raw, bytes, 4, 64, x, 1, got, 1) == ER_ERR_UNSUPPORTED, "an unknown format");
+    free(raw);
+    free(x);
+    free(want);
+    free(got);
+    free(one);
+}
+
+/* ---- a tiny model as a native weight file -------------------------------------------------- */
+
+enum { LAYERS = 2, HIDDEN = 64, HEADS = 2, KV_HEADS = 1, HEAD_DIM = 32, FFN = 96, VOCAB = 48, CONTEXT = 64 };
+
+typedef struct {
+    uint8_t *p;
+    size_t n, cap;
+} buffer;
+
+static void put(buffer *b, const void *data, size_t n) {
+    if (b->n + n > b->cap) b->p = realloc(b->p, b->cap = 2 * (b->n + n));
+    memcpy(b->p + b->n, data, n);
+    b->n += n;
+}
+static void put_u32(buffer *b, uint32_t v) { put(b, &v, 4); }
+static void put_u64(buffer *b, uint64_t v) { put(b, &v, 8); }
+static void put_str(buffer *b, const char *s) {
+    put_u64(b, strlen(s));
+    put(b, s, strlen(s));
+}
+static void put_key_u32(buffer *b, const char *key, uint32_t v) {
+    put_str(b, key);
+    put_u32(b, 4);
+    put_u32(b, v);
+}
+
+typedef struct {
+    char name[48];
+    int rows, cols, type; /* type 0: F32 vector of cols */
+} tensor_spec;
+
+/* a GGUF v3 file: header, then the tensors at 64-byte offsets; returns the header's length */
+static size_t tiny_model(buffer *out, uint32_t gguf_version, uint32_t native_version) {
+    tensor_spec specs[64];
+    int n = 0;
+    specs[n++] = (tensor_spec){"token_embd.weight", VOCAB, HIDDEN, ER_Q8_0};
+    const char *mats[7] = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"};
+    const int shapes[7][2] = {{HEADS * HEAD_DIM, HIDDEN}, {KV_HEADS * HEAD_DIM, HIDDEN}, {KV_HEADS * HEAD_DIM, HIDDEN},
+                              {HIDDEN, HEADS * HEAD_DIM}, {FFN, HIDDEN}, {FFN, HIDDEN}, {HIDDEN, FFN}};
+    for (int l = 0; l < LAYERS; l++) {
+        snprintf(specs[n].name, 48, "blk.%d.attn_norm.weight", l), specs[n].rows = 1, specs[n].cols = HIDDEN, specs[n++].type = 0;
+        snprintf(specs[n].name, 48, "blk.%d.ffn_norm.weight", l), specs[n].rows = 1, specs[n].cols = HIDDEN, specs[n++].type = 0;
+        for (int j = 0; j < 7; j++) {
+            snprintf(specs[n].name, 48, "blk.%d.%s.weight", l, mats[j]);
+            specs[n].rows = shapes[j][0], specs[n].cols = shapes[j][1], specs[n++].type = j % 2 ? ER_Q4_0 : ER_Q8_0;
+        }
+    }
+    specs[n++] = (tensor_spec){"output_norm.weight", 1, HIDDEN, 0};
+    buffer h = {0};
+    put(&h, "GGUF", 4);
+    put_u32(&h, gguf_version);
+    put_u64(&h, (uint64_t)n);
+    put_u64(&h, 13);
+    put_str(&h, "general.architecture"), put_u32(&h, 8), put_str(&h, "llama");
+    put_key_u32(&h, "general.alignment", 64);
+    put_key_u32(&h, "edgeroute.native.version", native_version);
+    put_key_u32(&h, "edgeroute.layers", LAYERS);
+    put_key_u32(&h, "edgeroute.hidden", HIDDEN);
+    put_key_u32(&h, "edgeroute.heads", HEADS);
+    put_key_u32(&h, "edgeroute.kv_heads", KV_HEADS);
+    put_key_u32(&h, "edgeroute.head_dim", HEAD_DIM);
+    put_key_u32(&h, "edgeroute.ffn", FFN);
+    put_key_u32(&h, "edgeroute.vocab", VOCAB);
+    put_key_u32(&h, "edgeroute.context_length", CONTEXT);
+    put_str(&h, "edgeroute.rms_eps"), put_u32(&h, 6);
+    const float eps = 1e-5f;
+    put(&h, &eps, 4);
+    put_str(&h, "edgeroute.rope.inv_freq"), put_u32(&h, 9), put_u32(&h, 12), put_u64(&h, HEAD_DIM / 2);
+    for (int j = 0; j < HEAD_DIM / 2; j++) {
+        const double inv = pow(10000.0, -2.0 * j / HEAD_DIM);
+        put(&h, &inv, 8);
+    }
+    buffer data = {0};
+    for (int i = 0; i < n; i++) {
+        while (data.n % 64) put(&data, "", 1);
+        put_str(&h, specs[i].name);
+        const int dims = specs[i].type == 0 ? 1 : 2;
+        put_u32(&h, (uint32_t)dims);
+        put_u64(&h, (uint64_t)specs[i].cols);
+        if (dims == 2) put_u64(&h, (uint64_t)specs[i].rows);
+        put_u32(&h, (uint32_t)specs[i].type);
+        put_u64(&h, data.n);
+        if (specs[i].type == 0) {
+            for (int c = 0; c < specs[i].cols; c++) {
+                const float w = 0.8f + 0.4f * uniform();
+                put(&data, &w, 4);
+            }
+        } else {
+            size_t bytes;
+            const block_format *f = specs[i].type == ER_Q4_0 ? &FORMATS[0] : &FORMATS[3];
+            uint8_t *raw = random_blocks(f, specs[i].rows, specs[i].cols, &bytes);
+            put(&data, raw, bytes);
+            free(raw);
+        }
+    }
+    const size_t header = h.n;
+    while (h.n % 64) put(&h, "", 1);
+    out->n = 0;
+    put(out, h.p, h.n);
+    put(out, data.p, data.n);
+    free(h.p);
+    free(data.p);
+    return header;
+}
+
+static void write_file(const char *path, const uint8_t *p, size_t n) {
+    FILE *f = fopen(path, "wb");
+    if (n) fwrite(p, 1, n, f);
+    fclose(f);
+}
+
+static er_status open_bytes(const char *path, const uint8_t *p, size_t n, int kernels, er_model **model) {
+    write_file(path, p, n);
+    er_model_params params = er_model_default_params();
+    params.kernels = kernels;
+    params.threads = 2;
+    params.max_pass = 8; /* longer forwards run in passes: tested too */
+    return er_model_open(path, &params, model);
+}
+
+static int greedy(const float *logits) {
+    int best = 0;
+    for (int v = 1; v < VOCAB; v++)
+        if (logits[v] > logits[best]) best = v;
+    return best;
+}
+
+static void test_model(const char *dir, const buffer *file) {
+    char path[1024];
+    snprintf(path, sizeof path, "%s/tiny.bin", dir);
+    const int32_t ids[12] = {1, 5, 9, 2, 47, 3, 8, 30, 11, 0, 7, 19};
+    float pass[12 * VOCAB], step[VOCAB], reference[12 * VOCAB];
+    for (int k = 0; k < ER_KERNELS_COUNT; k++) {
+        if (!er_kernels_supported(k)) continue;
+        for (int format = 0; format < ER_KV_FORMAT_COUNT; format++) {
+            er_model *model;
+            if (open_bytes(path, file->p, file->n, k, &model) != ER_OK) {
+                check(0, "opening the tiny model on %s", er_kernels_name(k));
+                return;
+            }
+            er_session_params sp = er_session_default_params();
+            sp.kv_format = format;
+            er_session *a, *b;
+            check(er_session_create(model, &sp, &a) == ER_OK && er_session_create(model, &sp, &b) == ER_OK, "sessions");
+            er_forward_params fp = er_forward_default_params();
+            fp.logits_rows = 12;
+            fp.logits = pass;
+            check(er_session_forward(a, ids, 12, &fp) == ER_OK && er_session_length(a) == 12, "a 12-token pass");
+            fp.logits_rows = 1;
+            fp.logits = step;
+            check(er_session_forward(b, ids, 6, &fp) == ER_OK, "a 6-token prefix");
+            for (int i = 6; i < 12; i++) {
+                check(er_session_forward(b, ids + i, 1, &fp) == ER_OK, "a step");
+                check(memcmp(step, pass + i * VOCAB, sizeof step) == 0, "%s kv %d: step %d equals the pass's row bit for bit",
+                      er_kernels_name(k), format, i);
+            }
+            check(er_session_truncate(b, 7) == ER_OK && er_session_forward(b, ids + 7, 1, &fp) == ER_OK &&
+                  memcmp(step, pass + 7 * VOCAB, sizeof step) == 0, "truncated and run again");
+            er_session *c;
+            check(er_session_create(model, &sp, &c) == ER_OK && er_session_copy(c, a, 5) == ER_OK &&
+                  er_session_length(c) == 5, "a copied prefix");
+            check(er_session_forward(c, ids + 5, 1, &fp) == ER_OK && memcmp(step, pass + 5 * VOCAB, sizeof step) == 0,
+                  "a copied prefix decodes alike");
+            uint8_t plan[LAYERS] = {ER_LAYER_RUN, ER_LAYER_DROP};
+            fp.plan = plan;
+            fp.plan_layers = LAYERS;
+            check(er_session_forward(c, ids, 2, &fp) == ER_OK && er_session_dropped(c) &&
+                  er_session_dropped(c)[CONTEXT + 6] == 1 && er_session_dropped(c)[6] == 0, "a dropped layer's positions");
+            if (k == ER_KERNELS_GENERIC && format == ER_KV_F32) memcpy(reference, pass, sizeof pass);
+            int same = 0;
+            for (int i = 0; i < 12; i++) same += greedy(pass + i * VOCAB) == greedy(reference + i * VOCAB);
+            /* a random model's logits are close to ties; an int8 cache (no key scales here) rounds more */
+            const int floor = format == ER_KV_INT8 ? 6 : 10;
+            check(same >= floor, "%s kv %d: %d of 12 greedy tokens as the generic float32 run", er_kernels_name(k), format, same);
+            er_session_free(a);
+            er_session_free(b);
+            er_session_free(c);
+            er_model_free(model);
+        }
+    }
+}
+
+static void test_refusals(const char *dir, const buffer *file) {
+    char path[1024];
+    snprintf(path, sizeof path, "%s/tiny.bin", dir);
+    er_model *model = NULL;
+    check(er_model_open(NULL, NULL, &model) == ER_ERR_ARGUMENT && model == NULL, "a NULL path");
+    check(er_model_open(path, NULL, NULL) == ER_ERR_ARGUMENT, "a NULL out pointer");
+    er_model_params mp = er_model_default_params();
+    mp.struct_size = 8;
+    check(er_model_open(path, &mp, &model) == ER_ERR_VERSION && strstr(er_last_error(), "er_model_params"),
+          "a params struct of another size");
+    mp = er_model_default_params();
+    mp.kernels = 7;
+    check(er_model_open(path, &mp, &model) == ER_ERR_UNSUPPORTED, "kernels that do not exist");
+    check(open_bytes(path, file->p, file->n, ER_KERNELS_GENERIC, &model) == ER_OK, "the tiny model");
+    er_session *s;
+    er_session_params sp = er_session_default_params();
+    sp.capacity = CONTEXT + 1;
+    check(er_session_create(model, &sp, &s) == ER_ERR_CAPACITY, "a session past the context");
+    sp.capacity = 4;
+    sp.kv_format = 9;
+    check(er_session_create(model, &sp, &s) == ER_ERR_UNSUPPORTED, "an unknown KV format");
+    sp.kv_format = ER_KV_INT8;
+    check(er_session_create(model, &sp, &s) == ER_OK, "an int8 session");
+    float scales[LAYERS * KV_HEADS * HEAD_DIM];
+    for (int i = 0; i < LAYERS * KV_HEADS * HEAD_DIM; i++) scales[i] = 1.0f;
+    check(er_model_set_key_scales(model, scales, LAYERS * KV_HEADS * HEAD_DIM) == ER_ERR_ARGUMENT,
+          "key scales while an int8 session lives");
+    er_session_free(s);
+    check(er_model_set_key_scales(model, scales, 3) == ER_ERR_ARGUMENT, "key scales of the wrong count");
+    scales[2] = NAN;
+    check(er_model_set_key_scales(model, scales, LAYERS * KV_HEADS * HEAD_DIM) == ER_ERR_ARGUMENT, "a NaN key scale");
+    sp.kv_format = ER_KV_F16;
+    check(er_session_create(model, &sp, &s) == ER_OK, "a session of 4");
+    float logits[VOCAB];
+    er_forward_params fp = er_forward_default_params();
+    fp.logits_rows = 1;
+    fp.logits = logits;
+    const int32_t ids[5] = {1, 2, 3, 4, 5};
+    check(er_session_forward(s, ids, 5, &fp) == ER_ERR_CAPACITY && er_session_length(s) == 0, "a forward past the capacity");
+    check(er_session_forward(s, (const int32_t[]){VOCAB}, 1, &fp) == ER_ERR_ARGUMENT && strstr(er_last_error(), "vocabulary"),
+          "an id outside the vocabulary");
+    check(er_session_forward(s, (const int32_t[]){-1}, 1, &fp) == ER_ERR_ARGUMENT, "a negative id");
+    check(er_session_forward(s, ids, 0, &fp) == ER_ERR_ARGUMENT, "no tokens");
+    check(er_session_forward(NULL, ids, 1, &fp) == ER_ERR_ARGUMENT, "a NULL session");
+    uint8_t plan[LAYERS + 1] = {0, 0, 0};
+    fp.plan = plan;
+    fp.plan_layers = LAYERS + 1;
+    check(er_session_forward(s, ids, 1, &fp) == ER_ERR_ARGUMENT && strstr(er_last_error(), "plan"), "a plan of the wrong length");
+    fp.plan_layers = LAYERS;
+    plan[1] = 9;
+    check(er_session_forward(s, ids, 1, &fp) == ER_ERR_ARGUMENT, "a plan entry that is no action");
+    fp.plan = NULL;
+    fp.logits_rows = 2;
+    check(er_session_forward(s, ids, 1, &fp) == ER_ERR_ARGUMENT, "more logit rows than tokens");
+    fp.logits_rows = 1;
+    fp.struct_size = 4;
+    check(er_session_forward(s, ids, 1, &fp) == ER_ERR_VERSION, "forward params of another size");
+    check(er_session_truncate(s, 1) == ER_ERR_ARGUMENT, "truncating past the length");
+    check(er_session_truncate(NULL, 0) == ER_ERR_ARGUMENT && er_session_length(NULL) == -1, "a NULL session's length");
+    er_session *other;
+    sp.kv_format = ER_KV_F32;
+    er_session_create(model, &sp, &other);
+    check(er_session_copy(other, s, 0) == ER_ERR_ARGUMENT, "a copy between KV formats");
+    check(er_model_get_info(NULL, NULL) == ER_ERR_ARGUMENT, "info of NULL");
+    er_model_info info = {sizeof info};
+    check(er_model_get_info(model, &info) == ER_OK && info.layers == LAYERS && info.vocab == VOCAB, "the model's info");
+    er_session_free(other);
+    er_session_free(s);
+    er_model_free(model);
+    er_model_free(NULL);
+    er_session_free(NULL);
+}
+
+static void test_damaged_files(const char *dir, const buffer *file, size_t header, int iterations) {
+    char path[1024];
+    snprintf(path, sizeof path, "%s/damaged.bin", dir);
+    er_model *model = NULL;
+    check(er_model_open("/nonexistent/native.bin", NULL, &model) == ER_ERR_IO, "a missing file");
+    check(open_bytes(path, file->p, 0, ER_KERNELS_GENERIC, &model) == ER_ERR_FORMAT, "an empty file");
+    check(open_bytes(path, file->p, file->n / 2, ER_KERNELS_GENERIC, &model) == ER_ERR_FORMAT &&
+          strstr(er_last_error(), "outside the file"), "a file cut in half");
+    check(open_bytes(path, file->p, header / 2, ER_KERNELS_GENERIC, &model) == ER_ERR_FORMAT, "a header cut in half");
+    check(open_bytes(path, (const uint8_t *)"GGML not gguf", 13, ER_KERNELS_GENERIC, &model) == ER_ERR_FORMAT &&
+          strstr(er_last_error(), "magic"), "another file's magic");
+    buffer other = {0};
+    tiny_model(&other, 2, 1);
+    check(open_bytes(path, other.p, other.n, ER_KERNELS_GENERIC, &model) == ER_ERR_VERSION, "GGUF version 2");
+    tiny_model(&other, 3, 2);
+    check(open_bytes(path, other.p, other.n, ER_KERNELS_GENERIC, &model) == ER_ERR_VERSION &&
+          strstr(er_last_error(), "re-export"), "a native file of another version");
+    /* a tensor table pointing past the file: the last tensor's offset, moved far out */
+    memcpy(other.p, file->p, file->n);
+    uint64_t far = 1ull << 40;
+    memcpy(other.p + header - 8, &far, 8);
+    check(open_bytes(path, other.p, file->n, ER_KERNELS_GENERIC, &model) == ER_ERR_FORMAT, "a tensor past the file");
+    /* fuzz: bytes of the header flipped or set, lengths cut; each open returns, none reads out of bounds */
+    int opened = 0;
+    for (int i = 0; i < iterations; i++) {
+        memcpy(other.p, file->p, file->n);
+        const int edits = 1 + (int)(next_random() % 4);
+        for (int e = 0; e < edits; e++) {
+            const size_t at = next_random() % header;
+            other.p[at] = next_random() % 3 == 0 ? (uint8_t)next_random() : other.p[at] ^ (uint8_t)(1u << (next_random() % 8));
+        }
+        const size_t length = next_random() % 8 == 0 ? next_random() % file->n : file->n;
+        if (open_bytes(path, other.p, length, ER_KERNELS_GENERIC, &model) == ER_OK) {
+            opened++;
+            er_session *s;
+            if (er_session_create(model, NULL, &s) == ER_OK) {
+                float logits[4096];
+                er_forward_params fp = er_forward_default_params();
+                er_model_info info = {sizeof info};
+                er_model_get_info(model, &info);
+                fp.logits_rows = info.vocab <= 4096;
+                fp.logits = logits;
+                er_session_forward(s, (const int32_t[]){0, 1}, 2, &fp);
+                er_session_free(s);
+            }
+            er_model_free(model);
+        } else {
+            check(er_last_error()[0] != '\0', "a refused file says why");
+        }
+    }
+    printf("fuzz: %d mutated files, %d still opened (a flipped value the header allows)\n", iterations, opened);
+    free(other.p);
+}
+
+int main(int argc, char **argv) {
+    if (argc < 2) {
+        fprintf(stderr, "usage: test_c_api WORKDIR [FUZZ_ITERATIONS]\n");
+        return 2;
+    }
+    const int iterations = argc > 2 ? atoi(argv[2]) : 2000;
+    check(er_abi_version() == ER_ABI_VERSION, "the library's ABI is the header's");
+    check(er_kernels_supported(ER_KERNELS_GENERIC) && er_kernels_name(er_kernels_best()) != NULL, "kernel names");
+    check(er_kv_row_bytes(ER_KV_INT8, 64) == 72 && er_kv_row_bytes(ER_KV_INT8, 40) == 0 && er_kv_row_bytes(ER_KV_F16, 8) == 16,
+          "KV row bytes");
+    printf("kernels here: %s\n", er_kernels_name(er_kernels_best()));
+    for (int k = 0; k < ER_KERNELS_COUNT; k++)
+        if (!er_kernels_supported(k)) printf("skipped: the %s kernels do not run on this CPU\n", er_kernels_name(k));
+    test_kernel_sets_agree();
+    buffer file = {0};
+    const size_t header = tiny_model(&file, 3, 1);
+    test_model(argv[1], &file);
+    test_refusals(argv[1], &file);
+    test_damaged_files(argv[1], &file, header, iterations);
+    free(file.p);
+    printf("%d passed, %d failed\n", passed, failed);
+    return failed != 0;
+}
