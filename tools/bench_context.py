@@ -78,12 +78,14 @@ class EdgerouteCase:
     def __init__(self, bundle: Path, flavour: str, kv_dtype: str = "auto") -> None:
         from edgeroute.runtime import Bundle
         from edgeroute.runtime.backend import open_model
+        from edgeroute.runtime.options import EngineOptions
 
         opened = Bundle.open(bundle, verify=False)
         if flavour == "native":
-            self.model = open_model(opened, "llm", "native", kv_dtype=kv_dtype)[0]
+            options = EngineOptions(backend="native", kv_dtype=kv_dtype)
         else:
-            self.model = open_model(opened, "llm", "onnxruntime", attention=flavour, kv_dtype=kv_dtype)[0]
+            options = EngineOptions(backend="onnxruntime", attention=flavour, kv_dtype=kv_dtype)
+        self.model = open_model(opened, "llm", options)[0]
         self.cache = self.model.new_cache()
 
     def prefill(self, ids: list[int]):

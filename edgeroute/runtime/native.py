@@ -42,11 +42,12 @@ from pathlib import Path
 
 import numpy as np
 
-from edgeroute.bundle import NATIVE_FORMATS, Bundle, NativeTensor, kv_row_bytes
+from edgeroute.bundle import NATIVE_FORMATS, Bundle, NativeTensor
 from edgeroute.cpu import cpu_signature
 from edgeroute.errors import BundleError, InputError, NativeBackendUnavailable
+from edgeroute.kv_formats import check_int8_head_dim, check_kv_dtype, kv_row_bytes
 from edgeroute.rope import rope_tables
-from edgeroute.runtime.attention import KVCache, check_kv_dtype, resident_zeros
+from edgeroute.runtime.attention import KVCache, resident_zeros
 from edgeroute.runtime.evaluate import tokenize_text
 from edgeroute.runtime.memory import PREFILL_CHUNK
 from edgeroute.runtime.model import DROP, RUN, SKIP, SKIP_MLP, LayerPlan, LayerwiseModel, plan_action
@@ -256,9 +257,8 @@ class NativeModel(LayerwiseModel):
             raise NativeBackendUnavailable(f"the {role} model of {bundle.path} has no native weights (export writes "
                                            "them for GGUF sources in the formats the kernels read)")
         self.kv_dtype = check_kv_dtype(kv_dtype)
-        if kv_dtype == "int8" and entry.arch.head_dim % 32:
-            raise InputError(f"an int8 KV cache keeps scales per 32 values: the {role} model's head_dim "
-                             f"{entry.arch.head_dim} is not a multiple of 32 (use kv_dtype='float16')")
+        if kv_dtype == "int8":
+            check_int8_head_dim(entry.arch.head_dim, f"{role} model")
         self.lib = native_library(kernels)
         self.kernels = KERNEL_NAMES[self.lib.er_kernels()]
         self.arch = entry.arch
