@@ -1,7 +1,7 @@
 """Speed and memory over context length: edgeroute (the native backend, each ONNX Runtime
 attention flavour; ``:float32``, ``:float16`` or ``:int8`` (native) after one names the KV
-cache type, e.g. ``edgeroute:native:float32``; without one, ``kv_dtype="auto"``: int8 on the
-native AVX-512 VNNI kernels, fp16 on the other native ones, fp32 on ONNX Runtime) vs llama.cpp.
+cache type, e.g. ``edgeroute:native:float32``; without one, ``kv_dtype="auto"``, what
+``edgeroute.kv_formats.AUTO_KV_DTYPES`` keeps per backend and kernel set) vs llama.cpp.
 
 Every case runs in a fresh subprocess (so one case's memory never shows in another's), and
 the cases are interleaved runtime by runtime and repeated (``--repeats``; medians reported),
