@@ -24,7 +24,7 @@ class EngineOptions:
     """Everything an engine is set up with; ``decoding`` are its sessions' defaults."""
 
     backend: str = "auto"  # auto | native | onnxruntime (see backend.backend_for)
-    kernels: str = "auto"  # the native kernel set: auto (the best this CPU runs) | avx512-vnni | avx2 | generic
+    kernels: str = "auto"  # the native kernels to load (native.KERNELS): auto, the best this CPU runs
     kv_dtype: str = "auto"  # auto | float32 | float16 | int8 (edgeroute.kv_formats)
     attention: str = "auto"  # ONNX Runtime's attention graphs: auto | portable | ort
     providers: tuple[Any, ...] | None = None  # ONNX Runtime execution providers (names or (name, options))
