@@ -48,18 +48,16 @@ class EngineOptions:
         if task is not None:
             names.append(task)
         merged = load_profile(",".join(names)) if names else Profile()
-        unknown = set(settings) - {f.name for f in dataclasses.fields(cls)} - {"decoding", "profiles"}
-        if unknown:
-            raise InputError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
+        known = {f.name for f in dataclasses.fields(cls)} - {"decoding", "profiles"}
+        if unknown := set(settings) - known:
+            raise InputError(f"unknown engine option(s): {', '.join(sorted(unknown))} (known: {', '.join(sorted(known))}; "
+                             "decoding options go in decoding={...})")
         given = {k: v for k, v in settings.items() if v is not None}
         from_profiles = {"attention": merged.attention, "kv_dtype": merged.kv_dtype,
                          "default_context": merged.context_length, "memory_budget": merged.memory_budget,
                          "providers": tuple(merged.providers) if merged.providers else None}
         return cls(**{**from_profiles, **given}, profiles=tuple(merged.names),
                    decoding=DecodeOptions().updated(**{**merged.decoding, **(decoding or {})}))
-
-    def replace(self, **changes: Any) -> EngineOptions:
-        return dataclasses.replace(self, **changes)
 
     def session_context(self, exported: int) -> int:
         """The KV capacity a session allocates for a bundle exported with ``exported``
