@@ -13,6 +13,8 @@ from typing import Any
 
 from edgeroute.arch import ArchConfig
 from edgeroute.errors import BundleError, EdgerouteError
+from edgeroute.kv_formats import KV_DTYPES
+from edgeroute.skip_options import SkipOptions
 
 FORMAT_NAME = "edgeroute-bundle"
 # 2 added graph flavours (``flavour`` per graph; ``*_ort`` graphs beside the portable ones) and
@@ -146,8 +148,6 @@ class Calibration:
                              f"{' | '.join(KV_DTYPES)}}} (got {device!r})")
         skip = data.get("decoding", {}).get("skip")
         if skip is not None:
-            from edgeroute.runtime.policies import SkipOptions  # the runtime's own checks, imported late
-
             options = {k: v for k, v in skip.items() if k != "speed_vs_full"}
             try:
                 SkipOptions(**options).validate(None)
@@ -156,18 +156,9 @@ class Calibration:
         return cls(**{**data, "routers": routers})
 
 
-# int8: per 32 values int8 codes at scale max|x| / 127, the float32 scales after a row's codes
-# (1.125 bytes a value); the native backend's only
-KV_DTYPES = ("float32", "float16", "int8")
 # the (flavour, KV cache dtype) variants of the attention graphs (layer_i, attn_i) an export
 # writes; the first is the default, and an fp16 cache exists in the portable flavour only
 ATTENTION_VARIANTS = ((PORTABLE, "float32"), ("ort", "float32"), (PORTABLE, "float16"))
-GRAPH_KV_DTYPES = ("float32", "float16")
-
-
-def kv_row_bytes(head_dim: int, kv_dtype: str) -> int:
-    """Bytes of one cached position of one KV head."""
-    return {"float32": 4 * head_dim, "float16": 2 * head_dim, "int8": head_dim + -(-head_dim // 32) * 4}[kv_dtype]
 
 
 def attention_graph_name(kind: str, layer: int | None, flavour: str = PORTABLE, kv_dtype: str = "float32") -> str:
@@ -358,6 +349,22 @@ class Bundle:
 
     def total_bytes(self, prefix: str = "") -> int:
         return sum(m["bytes"] for rel, m in self.manifest["files"].items() if rel.startswith(prefix))
+
+    def summary(self) -> dict[str, Any]:
+        """What ``edgeroute inspect`` shows (and prints with ``--json``): the format, each model's
+        shape, quantization, sizes and source, the generation defaults and the calibration."""
+        m = self.manifest
+        models = {role: {"family": e.arch.family, "layers": e.arch.num_layers, "hidden": e.arch.hidden_size,
+                         "heads": e.arch.num_heads, "kv_heads": e.arch.num_kv_heads, "vocab": e.arch.vocab_size,
+                         "quantization": e.quantization, "graphs": len(e.graphs),
+                         "native_bytes": m["files"][e.native.file]["bytes"] if e.native else None,
+                         "bytes": self.total_bytes(f"{role}/"), "source": e.source}
+                  for role, e in self.models.items()}
+        return {"path": str(self.path), "format_version": m["format_version"], "edgeroute_version": m["edgeroute_version"],
+                "opset": m["opset"], "created": m["created"], "models": models, "generation": self.generation,
+                "chat_template": bool(self.tokenizer.get("chat_format")),
+                "calibration": self.calibration.to_dict() if self.calibration else None,
+                "files": len(m["files"]), "bytes": self.total_bytes()}
 
     def with_calibration(self, calibration: Calibration, files: dict[str, bytes]) -> Bundle:
         """Write ``calibration`` (and its ``files``, e.g. router graphs, under ``calibration/``)

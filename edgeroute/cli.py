@@ -10,12 +10,14 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from edgeroute.cpu import cpu_signature, signature_difference
 from edgeroute.errors import EdgerouteError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="Export, inspect and run edge LLM bundles (SLM + router + 4-bit LLM as ONNX graphs).")
+# Plain click help: rich's help panels spend a third of 80 columns on borders and type columns.
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
+                  help="Export, calibrate and run edge LLM bundles (SLM + 4-bit LLM as ONNX graphs).")
 console = Console()
 err_console = Console(stderr=True)
 
@@ -48,6 +50,17 @@ def _mb(n: int) -> str:
     return f"{n / 1e6:,.1f} MB"
 
 
+def _fields(title: str, pairs: list[tuple[str, str]]) -> None:
+    """A block of ``key: value`` lines; long values wrap under themselves, never cut."""
+    grid = Table.grid(padding=(0, 1))
+    grid.add_column(no_wrap=True, style="dim")
+    grid.add_column(overflow="fold")
+    for key, value in pairs:
+        grid.add_row(f"{key}:", Text(value))
+    console.print(Text(f"\n{title}", style="bold"))
+    console.print(grid)
+
+
 def _read_text(path: Path, what: str) -> str:
     try:
         return path.read_text()
@@ -78,26 +91,23 @@ def _response_format(json_schema: Path | None, regex: str | None, grammar: Path 
 
 @app.command()
 def export(
-    llm: str = typer.Option("smollm2", help="LLM source: HF checkpoint dir, .gguf file, 'smollm2' (packaged) "
-                            "or a named source (`edgeroute sources`)"),
-    slm: str = typer.Option("smollm2", help="SLM source sharing the LLM's tokenizer"),
+    llm: str = typer.Option("smollm2", help="LLM (HF dir, GGUF or name)"),
+    slm: str = typer.Option("smollm2", help="SLM with the LLM's tokenizer"),
     no_slm: bool = typer.Option(False, "--no-slm", help="export the LLM only"),
-    slm_layers: int = typer.Option(None, help="keep the SLM's first N layers (default: all; 12 when cut from the LLM)"),
-    quant: str = typer.Option("int4-gptq", help="int4-gptq | int4-rtn | fp16 | fp32 (quantized sources are carried over)"),
-    slm_quant: str = typer.Option(None, help="the SLM's setting (default: --quant)"),
+    slm_layers: int = typer.Option(None, help="keep the SLM's first N layers"),
+    quant: str = typer.Option("int4-gptq", show_default=False, help="int4-gptq (default)|int4-rtn|fp16|fp32"),
+    slm_quant: str = typer.Option(None, help="the SLM's --quant (default: the LLM's)"),
     block_size: int = typer.Option(32, help="int4 block size: 32, 64 or 128"),
-    head: str = typer.Option("int8", help="LM head format for float sources: int8 | int4 | fp16 | fp32"),
-    slm_vocab: int = typer.Option(None, help="give the SLM a head over the N most frequent token ids of the "
-                                  "calibration text (+ special and chat-template tokens); default: the whole vocabulary"),
-    context_length: int = typer.Option(2048, help="KV capacity the runtime allocates"),
+    head: str = typer.Option("int8", show_default=False, help="LM head: int8 (default)|int4|fp16|fp32"),
+    slm_vocab: int = typer.Option(None, help="SLM head over the N most frequent ids"),
+    context_length: int = typer.Option(2048, help="KV capacity of a session"),
     calibration_tokens: int = typer.Option(2048, help="GPTQ calibration tokens"),
-    parity_tokens: int = typer.Option(256, help="tokens of held-out text for the parity check (0: skip)"),
-    native: bool = typer.Option(True, "--native/--no-native", help="GGUF sources: also store the blocks as they are "
-                                "for the native CPU backend (the GGUF's size again on disk)"),
-    out: Path = typer.Option(Path("bundles/smollm2-demo"), help="bundle directory to write"),
-    force: bool = typer.Option(False, help="replace an existing bundle"),
+    parity_tokens: int = typer.Option(256, help="parity check tokens (0: skip)"),
+    native: bool = typer.Option(True, "--native/--no-native", help="keep GGUF blocks for native"),
+    out: Path = typer.Option(Path("bundles/smollm2-demo"), show_default=False, help="bundle to write (bundles/smollm2-demo)"),
+    force: bool = typer.Option(False, "--force", help="replace an existing bundle"),
 ) -> None:
-    """Export an SLM and a 4-bit LLM to a bundle of ONNX graphs."""
+    """Export an SLM and a 4-bit LLM to a bundle. Guide: docs/guide/export.md."""
     from edgeroute.export import ExportOptions, export_bundle
 
     options = ExportOptions(llm=llm, slm=None if no_slm else slm, slm_layers=slm_layers, quant=quant,
@@ -108,15 +118,13 @@ def export(
     with _clear_errors(), _progress_bars() as update:
         report = export_bundle(options, update)
 
-    table = Table(title=f"bundle {report.out}")
-    for column in ("model", "source", "layers", "size", "weights", "top-1 agreement", "max |Δlogit| rel"):
-        table.add_column(column)
+    console.print(f"[bold]bundle {report.out}[/]")
     for m in report.models:
-        formats = "\n".join(f"{n}× {f}" for f, n in m.formats.items())
-        table.add_row(m.role, m.source, str(m.layers), _mb(m.bytes), formats,
-                      "-" if m.agreement is None else f"{m.agreement:.1%}",
-                      "-" if m.max_rel_logit_diff is None else f"{m.max_rel_logit_diff:.2e}")
-    console.print(table)
+        agreement = "-" if m.agreement is None else f"{m.agreement:.1%}"
+        logits = "-" if m.max_rel_logit_diff is None else f"{m.max_rel_logit_diff:.2e}"
+        _fields(m.role, [("source", m.source), ("layers", str(m.layers)), ("size", _mb(m.bytes)),
+                         ("weights", ", ".join(f"{n}x {f}" for f, n in m.formats.items())),
+                         ("top-1 agreement", agreement), ("max |dlogit| rel", logits)])
     console.print("time per stage: " + ", ".join(f"{k} {v:.1f}s" for k, v in report.seconds.items()))
     for note in report.notes:
         console.print(f"note: {note}")
@@ -125,32 +133,36 @@ def export(
 
 
 @app.command()
-def inspect(bundle: Path = typer.Argument(..., help="bundle directory")) -> None:
+def inspect(
+    bundle: Path = typer.Argument(..., help="bundle directory"),
+    as_json: bool = typer.Option(False, "--json", help="print the summary as JSON"),
+) -> None:
     """Summarize a bundle and verify every file's checksum."""
+    import json
+
     from edgeroute.bundle import Bundle
 
     with _clear_errors():
         b = Bundle.open(bundle, verify=True)
-    m = b.manifest
-    console.print(f"[bold]{bundle}[/]: format {m['format_version']}, edgeroute {m['edgeroute_version']}, "
-                  f"opset {m['opset']}, created {m['created']}")
-    table = Table()
-    for column in ("model", "family", "layers", "hidden", "heads (kv)", "vocab", "quantization", "graphs", "native",
-                   "size", "source"):
-        table.add_column(column)
-    for role, entry in b.models.items():
-        a, q = entry.arch, entry.quantization
+    summary = b.summary()
+    if as_json:
+        print(json.dumps(summary, indent=2))
+        return
+    console.print(f"[bold]{bundle}[/]: format {summary['format_version']}, edgeroute {summary['edgeroute_version']}, "
+                  f"opset {summary['opset']}, created {summary['created']}")
+    for role, m in summary["models"].items():
+        s, q = m["source"], m["quantization"]
         quant = q["method"] + (" (carried over)" if q.get("carried_over") else "") + f", head {q['head']}"
-        native = _mb(m["files"][entry.native.file]["bytes"]) if entry.native else "-"
-        table.add_row(role, a.family, str(a.num_layers), str(a.hidden_size), f"{a.num_heads} ({a.num_kv_heads})",
-                      str(a.vocab_size), quant, str(len(entry.graphs)), native, _mb(b.total_bytes(f"{role}/")),
-                      f"{entry.source['name']} ({entry.source['format']}, sha256 {entry.source['sha256'][:12]})")
-    console.print(table)
-    g = b.generation
+        _fields(role, [("family", m["family"]), ("layers", str(m["layers"])), ("hidden", str(m["hidden"])),
+                       ("heads (kv)", f"{m['heads']} ({m['kv_heads']})"), ("vocab", str(m["vocab"])),
+                       ("quantization", quant), ("graphs", str(m["graphs"])),
+                       ("native", _mb(m["native_bytes"]) if m["native_bytes"] else "-"), ("size", _mb(m["bytes"])),
+                       ("source", f"{s['name']} ({s['format']})"), ("source sha256", s["sha256"])])
+    g = summary["generation"]
     console.print(f"context {g['context_length']}, max new tokens {g['max_new_tokens']}; chat template: "
-                  f"{'yes' if b.tokenizer.get('chat_format') else 'no'}")
+                  f"{'yes' if summary['chat_template'] else 'no'}")
     _print_calibration(b)
-    console.print(f"[green]all {len(m['files'])} files match their sha256[/] ({_mb(b.total_bytes())})")
+    console.print(f"[green]all {summary['files']} files match their sha256[/] ({_mb(summary['bytes'])})")
 
 
 def _print_calibration(b) -> None:
@@ -170,8 +182,8 @@ def _print_calibration(b) -> None:
                       + backend
                       + (f"; [yellow]{difference}[/]: timing-based choices may not be the fastest here" if difference else
                          "; this CPU is of the same kind"))
-    table = Table(title="calibrated routers")
-    for column in ("light path", "router", "threshold", "bound", "held-out TF agreement", "held-out LLM share"):
+    table = Table(title="calibrated routers (held out: validation prompts)")
+    for column in ("light", "router", "threshold", "bound", "held-out TF agr.", "held-out LLM"):
         table.add_column(column)
     for light, r in c.routers.items():
         f = r.figures
@@ -184,7 +196,7 @@ def _print_calibration(b) -> None:
     console.print(table)
     table = Table(title="task profiles (mode auto)")
     for column in ("task", "configuration", "x full", "LLM share", "task pass (full)"):
-        table.add_column(column, no_wrap=column == "configuration")  # names differ in their ends: shown whole
+        table.add_column(column, overflow="fold")  # names differ in their ends: never cut
     for task, profile in c.profiles.items():
         f = profile["figures"][profile["config"]]
         full = profile["figures"]["full"]
@@ -196,95 +208,74 @@ def _print_calibration(b) -> None:
 @app.command()
 def run(
     bundle: Path = typer.Argument(..., help="bundle directory"),
-    prompt: str = typer.Option(None, help="a prompt (one user chat turn when the bundle has a chat template)"),
-    chat: bool = typer.Option(False, "--chat", help="interactive chat; the KV caches persist across turns"),
-    raw: bool = typer.Option(False, help="send the prompt as plain text, without the chat template"),
-    mode: str = typer.Option(None, help="full (default) | slm | route | speculate | skip | route+skip | speculate+skip"
-                             " | auto (the calibrated choice for the task profile)"),
-    light: str = typer.Option(None, help="light path for route/speculate: ngram (default) | slm | ngram+slm "
-                                         "(speculate: prompt lookup where its match is long enough, else the SLM)"),
-    profile: str = typer.Option(None, help="device or task profile (name in profiles/ or a JSON file)"),
-    context_length: int = typer.Option(None, help="KV capacity per session (default: the device profile's, at most "
-                                                  "the bundle's)"),
-    no_slm: bool = typer.Option(False, "--no-slm", help="never load the bundle's SLM (less memory)"),
-    backend: str = typer.Option("auto", help="auto | native (edgeroute's CPU kernels over the bundle's GGUF blocks) "
-                                "| onnxruntime; auto: native where the bundle has native weights and the settings "
-                                "allow, else ONNX Runtime"),
-    attention: str = typer.Option(None, help="attention graphs: auto | portable | ort (default: the device "
-                                             "profile's, else auto)"),
-    kv_dtype: str = typer.Option(None, help="KV cache element type: auto (int8 on the native AVX-512 VNNI kernels, "
-                                            "float16 on the other native ones, float32 on ONNX Runtime) | float32 | "
-                                            "float16 (half the memory; native or portable attention) | int8 (0.28x; "
-                                            "native backend only); default: the device profile's, else auto"),
-    exact_steps: bool = typer.Option(False, "--exact-steps", help="run the LLM's one-token steps as two rows: "
-                                     "`full` then gives exactly the tokens `speculate` gives (~10%% slower full)"),
-    system: str = typer.Option(None, help="system prompt that opens the conversation (chat template only)"),
-    context_policy: str = typer.Option("error", help="a turn that does not fit the context: error | drop_oldest "
-                                                     "(forget the oldest exchanges, keep the system prompt)"),
-    max_tokens: int = typer.Option(None, help="maximum new tokens (default: the bundle's)"),
-    temperature: float = typer.Option(None, help="0 (default): greedy"),
-    top_p: float = typer.Option(None),
-    seed: int = typer.Option(None),
+    prompt: str = typer.Option(None, help="one user turn (plain text with --raw)"),
+    chat: bool = typer.Option(False, "--chat", help="interactive chat, caches kept per turn"),
+    raw: bool = typer.Option(False, "--raw", help="send the prompt without the chat template"),
+    system: str = typer.Option(None, help="system prompt opening the conversation"),
+    context_policy: str = typer.Option("error", show_default=False, help="on overflow: error (default)|drop_oldest"),
+    profile: str = typer.Option(None, help="device/task profiles: NAME[,NAME] or FILE"),
+    mode: str = typer.Option(None, help="full|slm|route|speculate|skip|...|auto"),
+    light: str = typer.Option(None, help="light path: ngram|slm|ngram+slm"),
+    backend: str = typer.Option(None, help="auto|native|onnxruntime (default auto)"),
+    kernels: str = typer.Option(None, help="native kernel set (default: the best here)"),
+    kv_dtype: str = typer.Option(None, help="KV cache: auto|float32|float16|int8"),
+    attention: str = typer.Option(None, help="ONNX Runtime graphs: auto|portable|ort"),
+    threads: int = typer.Option(None, help="threads (default: every core)"),
+    context_length: int = typer.Option(None, help="KV capacity per session"),
+    no_slm: bool = typer.Option(False, "--no-slm", help="never load the SLM (less memory)"),
+    exact_steps: bool = typer.Option(False, "--exact-steps", help="ONNX Runtime: full == speculate exactly"),
+    max_tokens: int = typer.Option(None, help="maximum new tokens"),
+    temperature: float = typer.Option(None, help="sampling temperature (0: greedy)"),
+    top_p: float = typer.Option(None, help="nucleus sampling mass"),
+    seed: int = typer.Option(None, help="sampling seed"),
     stop: list[str] = typer.Option(None, help="stop string (repeatable)"),
-    router: str = typer.Option(None, help="entropy | top1 | margin | ngram | always"),
-    route_threshold: float = typer.Option(None, help="call the LLM above this router score"),
-    draft_tokens: int = typer.Option(None, help="initial speculative draft length"),
-    draft_confidence: float = typer.Option(None, help="speculate --light slm: end a draft before a token the SLM "
-                                                      "gives less probability than this (default: calibrated, else 0)"),
-    lookup_min_match: int = typer.Option(None, help="speculate --light ngram+slm: draft by lookup where the "
-                                                    "sequence's suffix matched at least this many tokens"),
-    lookup_tokens: int = typer.Option(None, help="speculate --light ngram+slm: tokens per lookup draft"),
-    importance_threshold: float = typer.Option(None, help="skip when a token's importance is below this"),
+    router: str = typer.Option(None, help="route: entropy|top1|margin|ngram|always"),
+    route_threshold: float = typer.Option(None, help="route: call the LLM above this score"),
+    draft_tokens: int = typer.Option(None, help="speculate: initial draft length"),
+    draft_confidence: float = typer.Option(None, help="slm drafts end below this probability"),
+    lookup_min_match: int = typer.Option(None, help="ngram+slm: lookup after N matched tokens"),
+    lookup_tokens: int = typer.Option(None, help="ngram+slm: tokens per lookup draft"),
+    importance_threshold: float = typer.Option(None, help="skip below this importance"),
     skip_ratio: float = typer.Option(None, help="cap on the skipped share of layer work"),
-    max_free_layers: int = typer.Option(None),
-    re_eval_interval: int = typer.Option(None),
-    granularity: str = typer.Option(None, help="layer | mlp"),
-    kv_cache_reduction: bool = typer.Option(None),
-    json_schema: Path = typer.Option(None, help="answer with JSON valid against this JSON schema file"),
-    regex: str = typer.Option(None, help="answer with text matching this regular expression"),
-    grammar: Path = typer.Option(None, help="answer with text of this grammar file (Lark or GBNF)"),
-    trace: Path = typer.Option(None, help="write one JSON line per generated token"),
+    max_free_layers: int = typer.Option(None, help="longest run of skipped layers"),
+    re_eval_interval: int = typer.Option(None, help="layers between skip decisions"),
+    granularity: str = typer.Option(None, help="skip: layer|mlp"),
+    kv_cache_reduction: bool = typer.Option(False, "--kv-cache-reduction", help="mask skipped layers' cache"),
+    json_schema: Path = typer.Option(None, help="answer as JSON valid against this schema"),
+    regex: str = typer.Option(None, help="answer matching this regular expression"),
+    grammar: Path = typer.Option(None, help="answer in this grammar (Lark or GBNF)"),
+    trace: Path = typer.Option(None, help="write one JSON line per token"),
 ) -> None:
-    """Generate text from a bundle on ONNX Runtime (no torch). With --json-schema, --regex or
-    --grammar every token fits the structure; an answer cut by --max-tokens before the structure
-    is complete is reported as an error (exit code 3)."""
+    """Generate text from a bundle, without torch. Every option: docs/guide/run.md."""
     import json
 
-    from edgeroute.bundle import Bundle
-    from edgeroute.runtime import Engine
-    from edgeroute.runtime.profiles import load_profile
+    from edgeroute.runtime import Engine, EngineOptions
 
-    overrides = {k: v for k, v in dict(
-        mode=mode, light=light, max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
-        stop=tuple(stop or ()), router=router, route_threshold=route_threshold, draft_tokens=draft_tokens,
-        draft_confidence=draft_confidence, lookup_min_match=lookup_min_match, lookup_tokens=lookup_tokens,
-        importance_threshold=importance_threshold, skip_ratio=skip_ratio, max_free_layers=max_free_layers,
-        re_eval_interval=re_eval_interval, granularity=granularity, kv_cache_reduction=kv_cache_reduction,
-    ).items() if v is not None}
     with _clear_errors():
         if not prompt and not chat:
             raise EdgerouteError("give --prompt 'What is the capital of France?' or --chat")
-        settings = load_profile(profile) if profile else None
-        structure = _response_format(json_schema, regex, grammar)
-        if structure is not None:
-            overrides["response_format"] = structure
-        opened = Bundle.open(bundle)
-        if context_length is None and settings and settings.context_length:
-            context_length = min(settings.context_length, int(opened.generation["context_length"]))
-        engine = Engine(opened, providers=settings.providers if settings else None, context_length=context_length,
-                        memory_budget=settings.memory_budget if settings else None, slm=not no_slm,
-                        attention=attention or (settings.attention if settings else "auto"), exact_steps=exact_steps,
-                        kv_dtype=kv_dtype or (settings.kv_dtype if settings else "auto"), backend=backend)
-        decoding = {**(settings.decoding if settings else {}), **overrides}
-        if mode == "auto" and "task" not in decoding:
+        decoding = {k: v for k, v in dict(
+            mode=mode, light=light, max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
+            stop=tuple(stop) if stop else None, router=router, route_threshold=route_threshold,
+            draft_tokens=draft_tokens, draft_confidence=draft_confidence, lookup_min_match=lookup_min_match,
+            lookup_tokens=lookup_tokens, importance_threshold=importance_threshold, skip_ratio=skip_ratio,
+            max_free_layers=max_free_layers, re_eval_interval=re_eval_interval, granularity=granularity,
+            kv_cache_reduction=kv_cache_reduction or None, response_format=_response_format(json_schema, regex, grammar),
+        ).items() if v is not None}
+        options = EngineOptions.from_profile(
+            profile.split(",") if profile else None, decoding=decoding, backend=backend, kernels=kernels,
+            kv_dtype=kv_dtype, attention=attention, threads=threads, context_length=context_length,
+            slm=False if no_slm else None, exact_steps=exact_steps or None)
+        if options.decoding.mode == "auto" and options.decoding.task is None:
             raise EdgerouteError("--mode auto picks the calibrated configuration of a task profile: add "
                                  "--profile TASK (voice-command, templated, json, grounded, dialogue, code)")
+        engine = Engine(bundle, options)
         if raw or not engine.bundle.tokenizer.get("chat_format"):
             if system is not None:
                 raise EdgerouteError("--system needs the bundle's chat template: drop --raw")
-            session = engine.session(**decoding)
+            session = engine.session()
         else:
-            session = engine.chat(system=system, context_policy=context_policy, **decoding)
+            session = engine.chat(system=system, context_policy=context_policy)
         trace_file = open(trace, "w") if trace else None  # noqa: SIM115 - closed below
 
         def on_token(record) -> None:
@@ -296,6 +287,7 @@ def run(
                 sys.stdout.write(piece)
                 sys.stdout.flush()
             sys.stdout.write("\n")
+            sys.stdout.flush()  # the answer's end before the stats line on stderr
             err_console.print(f"[dim]{session.last.stats.summary(session.options.mode, engine.llm.num_layers)} "
                               f"({engine.llm.flavour}, {engine.llm.kv_dtype} KV cache)[/]")
             if session.last.finish_reason == "incomplete":
@@ -328,24 +320,20 @@ def run(
 
 @app.command()
 def calibrate(
-    bundle: Path = typer.Argument(..., help="bundle directory (the calibration is written into it)"),
-    budget: float = typer.Option(0.97, help="teacher-forced agreement with full to guarantee"),
-    prompts: Path = typer.Option(None, help="extra prompts, JSONL: {\"id\", \"task\", \"content\"[, \"record\"]}"),
-    builtin: bool = typer.Option(True, help="use the built-in calibration prompts"),
-    work: Path = typer.Option(None, help="label shards and report (default: BUNDLE-calibration beside it)"),
-    bound: str = typer.Option("crc", help="crc (conformal risk control) | ltt (learn then test)"),
+    bundle: Path = typer.Argument(..., help="bundle directory (written into)"),
+    budget: float = typer.Option(0.97, help="agreement to guarantee"),
+    prompts: Path = typer.Option(None, help="extra prompts, JSONL (id, task, content)"),
+    builtin: bool = typer.Option(True, "--builtin/--no-builtin", help="use the built-in prompts"),
+    work: Path = typer.Option(None, help="shards and report (BUNDLE-calibration)"),
+    bound: str = typer.Option("crc", show_default=False, help="crc (default) | ltt (learn then test)"),
     delta: float = typer.Option(0.1, help="ltt's failure probability"),
-    prompts_per_task: int = typer.Option(None, help="built-in prompts per task (default 40; the set holds more)"),
-    answer_tokens: int = typer.Option(None, help="longest LLM answer labelled per prompt (default 40)"),
-    path_checks: int = typer.Option(None, help="divergent SLM positions per prompt given the path-following check "
-                                               "(default 3)"),
-    validation_prompts: int = typer.Option(None, help="held-out prompts per task run through the runtime "
-                                                      "(default 6)"),
-    skip_prompts: int = typer.Option(None, help="labelled answers observed with layer skipping (default 48; "
-                                                "0: skipping is not calibrated)"),
+    prompts_per_task: int = typer.Option(None, help="built-in prompts per task (default 40)"),
+    answer_tokens: int = typer.Option(None, help="longest answer labelled (default 40)"),
+    path_checks: int = typer.Option(None, help="path checks per prompt (default 3)"),
+    validation_prompts: int = typer.Option(None, help="held-out prompts per task (default 6)"),
+    skip_prompts: int = typer.Option(None, help="answers for skipping (default 48, 0: off)"),
 ) -> None:
-    """Label, train routers, fit thresholds with a bound, confirm on held-out prompts, and write
-    the result into the bundle as its defaults. Resumable: rerun after an interruption."""
+    """Fit routing, drafting and skipping with a quality bound. Guide: docs/guide/calibrate.md."""
     from dataclasses import replace
 
     from edgeroute.bundle import Bundle
@@ -373,9 +361,9 @@ def calibrate(
 @app.command()
 def sources(
     names: list[str] = typer.Argument(None, help="named sources (default: all)"),
-    requirements: bool = typer.Option(False, help="print only the pip requirements of their part packages"),
+    requirements: bool = typer.Option(False, "--requirements", help="print only their pip requirements"),
 ) -> None:
-    """Named model sources (GGUFs shipped as PyPI part wheels) and whether they are ready."""
+    """List the named model sources and whether they are ready."""
     from edgeroute.export.named_sources import NAMED_SOURCES, cache_dir, installed_distribution
 
     unknown = sorted(set(names or []) - set(NAMED_SOURCES))
@@ -386,15 +374,14 @@ def sources(
     if requirements:
         print("\n".join(r for source in chosen for r in source.requirements()))
         return
-    table = Table(title=f"named sources (cache: {cache_dir()})")
-    for column in ("name", "model", "size", "part packages", "installed", "assembled"):
-        table.add_column(column)
+    console.print(f"named sources (cache: {cache_dir()})")
     for source in chosen:
         installed = sum(installed_distribution(p) is not None for p in source.packages())
-        table.add_row(source.name, source.description, _mb(source.size),
-                      f"{source.package_pattern.format('1')} .. {source.parts} =={source.version}",
-                      f"{installed}/{source.parts}", "yes" if (cache_dir() / source.filename).is_file() else "no")
-    console.print(table)
+        _fields(source.name, [("model", source.description), ("size", _mb(source.size)),
+                              ("part packages", f"{source.package_pattern.format('1..' + str(source.parts))}"
+                                                f"=={source.version}"),
+                              ("installed", f"{installed}/{source.parts}"),
+                              ("assembled", "yes" if (cache_dir() / source.filename).is_file() else "no")])
 
 
 if __name__ == "__main__":

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from edgeroute.cli import app
+from edgeroute.errors import InputError
+from edgeroute.runtime import Engine, EngineOptions
 
 runner = CliRunner()
 
@@ -39,8 +42,9 @@ def test_attention_kv_dtype_and_exact_steps_come_from_the_profile_or_the_options
                                                                                 monkeypatch):
     import edgeroute.runtime as runtime
 
-    engines = []
-    monkeypatch.setattr(runtime, "Engine", lambda *a, **kw: engines.append(kw) or runtime.engine.Engine(*a, **kw))
+    engines = []  # the EngineOptions the CLI built
+    monkeypatch.setattr(runtime, "Engine", lambda bundle, options: engines.append(options)
+                        or runtime.engine.Engine(bundle, options))
     device = tmp_path / "device.json"
     device.write_text(json.dumps({"extends": "cpu", "attention": "ort"}))
     narrow = tmp_path / "narrow.json"
@@ -53,8 +57,7 @@ def test_attention_kv_dtype_and_exact_steps_come_from_the_profile_or_the_options
         result = runner.invoke(app, ["run", str(tiny_slm_bundle), "--prompt", "a b a b", "--raw", "--max-tokens", "4",
                                      *args])
         assert result.exit_code == 0, result.output
-        assert (engines[-1]["attention"], engines[-1]["exact_steps"], engines[-1]["kv_dtype"]) == \
-            (attention, exact, kv_dtype)
+        assert (engines[-1].attention, engines[-1].exact_steps, engines[-1].kv_dtype) == (attention, exact, kv_dtype)
         kept = "float32" if kv_dtype == "auto" else kv_dtype  # auto on ONNX Runtime (the tiny bundle has no native weights)
         assert f"{kept} KV cache" in result.output
 
@@ -79,3 +82,31 @@ def test_run_chat_keeps_the_system_prompt_and_drops_old_turns_when_asked(tiny_sl
     assert refused.exit_code == 2 and "drop_oldest" in " ".join(refused.output.split())
     chat = tiny_engine.chat(system="Answer briefly.")
     assert chat.generate("Where is charging station number 7?", max_new_tokens=24).text in dropped.output
+
+
+@pytest.mark.filterwarnings("ignore:Specified provider")  # the Jetson profile's GPU providers, absent here
+def test_engine_with_a_profile_and_task_runs_exactly_like_run_with_the_same_flags(tiny_slm_bundle, monkeypatch):
+    import edgeroute.runtime as runtime
+
+    built = []
+    monkeypatch.setattr(runtime, "Engine", lambda bundle, options: built.append(options) or Engine(bundle, options))
+    prompt = "Navigate to 221B Baker Street"
+    result = runner.invoke(app, ["run", str(tiny_slm_bundle), "--prompt", prompt, "--max-tokens", "12",
+                                 "--profile", "jetson-orin-nano-8gb,voice-command"])
+    assert result.exit_code == 0, result.output
+    engine = Engine(tiny_slm_bundle, profile="jetson-orin-nano-8gb", task="voice-command",
+                    decoding={"max_new_tokens": 12})
+    assert built[0] == engine.settings  # the same options, field for field
+    assert engine.settings.memory_budget and engine.settings.providers[0][0] == "TensorrtExecutionProvider"
+    assert (engine.options.mode, engine.options.light, engine.options.task) == ("speculate", "ngram", "voice-command")
+    assert engine.context_length == min(2048, int(engine.bundle.generation["context_length"]))
+    answer = engine.chat().generate(prompt)
+    assert answer.tokens and f"{answer.text}\n" in result.output
+    assert f"{len(answer.tokens)} tokens" in result.output and "mode speculate" in " ".join(result.output.split())
+
+
+def test_engine_options_and_profile_keywords_are_not_mixed(tiny_slm_bundle):
+    with pytest.raises(InputError, match="either options=EngineOptions"):
+        Engine(tiny_slm_bundle, EngineOptions(), profile="cpu")
+    with pytest.raises(InputError, match="unknown engine option"):
+        Engine(tiny_slm_bundle, kv_cache="int8")

@@ -11,6 +11,7 @@ from edgeroute.bundle import ATTENTION_VARIANTS
 from edgeroute.errors import InputError
 from edgeroute.export.reference import ReferenceModel, linear, rms_norm, rope
 from edgeroute.export.sources import load_source
+from edgeroute.runtime.decoding import DecodeOptions, Decoder, SequenceState
 from edgeroute.runtime.drafters import NgramDrafter
 from edgeroute.runtime.model import DROP, RUN, SKIP, SKIP_MLP
 from edgeroute.runtime.policies import FallbackMonitor, FallbackOptions
@@ -165,8 +166,8 @@ def test_draft_confidence_ends_slm_drafts_before_unsure_tokens_and_stays_lossles
 
     proposals = []
     propose = SlmDrafter.propose
-    monkeypatch.setattr(SlmDrafter, "propose", lambda self, tokens, k: proposals.append(propose(self, tokens, k))
-                        or proposals[-1])
+    monkeypatch.setattr(SlmDrafter, "propose", lambda self, tokens, k, min_confidence=0.0:
+                        proposals.append(propose(self, tokens, k, min_confidence)) or proposals[-1])
     drafted, confidence = {}, 0.0
     for run in ("all", "confident"):
         proposals.clear()
@@ -482,3 +483,17 @@ def test_route_with_the_ngram_router_takes_light_tokens_on_repetition(tiny_engin
     assert all(t.layers_run is None and t.router_score <= 0.5 for t in light)
     assert all(t.layers_run == 3 and t.router_score is not None for t in got.trace if t.source == "llm")
     assert got.stats.llm_tokens == len(got.trace) - len(light)
+
+
+def test_a_decoder_with_draft_confidence_leaves_the_drafter_it_was_handed_as_it_was(tiny_engine):
+    """The session's SLM drafter outlives a generation: one generation's draft_confidence must
+    not end the drafts of the next (a route or a plain speculate on the same session)."""
+    state = SequenceState(tiny_engine.llm, 64)
+    state.attach_slm(tiny_engine.slm)
+    tokens = tiny_engine.encode("one two three four")
+    plain = state.slm_drafter.propose(tokens, 4).tokens
+    assert len(plain) == 4
+    sure_only = Decoder(state, DecodeOptions(mode="speculate", light="slm", draft_confidence=0.999))
+    assert len(sure_only.light.propose(tokens, 4).tokens) < 4  # the tiny random model is never that sure
+    assert state.slm_drafter.propose(tokens, 4).tokens == plain
+    assert Decoder(state, DecodeOptions(mode="speculate", light="slm")).light.propose(tokens, 4).tokens == plain

@@ -19,7 +19,7 @@ PACKAGE = REPO / "edgeroute"
 DEVICE_FILES = sorted([
     *(PACKAGE / "runtime").glob("*.py"),
     *(PACKAGE / name for name in ("__init__.py", "bundle.py", "arch.py", "rope.py", "errors.py", "chat_format.py",
-                                  "texts.py")),
+                                  "texts.py", "kv_formats.py", "skip_options.py")),
 ])
 # the `onnx` package only: `onnxruntime` is the device's engine
 FORBIDDEN = ("torch", "transformers", "onnx", "edgeroute.export")
@@ -163,3 +163,59 @@ def test_version_check_rejects_what_3_10_lacks(tmp_path, snippet, ok):
     path = tmp_path / "snippet.py"
     path.write_text(textwrap.dedent(snippet))
     assert vermin([path])[0] is ok
+
+
+def _imports(path: Path) -> set[str]:
+    """The edgeroute modules ``path`` imports, at module level or inside functions (imports
+    under ``if TYPE_CHECKING:`` run only for type checkers and are left out)."""
+    tree = ast.parse(path.read_text())
+    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                   and getattr(node.test, "id", "") == "TYPE_CHECKING" for n in ast.walk(node)}
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("edgeroute"):
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name.startswith("edgeroute")}
+    return found
+
+
+def _module_graph() -> dict[str, set[str]]:
+    files = {".".join(f.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__"): f
+             for f in PACKAGE.rglob("*.py")}
+    return {name: {m for m in _imports(f) if m in files and m != name} for name, f in files.items()}
+
+
+def test_bundle_and_arch_import_nothing_from_runtime_export_or_calibration():
+    graph = _module_graph()
+    reached, todo = set(), ["edgeroute.bundle", "edgeroute.arch"]
+    while todo:
+        module = todo.pop()
+        if module not in reached:
+            reached.add(module)
+            todo.extend(graph[module])
+    wrong = sorted(m for m in reached if m.split(".")[1] in ("runtime", "export", "calibration"))
+    assert not wrong, f"the bundle contract (bundle.py, arch.py) reaches {wrong}"
+    assert len(reached) > 2  # it does import something (errors, kv_formats, ...): the walk followed it
+
+
+def test_the_package_has_no_import_cycle():
+    graph = _module_graph()
+    state: dict[str, str] = {}
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = "open"
+        for dependency in sorted(graph[module]):
+            if state.get(dependency) == "open":
+                cycle = path[path.index(dependency):] + [dependency]
+                raise AssertionError(f"import cycle: {' -> '.join(cycle)}")
+            if dependency not in state:
+                visit(dependency, [*path, dependency])
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert "edgeroute.runtime.engine" in graph and graph["edgeroute.runtime.engine"]  # the graph is real

@@ -387,7 +387,7 @@ def test_auto_takes_int8_only_on_the_vnni_kernels_and_a_head_dim_of_32s(monkeypa
 
     for kernels, head_dim, want in (("avx512-vnni", 64, "int8"), ("avx512-vnni", 40, "float16"),
                                     ("avx2", 64, "float16"), ("generic", 128, "float16")):
-        monkeypatch.setattr(native, "native_kernels", lambda kernels=kernels: kernels)
+        monkeypatch.setattr(native, "native_kernels", lambda requested="auto", kernels=kernels: kernels)
         assert resolve_kv_dtype("auto", "native", entry(head_dim)) == want
         assert resolve_kv_dtype("auto", "onnxruntime", entry(head_dim)) == "float32"
         assert resolve_kv_dtype("float32", "native", entry(head_dim)) == "float32"

@@ -19,7 +19,8 @@ from edgeroute.calibration.thresholds import BudgetUnreachable
 from edgeroute.runtime.calibrated import calibrated_options
 from edgeroute.runtime.decoding import DecodeOptions
 from edgeroute.runtime.model import RUN, SKIP, SKIP_MLP
-from edgeroute.runtime.policies import SkipController, SkipOptions
+from edgeroute.runtime.policies import SkipController
+from edgeroute.skip_options import SkipOptions
 
 
 def synthetic(prompts: int = 60, per_prompt: int = 10, seed: int = 0, informative: bool = True) -> SkipObservations:

@@ -1,7 +1,7 @@
 """Speed and memory over context length: edgeroute (the native backend, each ONNX Runtime
 attention flavour; ``:float32``, ``:float16`` or ``:int8`` (native) after one names the KV
-cache type, e.g. ``edgeroute:native:float32``; without one, ``kv_dtype="auto"``: int8 on the
-native AVX-512 VNNI kernels, fp16 on the other native ones, fp32 on ONNX Runtime) vs llama.cpp.
+cache type, e.g. ``edgeroute:native:float32``; without one, ``kv_dtype="auto"``, what
+``edgeroute.kv_formats.AUTO_KV_DTYPES`` keeps per backend and kernel set) vs llama.cpp.
 
 Every case runs in a fresh subprocess (so one case's memory never shows in another's), and
 the cases are interleaved runtime by runtime and repeated (``--repeats``; medians reported),
@@ -78,12 +78,14 @@ class EdgerouteCase:
     def __init__(self, bundle: Path, flavour: str, kv_dtype: str = "auto") -> None:
         from edgeroute.runtime import Bundle
         from edgeroute.runtime.backend import open_model
+        from edgeroute.runtime.options import EngineOptions
 
         opened = Bundle.open(bundle, verify=False)
         if flavour == "native":
-            self.model = open_model(opened, "llm", "native", kv_dtype=kv_dtype)[0]
+            options = EngineOptions(backend="native", kv_dtype=kv_dtype)
         else:
-            self.model = open_model(opened, "llm", "onnxruntime", attention=flavour, kv_dtype=kv_dtype)[0]
+            options = EngineOptions(backend="onnxruntime", attention=flavour, kv_dtype=kv_dtype)
+        self.model = open_model(opened, "llm", options)[0]
         self.cache = self.model.new_cache()
 
     def prefill(self, ids: list[int]):

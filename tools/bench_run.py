@@ -740,7 +740,7 @@ def load_engines(args: argparse.Namespace) -> dict[bool, object]:
     engines = {False: engine}
     if args.slm_bundle is not None:
         alt = copy.copy(engine)
-        alt._slm = open_model(Bundle.open(args.slm_bundle), "slm", args.backend, activations=args.activations)[0]
+        alt._slm = open_model(Bundle.open(args.slm_bundle), "slm", engine.settings, exact_steps=False)[0]
         engines[True] = alt
     return engines
 

@@ -43,6 +43,7 @@ from edgeroute.bundle import Bundle  # noqa: E402
 from edgeroute.runtime import Engine  # noqa: E402
 from edgeroute.runtime.backend import open_model  # noqa: E402
 from edgeroute.runtime.evaluate import teacher_forced, tokenize_text  # noqa: E402
+from edgeroute.runtime.options import EngineOptions  # noqa: E402
 from edgeroute.texts import evaluation_text  # noqa: E402
 
 WORKLOADS = Path(__file__).resolve().parent / "workloads"
@@ -56,7 +57,8 @@ def teacher_forced_figures(bundle: Bundle, role: str, tokens: int, window: int, 
     """Each cache's run; with ``floor_kernels``, also the fp32 cache on that native kernel set
     (reported as the cache "float32@KERNELS")."""
     ids = tokenize_text(bundle, evaluation_text(), tokens)
-    models = {kv_dtype: lambda kv_dtype=kv_dtype: open_model(bundle, role, backend, kv_dtype=kv_dtype)[0]
+    models = {kv_dtype: lambda kv_dtype=kv_dtype: open_model(bundle, role, EngineOptions(backend=backend,
+                                                                                      kv_dtype=kv_dtype))[0]
               for kv_dtype in ("float32", *NARROW[backend])}
     if floor_kernels:
         from edgeroute.runtime.native import NativeModel

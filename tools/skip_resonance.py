@@ -28,7 +28,7 @@ from edgeroute.calibration.prompts import TASKS, builtin_prompts
 from edgeroute.calibration.skipping import FREE_LAYERS, SCORERS, SkipObservations, fit_skip, observe_skips, outcomes
 from edgeroute.calibration.thresholds import BudgetUnreachable
 from edgeroute.runtime.engine import Engine
-from edgeroute.runtime.policies import SkipOptions
+from edgeroute.skip_options import SkipOptions
 
 
 def answers(engine: Engine, prompts: int, tokens: int) -> list[tuple[list[int], list[int]]]:

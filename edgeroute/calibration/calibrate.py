@@ -13,7 +13,8 @@ import hashlib
 import json
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,9 +43,10 @@ from edgeroute.errors import InputError
 from edgeroute.runtime.calibrated import AUTO_KEYS, SKIP_KEYS
 from edgeroute.runtime.drafters import Proposal
 from edgeroute.runtime.engine import Engine
-from edgeroute.runtime.policies import SkipOptions, ngram_router
+from edgeroute.runtime.policies import ngram_router
 from edgeroute.runtime.routers import NGRAM_FEATURES, SLM_FEATURES, TOP_K, TrainedRouter, ngram_features
 from edgeroute.runtime.sampling import softmax
+from edgeroute.skip_options import SkipOptions
 
 Progress = Callable[[str, int, int], None]
 SPLITS = ("train", "calibration", "validation")
@@ -424,157 +426,225 @@ class CalibrateReport:
 
 def calibrate(bundle_path: str | Path, options: CalibrateOptions | None = None,
               progress: Progress | None = None) -> CalibrateReport:
-    options = options or CalibrateOptions()
-    options.validate()
-    bundle = Bundle.open(bundle_path)
-    if bundle.slm is None:
-        raise InputError(f"bundle {bundle.path} has no SLM: calibration labels the SLM and n-gram light paths; "
-                         "export with --slm")
-    prompts = builtin_prompts(options.builtin_per_task) if options.builtin else []
-    if options.prompts:
-        prompts += load_prompts(options.prompts)
-    if not prompts:
-        raise InputError("no calibration prompts: keep the built-in set or give --prompts FILE.jsonl")
-    if len({p.id for p in prompts}) != len(prompts):
-        raise InputError("calibration prompt ids must be unique (a --prompts line reuses an id)")
-    work = Path(options.work) if options.work else bundle.path.parent / f"{bundle.path.name}-calibration"
-    # the runs compare the runtime's own defaults: an earlier calibration's choices (a draft
-    # setting, a skip setting) must not leak into a re-calibration's baselines
-    bundle.calibration = None
-    engine = Engine(bundle)
-    seconds: dict[str, float] = {}
-    start = time.perf_counter()
-    labels = label_prompts(engine, prompts, options.labels, work / "shards", progress)
-    seconds["labels"] = time.perf_counter() - start
-    by_id = {p.id: p for p in prompts}
-    splits = np.asarray([split_of(labels.prompt_ids[i]) for i in labels["prompt"]])
-    messages = []
+    """Calibrate a bundle in its five stages and write the result into it (resumable: the labels
+    are shards on disk)."""
+    run = CalibrationRun.start(bundle_path, options or CalibrateOptions(), progress)
+    run.label()
+    run.train()
+    run.fit()
+    run.confirm()
+    return run.write()
 
-    start = time.perf_counter()
-    data = {light: light_data(labels, light, splits) for light in ("slm", "ngram")}
-    routers = {light: calibrate_router(data[light], light, labels.prompt_ids, options) for light in data}
-    seconds["routers"] = time.perf_counter() - start
-    for result in routers.values():
-        messages.append(f"route/{result.light}: {result.figures['why']}")
-        if result.unreachable:
-            messages.append(result.unreachable)
 
-    loaded = {light: TrainedRouter(r.onnx, SLM_FEATURES if light == "slm" else NGRAM_FEATURES)
-              if r.onnx is not None else r.router for light, r in routers.items()}
-    for light, router in loaded.items():
-        if isinstance(router, TrainedRouter):
-            routers[light].figures["cost"] = router_cost(engine, router)
-    configs = run_configs(routers, loaded)
-    start = time.perf_counter()
-    drafting = calibrate_drafting(engine, data["slm"])
-    seconds["draft fit"] = time.perf_counter() - start
-    messages.append(drafting.why)
-    fitted_drafts = drafting.run_config()
-    if fitted_drafts is not None:
-        configs.append(fitted_drafts)
-    configs.append(lookup_then_slm(fitted_drafts))
-    overall_drafts = drafting.overall_config()
-    if overall_drafts is not None:
-        configs.append(overall_drafts)
-    skipping: list[SkipVerdict] = []
-    if options.skip_prompts and decision_points(engine.llm.num_layers, SkipOptions()):
+@dataclass
+class CalibrationRun:
+    """One calibration's state from stage to stage: what each stage produced, its time, and the
+    messages the report and the CLI show."""
+
+    bundle: Bundle
+    engine: Engine
+    options: CalibrateOptions
+    prompts: list[CalibrationPrompt]
+    work: Path
+    progress: Progress | None
+    seconds: dict[str, float] = field(default_factory=dict)
+    messages: list[str] = field(default_factory=list)
+    labels: Labels | None = None
+    data: dict[str, LightData] = field(default_factory=dict)
+    routers: dict[str, RouterResult] = field(default_factory=dict)
+    configs: list[RunConfig] = field(default_factory=list)
+    drafting: DraftingResult | None = None
+    fitted_drafts: RunConfig | None = None
+    skipping: list[SkipVerdict] = field(default_factory=list)
+    held_out: list[CalibrationPrompt] = field(default_factory=list)
+    runs: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    decoding: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def start(cls, bundle_path: str | Path, options: CalibrateOptions, progress: Progress | None) -> CalibrationRun:
+        options.validate()
+        bundle = Bundle.open(bundle_path)
+        if bundle.slm is None:
+            raise InputError(f"bundle {bundle.path} has no SLM: calibration labels the SLM and n-gram light paths; "
+                             "export with --slm")
+        prompts = builtin_prompts(options.builtin_per_task) if options.builtin else []
+        if options.prompts:
+            prompts += load_prompts(options.prompts)
+        if not prompts:
+            raise InputError("no calibration prompts: keep the built-in set or give --prompts FILE.jsonl")
+        if len({p.id for p in prompts}) != len(prompts):
+            raise InputError("calibration prompt ids must be unique (a --prompts line reuses an id)")
+        work = Path(options.work) if options.work else bundle.path.parent / f"{bundle.path.name}-calibration"
+        # the runs compare the runtime's own defaults: an earlier calibration's choices (a draft
+        # setting, a skip setting) must not leak into a re-calibration's baselines
+        bundle.calibration = None
+        return cls(bundle, Engine(bundle), options, prompts, work, progress)
+
+    @contextmanager
+    def timed(self, stage: str) -> Iterator[None]:
         start = time.perf_counter()
-        skipping = calibrate_skipping(engine, labels, by_id, options, progress)
-        seconds["skipping"] = time.perf_counter() - start
-        for verdict in skipping:
-            messages.append(f"skip/{verdict.granularity}: {verdict.why}")
-            if verdict.options is not None:
-                configs.append(RunConfig(f"skip/{verdict.granularity}", {"mode": "skip", **verdict.options}))
-    validation = [by_id[i] for i in labels.prompt_ids if split_of(i) == "validation"]
-    held_out = [p for task in TASKS for p in [q for q in validation if q.task == task][
-        :options.validation_prompts_per_task]]
-    start = time.perf_counter()
-    runs = confirm(engine, held_out, configs, options.labels.max_answer_tokens, progress)
-    seconds["runtime runs"] = time.perf_counter() - start
-    if fitted_drafts is not None:
-        messages.extend(confirm_task_drafts(runs, drafting, fitted_drafts))
-    profiles = choose_profiles(runs, configs)
-    decoding = {}
-    if fitted_drafts is not None:
-        plain, fitted = (summarize(runs[name], runs["full"]) for name in ("speculate/slm", FITTED_DRAFTS))
-        drafting.figures["runtime"] = {"speculate/slm": plain["tok_s"], FITTED_DRAFTS: fitted["tok_s"]}
-    if drafting.fit is not None:
-        # the overall setting becomes speculate's default where it ran: on the prompts of tasks
-        # without a setting of their own (with none, the replay alone decided)
+        yield
+        self.seconds[stage] = time.perf_counter() - start
+
+    @property
+    def by_id(self) -> dict[str, CalibrationPrompt]:
+        return {p.id: p for p in self.prompts}
+
+    def label(self) -> None:
+        """The LLM's answers, and per position what each light path proposed (label shards)."""
+        with self.timed("labels"):
+            self.labels = label_prompts(self.engine, self.prompts, self.options.labels, self.work / "shards",
+                                        self.progress)
+
+    def train(self) -> None:
+        """A router per light path, trained and bounded, kept only where it beats the baselines."""
+        labels = self.labels
+        splits = np.asarray([split_of(labels.prompt_ids[i]) for i in labels["prompt"]])
+        with self.timed("routers"):
+            self.data = {light: light_data(labels, light, splits) for light in ("slm", "ngram")}
+            self.routers = {light: calibrate_router(self.data[light], light, labels.prompt_ids, self.options)
+                            for light in self.data}
+        for result in self.routers.values():
+            self.messages.append(f"route/{result.light}: {result.figures['why']}")
+            if result.unreachable:
+                self.messages.append(result.unreachable)
+        loaded = {light: TrainedRouter(r.onnx, SLM_FEATURES if light == "slm" else NGRAM_FEATURES)
+                  if r.onnx is not None else r.router for light, r in self.routers.items()}
+        for light, router in loaded.items():
+            if isinstance(router, TrainedRouter):
+                self.routers[light].figures["cost"] = router_cost(self.engine, router)
+        self.configs = run_configs(self.routers, loaded)
+
+    def fit(self) -> None:
+        """How the SLM drafts, and whether skipping pays: the candidates the runtime runs confirm."""
+        with self.timed("draft fit"):
+            self.drafting = calibrate_drafting(self.engine, self.data["slm"])
+        self.messages.append(self.drafting.why)
+        self.fitted_drafts = self.drafting.run_config()
+        if self.fitted_drafts is not None:
+            self.configs.append(self.fitted_drafts)
+        self.configs.append(lookup_then_slm(self.fitted_drafts))
+        overall_drafts = self.drafting.overall_config()
+        if overall_drafts is not None:
+            self.configs.append(overall_drafts)
+        if self.options.skip_prompts and decision_points(self.engine.llm.num_layers, SkipOptions()):
+            with self.timed("skipping"):
+                self.skipping = calibrate_skipping(self.engine, self.labels, self.by_id, self.options, self.progress)
+            for verdict in self.skipping:
+                self.messages.append(f"skip/{verdict.granularity}: {verdict.why}")
+                if verdict.options is not None:
+                    self.configs.append(RunConfig(f"skip/{verdict.granularity}", {"mode": "skip", **verdict.options}))
+
+    def confirm(self) -> None:
+        """Every candidate run through the runtime on held-out prompts: what becomes a default."""
+        by_id = self.by_id
+        validation = [by_id[i] for i in self.labels.prompt_ids if split_of(i) == "validation"]
+        self.held_out = [p for task in TASKS for p in [q for q in validation if q.task == task][
+            :self.options.validation_prompts_per_task]]
+        with self.timed("runtime runs"):
+            self.runs = confirm(self.engine, self.held_out, self.configs, self.options.labels.max_answer_tokens,
+                                self.progress)
+        if self.fitted_drafts is not None:
+            self.messages.extend(confirm_task_drafts(self.runs, self.drafting, self.fitted_drafts))
+            plain, fitted = (summarize(self.runs[name], self.runs["full"]) for name in ("speculate/slm", FITTED_DRAFTS))
+            self.drafting.figures["runtime"] = {"speculate/slm": plain["tok_s"], FITTED_DRAFTS: fitted["tok_s"]}
+        self._confirm_drafting()
+        self._confirm_skipping()
+
+    def _confirm_drafting(self) -> None:
+        """The overall draft setting becomes speculate's default where it ran: on the prompts of
+        tasks without a setting of their own (with none, the replay alone decided)."""
+        drafting, runs = self.drafting, self.runs
+        if drafting.fit is None:
+            return
         overall = [i for i, r in enumerate(runs["full"]) if r["task"] not in drafting.per_task]
         plain = fitted = {"tok_s": 0.0}
         if overall:
             plain, fitted = (summarize([runs[name][i] for i in overall], [runs["full"][i] for i in overall])
                              for name in ("speculate/slm", FITTED_DRAFTS))
         if not overall or fitted["tok_s"] > plain["tok_s"]:
-            decoding.update(drafting.fit.setting.options())
+            self.decoding.update(drafting.fit.setting.options())
         else:
-            messages.append(f"draft setting {drafting.fit.setting.name} did not speed up speculate/slm in the runtime "
-                            f"runs ({fitted['tok_s']:.1f} vs {plain['tok_s']:.1f} tok/s): defaults kept")
-    full_pass = summarize(runs["full"], runs["full"])["task_pass"]
-    for verdict in skipping:
-        if verdict.options is None:
-            continue
-        figures = summarize(runs[f"skip/{verdict.granularity}"], runs["full"])
-        verdict.figures["runtime"] = figures
-        if figures["speed_vs_full"] >= MIN_SPEEDUP and figures["task_pass"] >= full_pass:
-            if figures["speed_vs_full"] > decoding.get("skip", {}).get("speed_vs_full", 0.0):
-                decoding["skip"] = {**verdict.options, "speed_vs_full": figures["speed_vs_full"]}
-        else:
-            messages.append(f"skip/{verdict.granularity}: ran at {figures['speed_vs_full']:.2f}x full with task pass "
-                            f"{figures['task_pass']:.0%} on held-out prompts: stays off")
+            self.messages.append(f"draft setting {drafting.fit.setting.name} did not speed up speculate/slm in the "
+                                 f"runtime runs ({fitted['tok_s']:.1f} vs {plain['tok_s']:.1f} tok/s): defaults kept")
 
-    files, entries = {}, {}
-    for light, result in routers.items():
-        if result.choice is None:
-            continue
-        file = None
-        if result.onnx is not None:
-            file = f"calibration/router-{light}-{hashlib.sha256(result.onnx).hexdigest()[:12]}.onnx"
-            files[file] = result.onnx
-        entries[light] = RouterCalibration(light, result.router, result.choice.threshold, file,
-                                           (SLM_FEATURES if light == "slm" else NGRAM_FEATURES) if file else None,
-                                           {**result.figures, "bound": result.choice.to_dict()})
+    def _confirm_skipping(self) -> None:
+        """A skip setting becomes the skip modes' default only where it ran faster than full at
+        full's task pass."""
+        full_pass = summarize(self.runs["full"], self.runs["full"])["task_pass"]
+        for verdict in self.skipping:
+            if verdict.options is None:
+                continue
+            figures = summarize(self.runs[f"skip/{verdict.granularity}"], self.runs["full"])
+            verdict.figures["runtime"] = figures
+            if figures["speed_vs_full"] >= MIN_SPEEDUP and figures["task_pass"] >= full_pass:
+                if figures["speed_vs_full"] > self.decoding.get("skip", {}).get("speed_vs_full", 0.0):
+                    self.decoding["skip"] = {**verdict.options, "speed_vs_full": figures["speed_vs_full"]}
+            else:
+                self.messages.append(f"skip/{verdict.granularity}: ran at {figures['speed_vs_full']:.2f}x full with "
+                                     f"task pass {figures['task_pass']:.0%} on held-out prompts: stays off")
+
+    def write(self) -> CalibrateReport:
+        """The calibration section into the bundle (atomically), the report and its plots beside it."""
+        files, entries = {}, {}
+        for light, result in self.routers.items():
+            if result.choice is None:
+                continue
+            file = None
+            if result.onnx is not None:
+                file = f"calibration/router-{light}-{hashlib.sha256(result.onnx).hexdigest()[:12]}.onnx"
+                files[file] = result.onnx
+            entries[light] = RouterCalibration(light, result.router, result.choice.threshold, file,
+                                               (SLM_FEATURES if light == "slm" else NGRAM_FEATURES) if file else None,
+                                               {**result.figures, "bound": result.choice.to_dict()})
+        self.seconds["total"] = sum(self.seconds.values())
+        options, engine = self.options, self.engine
+        provenance = json.dumps({"prompts": prompts_sha256(self.prompts), "labels": asdict(options.labels),
+                                 "budget": options.budget, "bound": options.bound}, sort_keys=True)
+        calibration = Calibration(
+            created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), edgeroute_version=__version__,
+            data_sha256=hashlib.sha256(provenance.encode()).hexdigest(),
+            budget={"tf_agreement": options.budget, "task_pass": "no lower than full", "bound": options.bound,
+                    "delta": options.delta if options.bound == "ltt" else None},
+            routers=entries, profiles=choose_profiles(self.runs, self.configs), decoding=self.decoding,
+            device={**cpu_signature(), "backend": engine.llm.flavour, "kv_dtype": engine.llm.kv_dtype},
+            figures={"labels": label_counts(self.labels), "seconds": dict(self.seconds),
+                     "drafting": self.drafting.figures,
+                     "routers": {light: {"candidates": r.figures["candidates"], "why": r.figures["why"]}
+                                 for light, r in self.routers.items()},
+                     "unreachable": [r.unreachable for r in self.routers.values() if r.unreachable],
+                     "skipping": {v.granularity: {"why": v.why, **v.figures} for v in self.skipping}})
+        self.bundle.with_calibration(calibration, files)
+        self.work.mkdir(parents=True, exist_ok=True)
+        report = self.work / "report.md"
+        report.write_text(render(calibration, self.bundle.path, self.messages))
+        for light, result in self.routers.items():
+            if result.curves:
+                plot_tradeoff(result, self.work / f"tradeoff-{light}.png")
+        if self.held_out:
+            # a grounded answer mixes copied values (light path) and new wording (LLM): the telling picture
+            sample = next((p for p in self.held_out if p.task == "grounded"), self.held_out[0])
+            light = "slm" if engine.slm is not None else "ngram"
+            routing = next((c.options for c in self.configs if c.name == f"route/{light}"),
+                           {"mode": "route", "light": light})
+            plot_sample_answer(engine, sample, routing, options.labels.max_answer_tokens,
+                               self.work / "token-layers.png")
+        return CalibrateReport(self.bundle.path, calibration, self.messages, self.seconds, report)
+
+
+def label_counts(labels: Labels) -> dict[str, Any]:
+    """The report's label table: per light path, positions that agree with the LLM, differ,
+    and (SLM) how the path-checked divergences came out."""
     slm_path = labels["slm_path"]
     differ = labels["slm_token"] != labels["llm_token"]
-    label_counts = {"positions": len(labels), "prompts": len(labels.prompt_ids),
-                    "slm": {"agree": int((~differ).sum()), "differ": int(differ.sum()),
-                            "path_checked": int((slm_path != -1).sum()), "path_neutral": int((slm_path == NEUTRAL).sum()),
-                            "path_divergent": int((slm_path == DIVERGENT).sum())},
-                    "ngram": {"no_proposal": int((labels["ngram_token"] < 0).sum()),
-                              "agree": int(((labels["ngram_token"] == labels["llm_token"])).sum()),
-                              "differ": int(((labels["ngram_token"] != labels["llm_token"])
-                                             & (labels["ngram_token"] >= 0)).sum())}}
-    seconds["total"] = sum(seconds.values())
-    provenance = json.dumps({"prompts": prompts_sha256(prompts), "labels": asdict(options.labels),
-                             "budget": options.budget, "bound": options.bound}, sort_keys=True)
-    calibration = Calibration(
-        created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), edgeroute_version=__version__,
-        data_sha256=hashlib.sha256(provenance.encode()).hexdigest(),
-        budget={"tf_agreement": options.budget, "task_pass": "no lower than full", "bound": options.bound,
-                "delta": options.delta if options.bound == "ltt" else None},
-        routers=entries, profiles=profiles, decoding=decoding,
-        device={**cpu_signature(), "backend": engine.llm.flavour, "kv_dtype": engine.llm.kv_dtype},
-        figures={"labels": label_counts, "seconds": dict(seconds), "drafting": drafting.figures,
-                 "routers": {light: {"candidates": r.figures["candidates"], "why": r.figures["why"]}
-                             for light, r in routers.items()},
-                 "unreachable": [r.unreachable for r in routers.values()
-                                                                               if r.unreachable],
-                 "skipping": {v.granularity: {"why": v.why, **v.figures} for v in skipping}})
-    bundle.with_calibration(calibration, files)
-    work.mkdir(parents=True, exist_ok=True)
-    report = work / "report.md"
-    report.write_text(render(calibration, bundle.path, messages))
-    for light, result in routers.items():
-        if result.curves:
-            plot_tradeoff(result, work / f"tradeoff-{light}.png")
-    if held_out:
-        # a grounded answer mixes copied values (light path) and new wording (LLM): the telling picture
-        sample = next((p for p in held_out if p.task == "grounded"), held_out[0])
-        light = "slm" if engine.slm is not None else "ngram"
-        routing = next((c.options for c in configs if c.name == f"route/{light}"), {"mode": "route", "light": light})
-        plot_sample_answer(engine, sample, routing, options.labels.max_answer_tokens, work / "token-layers.png")
-    return CalibrateReport(bundle.path, calibration, messages, seconds, report)
+    return {"positions": len(labels), "prompts": len(labels.prompt_ids),
+            "slm": {"agree": int((~differ).sum()), "differ": int(differ.sum()),
+                    "path_checked": int((slm_path != -1).sum()), "path_neutral": int((slm_path == NEUTRAL).sum()),
+                    "path_divergent": int((slm_path == DIVERGENT).sum())},
+            "ngram": {"no_proposal": int((labels["ngram_token"] < 0).sum()),
+                      "agree": int(((labels["ngram_token"] == labels["llm_token"])).sum()),
+                      "differ": int(((labels["ngram_token"] != labels["llm_token"])
+                                     & (labels["ngram_token"] >= 0)).sum())}}
 
 
 def plot_sample_answer(engine: Engine, prompt: CalibrationPrompt, routing: dict[str, Any], max_tokens: int,

@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from edgeroute.runtime.decoding import DecodeOptions
+from edgeroute.runtime.drafters import DraftLength
 from edgeroute.runtime.engine import Engine
 
 CONFIDENCES = (0.0, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
@@ -129,10 +130,10 @@ def replay(agree: np.ndarray, confidence: np.ndarray, answers: np.ndarray, setti
     the runtime, afresh for each answer."""
     seconds, ends = 0.0, [*answers[1:], len(agree)]
     for start, end in zip(answers, ends, strict=True):
-        position, length = start, setting.first_tokens
+        position, length = start, DraftLength(setting.first_tokens, setting.max_tokens)  # as the decoder does
         while position < end:
             drafted, unsure = 0, False
-            while drafted < length and position + drafted < end - 1:
+            while drafted < length.current and position + drafted < end - 1:
                 if confidence[position + drafted] < setting.confidence:
                     unsure = True
                     break
@@ -141,10 +142,7 @@ def replay(agree: np.ndarray, confidence: np.ndarray, answers: np.ndarray, setti
             while accepted < drafted and agree[position + accepted]:
                 accepted += 1
             seconds += (drafted + unsure) * costs.slm_step + costs.pass_seconds(drafted)
-            if drafted and accepted == drafted:
-                length = min(length + 1, setting.max_tokens)
-            elif accepted < drafted / 2:
-                length = max(length - 1, 1)
+            length.update(drafted, accepted)
             position += accepted + 1  # the accepted drafts and the LLM's own token
     return seconds, len(agree)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -9,7 +10,7 @@ import numpy as np
 from edgeroute.arch import ArchConfig, check_supported
 from edgeroute.errors import SourceError
 from edgeroute.export.gguf_blocks import UnsupportedTensorFormat, decode_gguf_tensor
-from edgeroute.export.sources import RawTensor, SourceModel, file_sha256, gguf_tokenizer
+from edgeroute.export.source_model import RawTensor, SourceModel, TokenizerInfo, file_sha256
 from edgeroute.export.tensors import BlockQuantWeight, FloatWeight, LayerWeights, LazyLayers, Linear, ModelWeights
 
 
@@ -132,3 +133,20 @@ def load_gguf(path: Path) -> SourceModel:
     quantized = any(f not in ("F32", "F16", "BF16") for f in formats)
     return SourceModel(path.stem, path, "gguf", arch, weights, tokenizer, file_sha256([path]),
                        quantized, notes=[f"GGUF tensor types: {', '.join(formats)}"], raw_tensor=raw_tensor)
+
+
+def gguf_tokenizer(path: Path, reader) -> TokenizerInfo:
+    """The GGUF's vocabulary as a `tokenizers` file, converted by transformers' GGUF support."""
+    from transformers import AutoTokenizer
+
+    def field(key, default=None):
+        f = reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    with tempfile.TemporaryDirectory() as tmp:
+        tok.backend_tokenizer.save(str(Path(tmp) / "tokenizer.json"))
+        tokenizer_json = (Path(tmp) / "tokenizer.json").read_text()
+    eos = field("tokenizer.ggml.eos_token_id")
+    return TokenizerInfo(tokenizer_json, field("tokenizer.chat_template"), field("tokenizer.ggml.bos_token_id"),
+                         [int(eos)] if eos is not None else [], bool(field("tokenizer.ggml.add_bos_token", False)))

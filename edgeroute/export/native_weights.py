@@ -22,7 +22,7 @@ import numpy as np
 from edgeroute.arch import ArchConfig
 from edgeroute.bundle import NATIVE_ALIGNMENT, NATIVE_FORMATS, NativeTensor, NativeWeights
 from edgeroute.export.gguf_source import _unpermute_rows
-from edgeroute.export.sources import RawTensor, SourceModel
+from edgeroute.export.source_model import RawTensor, SourceModel
 from edgeroute.rope import inverse_frequencies
 
 NATIVE_FAMILIES = ("llama", "qwen2")  # no per-head q/k norm (Qwen3) in the native layer yet

@@ -22,7 +22,8 @@ from edgeroute.export.chat import derive_chat_format
 from edgeroute.export.graphs import OPSET, WeightFile, model_graphs
 from edgeroute.export.native_weights import write_native_weights
 from edgeroute.export.quantize import rtn_quantize
-from edgeroute.export.sources import SourceModel, TokenizerInfo, load_source
+from edgeroute.export.source_model import SourceModel, TokenizerInfo
+from edgeroute.export.sources import load_source
 from edgeroute.export.tensors import FloatWeight, LayerWeights, Linear, ModelWeights, Weight, lazy_map
 from edgeroute.export.vocab import reduced_head, required_ids, select_vocabulary
 from edgeroute.export.writer import BundleWriter

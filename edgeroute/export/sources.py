@@ -6,58 +6,20 @@ quantized, carried over exactly), and the tokenizer the runtime will use.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata
 import json
-import tempfile
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from edgeroute.arch import ArchConfig, check_supported
 from edgeroute.errors import SourceError
+from edgeroute.export.gguf_source import load_gguf
+from edgeroute.export.source_model import SourceModel, TokenizerInfo, file_sha256
 from edgeroute.export.tensors import FloatWeight, LayerWeights, LazyLayers, Linear, ModelWeights
 
 DEFAULT_MODEL = "smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-@dataclass
-class TokenizerInfo:
-    tokenizer_json: str  # the HF `tokenizers` serialization
-    chat_template: str | None
-    bos_token_id: int | None
-    eos_token_ids: list[int]
-    add_bos_token: bool = False
-
-    def vocabulary(self) -> dict[str, int]:
-        from tokenizers import Tokenizer
-
-        return Tokenizer.from_str(self.tokenizer_json).get_vocab(with_added_tokens=True)
-
-
-@dataclass
-class SourceModel:
-    name: str
-    path: Path
-    format: str  # gguf | hf | gptq
-    arch: ArchConfig
-    weights: ModelWeights
-    tokenizer: TokenizerInfo
-    sha256: str
-    quantized: bool  # the source already holds quantized weights (carried over, never re-quantized)
-    notes: list[str] = field(default_factory=list)
-    # a GGUF's tensors as stored (type name, (rows, cols), bytes), for the native weight file
-    raw_tensor: Callable[[str], RawTensor] | None = None
-
-
-@dataclass(frozen=True)
-class RawTensor:
-    type_name: str  # ggml type: F32, Q4_K, ...
-    shape: tuple[int, ...]  # numpy order: (rows, cols) for a matrix
-    data: np.ndarray  # uint8, as stored in the file
 
 
 def packaged_gguf() -> Path:
@@ -94,21 +56,10 @@ def resolve_source(spec: str | Path) -> Path:
 def load_source(spec: str | Path) -> SourceModel:
     path = resolve_source(spec)
     if path.is_file() and path.suffix == ".gguf":
-        from edgeroute.export.gguf_source import load_gguf
-
         return load_gguf(path)
     if path.is_dir() and (path / "config.json").is_file():
         return load_hf_dir(path)
     raise SourceError(f"{path} is neither a .gguf file nor an HF checkpoint directory with config.json")
-
-
-def file_sha256(paths: list[Path]) -> str:
-    digest = hashlib.sha256()
-    for p in sorted(paths):
-        with open(p, "rb") as f:
-            while chunk := f.read(1 << 22):
-                digest.update(chunk)
-    return digest.hexdigest()
 
 
 # -- HF checkpoint directories ------------------------------------------------------------------
@@ -246,20 +197,3 @@ def load_hf_dir(path: Path) -> SourceModel:
     quantized = any(name.endswith(".qweight") for name in tensors.names())
     return SourceModel(path.name, path, "gptq" if quantized else "hf", arch, weights, hf_tokenizer(path),
                        file_sha256(files), quantized)
-
-
-def gguf_tokenizer(path: Path, reader) -> TokenizerInfo:
-    """The GGUF's vocabulary as a `tokenizers` file, converted by transformers' GGUF support."""
-    from transformers import AutoTokenizer
-
-    def field(key, default=None):
-        f = reader.fields.get(key)
-        return default if f is None else f.contents()
-
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    with tempfile.TemporaryDirectory() as tmp:
-        tok.backend_tokenizer.save(str(Path(tmp) / "tokenizer.json"))
-        tokenizer_json = (Path(tmp) / "tokenizer.json").read_text()
-    eos = field("tokenizer.ggml.eos_token_id")
-    return TokenizerInfo(tokenizer_json, field("tokenizer.chat_template"), field("tokenizer.ggml.bos_token_id"),
-                         [int(eos)] if eos is not None else [], bool(field("tokenizer.ggml.add_bos_token", False)))

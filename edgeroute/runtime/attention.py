@@ -12,7 +12,7 @@ it lies. Two flavours of the same attention (docs/bundle-format.md):
 
 The portable cache may hold fp16 (half the memory; the graphs widen it to fp32 for the
 arithmetic); the ort flavour's is fp32. The native backend (``native.py``) keeps a heads-first
-cache of fp32, fp16 or int8 rows (an int8 row: head_dim codes, then its per-32 float32 scales).
+cache of fp32, fp16 or int8 rows (the row layouts: ``edgeroute.kv_formats``).
 """
 
 from __future__ import annotations
@@ -23,18 +23,9 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from edgeroute.bundle import KV_DTYPES, kv_row_bytes
-from edgeroute.errors import InputError
+from edgeroute.kv_formats import kv_row_bytes
 
 MASKED = np.finfo(np.float32).min
-KV_DTYPE_CHOICES = ("auto", *KV_DTYPES)  # auto: the backend's default (backend.AUTO_KV_DTYPES)
-
-
-def check_kv_dtype(kv_dtype: str, choices: tuple[str, ...] = KV_DTYPES) -> str:
-    """``kv_dtype`` if it is one of ``choices`` (a cache's types; KV_DTYPE_CHOICES where "auto" may be asked)."""
-    if kv_dtype not in choices:
-        raise InputError(f"KV dtype {kv_dtype!r} is not one of {', '.join(choices)}")
-    return kv_dtype
 
 
 def resident_zeros(shape: tuple[int, ...], dtype: str) -> np.ndarray:

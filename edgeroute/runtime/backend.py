@@ -14,16 +14,19 @@ the same :class:`Cache` methods.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
 
 from edgeroute.arch import ArchConfig
-from edgeroute.bundle import GRAPH_KV_DTYPES, Bundle, ModelEntry
+from edgeroute.bundle import Bundle, ModelEntry
 from edgeroute.errors import InputError, NativeBackendUnavailable
-from edgeroute.runtime.attention import KV_DTYPE_CHOICES, check_kv_dtype
+from edgeroute.kv_formats import GRAPH_KV_DTYPES, KV_DTYPE_CHOICES, auto_kv_dtype, check_kv_dtype
 from edgeroute.runtime.model import LayerPlan
 from edgeroute.runtime.vocab import HeadVocabulary
+
+if TYPE_CHECKING:
+    from edgeroute.runtime.options import EngineOptions
 
 
 @runtime_checkable
@@ -81,48 +84,33 @@ class ModelBackend(Protocol):
 BACKENDS = ("auto", "onnxruntime", "native")
 
 
-def native_blocker(entry: ModelEntry, providers: Sequence[str] | None, activations: str,
-                   attention: str) -> str | None:
+def native_blocker(entry: ModelEntry, options: EngineOptions) -> str | None:
     """Why the native backend cannot take this model with these settings (None: it can)."""
     if entry.native is None:
         return f"the {entry.role} model has no native weights (export writes them for GGUF sources)"
-    if providers and list(providers) != ["CPUExecutionProvider"]:
-        return f"providers {list(providers)} are ONNX Runtime's"
-    if attention != "auto":
-        return f"attention={attention!r} chooses ONNX Runtime graphs"
-    if activations != "int8":
-        return f"the native kernels quantize activations to int8 (activations={activations!r} is ONNX Runtime's)"
+    if options.providers and list(options.providers) != ["CPUExecutionProvider"]:
+        return f"providers {list(options.providers)} are ONNX Runtime's"
+    if options.attention != "auto":
+        return f"attention={options.attention!r} chooses ONNX Runtime graphs"
+    if options.activations != "int8":
+        return (f"the native kernels quantize activations to int8 (activations={options.activations!r} is "
+                "ONNX Runtime's)")
     return None
 
 
-# What kv_dtype="auto" (the default) keeps: the narrowest cache whose answers differ from the
-# fp32 cache's no more than fp32's own do between kernel sets (the same arithmetic summed in
-# another order), and that decodes fastest on the kernels that read it (measurements in the
-# README). The native AVX-512 VNNI kernels: int8 (scores as integer dot products; key channels
-# scaled, see NativeModel.key_scales; 0.56x fp16's bytes; decode at 1800 positions 3-6% faster
-# than fp16, at 32 alike). The other native kernels: fp16 (half fp32's bytes; llama.cpp's default
-# cache too). int8 on the AVX2 set, its scores integer too, decodes at fp16's speed on this Zen 5
-# VM; an AVX2-only CPU has not measured it, and the generic kernels widen every code to a float.
-# ONNX Runtime: fp32 (the fp16 graphs' Casts cost ~10% decode on SmolLM2).
-AUTO_KV_DTYPES = {"native": "float16", "native:avx512-vnni": "int8", "onnxruntime": "float32"}
-
-
-def resolve_kv_dtype(kv_dtype: str, backend: str, entry: ModelEntry) -> str:
+def resolve_kv_dtype(kv_dtype: str, backend: str, entry: ModelEntry, kernels: str = "auto") -> str:
     """The cache element type ``kv_dtype`` means for ``entry``'s model on ``backend`` ("native"
-    or "onnxruntime"): for "auto", ``AUTO_KV_DTYPES`` of the backend and, native, its kernels
-    (int8 only where head_dim is a multiple of 32: the rows keep a scale per 32 values)."""
+    or "onnxruntime") with the native ``kernels`` set: for "auto", what ``kv_formats`` picks."""
     if check_kv_dtype(kv_dtype, KV_DTYPE_CHOICES) != "auto":
         return kv_dtype
     if backend == "native":
         from edgeroute.runtime.native import native_kernels
 
-        cache = AUTO_KV_DTYPES.get(f"native:{native_kernels()}", AUTO_KV_DTYPES["native"])
-        return cache if cache != "int8" or entry.arch.head_dim % 32 == 0 else AUTO_KV_DTYPES["native"]
-    return AUTO_KV_DTYPES[backend]
+        return auto_kv_dtype(backend, native_kernels(kernels), entry.arch.head_dim)
+    return auto_kv_dtype(backend, None, entry.arch.head_dim)
 
 
-def backend_for(entry: ModelEntry, backend: str = "auto", providers: Sequence[str] | None = None,
-                activations: str = "int8", attention: str = "auto") -> tuple[str, str | None]:
+def backend_for(entry: ModelEntry, options: EngineOptions) -> tuple[str, str | None]:
     """Which backend ``open_model`` runs the model on, "native" or "onnxruntime", without
     loading it; and why ``auto`` did not take the native backend (None where it did, or where
     a backend was named). ``auto`` takes the native backend where the model has native
@@ -131,18 +119,19 @@ def backend_for(entry: ModelEntry, backend: str = "auto", providers: Sequence[st
     ONNX Runtime."""
     from edgeroute.runtime.native import native_kernels
 
+    backend = options.backend
     if backend not in BACKENDS:
         raise InputError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
     if backend == "onnxruntime":
         return "onnxruntime", None
-    why_not = native_blocker(entry, providers, activations, attention)
+    why_not = native_blocker(entry, options)
     if why_not is None:
         try:
-            kernels = native_kernels()  # loads the library: whether the backend runs here at all
+            kernels = native_kernels(options.kernels)  # loads the library: whether the backend runs here at all
         except NativeBackendUnavailable as err:
             why_not = str(err)
         else:
-            if backend == "auto" and kernels == "generic":
+            if backend == "auto" and kernels == "generic" and options.kernels == "auto":
                 why_not = ("this CPU runs the generic native kernels, not measured against ONNX Runtime here: "
                            "backend='native' opts in")
     if why_not is None:
@@ -152,24 +141,24 @@ def backend_for(entry: ModelEntry, backend: str = "auto", providers: Sequence[st
     return "onnxruntime", why_not
 
 
-def open_model(bundle: Bundle, role: str, backend: str = "auto", providers: Sequence[str] | None = None,
-               activations: str = "int8", attention: str = "auto", exact_steps: bool = False,
-               kv_dtype: str = "auto") -> tuple[ModelBackend, str | None]:
+def open_model(bundle: Bundle, role: str, options: EngineOptions,
+               exact_steps: bool | None = None) -> tuple[ModelBackend, str | None]:
     """The model of ``role`` on the backend :func:`backend_for` picks, and why ``auto`` did
     not take the native backend (None where it did, or where a backend was named).
-    ``kv_dtype`` "auto": the backend's default cache (``AUTO_KV_DTYPES``)."""
+    ``exact_steps``: None takes ``options.exact_steps`` (the engine asks it for the LLM only)."""
     from edgeroute.runtime.model import OrtModel
     from edgeroute.runtime.native import NativeModel
 
-    check_kv_dtype(kv_dtype, KV_DTYPE_CHOICES)  # a wrong name fails before anything is chosen or loaded
+    check_kv_dtype(options.kv_dtype, KV_DTYPE_CHOICES)  # a wrong name fails before anything is chosen or loaded
     if role not in bundle.models:
         raise InputError(f"bundle {bundle.path} has no {role!r} model (it has: {', '.join(bundle.models)})")
-    chosen, why_not = backend_for(bundle.models[role], backend, providers, activations, attention)
-    cache = resolve_kv_dtype(kv_dtype, chosen, bundle.models[role])
+    chosen, why_not = backend_for(bundle.models[role], options)
+    cache = resolve_kv_dtype(options.kv_dtype, chosen, bundle.models[role], options.kernels)
     if chosen == "native":
-        return NativeModel(bundle, role, kv_dtype=cache), None
+        return NativeModel(bundle, role, threads=options.threads, kv_dtype=cache, kernels=options.kernels), None
     if cache not in GRAPH_KV_DTYPES:
         raise InputError(f"a {cache} KV cache runs on the native backend only, which does not take the {role} "
                          f"model here: {why_not}")
-    return OrtModel(bundle, role, providers, activations, attention, exact_steps=exact_steps,
-                    kv_dtype=cache), why_not
+    steps = options.exact_steps if exact_steps is None else exact_steps
+    return OrtModel(bundle, role, options.providers, options.activations, options.attention, exact_steps=steps,
+                    kv_dtype=cache, threads=options.threads), why_not

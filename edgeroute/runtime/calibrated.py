@@ -20,7 +20,8 @@ from collections.abc import Callable
 from edgeroute.bundle import Calibration, RouterCalibration
 from edgeroute.errors import InputError
 from edgeroute.runtime.decoding import DecodeOptions
-from edgeroute.runtime.policies import Router, SkipOptions
+from edgeroute.runtime.policies import Router
+from edgeroute.skip_options import SkipOptions
 
 # characters whose token a JSON answer cannot get wrong and still parse
 FORMAT_CHARACTERS = frozenset('{}[]":,')

@@ -24,7 +24,15 @@ import numpy as np
 from edgeroute.errors import InputError
 from edgeroute.runtime.backend import Cache, ModelBackend
 from edgeroute.runtime.constraints import Constraint, Draft, ResponseFormat, apply_mask
-from edgeroute.runtime.drafters import LookupThenSlmDrafter, NgramDrafter, Proposal, SlmDrafter, draft_source
+from edgeroute.runtime.drafters import (
+    ConfidentSlmDrafts,
+    DraftLength,
+    LookupThenSlmDrafter,
+    NgramDrafter,
+    Proposal,
+    SlmDrafter,
+    draft_source,
+)
 from edgeroute.runtime.model import RUN
 from edgeroute.runtime.policies import (
     LAYER_LETTERS,
@@ -228,20 +236,20 @@ class Decoder:
         self.skipper = SkipController(options.skip, self.llm.num_layers) if "skip" in (base, extra) else None
         risky = base == "route" or self.skipper is not None  # speculation is lossless: nothing to guard
         self.monitor = FallbackMonitor(options.fallback) if options.fallback and risky else None
-        light = {"slm": state.slm_drafter, "ngram": state.ngram_drafter}.get(options.light)
+        slm = state.slm_drafter
+        if slm is not None and base == "speculate" and options.draft_confidence:
+            slm = ConfidentSlmDrafts(slm, options.draft_confidence)
+        light = {"slm": slm, "ngram": state.ngram_drafter}.get(options.light)
         if options.light == "ngram+slm":
-            light = LookupThenSlmDrafter(state.ngram_drafter, state.slm_drafter, options.lookup_min_match,
-                                         options.lookup_tokens)
+            light = LookupThenSlmDrafter(state.ngram_drafter, slm, options.lookup_min_match, options.lookup_tokens)
         self.light = state.slm_drafter if base == "slm" else light
         # the drafts whose acceptance the draft length follows (ngram+slm: the SLM's; the lookup's
         # have their own length)
         self.adaptive_source = f"draft:{getattr(self.light, 'adaptive_source', None) or self.light.name}"
-        if state.slm_drafter is not None:
-            state.slm_drafter.min_confidence = (options.draft_confidence or 0.0) if base == "speculate" else 0.0
         router = options.router or ("entropy" if options.light == "slm" else "ngram")
         self.router: Router = ROUTERS[router] if isinstance(router, str) else router
         self.route_threshold = DEFAULT_ROUTE_THRESHOLD if options.route_threshold is None else options.route_threshold
-        self.draft_length = options.draft_tokens
+        self.draft_length = DraftLength(options.draft_tokens, options.max_draft_tokens, options.adaptive_draft)
 
     # -- the steps ------------------------------------------------------------------------------
 
@@ -282,9 +290,10 @@ class Decoder:
         """The light path's draft; under a grammar, checked token by token, with the tokens
         the grammar forces in between."""
         if self.constraint is None:
-            proposal = self.light.propose(self.state.tokens, self.draft_length)
+            proposal = self.light.propose(self.state.tokens, self.draft_length.current)
             return Draft.unconstrained(proposal.tokens, draft_source(proposal, self.light))
-        return self.constraint.draft(self.light, self.state.tokens, self.draft_length, self.options.max_draft_tokens)
+        return self.constraint.draft(self.light, self.state.tokens, self.draft_length.current,
+                                     self.options.max_draft_tokens)
 
     def step_llm(self) -> list[TokenTrace]:
         logits, trace = self._llm_pass([])
@@ -350,11 +359,8 @@ class Decoder:
         self.stats.accepted += accepted
         trace.token = chosen
         traces.append(trace)
-        if self.options.adaptive_draft and drafted and self.adaptive_source in draft.sources:
-            if accepted == drafted:
-                self.draft_length = min(self.draft_length + 1, self.options.max_draft_tokens)
-            elif accepted < drafted / 2:
-                self.draft_length = max(self.draft_length - 1, 1)
+        if self.adaptive_source in draft.sources:
+            self.draft_length.update(drafted, accepted)
         return traces
 
     # -- the loop -------------------------------------------------------------------------------

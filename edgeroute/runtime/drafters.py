@@ -11,6 +11,9 @@
   answer that copies a span of its request (an address, a time, a JSON key) gets it drafted for
   free and several tokens at a time, and the SLM drafts the words in between; the SLM catches
   up on the copied tokens in one pass when it is next asked.
+
+:class:`DraftLength` is the one rule for how long the next draft is; the decoder and the
+calibration's replay of speculation (``calibration/drafting.py``) both follow it.
 """
 
 from __future__ import annotations
@@ -33,6 +36,29 @@ class Proposal:
     hidden: list[np.ndarray | None] = field(default_factory=list)  # SLM: last hidden state per token
     answer_position: int = 0  # tokens generated before the first proposed one (set by the decoder)
     source: str = ""  # the drafter that proposed the tokens ("ngram", "slm"; "": the light path's name)
+
+
+@dataclass
+class DraftLength:
+    """How many tokens the next draft asks for: ``first`` at the start of a generation, one more
+    after a draft accepted whole (up to ``longest``), one less after a draft less than half
+    accepted (down to 1), unchanged otherwise or when not ``adaptive``."""
+
+    first: int
+    longest: int
+    adaptive: bool = True
+    current: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.current = self.first
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if not self.adaptive or not drafted:
+            return
+        if accepted == drafted:
+            self.current = min(self.current + 1, self.longest)
+        elif accepted < drafted / 2:
+            self.current = max(self.current - 1, 1)
 
 
 def draft_source(proposal: Proposal, light) -> str:
@@ -90,10 +116,6 @@ class SlmDrafter:
         self.seen: list[int] = []  # the tokens whose K/V the cache holds
         self.last_logits: np.ndarray | None = None  # the head's own columns (reduced or full)
         self.last_hidden: np.ndarray | None = None  # [d], the last hidden state behind last_logits
-        # a draft ends before a token the SLM gives less probability than this (set per
-        # generation from DecodeOptions.draft_confidence): an unsure guess costs an SLM step
-        # and a verification row, and is mostly rejected
-        self.min_confidence = 0.0
 
     def reset(self) -> None:
         self.cache.reset()
@@ -107,6 +129,8 @@ class SlmDrafter:
         differ = np.flatnonzero(np.asarray(self.seen[:n]) != np.asarray(tokens[:n]))
         keep = int(differ[0]) if differ.size else n
         if keep < len(self.seen):
+            # ``tokens`` a prefix of what was seen: its last token is run again, for its logits
+            keep = max(min(keep, len(tokens) - 1), 0)
             self.cache.truncate(keep)
             del self.seen[keep:]
             self.last_logits = None
@@ -126,10 +150,11 @@ class SlmDrafter:
         vocab = self.model.head_vocab
         return logits if vocab is None else vocab.expand(logits)
 
-    def propose(self, tokens: list[int], k: int) -> Proposal:
+    def propose(self, tokens: list[int], k: int, min_confidence: float = 0.0) -> Proposal:
         """Up to k greedy tokens of the SLM (catching up on tokens it has not seen first);
         fewer when a reduced head's rest column wins (a token it cannot draft comes next) or
-        the next token's probability is below ``min_confidence``."""
+        the next token's probability is below ``min_confidence`` (an unsure guess costs an SLM
+        step and a verification row, and is mostly rejected)."""
         proposal = Proposal([], [], source=self.name)
         sequence = list(tokens)
         vocab = self.model.head_vocab
@@ -138,13 +163,27 @@ class SlmDrafter:
                 break
             p = softmax(self.next_logits(sequence))
             token = int(np.argmax(p))
-            if p[token] < self.min_confidence:
+            if p[token] < min_confidence:
                 break
             proposal.tokens.append(token)
             proposal.probabilities.append(p)
             proposal.hidden.append(self.last_hidden)
             sequence.append(token)
         return proposal
+
+
+class ConfidentSlmDrafts:
+    """One generation's view of a session's SLM drafter: drafts end before a token the SLM gives
+    less probability than ``min_confidence`` (``DecodeOptions.draft_confidence``). The drafter
+    itself, with its cache, is shared by the session's generations and stays as it is."""
+
+    name = SlmDrafter.name
+
+    def __init__(self, drafter: SlmDrafter, min_confidence: float) -> None:
+        self.drafter, self.min_confidence = drafter, min_confidence
+
+    def propose(self, tokens: list[int], k: int) -> Proposal:
+        return self.drafter.propose(tokens, k, self.min_confidence)
 
 
 class LookupThenSlmDrafter:
@@ -155,7 +194,8 @@ class LookupThenSlmDrafter:
     name = "ngram+slm"
     adaptive_source = "slm"  # whose acceptance the decoder's draft length follows
 
-    def __init__(self, lookup: NgramDrafter, slm: SlmDrafter, min_match: int = 3, lookup_tokens: int = 4) -> None:
+    def __init__(self, lookup: NgramDrafter, slm: SlmDrafter | ConfidentSlmDrafts, min_match: int = 3,
+                 lookup_tokens: int = 4) -> None:
         if min_match < 1 or lookup_tokens < 1:
             raise ValueError(f"min_match and lookup_tokens must be >= 1 (got {min_match}, {lookup_tokens})")
         self.lookup, self.slm = lookup, slm
@@ -166,9 +206,3 @@ class LookupThenSlmDrafter:
         if lookup.tokens and lookup.match_length >= self.min_match:
             return lookup
         return self.slm.propose(tokens, k)
-
-    def reset(self) -> None:
-        self.slm.reset()
-
-    def sync(self, tokens: list[int]) -> None:
-        self.slm.sync(tokens)

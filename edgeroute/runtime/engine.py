@@ -1,6 +1,6 @@
 """The embeddable API: load a bundle once, then generate, stream or chat.
 
->>> engine = Engine("bundles/smollm2-demo")
+>>> engine = Engine("bundles/smollm2-demo")                     # or profile="cpu", task="json", ...
 >>> engine.generate([{"role": "user", "content": "Hi!"}], max_new_tokens=32).text
 >>> chat = engine.chat(mode="speculate")          # keeps its KV caches across turns
 >>> for piece in chat.stream("Navigate to 12 Baker Street"): print(piece, end="")
@@ -20,11 +20,11 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from edgeroute.bundle import Bundle, RouterCalibration, kv_row_bytes
+from edgeroute.bundle import Bundle, RouterCalibration
 from edgeroute.chat_format import format_messages
 from edgeroute.cpu import cpu_signature, signature_difference
 from edgeroute.errors import CalibrationDeviceWarning, InputError, SessionBusy
-from edgeroute.runtime.attention import KV_DTYPE_CHOICES, check_kv_dtype
+from edgeroute.kv_formats import INT8_GROUP, KV_DTYPE_CHOICES, check_kv_dtype, kv_row_bytes
 from edgeroute.runtime.backend import ModelBackend, backend_for, open_model, resolve_kv_dtype
 from edgeroute.runtime.calibrated import calibrated_options, format_token_ids
 from edgeroute.runtime.constraints import Constraint, GrammarCompiler
@@ -38,6 +38,7 @@ from edgeroute.runtime.decoding import (
 )
 from edgeroute.runtime.memory import check_fit
 from edgeroute.runtime.model import KVCache
+from edgeroute.runtime.options import EngineOptions
 from edgeroute.runtime.routers import TrainedRouter
 from edgeroute.runtime.text_stream import IncrementalDetokenizer, StopFilter
 
@@ -59,61 +60,54 @@ class Engine:
     """A loaded bundle: tokenizer and models (ONNX Runtime sessions or native kernels), shared by
     every session."""
 
-    def __init__(self, bundle: str | Path | Bundle, providers: Sequence[str] | None = None, verify: bool = True,
-                 options: DecodeOptions | None = None, activations: str = "int8", context_length: int | None = None,
-                 memory_budget: int | None = None, slm: bool = True, attention: str = "auto",
-                 exact_steps: bool = False, kv_dtype: str = "auto", backend: str = "auto") -> None:
-        """``activations``: "int8" (fast int4 kernels that quantize activations, like
-        llama.cpp) or "fp32" (slower, but a multi-token verification pass then rounds like a
-        one-token step, so speculation reproduces full decoding except at near-ties).
-        ``context_length``: the KV capacity each session allocates (default and maximum: the
-        bundle's). ``memory_budget`` (bytes, e.g. a device profile's): refuse, before loading
-        anything, a bundle whose weights, KV caches and working memory would exceed it, saying
-        what would fit. ``slm=False`` never loads the bundle's SLM. ``attention``: the attention
-        graphs' flavour, "portable", "ort" or "auto" (see ``OrtModel``). ``exact_steps``: the LLM's
-        one-token steps run as two rows, so that with int8 activations too a speculative
-        verification pass rounds exactly like them and ``speculate`` reproduces ``full``
-        bit for bit; costs ``full`` decode speed (README), not ``speculate``'s. ``kv_dtype``: the
-        KV caches' element type, "auto" (int8 on the native AVX-512 VNNI kernels, float16
-        on the other native kernels, float32 on ONNX Runtime's graphs: ``AUTO_KV_DTYPES``),
-        "float32", "float16" (half the cache's memory; the native backend or ONNX Runtime's
-        portable attention graphs) or "int8" (0.28x; the native backend only); agreement with
-        float32 measured in the README; ``llm.kv_dtype`` says which one a model keeps. ``backend``: what
-        runs the models, "onnxruntime", "native" (edgeroute's CPU kernels over the bundle's GGUF
-        blocks, ``edgeroute.runtime.native``) or "auto": native where a model has native weights,
-        the other settings are the defaults and the library runs more than its generic kernels
-        here, else ONNX Runtime (``backend_notes`` says why, per model)."""
+    def __init__(self, bundle: str | Path | Bundle, options: EngineOptions | None = None, *,
+                 profile: str | Sequence[str] | None = None, task: str | None = None, verify: bool = True,
+                 **settings: Any) -> None:
+        """``options`` (:class:`EngineOptions`), or ``profile`` (device profiles, names or JSON
+        files) and ``task`` (a task profile) merged as ``edgeroute run --profile DEVICE,TASK``
+        merges them, with ``settings`` on top: any field of ``EngineOptions`` as a keyword
+        (``backend="native"``, ``kv_dtype="float16"``, ``context_length=512``, ...), and
+        ``decoding={...}`` for the sessions' default ``DecodeOptions`` fields. What each
+        setting does: ``EngineOptions`` and docs/guide/python-api.md."""
+        if options is None:
+            options = EngineOptions.from_profile(profile, task, **settings)
+        elif profile is not None or task is not None or settings:
+            raise InputError("give Engine either options=EngineOptions(...) or profile/task/keyword settings, "
+                             "not both: EngineOptions.from_profile(profile, task, **settings) merges them")
+        self.settings = options
         self.bundle = bundle if isinstance(bundle, Bundle) else Bundle.open(bundle, verify=verify)
         exported = int(self.bundle.generation["context_length"])
-        self.context_length = context_length or exported
+        self.context_length = options.session_context(exported)
         if not 1 <= self.context_length <= exported:
             raise InputError(f"context_length {self.context_length} is outside 1..{exported}: the bundle was exported "
                              f"with --context-length {exported}; export again for a longer one")
-        self.use_slm = slm and self.bundle.slm is not None
-        check_kv_dtype(kv_dtype, KV_DTYPE_CHOICES)  # a wrong name fails before anything loads
-        if memory_budget is not None:
+        self.use_slm = options.slm and self.bundle.slm is not None
+        check_kv_dtype(options.kv_dtype, KV_DTYPE_CHOICES)  # a wrong name fails before anything loads
+        if options.memory_budget is not None:
             roles = ["llm", "slm"] if self.use_slm else ["llm"]
-            entries = [self.bundle.models[role] for role in roles]
-            caches = [resolve_kv_dtype(kv_dtype, backend_for(entry, backend, providers, activations, attention)[0], entry)
-                      for entry in entries]
-            check_fit(self.bundle, self.context_length, memory_budget, max(caches, key=lambda c: kv_row_bytes(32, c)),
-                      slm=self.use_slm)
+            caches = [resolve_kv_dtype(options.kv_dtype, backend_for(self.bundle.models[role], options)[0],
+                                       self.bundle.models[role], options.kernels) for role in roles]
+            check_fit(self.bundle, self.context_length, options.memory_budget,
+                      max(caches, key=lambda c: kv_row_bytes(INT8_GROUP, c)), slm=self.use_slm)
         self.tokenizer = Tokenizer.from_file(str(self.bundle.file(self.bundle.tokenizer["file"])))
-        self.providers, self.activations, self.attention, self.kv_dtype = providers, activations, attention, kv_dtype
-        self.backend = backend
         self.backend_notes: dict[str, str] = {}  # role -> why backend "auto" runs it on ONNX Runtime
-        self.llm = self._open("llm", exact_steps)
+        self.llm = self._open("llm", options.exact_steps)
         self._check_calibration_device()
         self._slm: ModelBackend | None = None
         self._slm_lock = threading.Lock()
         self.eos_ids = set(self.bundle.tokenizer.get("eos_token_ids") or [])
-        self.options = options or DecodeOptions()
+        self.options = options.decoding
         self._prefixes: dict[tuple[int, ...], dict[str, KVCache]] = {}  # shared system prompt -> role -> K/V
         self._prefix_lock = threading.Lock()
         self._routers: dict[str, TrainedRouter] = {}
         self._format_tokens: frozenset[int] | None = None
         self.grammars = GrammarCompiler(self.bundle.file(self.bundle.tokenizer["file"]), self.bundle.llm.arch.vocab_size,
                                         self.bundle.tokenizer.get("eos_token_ids") or [])
+
+    @property
+    def kv_dtype(self) -> str:
+        """The KV cache type asked for ("auto" included); ``llm.kv_dtype`` is the one kept."""
+        return self.settings.kv_dtype
 
     def _check_calibration_device(self) -> None:
         """Warn when the calibration's timings were taken on another kind of CPU or backend."""
@@ -137,8 +131,7 @@ class Engine:
                           "on this kind of CPU and backend", CalibrationDeviceWarning, stacklevel=3)
 
     def _open(self, role: str, exact_steps: bool = False) -> ModelBackend:
-        model, why_not_native = open_model(self.bundle, role, self.backend, self.providers, self.activations,
-                                           self.attention, exact_steps, self.kv_dtype)
+        model, why_not_native = open_model(self.bundle, role, self.settings, exact_steps)
         if why_not_native is not None:
             self.backend_notes[role] = why_not_native
         return model

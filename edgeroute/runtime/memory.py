@@ -18,8 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from edgeroute.arch import ArchConfig
-from edgeroute.bundle import Bundle, kv_row_bytes
+from edgeroute.bundle import Bundle
 from edgeroute.errors import InputError
+from edgeroute.kv_formats import kv_row_bytes
 
 MIB = 1 << 20
 # Measured on the SmolLM2 demo bundle, ONNX Runtime CPU: RSS after load is 1.27x (LLM) and

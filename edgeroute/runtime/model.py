@@ -22,10 +22,11 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from edgeroute.bundle import ATTENTION_VARIANTS, GRAPH_KV_DTYPES, Bundle, ModelEntry
+from edgeroute.bundle import ATTENTION_VARIANTS, Bundle, ModelEntry
 from edgeroute.errors import InputError
+from edgeroute.kv_formats import GRAPH_KV_DTYPES, check_kv_dtype
 from edgeroute.rope import rope_tables
-from edgeroute.runtime.attention import ATTENTION_CHOICES, FLAVOURS, KVCache, check_kv_dtype
+from edgeroute.runtime.attention import ATTENTION_CHOICES, FLAVOURS, KVCache
 from edgeroute.runtime.memory import PREFILL_CHUNK
 from edgeroute.runtime.vocab import HeadVocabulary
 
@@ -38,13 +39,14 @@ _pool_lock = threading.Lock()
 _global_pool: bool | None = None
 
 
-def _shared_thread_pool() -> bool:
+def _shared_thread_pool(threads: int | None = None) -> bool:
     """One intra-op pool for every session in the process: with a pool per session, dozens
-    of per-layer sessions fight over the cores (measured: 3-8 vs ~160 tok/s on 2 cores)."""
+    of per-layer sessions fight over the cores (measured: 3-8 vs ~160 tok/s on 2 cores). The
+    first model opened sizes it: ``threads``, else $EDGEROUTE_THREADS, else every core."""
     global _global_pool
     with _pool_lock:
         if _global_pool is None:
-            threads = int(os.environ.get("EDGEROUTE_THREADS", 0)) or (os.cpu_count() or 1)
+            threads = threads or int(os.environ.get("EDGEROUTE_THREADS", 0)) or (os.cpu_count() or 1)
             try:
                 ort.set_global_thread_pool_sizes(threads, 1)
                 _global_pool = True
@@ -106,7 +108,7 @@ def tune_malloc(largest_step_block: int = 0) -> None:
 ACTIVATION_PRECISION = {"int8": "4", "fp32": "1"}
 
 
-def session_options(activations: str = "int8") -> ort.SessionOptions:
+def session_options(activations: str = "int8", threads: int | None = None) -> ort.SessionOptions:
     if activations not in ACTIVATION_PRECISION:
         raise InputError(f"activation precision {activations!r} is not one of {', '.join(ACTIVATION_PRECISION)}")
     options = ort.SessionOptions()
@@ -120,8 +122,10 @@ def session_options(activations: str = "int8") -> ort.SessionOptions:
     # grows by a token per step (measured: +85 KB of RSS per decoded token, for good)
     options.enable_mem_pattern = False
     options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", ACTIVATION_PRECISION[activations])
-    if _shared_thread_pool():
+    if _shared_thread_pool(threads):
         options.use_per_session_threads = False
+    elif threads:
+        options.intra_op_num_threads = threads
     return options
 
 
@@ -256,7 +260,7 @@ class OrtModel(LayerwiseModel):
 
     def __init__(self, bundle: Bundle, role: str = "llm", providers: Sequence[str] | None = None,
                  activations: str = "int8", attention: str = "auto", exact_steps: bool = False,
-                 kv_dtype: str = "float32") -> None:
+                 kv_dtype: str = "float32", threads: int | None = None) -> None:
         if role not in bundle.models:
             raise InputError(f"bundle {bundle.path} has no {role!r} model (it has: {', '.join(bundle.models)})")
         self.entry: ModelEntry = bundle.models[role]
@@ -268,7 +272,7 @@ class OrtModel(LayerwiseModel):
         self.flavour = choose_flavour(self.entry, attention, kv_dtype)
         self.kv_dtype = kv_dtype
         self._attention = FLAVOURS[self.flavour](self.capacity)
-        self._options = session_options(activations)
+        self._options = session_options(activations, threads)
         # one-token steps run as two rows (see _pass): they then round like a multi-token pass
         self.exact_steps = exact_steps
         self._bundle = bundle
@@ -359,7 +363,8 @@ class OrtModel(LayerwiseModel):
         int8 activations) takes a GEMV path at M = 1 that rounds differently from M >= 2,
         where every row gets the same bits whatever M is; a speculative verification pass
         (M >= 2) then reproduces these steps bit for bit. The price is the second row's work
-        (see the README's figures); at the context's last position the step runs as one row."""
+        (docs/measured/2026-11-30-kv-fp16-ort-exact-steps.md); at the context's last position the step
+        runs as one row."""
         start, t = cache.length, ids.shape[0]
         if self.exact_steps and t == 1 and plan is None and start + 2 <= cache.capacity:
             hidden = self._pass(cache, np.repeat(ids, 2), None)[:1]

@@ -40,7 +40,7 @@ import numpy as np
 
 from edgeroute.bundle import Bundle
 from edgeroute.errors import BundleError, InputError, NativeBackendUnavailable
-from edgeroute.runtime.attention import check_kv_dtype
+from edgeroute.kv_formats import check_int8_head_dim, check_kv_dtype
 from edgeroute.runtime.evaluate import tokenize_text
 from edgeroute.runtime.memory import PREFILL_CHUNK
 from edgeroute.runtime.model import DROP, RUN, SKIP, SKIP_MLP, LayerPlan, LayerwiseModel, plan_action
@@ -291,7 +291,7 @@ class NativeModel(LayerwiseModel):
         """``kv_dtype``: the cache's element type, "float16" (half the bytes that attention reads
         per position), "float32" or "int8" (codes per 32 values and their float32 scales: 0.28x;
         keys scaled per channel, ``key_scales``); the kernels compute in float32 either way
-        (``backend.AUTO_KV_DTYPES``: what ``kv_dtype="auto"`` picks per kernel set). ``kernels``:
+        (``kv_formats.AUTO_KV_DTYPES``: what ``kv_dtype="auto"`` picks per kernel set). ``kernels``:
         see :func:`native_library`."""
         if role not in bundle.models:
             raise InputError(f"bundle {bundle.path} has no {role!r} model (it has: {', '.join(bundle.models)})")
@@ -303,9 +303,8 @@ class NativeModel(LayerwiseModel):
             raise NativeBackendUnavailable(f"the {role} model's native weights in {bundle.path} predate the GGUF "
                                            "container libedgeroute reads: re-export the bundle")
         self.kv_dtype = check_kv_dtype(kv_dtype)
-        if kv_dtype == "int8" and entry.arch.head_dim % 32:
-            raise InputError(f"an int8 KV cache keeps scales per 32 values: the {role} model's head_dim "
-                             f"{entry.arch.head_dim} is not a multiple of 32 (use kv_dtype='float16')")
+        if kv_dtype == "int8":
+            check_int8_head_dim(entry.arch.head_dim, f"{role} model")
         self.lib = native_library(kernels)
         self.arch = entry.arch
         self.capacity = int(bundle.generation["context_length"])

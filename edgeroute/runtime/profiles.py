@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from edgeroute.errors import InputError
-from edgeroute.runtime.attention import ATTENTION_CHOICES, KV_DTYPE_CHOICES
+from edgeroute.kv_formats import KV_DTYPE_CHOICES
+from edgeroute.runtime.attention import ATTENTION_CHOICES
 from edgeroute.runtime.decoding import DecodeOptions
 
 if TYPE_CHECKING:
