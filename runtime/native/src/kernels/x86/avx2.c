@@ -5,6 +5,14 @@
 #define TILE 4      /* activation rows per pass over a weight row: 16 vector registers */
 #define HEAD_BLOCK 1 /* query heads per pass over a cache row: 16 vector registers */
 
+#include <immintrin.h>
+
+/* unsigned codes x signed activations -> 8 int32 sums of 4; codes <= 63 (or |q| <= 128 with the
+ * sign moved to the activation, which is never -128): maddubs' 16-bit pair sums cannot saturate */
+static inline __m256i dot_u8s8(__m256i u, __m256i a) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), _mm256_set1_epi16(1));
+}
+
 #include "x86.h"
 
 typedef __m256 acc_t;
@@ -48,17 +56,9 @@ INLINE void dot_q6_k(const er_matrix *m, const uint8_t *w, const er_q8 *x, const
     acc_t acc[TILE];
     for (int i = 0; i < mt; i++) acc[i] = ACC_ZERO;
     for (int sb = 0; sb < m->cols / 256; sb++, w += 210) {
-        const int8_t *sc = (const int8_t *)(w + 192);
         const float d = read_f16(w + 208);
-        const __m256i scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
         __m256i u[8], s[8];
-        for (int n = 0; n < 2; n++) {
-            q6_k_codes(w + 64 * n, w + 128 + 32 * n, u + 4 * n);
-            for (int g = 0; g < 4; g++) {
-                const int j = 8 * n + 2 * g;
-                s[4 * n + g] = _mm256_set_m128i(_mm_set1_epi16(sc[j + 1]), _mm_set1_epi16(sc[j]));
-            }
-        }
+        const __m256i scales16 = q6_k_block(w, u, s);
         UNROLL_TILE
         for (int i = 0; i < mt; i++) {
             __m256i sumi = scaled_dot256_narrow(u, s, x[i].qk + 256 * sb);

@@ -6,6 +6,11 @@
 #define TILE 8       /* activation rows per pass over a weight row: its blocks are unpacked once per tile */
 #define HEAD_BLOCK 3 /* 32 vector registers: 3 heads x 8 accumulators (outputs) or x 4 rows (scores) */
 
+#include <immintrin.h>
+
+/* unsigned codes x signed activations -> 8 int32 sums of 4, one instruction (the 256-bit VNNI form) */
+static inline __m256i dot_u8s8(__m256i u, __m256i a) { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, a); }
+
 #include "x86.h"
 
 /* 512-bit forms: two 32-value groups per instruction, half the instructions per activation row */
@@ -107,17 +112,9 @@ INLINE void dot_q6_k(const er_matrix *m, const uint8_t *w, const er_q8 *x, const
     acc_t acc[TILE];
     for (int i = 0; i < mt; i++) acc[i] = ACC_ZERO;
     for (int sb = 0; sb < m->cols / 256; sb++, w += 210) {
-        const int8_t *sc = (const int8_t *)(w + 192);
         const float d = read_f16(w + 208);
-        const __m256i scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
         __m256i u[8], s[8];
-        for (int n = 0; n < 2; n++) {
-            q6_k_codes(w + 64 * n, w + 128 + 32 * n, u + 4 * n);
-            for (int g = 0; g < 4; g++) {
-                const int j = 8 * n + 2 * g;
-                s[4 * n + g] = _mm256_set_m128i(_mm_set1_epi16(sc[j + 1]), _mm_set1_epi16(sc[j]));
-            }
-        }
+        const __m256i scales16 = q6_k_block(w, u, s);
         __m512i uw[4], sw[4];
         for (int p = 0; p < 4; p++) {
             uw[p] = WIDE(u[2 * p], u[2 * p + 1]);

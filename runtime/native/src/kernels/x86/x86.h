@@ -1,5 +1,6 @@
 /* What the x86 kernel sets (avx2.c, avx512_vnni.c) share: block unpacking, activation
- * quantization, the softmax's exponential, prefetching. Included first by each set. */
+ * quantization, the softmax's exponential, prefetching. Included first by each set, after it
+ * has defined TILE and dot_u8s8 (unsigned codes x signed activations -> 8 int32 sums of 4). */
 #ifndef ER_X86_H
 #define ER_X86_H
 
@@ -17,18 +18,6 @@ static inline float hsum(__m256 v) {
     x = _mm_add_ps(x, _mm_movehl_ps(x, x));
     x = _mm_add_ss(x, _mm_movehdup_ps(x));
     return _mm_cvtss_f32(x);
-}
-
-static inline __m256i sum_pairs(__m256i p16) { return _mm256_madd_epi16(p16, _mm256_set1_epi16(1)); }
-
-/* unsigned codes x signed activations -> 8 int32 sums of 4; codes <= 63 (or |q| <= 128 with the
- * sign moved to the activation, which is never -128): maddubs' 16-bit pair sums cannot saturate */
-static inline __m256i dot_u8s8(__m256i u, __m256i a) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, a); /* one instruction where the set has it */
-#else
-    return sum_pairs(_mm256_maddubs_epi16(u, a));
-#endif
 }
 
 static inline __m256i nibbles16(const uint8_t *qs) { /* 16 bytes -> low nibbles, then high nibbles */
@@ -110,6 +99,20 @@ INLINE void q6_k_codes(const uint8_t *ql, const uint8_t *qh, __m256i u[4]) {
                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), m2), 4));
     u[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), m2), 4));
+}
+
+/* a Q6_K super-block unpacked: its 8 x 32 codes u, its 16 scales s laid out like the pairs of
+ * 16-bit products (group g: scales 2g, 2g + 1), and returned as 16 int16 */
+INLINE __m256i q6_k_block(const uint8_t *w, __m256i u[8], __m256i s[8]) {
+    const int8_t *sc = (const int8_t *)(w + 192);
+    for (int n = 0; n < 2; n++) {
+        q6_k_codes(w + 64 * n, w + 128 + 32 * n, u + 4 * n);
+        for (int g = 0; g < 4; g++) {
+            const int j = 8 * n + 2 * g;
+            s[4 * n + g] = _mm256_set_m128i(_mm_set1_epi16(sc[j + 1]), _mm_set1_epi16(sc[j]));
+        }
+    }
+    return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
 }
 
 /* 256-bit form of the same: 8 x 32 codes u, scales s laid out like the 16-bit pair products */
