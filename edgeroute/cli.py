@@ -85,8 +85,12 @@ def export(
     slm_layers: int = typer.Option(None, help="keep the SLM's first N layers (default: all; 12 when cut from the LLM)"),
     quant: str = typer.Option("int4-gptq", help="int4-gptq | int4-rtn | fp16 | fp32 (quantized sources are carried over)"),
     slm_quant: str = typer.Option(None, help="the SLM's setting (default: --quant)"),
-    block_size: int = typer.Option(32, help="int4 block size: 32, 64 or 128"),
-    head: str = typer.Option("int8", help="LM head format for float sources: int8 | int4 | fp16 | fp32"),
+    target: str = typer.Option("onnxruntime", help="what the graphs are for: onnxruntime (quantized sources carried "
+                               "over exactly) | tensorrt (TensorRT 10: int4 re-blocked to 64/128, fp16)"),
+    block_size: int = typer.Option(None, help="int4 block size: 32, 64 or 128 (default 32; tensorrt: 64 or 128, "
+                                   "default 64)"),
+    head: str = typer.Option(None, help="LM head format for float sources: int8 (default) | int4 | fp16 | fp32; "
+                             "tensorrt: fp16 (default) | int4, for every source"),
     slm_vocab: int = typer.Option(None, help="give the SLM a head over the N most frequent token ids of the "
                                   "calibration text (+ special and chat-template tokens); default: the whole vocabulary"),
     context_length: int = typer.Option(2048, help="KV capacity the runtime allocates"),
@@ -101,7 +105,7 @@ def export(
     from edgeroute.export import ExportOptions, export_bundle
 
     options = ExportOptions(llm=llm, slm=None if no_slm else slm, slm_layers=slm_layers, quant=quant,
-                            slm_quant=slm_quant, block_size=block_size, head=head, slm_vocab=slm_vocab,
+                            slm_quant=slm_quant, target=target, block_size=block_size, head=head, slm_vocab=slm_vocab,
                             context_length=context_length,
                             calibration_tokens=calibration_tokens, parity_tokens=parity_tokens, native=native, out=out,
                             force=force)
@@ -133,7 +137,7 @@ def inspect(bundle: Path = typer.Argument(..., help="bundle directory")) -> None
         b = Bundle.open(bundle, verify=True)
     m = b.manifest
     console.print(f"[bold]{bundle}[/]: format {m['format_version']}, edgeroute {m['edgeroute_version']}, "
-                  f"opset {m['opset']}, created {m['created']}")
+                  f"opset {m['opset']}, target {b.target.name}, created {m['created']}")
     table = Table()
     for column in ("model", "family", "layers", "hidden", "heads (kv)", "vocab", "quantization", "graphs", "native",
                    "size", "source"):

@@ -85,6 +85,9 @@ def native_blocker(entry: ModelEntry, providers: Sequence[str] | None, activatio
                    attention: str) -> str | None:
     """Why the native backend cannot take this model with these settings (None: it can)."""
     if entry.native is None:
+        if not entry.target.carries_over:
+            return (f"the {entry.role} model has no native weights: the bundle was exported for --target "
+                    f"{entry.target.name}, which re-blocks the source's weights")
         return f"the {entry.role} model has no native weights (export writes them for GGUF sources)"
     if providers and list(providers) != ["CPUExecutionProvider"]:
         return f"providers {list(providers)} are ONNX Runtime's"
@@ -110,7 +113,8 @@ AUTO_KV_DTYPES = {"native": "float16", "native:avx512-vnni": "int8", "onnxruntim
 def resolve_kv_dtype(kv_dtype: str, backend: str, entry: ModelEntry) -> str:
     """The cache element type ``kv_dtype`` means for ``entry``'s model on ``backend`` ("native"
     or "onnxruntime"): for "auto", ``AUTO_KV_DTYPES`` of the backend and, native, its kernels
-    (int8 only where head_dim is a multiple of 32: the rows keep a scale per 32 values)."""
+    (int8 only where head_dim is a multiple of 32: the rows keep a scale per 32 values); on
+    ONNX Runtime the bundle's target's first cache where it has no graphs for that one."""
     if check_kv_dtype(kv_dtype, KV_DTYPE_CHOICES) != "auto":
         return kv_dtype
     if backend == "native":
@@ -118,7 +122,8 @@ def resolve_kv_dtype(kv_dtype: str, backend: str, entry: ModelEntry) -> str:
 
         cache = AUTO_KV_DTYPES.get(f"native:{native_kernels()}", AUTO_KV_DTYPES["native"])
         return cache if cache != "int8" or entry.arch.head_dim % 32 == 0 else AUTO_KV_DTYPES["native"]
-    return AUTO_KV_DTYPES[backend]
+    cache = AUTO_KV_DTYPES[backend]
+    return cache if cache in entry.target.kv_dtypes else entry.target.kv_dtypes[0]
 
 
 def backend_for(entry: ModelEntry, backend: str = "auto", providers: Sequence[str] | None = None,
