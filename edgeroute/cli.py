@@ -129,7 +129,12 @@ def export(
 
 
 @app.command()
-def inspect(bundle: Path = typer.Argument(..., help="bundle directory")) -> None:
+def inspect(
+    bundle: Path = typer.Argument(..., help="bundle directory"),
+    tensorrt: bool = typer.Option(False, "--tensorrt", help="also list every node TensorRT 10's ONNX parser "
+                                  "documents as unsupported (exit code 1 when there is one)"),
+    tensorrt_report: Path = typer.Option(None, help="with --tensorrt: write every finding to this JSON file"),
+) -> None:
     """Summarize a bundle and verify every file's checksum."""
     from edgeroute.bundle import Bundle
 
@@ -155,6 +160,35 @@ def inspect(bundle: Path = typer.Argument(..., help="bundle directory")) -> None
                   f"{'yes' if b.tokenizer.get('chat_format') else 'no'}")
     _print_calibration(b)
     console.print(f"[green]all {len(m['files'])} files match their sha256[/] ({_mb(b.total_bytes())})")
+    if tensorrt and _print_tensorrt_findings(b, tensorrt_report):
+        raise typer.Exit(1)
+
+
+def _print_tensorrt_findings(b, report: Path | None) -> int:
+    """The TensorRT lint's findings as a table (and every one into ``report``); their count."""
+    import dataclasses
+    import json
+
+    from edgeroute.tensorrt.lint import RULES, grouped, lint_bundle
+
+    findings = lint_bundle(b)
+    if report is not None:
+        report.write_text(json.dumps([dataclasses.asdict(f) | {"kind": f.kind} for f in findings], indent=1))
+    if not findings:
+        console.print(f"[green]TensorRT: no node of the {sum(len(e.graphs) for e in b.models.values())} graphs "
+                      "breaks a rule[/]")
+        return 0
+    table = Table(title=f"TensorRT 10: {len(findings)} findings (kinds: parser = documented unsupported, builder "
+                        "= blocked quantization, target = the tensorrt target's fp16)")
+    for column in ("rule", "kind", "op", "nodes", "graphs", "first node", "why"):
+        table.add_column(column)
+    for group in grouped(findings):
+        first = group.findings[0]
+        table.add_row(group.rule, group.kind, group.op, str(len(group.findings)), str(group.graphs),
+                      f"{first.graph}: {first.node}", first.detail)
+    console.print(table)
+    console.print("rules: " + "; ".join(f"{rule} ({kind}): {what}" for rule, (kind, what) in RULES.items()))
+    return len(findings)
 
 
 def _print_calibration(b) -> None:
