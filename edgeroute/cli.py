@@ -408,6 +408,32 @@ def calibrate(
     console.print(f"report: {report.report}")
 
 
+@app.command("build-engines")
+def build_engines(
+    bundle: Path = typer.Argument(..., help="bundle directory (exported with --target tensorrt)"),
+    profile: str = typer.Option(..., help="device profile: its context and engines limits set the optimisation "
+                                "profiles (name in profiles/ or a JSON file)"),
+    cache: Path = typer.Option(None, help="engine cache directory (default: .BUNDLE.engines beside the bundle)"),
+    role: str = typer.Option("llm", help="llm | slm"),
+) -> None:
+    """Build TensorRT engines (fp16, int4 weight-only; prefill and decode profiles) for this GPU,
+    cached by GPU, TensorRT version and bundle hash. Needs TensorRT and an NVIDIA GPU."""
+    from edgeroute.bundle import Bundle
+    from edgeroute.runtime.profiles import load_profile
+    from edgeroute.tensorrt.engines import build_engines as build
+
+    with _clear_errors(), _progress_bars() as update:
+        report = build(Bundle.open(bundle, verify=True), load_profile(profile), cache, role, update)
+    limits = report.key.limits
+    done = "reused: built for this GPU, TensorRT and bundle" if report.reused else f"{len(report.built)} built"
+    stale = f", {report.removed_stale} stale entries removed" if report.removed_stale else ""
+    console.print(f"engines: {report.cache} ({done}{stale})")
+    console.print(f"GPU {report.key.gpu}, TensorRT {report.key.tensorrt}; context {limits.context}, prefill "
+                  f"<= {limits.prefill_tokens} tokens, decode <= {limits.decode_tokens}")
+    console.print(f"time {report.seconds:.1f}s, peak host memory {_mb(report.peak_host_bytes)} "
+                  f"({report.peak_per_parameter:.2f} bytes per parameter, {report.parameters / 1e6:,.0f}M parameters)")
+
+
 @app.command()
 def sources(
     names: list[str] = typer.Argument(None, help="named sources (default: all)"),

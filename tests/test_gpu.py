@@ -66,3 +66,22 @@ def test_tensorrt_parses_every_graph_of_an_int4_bundle(request):
         ok = parser.parse_from_file(str(bundle.file(graph.file)))
         errors = [str(parser.get_error(i)) for i in range(parser.num_errors)]
         assert ok, f"{graph.file}: {errors}"
+
+
+def test_build_engines_builds_a_tensorrt_target_bundle_then_reuses_the_cache(tiny_models, tmp_path_factory):
+    """Not yet run on hardware (docs/guide/gpu.md)."""
+    pytest.importorskip("tensorrt", reason="TensorRT is not installed (pip install '.[gpu]' on a GPU machine)")
+    from edgeroute.runtime.profiles import load_profile
+    from edgeroute.tensorrt.engines import build_engines, gpu_identity
+
+    try:
+        gpu_identity()
+    except Exception as err:
+        pytest.skip(f"no NVIDIA GPU here: {err}")
+    root = tmp_path_factory.mktemp("gpu-engines")
+    export_tiny(tiny_models["llama"][0], root / "trt", quant="int4-rtn", target="tensorrt")
+    bundle = Bundle.open(root / "trt")
+    first = build_engines(bundle, load_profile("cuda"), root / "cache")
+    assert not first.reused and len(first.built) == 2 + 4 * bundle.llm.num_layers
+    again = build_engines(bundle, load_profile("cuda"), root / "cache")
+    assert again.reused and again.cache == first.cache
