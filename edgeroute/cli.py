@@ -246,8 +246,8 @@ def run(
                                                   "the bundle's)"),
     no_slm: bool = typer.Option(False, "--no-slm", help="never load the bundle's SLM (less memory)"),
     backend: str = typer.Option("auto", help="auto | native (edgeroute's CPU kernels over the bundle's GGUF blocks) "
-                                "| onnxruntime; auto: native where the bundle has native weights and the settings "
-                                "allow, else ONNX Runtime"),
+                                "| onnxruntime | onnxruntime-cuda (TensorRT and CUDA providers); auto: native where "
+                                "the bundle has native weights and the settings allow, else ONNX Runtime"),
     attention: str = typer.Option(None, help="attention graphs: auto | portable | ort (default: the device "
                                              "profile's, else auto)"),
     kv_dtype: str = typer.Option(None, help="KV cache element type: auto (int8 on the native AVX-512 VNNI kernels, "

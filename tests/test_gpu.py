@@ -85,3 +85,17 @@ def test_build_engines_builds_a_tensorrt_target_bundle_then_reuses_the_cache(tin
     assert not first.reused and len(first.built) == 2 + 4 * bundle.llm.num_layers
     again = build_engines(bundle, load_profile("cuda"), root / "cache")
     assert again.reused and again.cache == first.cache
+
+
+@pytest.mark.parametrize("provider", ["CUDAExecutionProvider", "TensorrtExecutionProvider"])
+def test_gpu_provider_runs_the_tensorrt_target_like_the_cpu(provider, tiny_models, tmp_path_factory):
+    """The tensorrt target's fp16 graphs on a GPU provider against the same graphs on the CPU."""
+    _require_provider(provider)
+    out = tmp_path_factory.mktemp("gpu-trt-target") / "llama"
+    export_tiny(tiny_models["llama"][0], out, quant="int4-rtn", target="tensorrt")
+    bundle = Bundle.open(out)
+    cpu = OrtModel(bundle, kv_dtype="float16")
+    gpu = OrtModel(bundle, providers=[provider, "CPUExecutionProvider"], kv_dtype="float16")
+    want = cpu.forward(cpu.new_cache(), PROMPT, all_logits=True)
+    got = gpu.forward(gpu.new_cache(), PROMPT, all_logits=True)
+    assert relative_error(got, want) <= 1e-2

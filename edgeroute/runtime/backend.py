@@ -6,9 +6,10 @@ truncated (rejected drafts) and copied (shared prompt prefixes), and the LM head
 :class:`edgeroute.runtime.model.OrtModel` implements it on ONNX Runtime with the bundle's
 attention flavours (portable standard ops, or the ort flavour's in-place
 GroupQueryAttention), :class:`edgeroute.runtime.native.NativeModel` on edgeroute's own CPU
-kernels over the bundle's GGUF blocks (``open_model`` chooses); a TensorRT backend would
-implement it over engines built from the portable graphs, with its own cache layout behind
-the same :class:`Cache` methods.
+kernels over the bundle's GGUF blocks (``open_model`` chooses); ``onnxruntime-cuda`` is
+OrtModel on ONNX Runtime's GPU providers. A TensorRT backend would implement it over the
+engines of ``edgeroute build-engines``, with its own cache layout behind the same
+:class:`Cache` methods (not written yet: docs/guide/gpu.md).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 import numpy as np
+import onnxruntime as ort
 
 from edgeroute.arch import ArchConfig
 from edgeroute.bundle import GRAPH_KV_DTYPES, Bundle, ModelEntry
@@ -78,7 +80,18 @@ class ModelBackend(Protocol):
         """Hidden states [T, d] -> logits [T, vocab]."""
 
 
-BACKENDS = ("auto", "onnxruntime", "native")
+BACKENDS = ("auto", "onnxruntime", "onnxruntime-cuda", "native")
+GPU_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider")  # the order onnxruntime-cuda tries them
+
+
+def cuda_providers(available: Sequence[str] | None = None) -> list[str]:
+    """ONNX Runtime's providers for ``backend='onnxruntime-cuda'``: TensorRT's where installed,
+    CUDA's, then the CPU for what they do not take; refused where this ONNX Runtime has no CUDA."""
+    available = list(ort.get_available_providers() if available is None else available)
+    if "CUDAExecutionProvider" not in available:
+        raise InputError(f"backend='onnxruntime-cuda' needs onnxruntime-gpu and an NVIDIA GPU; this ONNX Runtime has "
+                         f"{', '.join(available)}: use backend='onnxruntime' (CPU) or install onnxruntime-gpu")
+    return [p for p in GPU_PROVIDERS if p in available] + ["CPUExecutionProvider"]
 
 
 def native_blocker(entry: ModelEntry, providers: Sequence[str] | None, activations: str,
@@ -137,7 +150,7 @@ def backend_for(entry: ModelEntry, backend: str = "auto", providers: Sequence[st
 
     if backend not in BACKENDS:
         raise InputError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
-    if backend == "onnxruntime":
+    if backend in ("onnxruntime", "onnxruntime-cuda"):
         return "onnxruntime", None
     why_not = native_blocker(entry, providers, activations, attention)
     if why_not is None:
@@ -168,6 +181,8 @@ def open_model(bundle: Bundle, role: str, backend: str = "auto", providers: Sequ
     check_kv_dtype(kv_dtype, KV_DTYPE_CHOICES)  # a wrong name fails before anything is chosen or loaded
     if role not in bundle.models:
         raise InputError(f"bundle {bundle.path} has no {role!r} model (it has: {', '.join(bundle.models)})")
+    if backend == "onnxruntime-cuda":
+        providers = providers or cuda_providers()
     chosen, why_not = backend_for(bundle.models[role], backend, providers, activations, attention)
     cache = resolve_kv_dtype(kv_dtype, chosen, bundle.models[role])
     if chosen == "native":
