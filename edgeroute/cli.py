@@ -415,6 +415,8 @@ def build_engines(
                                 "profiles (name in profiles/ or a JSON file)"),
     cache: Path = typer.Option(None, help="engine cache directory (default: .BUNDLE.engines beside the bundle)"),
     role: str = typer.Option("llm", help="llm | slm"),
+    kinds: str = typer.Option("embed,layer,attn,mlp,kv,head", help="graph kinds to build (full decoding needs "
+                              "embed,layer,head; skipping also kv, attn, mlp)"),
 ) -> None:
     """Build TensorRT engines (fp16, int4 weight-only; prefill and decode profiles) for this GPU,
     cached by GPU, TensorRT version and bundle hash. Needs TensorRT and an NVIDIA GPU."""
@@ -423,7 +425,8 @@ def build_engines(
     from edgeroute.tensorrt.engines import build_engines as build
 
     with _clear_errors(), _progress_bars() as update:
-        report = build(Bundle.open(bundle, verify=True), load_profile(profile), cache, role, update)
+        report = build(Bundle.open(bundle, verify=True), load_profile(profile), cache, role, update,
+                       tuple(k.strip() for k in kinds.split(",") if k.strip()))
     limits = report.key.limits
     done = "reused: built for this GPU, TensorRT and bundle" if report.reused else f"{len(report.built)} built"
     stale = f", {report.removed_stale} stale entries removed" if report.removed_stale else ""

@@ -69,6 +69,13 @@ def test_every_engine_graph_gets_shapes_in_both_profiles(tiny_tensorrt_bundle):
             assert set(input_shapes(graph, profile)) == {i["name"] for i in graph.inputs}
 
 
+def test_a_subset_of_graph_kinds_is_built_on_request_and_an_unknown_kind_refused(tiny_tensorrt_bundle):
+    names = [g.name for g in engine_graphs(tiny_tensorrt_bundle, "llm", ("embed", "layer", "head"))]
+    assert names == ["embed", "head", *(f"layer_{i:03d}_kv16" for i in range(tiny_tensorrt_bundle.llm.num_layers))]
+    with pytest.raises(InputError, match="'lm_head'"):
+        engine_graphs(tiny_tensorrt_bundle, "llm", ("lm_head",))
+
+
 def test_an_input_with_a_dimension_no_profile_sets_is_an_error_naming_it(tiny_tensorrt_bundle):
     graph = tiny_tensorrt_bundle.llm.graphs["embed"]
     odd = dataclasses.replace(graph, inputs=[{"name": "input_ids", "dtype": "int64", "shape": ["batch"]}])

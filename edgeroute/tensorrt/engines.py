@@ -107,20 +107,27 @@ def input_shapes(graph: GraphEntry, ranges: dict[str, Range]) -> dict[str, tuple
     return shapes
 
 
-def engine_graphs(bundle: Bundle, role: str) -> list[GraphEntry]:
+GRAPH_KINDS = ("embed", "layer", "attn", "mlp", "kv", "head")
+
+
+def engine_graphs(bundle: Bundle, role: str, kinds: tuple[str, ...] = GRAPH_KINDS) -> list[GraphEntry]:
     """The graphs the runtime runs for ``role``'s model on the bundle's target: embed, head,
-    and per layer the target's default attention variant, mlp and kv. A bundle whose target is
-    not TensorRT's is refused (its graphs hold what TensorRT's parser rejects)."""
+    and per layer the target's default attention variant, mlp and kv (``kinds``: only these;
+    ``full`` decoding needs embed, layer and head). A bundle whose target is not TensorRT's is
+    refused (its graphs hold what TensorRT's parser rejects)."""
+    unknown = set(kinds) - set(GRAPH_KINDS)
+    if unknown or not kinds:
+        raise InputError(f"graph kinds {sorted(unknown) or 'none'}: choose from {', '.join(GRAPH_KINDS)}")
     if bundle.target.name != "tensorrt":
         raise InputError(f"bundle {bundle.path} was exported for --target {bundle.target.name}, whose graphs TensorRT "
                          f"cannot parse (`edgeroute inspect {bundle.path} --tensorrt` lists why): export it again with "
                          "--target tensorrt")
     entry = bundle.models[role]
     flavour, kv_dtype = bundle.target.attention_variants[0]
-    names = ["embed", "head"]
+    names = [kind for kind in ("embed", "head") if kind in kinds]
     for i in range(entry.num_layers):
-        names += [attention_graph_name(kind, i, flavour, kv_dtype) for kind in ("layer", "attn")]
-        names += [attention_graph_name(kind, i) for kind in ("mlp", "kv")]
+        names += [attention_graph_name(kind, i, flavour, kv_dtype) for kind in ("layer", "attn") if kind in kinds]
+        names += [attention_graph_name(kind, i) for kind in ("mlp", "kv") if kind in kinds]
     return [entry.graphs[name] for name in names]
 
 
@@ -301,11 +308,11 @@ def _build_one(trt, builder, logger, path: Path, graph: GraphEntry, limits: Engi
 
 
 def build_engines(bundle: Bundle, profile: Profile, cache_root: Path | None = None, role: str = "llm",
-                  progress: Progress | None = None) -> BuildReport:
+                  progress: Progress | None = None, kinds: tuple[str, ...] = GRAPH_KINDS) -> BuildReport:
     """Build (or reuse) the engines of ``role``'s model for this GPU, TensorRT and bundle."""
     start = time.perf_counter()
     progress = progress or (lambda task, done, total: None)
-    graphs = engine_graphs(bundle, role)  # refuses a bundle of another target before anything else
+    graphs = engine_graphs(bundle, role, kinds)  # refuses a bundle of another target before anything else
     limits = engine_limits(bundle, profile)
     trt = _tensorrt()
     key = CacheKey(gpu_identity(), trt.__version__, bundle_hash(bundle), limits)
