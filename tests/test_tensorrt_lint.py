@@ -94,6 +94,13 @@ def test_blocked_quantization_names_what_is_wrong(dq, problem):
     assert details and problem in details[0]
 
 
+def test_a_blocked_axis_that_is_no_multiple_of_the_block_is_flagged():
+    """SmolLM2's hidden size 576 at block 128: 4.5 blocks."""
+    model = _weight_matmul(_int4("q", [576, 64]), _scales([5, 64]), axis=0, block_size=128)
+    details = [f.detail for f in lint_model(model, "g") if f.rule == "blocked-quantization"]
+    assert details and "axis length 576 is not a multiple of the block size 128" in details[0]
+
+
 def test_blocking_outside_the_last_two_axes_is_flagged():
     model = _model([helper.make_node("DequantizeLinear", ["q", "s"], ["y"], name="n", axis=0, block_size=64)],
                    [], [_int4("q", [128, 4, 8]), _scales([2, 4, 8])])

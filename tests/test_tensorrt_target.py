@@ -73,6 +73,7 @@ def test_the_native_backend_is_refused_naming_the_target(tiny_tensorrt_bundle):
     (dict(head="int8"), "--head 'int8'"),
     (dict(quant="fp32"), "--quant fp32"),
     (dict(target="tpu"), "--target 'tpu'"),
+    (dict(block_size=128), "--block-size 128 does not divide the model's hidden_size 64"),
 ])
 def test_options_the_target_cannot_hold_are_refused(tiny_models, tmp_path, options, named):
     settings = {"quant": "int4-rtn", "target": "tensorrt", **options}

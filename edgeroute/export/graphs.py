@@ -102,6 +102,15 @@ def _exact_in_fp16(values: np.ndarray) -> bool:
         return bool(np.array_equal(values.astype(np.float16).astype(np.float32), values))
 
 
+def _fp16_nonzero(values: np.ndarray) -> np.ndarray:
+    """``values`` in fp16, where a nonzero one never rounds to zero (a zero scale would drop its
+    block): the smallest subnormal of its sign at least."""
+    narrow = values.astype(np.float16)
+    lost = (narrow == 0) & (values != 0)
+    narrow[lost] = np.copysign(np.float16(2.0 ** -24), values[lost])
+    return narrow
+
+
 def _narrow_ints(codes: np.ndarray) -> np.ndarray:
     """Integer codes in the one-byte type that holds them (signed Q6_K sub-scales, or up to 255)."""
     return codes.astype(np.int8 if codes.min(initial=0) < 0 else np.uint8)
@@ -212,8 +221,8 @@ class GraphBuilder:
         its fused kernel still gets the same fp32 values (measured: still MatMulNBits). In a
         float16 graph they are fp16 initializers, which DequantizeLinear takes as they are
         (TensorRT wants its scales as initializers)."""
-        if self.act == TensorProto.FLOAT16:  # never rounded to zero: the smallest subnormal at least
-            return self.tensor(f"{name}.fp16", np.maximum(values, np.float32(2.0 ** -24)).astype(np.float16))
+        if self.act == TensorProto.FLOAT16:
+            return self.tensor(f"{name}.fp16", _fp16_nonzero(values))
         return self.float_weight(name, values, "fp16" if _exact_in_fp16(values) else "fp32")
 
     def block_table(self, name: str, table: np.ndarray, factors: BlockFactors | None, ids: str | None = None,

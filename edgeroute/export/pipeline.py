@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from edgeroute import __version__
+from edgeroute.arch import ArchConfig
 from edgeroute.bundle import DEFAULT_TARGET, TARGETS, NativeWeights, Target, model_section
 from edgeroute.errors import EdgerouteError, TokenizerMismatch
 from edgeroute.export.chat import derive_chat_format
@@ -166,6 +167,20 @@ def _map_layers(layers: Sequence[LayerWeights] | Iterable[LayerWeights],
     if isinstance(layers, Sequence):
         return lazy_map(layers, transform)
     return map(transform, layers)
+
+
+def _check_blocks(arch: ArchConfig, target: Target, block: int, method: str) -> None:
+    """A target that carries nothing over needs every linear's inputs in whole blocks
+    (TensorRT infers the block from the volumes)."""
+    inputs = {"hidden_size": arch.hidden_size, "intermediate_size": arch.intermediate_size,
+              "attention width": arch.num_heads * arch.head_dim}
+    ragged = {name: n for name, n in inputs.items() if n % block}
+    if method.startswith("int4") and not target.carries_over and ragged:
+        fits = [b for b in target.block_sizes if all(n % b == 0 for n in inputs.values())]
+        sizes = ", ".join(f"{name} {n}" for name, n in ragged.items())
+        raise EdgerouteError(f"--block-size {block} does not divide the model's {sizes} (--target {target.name} "
+                             "needs whole blocks): "
+                             + (f"use --block-size {fits[0]}" if fits else "no block size of this target fits"))
 
 
 def dequantized(weights: ModelWeights) -> ModelWeights:
@@ -340,6 +355,7 @@ def export_bundle(options: ExportOptions, progress: Progress | None = None) -> E
                     quantized = dataclasses.replace(quantized, lm_head_source=functools.partial(
                         _reduced_head, quantized, head_vocab.pop("ids")))
             arch = dataclasses.replace(source.arch, num_layers=len(weights.layers))
+            _check_blocks(arch, target, options.block_size, method)
             graphs = []
             with _stage(report, "quantize + write graphs"):
                 for done, (group, specs) in enumerate(model_graphs(arch, counting_formats(quantized, counts), target),

@@ -13,7 +13,8 @@
 - ``builder``: TensorRT 10's blocked quantization, as issue 30 states it (the developer guide,
   "Working with Quantized Types"; no copy in reach to re-check): blocked DequantizeLinear is
   INT4 weight-only (an initializer), block size 64 or 128, blocked along one of the last two
-  axes.
+  axes; and the importer's "Inferred block size is not an integer" (the blocked axis a
+  multiple of the block).
 - ``target``: what the tensorrt bundle target adds: MatMul and Gemm compute in float16.
 
 The 10.1 matrix documents opsets 9 to 20; blocked DequantizeLinear needs opset 21, which the
@@ -186,6 +187,10 @@ def _dequantize_findings(g: _Graph, node: onnx.NodeProto) -> Iterator[tuple[str,
         problems.append(f"block size {block}, not {' or '.join(map(str, BLOCK_SIZES))}")
     if rank and (axis % rank) < rank - 2:
         problems.append(f"blocked along axis {axis} of a rank-{rank} tensor, not one of the last two")
+    length = shape[axis % rank] if rank else None
+    if isinstance(length, int) and length % block:
+        problems.append(f"axis length {length} is not a multiple of the block size {block} (the importer infers "
+                        "the block from the volumes)")
     if len(scale_shape) != rank:
         problems.append(f"scales of rank {len(scale_shape)} for codes of rank {rank} (one blocking axis)")
     if problems:
