@@ -84,12 +84,12 @@ def test_options_the_target_cannot_hold_are_refused(tiny_models, tmp_path, optio
 
 # Measured 2026-12-02, SmolLM2-135M (Q4_1 GGUF), 512 held-out tokens, teacher-forced top-1 agreement
 # with the dequantized fp32 model on ONNX Runtime CPU: exact carry-over (default target) 95.9%;
-# tensorrt target (re-blocked from the dequantized weights) with GPTQ, its default, 77.9% at block 64,
-# with RTN 68.4% (64) / 66.2% (128); fp16 weights and activations alone 100.0% (256 tokens): the
-# loss is the re-blocking's. The test runs RTN (GPTQ takes minutes on 2 cores) and pins floors a
-# little under the measured figures.
+# tensorrt target (re-blocked at 64 from the dequantized weights, with per-block offsets) GPTQ, its
+# default, 82.2%, RTN 77.5% (symmetric, before offsets: 77.9% / 68.4%); fp16 weights and
+# activations alone 100.0% (256 tokens): the loss is the re-blocking's. The test runs RTN (GPTQ
+# takes minutes on 2 cores) and pins floors a little under the measured figures.
 CARRY_OVER_FLOOR = 0.93
-TENSORRT_RTN_FLOOR = 0.62
+TENSORRT_RTN_FLOOR = 0.72
 
 
 @pytest.mark.slow

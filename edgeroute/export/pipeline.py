@@ -121,9 +121,10 @@ Progress = Callable[[str, int, int], None]  # (task, done, total)
 # -- quantization -------------------------------------------------------------------------------
 
 def quantize_weights(source: SourceModel, weights: ModelWeights, method: str, head: str, block: int,
-                     calibration_ids: np.ndarray | None, progress: Progress) -> ModelWeights:
+                     calibration_ids: np.ndarray | None, progress: Progress, asymmetric: bool = False) -> ModelWeights:
     """Apply the quantization setting; weights already quantized in the source are carried
-    over unchanged (never quantized twice) unless a float format is asked for.
+    over unchanged (never quantized twice) unless a float format is asked for. ``asymmetric``:
+    the int4 layers get per-block offsets.
 
     Lazy: each layer (and the embedding and head) is quantized when the graph writer asks
     for it, so the model streams through export one layer at a time."""
@@ -139,10 +140,10 @@ def quantize_weights(source: SourceModel, weights: ModelWeights, method: str, he
     if method == "int4-gptq" and any(isinstance(lin.weight, FloatWeight) for lin in weights.layers[0].linears().values()):
         from edgeroute.export.gptq_driver import gptq_layers
 
-        layers = gptq_layers(source.arch, weights, calibration_ids, block, progress)
+        layers = gptq_layers(source.arch, weights, calibration_ids, block, progress, asymmetric)
     else:
         layers = lazy_map(weights.layers, lambda layer: dataclasses.replace(layer, **{
-            n: dataclasses.replace(lin, weight=rtn_quantize(lin.weight.w, 4, block))
+            n: dataclasses.replace(lin, weight=rtn_quantize(lin.weight.w, 4, block, asymmetric))
             for n, lin in layer.linears().items() if isinstance(lin.weight, FloatWeight)}))
 
     def embedding() -> Weight:
@@ -202,7 +203,8 @@ def for_target(weights: ModelWeights, target: Target, block: int, head: str) -> 
     def lm_head() -> Linear:
         lin = weights.lm_head
         w = lin.dequantize()
-        return Linear(FloatWeight(w, "fp16") if head == "fp16" else rtn_quantize(w, 4, block), lin.bias)
+        return Linear(FloatWeight(w, "fp16") if head == "fp16" else rtn_quantize(w, 4, block, target.offsets),
+                      lin.bias)
     return ModelWeights(lambda: FloatWeight(weights.embedding.dequantize(), "fp16"), weights.layers,
                         weights.final_norm, lm_head, weights.notes)
 
@@ -345,7 +347,8 @@ def export_bundle(options: ExportOptions, progress: Progress | None = None) -> E
                                     f"{method}, block {options.block_size}, over its dequantized weights")
             quantized = quantize_weights(source, weights if carried_over else dequantized(weights), method,
                                          options.head, options.block_size,
-                                         calibration, lambda t, d, n, r=role: progress(f"{r}: {t}", d, n))
+                                         calibration, lambda t, d, n, r=role: progress(f"{r}: {t}", d, n),
+                                         target.offsets)
             quantized = for_target(quantized, target, options.block_size, options.head)
             counts: Counter = Counter()
             head_vocab = None

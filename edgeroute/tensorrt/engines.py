@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from edgeroute.arch import ArchConfig
-from edgeroute.bundle import Bundle, GraphEntry, attention_graph_name
+from edgeroute.bundle import Bundle, GraphEntry, attention_graph_name, sha256_file
 from edgeroute.errors import EdgerouteError, InputError
 from edgeroute.runtime.memory import PREFILL_CHUNK
 from edgeroute.runtime.profiles import Profile
@@ -186,7 +186,7 @@ class EngineCache:
             return False
         engines = recorded.get("engines", {})
         return all(graph in engines and self.engine_path(graph).is_file()
-                   and _sha256(self.engine_path(graph)) == engines[graph] for graph in graphs)
+                   and sha256_file(self.engine_path(graph)) == engines[graph] for graph in graphs)
 
     def stale_entries(self) -> list[Path]:
         """Other entries for the same bundle path: built from an older bundle there, or for
@@ -210,19 +210,11 @@ class EngineCache:
 
     def commit(self, graphs: list[str]) -> None:
         meta = {"key": self.key.to_dict(), "bundle_path": self.bundle_path,
-                "engines": {g: _sha256(self.engine_path(g)) for g in graphs},
+                "engines": {g: sha256_file(self.engine_path(g)) for g in graphs},
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         tmp = self.directory / f".{META}.{os.getpid()}.tmp"
         tmp.write_text(json.dumps(meta, indent=1))
         os.replace(tmp, self.directory / META)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def parameter_count(arch: ArchConfig) -> int:
