@@ -7,7 +7,7 @@ import functools
 import json
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,20 +62,20 @@ class ExportOptions:
     out: Path = DEFAULT_OUT
     force: bool = False
 
-    def resolved(self) -> ExportOptions:
-        """The options with the target's defaults filled in, validated."""
+    def _target(self) -> Target:
         if self.target not in TARGETS:
             raise EdgerouteError(f"--target {self.target!r} is not one of {', '.join(TARGETS)}")
-        target = TARGETS[self.target]
-        options = dataclasses.replace(self, block_size=self.block_size or target.block_sizes[0],
+        return TARGETS[self.target]
+
+    def resolved(self) -> ExportOptions:
+        """The options with the target's defaults filled in, validated."""
+        options = dataclasses.replace(self, block_size=self.block_size or self._target().block_sizes[0],
                                       head=self.head or TARGET_HEADS[self.target][0])
         options.validate()
         return options
 
     def validate(self) -> None:
-        target = TARGETS.get(self.target)
-        if target is None:
-            raise EdgerouteError(f"--target {self.target!r} is not one of {', '.join(TARGETS)}")
+        target = self._target()
         for name, value, allowed in (("quant", self.quant, QUANT_METHODS),
                                      ("head", self.head, TARGET_HEADS[self.target]),
                                      ("slm_quant", self.slm_quant or self.quant, QUANT_METHODS),
@@ -162,14 +162,6 @@ def quantize_weights(source: SourceModel, weights: ModelWeights, method: str, he
     return ModelWeights(embedding, layers, weights.final_norm, lm_head, weights.notes)
 
 
-def _map_layers(layers: Sequence[LayerWeights] | Iterable[LayerWeights],
-                transform: Callable[[LayerWeights], LayerWeights]) -> Sequence[LayerWeights] | Iterator[LayerWeights]:
-    """``transform`` applied to each layer as it is asked for (GPTQ's layers come in one pass)."""
-    if isinstance(layers, Sequence):
-        return lazy_map(layers, transform)
-    return map(transform, layers)
-
-
 def _check_blocks(arch: ArchConfig, target: Target, block: int, method: str) -> None:
     """A target that carries nothing over needs every linear's inputs in whole blocks
     (TensorRT infers the block from the volumes)."""
@@ -190,7 +182,7 @@ def dequantized(weights: ModelWeights) -> ModelWeights:
     def layer_in_float(layer: LayerWeights) -> LayerWeights:
         return dataclasses.replace(layer, **{n: Linear(FloatWeight(lin.dequantize()), lin.bias)
                                              for n, lin in layer.linears().items()})
-    return dataclasses.replace(weights, layers=_map_layers(weights.layers, layer_in_float))
+    return dataclasses.replace(weights, layers=lazy_map(weights.layers, layer_in_float))
 
 
 def for_target(weights: ModelWeights, target: Target, block: int, head: str) -> ModelWeights:
