@@ -21,6 +21,14 @@ def tiny_tensorrt_bundle(tiny_models, tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def tiny_tensorrt_slm_engine(tiny_models, tmp_path_factory):
+    out = tmp_path_factory.mktemp("trt-slm") / "llama"
+    src = tiny_models["llama"][0]
+    export_tiny(src, out, quant="int4-rtn", target="tensorrt", slm=str(src), slm_layers=1)
+    return Engine(out)
+
+
 def test_the_manifest_records_the_target_and_the_target_writes_fp16_cache_graphs_only(tiny_tensorrt_bundle):
     bundle = Bundle.open(tiny_tensorrt_bundle)
     assert bundle.manifest["target"] == "tensorrt" and bundle.target.name == "tensorrt"
@@ -52,6 +60,19 @@ def test_the_runtime_keeps_the_targets_fp16_cache_and_its_steps_match_one_pass(t
     steps = np.stack([model.forward(cache, [t]) for t in prompt[5:]])
     assert np.isfinite(whole).all()
     np.testing.assert_allclose(steps, whole[5:], rtol=0, atol=2e-2 * np.abs(whole).max())
+
+
+@pytest.mark.parametrize("options", [
+    dict(), dict(mode="speculate", light="slm"), dict(mode="route", light="slm"), dict(mode="slm"),
+    dict(mode="skip", scorer="random", skip_ratio=0.5, protected_first=1, protected_last=0, max_free_layers=1,
+         re_eval_interval=1),
+    dict(mode="skip", granularity="mlp", scorer="random", skip_ratio=0.5, protected_first=1, protected_last=0,
+         max_free_layers=1, re_eval_interval=1),
+], ids=["full", "speculate", "route", "slm", "skip", "skip-mlp"])
+def test_every_mode_runs_on_the_target_with_its_slm(tiny_tensorrt_slm_engine, options):
+    """kv_i's fp16 rows fill the fp16 cache for skipped layers; attn_i/mlp_i serve MLP skips."""
+    generation = tiny_tensorrt_slm_engine.generate("The capital of France is", max_new_tokens=12, **options)
+    assert len(generation.tokens) == 12 and generation.finish_reason == "length"
 
 
 @pytest.mark.parametrize("settings, named", [
