@@ -19,8 +19,10 @@ from edgeroute.skip_options import SkipOptions
 FORMAT_NAME = "edgeroute-bundle"
 # 2 added graph flavours (``flavour`` per graph; ``*_ort`` graphs beside the portable ones) and
 # the optional calibration section; a version-1 bundle is a version-2 bundle with portable
-# graphs only and no calibration
-FORMAT_VERSION = 2
+# graphs only and no calibration. 3 added ``target`` (what the graphs were written for: a
+# runtime that predates it would look for graphs a tensorrt bundle does not have); a version-2
+# bundle reads as a version-3 bundle of target "onnxruntime"
+FORMAT_VERSION = 3
 OLDEST_FORMAT_VERSION = 1
 PORTABLE = "portable"
 MANIFEST = "manifest.json"
@@ -54,14 +56,19 @@ def model_section(arch: ArchConfig, source: dict[str, Any], quantization: dict[s
 
 def build_manifest(*, edgeroute_version: str, created: str, opset: int, tokenizer: dict[str, Any],
                    generation: dict[str, Any], models: dict[str, dict[str, Any]],
-                   files: dict[str, dict[str, Any]], calibration: Calibration | None = None) -> dict[str, Any]:
-    """The whole manifest, as export writes it (see docs/bundle-format.md)."""
+                   files: dict[str, dict[str, Any]], target: str | None = None,
+                   calibration: Calibration | None = None) -> dict[str, Any]:
+    """The whole manifest, as export writes it (see docs/bundle-format.md); ``target`` None:
+    the default target."""
+    target = target or DEFAULT_TARGET
     unknown = set(models) - set(MODEL_ROLES)
     if unknown or "llm" not in models:
         raise ValueError(f"a bundle holds an 'llm' and optionally an 'slm' model (got {sorted(models)})")
+    if target not in TARGETS:
+        raise ValueError(f"target {target!r} is not one of {', '.join(TARGETS)}")
     manifest = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "edgeroute_version": edgeroute_version,
-                "created": created, "opset": opset, "tokenizer": tokenizer, "generation": generation,
-                "models": models, "files": files}
+                "created": created, "opset": opset, "target": target, "tokenizer": tokenizer,
+                "generation": generation, "models": models, "files": files}
     if calibration is not None:
         manifest["calibration"] = calibration.to_dict()
     return manifest
@@ -159,6 +166,47 @@ class Calibration:
 # the (flavour, KV cache dtype) variants of the attention graphs (layer_i, attn_i) an export
 # writes; the first is the default, and an fp16 cache exists in the portable flavour only
 ATTENTION_VARIANTS = ((PORTABLE, "float32"), ("ort", "float32"), (PORTABLE, "float16"))
+@dataclass(frozen=True)
+class Target:
+    """What an export writes a bundle's graphs for (the manifest's ``target``). A new target is
+    one more entry in ``TARGETS``; the export and the runtime read nothing else about it."""
+
+    name: str
+    description: str
+    # the (flavour, KV cache dtype) variants of the attention graphs, the first the default
+    attention_variants: tuple[tuple[str, str], ...]
+    activations: str  # float32 | float16: what the graphs compute in (the residual stream stays float32)
+    block_sizes: tuple[int, ...]  # the int4 block sizes it takes, the first the default
+    # whether int4 blocks of a quantized source (GGUF, GPTQ checkpoint) are carried over exactly;
+    # else they are re-blocked: re-quantized from their dequantized values
+    # (and only then may the export write native weights: the GGUF's blocks as stored)
+    carries_over: bool
+    # whether int4 blocks quantized by the export (of float or dequantized weights) get a per-block
+    # offset: min..max on the grid, an offset term beside a still symmetric DequantizeLinear
+    offsets: bool
+
+    @property
+    def kv_dtypes(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(kv for _, kv in self.attention_variants))
+
+
+TARGETS = {
+    "onnxruntime": Target("onnxruntime", "ONNX Runtime (CPU and GPU providers) and the native backend: quantized "
+                          "sources carried over exactly", ATTENTION_VARIANTS, "float32", (32, 64, 128), True, False),
+    # TensorRT 10's ONNX parser: see edgeroute/tensorrt/lint.py for the rules and their sources.
+    # Offsets measured on SmolLM2 (re-blocked Q4_1, agreement with fp32): RTN b64 68.4% -> 77.0%
+    "tensorrt": Target("tensorrt", "TensorRT 10 engines: int4 weight-only DequantizeLinear (symmetric, block 64 or "
+                       "128), fp16 activations and KV cache, standard ops only; ONNX Runtime runs it too",
+                       ((PORTABLE, "float16"),), "float16", (64, 128), False, True),
+}
+DEFAULT_TARGET = "onnxruntime"
+
+
+def bundle_target(name: str) -> Target:
+    if name not in TARGETS:
+        raise BundleError(f"the bundle's target {name!r} is not one this runtime knows ({', '.join(TARGETS)}): "
+                          "upgrade edgeroute or re-export")
+    return TARGETS[name]
 
 
 def attention_graph_name(kind: str, layer: int | None, flavour: str = PORTABLE, kv_dtype: str = "float32") -> str:
@@ -237,6 +285,7 @@ class ModelEntry:
     quantization: dict[str, Any]
     source: dict[str, Any]
     native: NativeWeights | None = None  # absent: the model runs on ONNX Runtime only
+    target: Target = TARGETS[DEFAULT_TARGET]  # what the bundle's graphs were written for
 
     @property
     def num_layers(self) -> int:
@@ -264,11 +313,12 @@ class Bundle:
         self.path = path
         self.manifest = manifest
         self.models: dict[str, ModelEntry] = {}
+        self.target = bundle_target(manifest.get("target", DEFAULT_TARGET))
         for role, entry in manifest["models"].items():
             graphs = {g["name"]: GraphEntry(**g) for g in entry["graphs"]}
             native = NativeWeights.from_dict(entry["native"], manifest["files"]) if "native" in entry else None
             self.models[role] = ModelEntry(role, ArchConfig.from_dict(entry["arch"]), graphs,
-                                           entry["quantization"], entry["source"], native)
+                                           entry["quantization"], entry["source"], native, self.target)
         self.calibration = self._read_calibration(manifest.get("calibration"))
 
     def _read_calibration(self, data: Any) -> Calibration | None:

@@ -97,8 +97,9 @@ def export(
     slm_layers: int = typer.Option(None, help="keep the SLM's first N layers"),
     quant: str = typer.Option("int4-gptq", show_default=False, help="int4-gptq (default)|int4-rtn|fp16|fp32"),
     slm_quant: str = typer.Option(None, help="the SLM's --quant (default: the LLM's)"),
-    block_size: int = typer.Option(32, help="int4 block size: 32, 64 or 128"),
-    head: str = typer.Option("int8", show_default=False, help="LM head: int8 (default)|int4|fp16|fp32"),
+    target: str = typer.Option("onnxruntime", help="graphs for: onnxruntime|tensorrt"),
+    block_size: int = typer.Option(None, help="int4 block: 32|64|128 (tensorrt: 64|128)"),
+    head: str = typer.Option(None, help="LM head: int8|int4|fp16|fp32 (tensorrt: fp16|int4)"),
     slm_vocab: int = typer.Option(None, help="SLM head over the N most frequent ids"),
     context_length: int = typer.Option(2048, help="KV capacity of a session"),
     calibration_tokens: int = typer.Option(2048, help="GPTQ calibration tokens"),
@@ -111,7 +112,7 @@ def export(
     from edgeroute.export import ExportOptions, export_bundle
 
     options = ExportOptions(llm=llm, slm=None if no_slm else slm, slm_layers=slm_layers, quant=quant,
-                            slm_quant=slm_quant, block_size=block_size, head=head, slm_vocab=slm_vocab,
+                            slm_quant=slm_quant, target=target, block_size=block_size, head=head, slm_vocab=slm_vocab,
                             context_length=context_length,
                             calibration_tokens=calibration_tokens, parity_tokens=parity_tokens, native=native, out=out,
                             force=force)
@@ -136,6 +137,8 @@ def export(
 def inspect(
     bundle: Path = typer.Argument(..., help="bundle directory"),
     as_json: bool = typer.Option(False, "--json", help="print the summary as JSON"),
+    tensorrt: bool = typer.Option(False, "--tensorrt", help="lint for TensorRT 10 (exit 1 on findings)"),
+    tensorrt_report: Path = typer.Option(None, help="--tensorrt: every finding to this JSON"),
 ) -> None:
     """Summarize a bundle and verify every file's checksum."""
     import json
@@ -149,7 +152,7 @@ def inspect(
         print(json.dumps(summary, indent=2))
         return
     console.print(f"[bold]{bundle}[/]: format {summary['format_version']}, edgeroute {summary['edgeroute_version']}, "
-                  f"opset {summary['opset']}, created {summary['created']}")
+                  f"opset {summary['opset']}, target {b.target.name}, created {summary['created']}")
     for role, m in summary["models"].items():
         s, q = m["source"], m["quantization"]
         quant = q["method"] + (" (carried over)" if q.get("carried_over") else "") + f", head {q['head']}"
@@ -163,6 +166,35 @@ def inspect(
                   f"{'yes' if summary['chat_template'] else 'no'}")
     _print_calibration(b)
     console.print(f"[green]all {summary['files']} files match their sha256[/] ({_mb(summary['bytes'])})")
+    if tensorrt and _print_tensorrt_findings(b, tensorrt_report):
+        raise typer.Exit(1)
+
+
+def _print_tensorrt_findings(b, report: Path | None) -> int:
+    """The TensorRT lint's findings as a table (and every one into ``report``); their count."""
+    import dataclasses
+    import json
+
+    from edgeroute.tensorrt.lint import RULES, grouped, lint_bundle
+
+    findings = lint_bundle(b)
+    if report is not None:
+        report.write_text(json.dumps([dataclasses.asdict(f) | {"kind": f.kind} for f in findings], indent=1))
+    if not findings:
+        console.print(f"[green]TensorRT: no node of the {sum(len(e.graphs) for e in b.models.values())} graphs "
+                      "breaks a rule[/]")
+        return 0
+    table = Table(title=f"TensorRT 10: {len(findings)} findings (kinds: parser = documented unsupported, builder "
+                        "= blocked quantization, target = the tensorrt target's fp16)")
+    for column in ("rule", "kind", "op", "nodes", "graphs", "first node", "why"):
+        table.add_column(column)
+    for group in grouped(findings):
+        first = group.findings[0]
+        table.add_row(group.rule, group.kind, group.op, str(len(group.findings)), str(group.graphs),
+                      f"{first.graph}: {first.node}", first.detail)
+    console.print(table)
+    console.print("rules: " + "; ".join(f"{rule} ({kind}): {what}" for rule, (kind, what) in RULES.items()))
+    return len(findings)
 
 
 def _print_calibration(b) -> None:
@@ -216,7 +248,7 @@ def run(
     profile: str = typer.Option(None, help="device/task profiles: NAME[,NAME] or FILE"),
     mode: str = typer.Option(None, help="full|slm|route|speculate|skip|...|auto"),
     light: str = typer.Option(None, help="light path: ngram|slm|ngram+slm"),
-    backend: str = typer.Option(None, help="auto|native|onnxruntime (default auto)"),
+    backend: str = typer.Option(None, help="auto|native|onnxruntime|onnxruntime-cuda"),
     kernels: str = typer.Option(None, help="native kernel set (default: the best here)"),
     kv_dtype: str = typer.Option(None, help="KV cache: auto|float32|float16|int8"),
     attention: str = typer.Option(None, help="ONNX Runtime graphs: auto|portable|ort"),
@@ -356,6 +388,35 @@ def calibrate(
     _print_calibration(Bundle.open(bundle, verify=False))
     console.print("time: " + ", ".join(f"{k} {v:.0f}s" for k, v in report.seconds.items()))
     console.print(f"report: {report.report}")
+
+
+@app.command("build-engines")
+def build_engines(
+    bundle: Path = typer.Argument(..., help="bundle directory (exported with --target tensorrt)"),
+    profile: str = typer.Option(..., help="device profile: its context and engines limits set the optimisation "
+                                "profiles (name in profiles/ or a JSON file)"),
+    cache: Path = typer.Option(None, help="engine cache directory (default: .BUNDLE.engines beside the bundle)"),
+    role: str = typer.Option("llm", help="llm | slm"),
+    kinds: str = typer.Option("embed,layer,attn,mlp,kv,head", help="graph kinds to build (full decoding needs "
+                              "embed,layer,head; skipping also kv, attn, mlp)"),
+) -> None:
+    """Build TensorRT engines (fp16, int4 weight-only; prefill and decode profiles) for this GPU,
+    cached by GPU, TensorRT version and bundle hash. Needs TensorRT and an NVIDIA GPU."""
+    from edgeroute.bundle import Bundle
+    from edgeroute.runtime.profiles import load_profile
+    from edgeroute.tensorrt.engines import build_engines as build
+
+    with _clear_errors(), _progress_bars() as update:
+        report = build(Bundle.open(bundle, verify=True), load_profile(profile), cache, role, update,
+                       tuple(k.strip() for k in kinds.split(",") if k.strip()))
+    limits = report.key.limits
+    done = "reused: built for this GPU, TensorRT and bundle" if report.reused else f"{len(report.built)} built"
+    stale = f", {report.removed_stale} stale entries removed" if report.removed_stale else ""
+    console.print(f"engines: {report.cache} ({done}{stale})")
+    console.print(f"GPU {report.key.gpu}, TensorRT {report.key.tensorrt}; context {limits.context}, prefill "
+                  f"<= {limits.prefill_tokens} tokens, decode <= {limits.decode_tokens}")
+    console.print(f"time {report.seconds:.1f}s, peak host memory {_mb(report.peak_host_bytes)} "
+                  f"({report.peak_per_parameter:.2f} bytes per parameter, {report.parameters / 1e6:,.0f}M parameters)")
 
 
 @app.command()

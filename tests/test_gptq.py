@@ -53,14 +53,30 @@ def test_gptq_codes_in_range_and_scales_positive() -> None:
         assert qw.offset is None and qw.bits == bits and qw.block == 40
 
 
-def test_gptq_with_diagonal_hessian_equals_rtn() -> None:
+@pytest.mark.parametrize("asymmetric", [False, True])
+def test_gptq_with_diagonal_hessian_equals_rtn(asymmetric: bool) -> None:
     # Uncorrelated inputs give GPTQ nothing to compensate with: it must reduce to RTN.
     rng = np.random.default_rng(2)
     w = rng.standard_normal((16, 64)).astype(np.float32)
-    qw = gptq_quantize(w, np.diag(rng.uniform(0.5, 2.0, 64)).astype(np.float32), block=16)
-    rtn = rtn_quantize(w, block=16)
+    qw = gptq_quantize(w, np.diag(rng.uniform(0.5, 2.0, 64)).astype(np.float32), block=16, asymmetric=asymmetric)
+    rtn = rtn_quantize(w, block=16, asymmetric=asymmetric)
     np.testing.assert_array_equal(qw.q, rtn.q)
     np.testing.assert_array_equal(qw.scale, rtn.scale)
+    assert (qw.offset is None) == (rtn.offset is None) == (not asymmetric)
+    if asymmetric:
+        np.testing.assert_array_equal(qw.offset, rtn.offset)
+
+
+def test_asymmetric_blocks_hold_a_one_sided_block_with_less_error() -> None:
+    """Weights that lean to one side (as GGUF Q4_1 blocks can): the offset spends every code
+    on the block's range, a symmetric block half of them on values that do not occur."""
+    rng = np.random.default_rng(5)
+    w = rng.uniform(0.2, 1.0, (32, 128)).astype(np.float32)
+    asym, sym = rtn_quantize(w, block=64, asymmetric=True), rtn_quantize(w, block=64)
+    assert asym.q.min() >= -8 and asym.q.max() <= 7 and (asym.scale > 0).all()
+    assert asym.q.min() == -8 and asym.q.max() == 7  # the whole grid is used
+    err_asym, err_sym = (float(np.abs(q.dequantize() - w).max()) for q in (asym, sym))
+    assert err_asym < 0.6 * err_sym
 
 
 def test_gptq_zeroes_dead_input_columns() -> None:

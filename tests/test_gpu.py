@@ -49,20 +49,55 @@ def test_gpu_provider_matches_the_cpu(provider, bundle_kind, variant, request):
     assert np.array_equal(got.argmax(-1), want.argmax(-1))
 
 
-def test_tensorrt_parses_every_graph_of_an_int4_bundle(request):
+def test_tensorrt_parses_every_graph_of_a_tensorrt_target_bundle(tiny_models, tmp_path_factory):
+    """The default target's graphs hold what TensorRT rejects (`inspect --tensorrt` lists it);
+    the tensorrt target's must all parse."""
     trt = pytest.importorskip("tensorrt", reason="TensorRT is not installed (pip install '.[gpu]' on a GPU machine)")
     try:
         builder = trt.Builder(trt.Logger(trt.Logger.WARNING))
     except Exception as err:  # no CUDA device: TensorRT cannot create a builder
         pytest.skip(f"TensorRT has no usable GPU here: {err}")
-    bundle = Bundle.open(request.getfixturevalue("tiny_int4_bundle"))
-    portable = [graph for graph in bundle.llm.graphs.values() if graph.flavour == "portable"]
-    # per layer: layer, attn, mlp, kv, and layer/attn for an fp16 cache (the ort flavour's contrib
-    # ops are ONNX Runtime's only)
-    assert len(portable) == 6 * bundle.llm.num_layers + 2
+    out = tmp_path_factory.mktemp("gpu-parse") / "llama"
+    export_tiny(tiny_models["llama"][0], out, quant="int4-rtn", target="tensorrt")
+    bundle = Bundle.open(out)
+    portable = list(bundle.llm.graphs.values())
+    assert len(portable) == 4 * bundle.llm.num_layers + 2  # per layer: layer, attn (fp16 cache), mlp, kv
     for graph in portable:
         network = builder.create_network(0)
         parser = trt.OnnxParser(network, builder.logger)
         ok = parser.parse_from_file(str(bundle.file(graph.file)))
         errors = [str(parser.get_error(i)) for i in range(parser.num_errors)]
         assert ok, f"{graph.file}: {errors}"
+
+
+def test_build_engines_builds_a_tensorrt_target_bundle_then_reuses_the_cache(tiny_models, tmp_path_factory):
+    """Not yet run on hardware (docs/guide/gpu.md)."""
+    pytest.importorskip("tensorrt", reason="TensorRT is not installed (pip install '.[gpu]' on a GPU machine)")
+    from edgeroute.runtime.profiles import load_profile
+    from edgeroute.tensorrt.engines import build_engines, gpu_identity
+
+    try:
+        gpu_identity()
+    except Exception as err:
+        pytest.skip(f"no NVIDIA GPU here: {err}")
+    root = tmp_path_factory.mktemp("gpu-engines")
+    export_tiny(tiny_models["llama"][0], root / "trt", quant="int4-rtn", target="tensorrt")
+    bundle = Bundle.open(root / "trt")
+    first = build_engines(bundle, load_profile("cuda"), root / "cache")
+    assert not first.reused and len(first.built) == 2 + 4 * bundle.llm.num_layers
+    again = build_engines(bundle, load_profile("cuda"), root / "cache")
+    assert again.reused and again.cache == first.cache
+
+
+@pytest.mark.parametrize("provider", ["CUDAExecutionProvider", "TensorrtExecutionProvider"])
+def test_gpu_provider_runs_the_tensorrt_target_like_the_cpu(provider, tiny_models, tmp_path_factory):
+    """The tensorrt target's fp16 graphs on a GPU provider against the same graphs on the CPU."""
+    _require_provider(provider)
+    out = tmp_path_factory.mktemp("gpu-trt-target") / "llama"
+    export_tiny(tiny_models["llama"][0], out, quant="int4-rtn", target="tensorrt")
+    bundle = Bundle.open(out)
+    cpu = OrtModel(bundle, kv_dtype="float16")
+    gpu = OrtModel(bundle, providers=[provider, "CPUExecutionProvider"], kv_dtype="float16")
+    want = cpu.forward(cpu.new_cache(), PROMPT, all_logits=True)
+    got = gpu.forward(gpu.new_cache(), PROMPT, all_logits=True)
+    assert relative_error(got, want) <= 1e-2

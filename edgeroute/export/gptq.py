@@ -2,8 +2,9 @@
 
 Columns are quantized left to right; each column's rounding error, weighted by the inverse
 Hessian of the layer's reconstruction loss, is pushed onto the columns not yet quantized.
-The output is the same symmetric blocked format as ``rtn_quantize`` (positive scales from
-``block_scales``), so the graph builder treats both alike.
+The output is the same blocked format as ``rtn_quantize`` (positive scales from
+``block_scales``; or, ``asymmetric``, scales and offsets from ``asymmetric_block_params``), so
+the graph builder treats both alike.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from edgeroute.export.quantize import block_scales
+from edgeroute.export.quantize import asymmetric_block_params, block_scales
 from edgeroute.export.tensors import QUANT_RANGES, BlockQuantWeight
 
 
@@ -66,6 +67,7 @@ def gptq_quantize(
     block: int = 32,
     damp: float = 0.01,
     batch_columns: int = 128,
+    asymmetric: bool = False,
 ) -> BlockQuantWeight:
     """Quantize ``w`` [out, in] to ``bits``-bit blocks of ``block`` input columns with GPTQ.
 
@@ -95,6 +97,9 @@ def gptq_quantize(
 
     q = torch.zeros((out, n), dtype=torch.int8)
     scale = np.empty((out, -(-n // block)), np.float32)
+    offset = np.zeros_like(scale)
+    if asymmetric and n % block:
+        raise ValueError(f"asymmetric blocks need the input size ({n}) to be a multiple of the block ({block})")
     # Batches of whole groups, so a group's scale is always computed from its weights with
     # every earlier error already applied (the reference can miss in-batch updates there).
     step = max(block, batch_columns // block * block)
@@ -103,20 +108,25 @@ def gptq_quantize(
         w1 = weight[:, b0:b1].clone()
         err1 = torch.zeros_like(w1)
         hinv1 = hinv[b0:b1, b0:b1]
-        col_scale = torch.empty(0)
+        col_scale = col_offset = torch.empty(0)
         for i in range(b1 - b0):
             col = b0 + i
             if col % block == 0:  # first column of a group: fix its scale now
                 g = col // block
-                scale[:, g] = block_scales(w1[:, i : i + block].numpy(), bits, block)[:, 0]
-                col_scale = torch.from_numpy(scale[:, g].copy())
+                group = w1[:, i : i + block].numpy()
+                if asymmetric:
+                    scale[:, g], offset[:, g] = (v[:, 0] for v in asymmetric_block_params(group, bits, block))
+                else:
+                    scale[:, g] = block_scales(group, bits, block)[:, 0]
+                col_scale, col_offset = torch.from_numpy(scale[:, g].copy()), torch.from_numpy(offset[:, g].copy())
             c = w1[:, i]
-            qc = torch.clamp(torch.round(c / col_scale), lo, hi)
+            qc = torch.clamp(torch.round((c - col_offset) / col_scale), lo, hi)
             q[:, col] = qc.to(torch.int8)
-            err = (c - qc * col_scale) / hinv1[i, i]
+            err = (c - (qc * col_scale + col_offset)) / hinv1[i, i]
             # Optimal update of the remaining columns of this batch (rank-1, eq. 3 of the paper).
             w1[:, i:] -= torch.outer(err, hinv1[i, i:])
             err1[:, i] = err
         # Lazy batch update: the later columns get this batch's errors in one matmul.
         weight[:, b1:] -= err1 @ hinv[b0:b1, b1:]
-    return BlockQuantWeight(q.numpy(), scale, bits, block, origin="gptq")
+    return BlockQuantWeight(q.numpy(), scale, bits, block, offset if asymmetric else None,
+                            origin="gptq-asym" if asymmetric else "gptq")

@@ -34,7 +34,7 @@ def _single_thread() -> Iterator[None]:
 
 
 def gptq_layers(arch: ArchConfig, weights: ModelWeights, calibration_ids: np.ndarray, block: int,
-                progress: Callable[[str, int, int], None]) -> Iterator[LayerWeights]:
+                progress: Callable[[str, int, int], None], asymmetric: bool = False) -> Iterator[LayerWeights]:
     """The quantized layers in order, each yielded as soon as it is done: only the calibration
     hidden states (tokens x hidden) and one layer are held, never the whole model."""
     reference = ReferenceModel(arch, weights)
@@ -55,7 +55,8 @@ def gptq_layers(arch: ArchConfig, weights: ModelWeights, calibration_ids: np.nda
         for name, linear in layer.linears().items():
             if isinstance(linear.weight, FloatWeight):
                 with _single_thread():
-                    q = gptq_quantize(linear.weight.w, hessians[INPUT_OF[name]].hessian(), bits=4, block=block)
+                    q = gptq_quantize(linear.weight.w, hessians[INPUT_OF[name]].hessian(), bits=4, block=block,
+                                      asymmetric=asymmetric)
                 replaced[name] = dataclasses.replace(linear, weight=q)
         new_layer = dataclasses.replace(layer, **replaced)
         with torch.no_grad():

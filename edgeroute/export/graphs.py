@@ -12,7 +12,8 @@ layer (see docs/bundle-format.md):
   fill for a token that skips the layer)
 - ``head``:    hidden -> logits (final norm + LM head)
 
-Every graph exists in the *portable* flavour (standard ops only: TensorRT parses it). The
+Every graph exists in the *portable* flavour (standard ops only; the tensorrt target's, in
+float16 and without the storage forms TensorRT rejects, are what its parser takes). The
 attention graphs (``layer_i``, ``attn_i``) also come in the *ort* flavour (``layer_i_ort``,
 ``attn_i_ort``): ONNX Runtime's contrib ``GroupQueryAttention``, which writes the new K/V
 rows into the runtime's cache buffer in place (bound as both past and present) and reads
@@ -23,7 +24,8 @@ memory, the same weights (graphs of a layer share one weight file).
 Activations are 2-D [T, features] float32; portable caches are [positions, kv_heads,
 head_dim], ort caches [1, kv_heads, capacity, head_dim].
 Quantized weights are int4/int8 ``DequantizeLinear`` (blocked, symmetric, positive scales)
-feeding a ``MatMul``: TensorRT 10 parses it, and ONNX Runtime fuses it into MatMulNBits.
+feeding a ``MatMul``: ONNX Runtime fuses it into MatMulNBits, and TensorRT 10 takes it as int4
+blocked 64 or 128 wide (the tensorrt target; ``edgeroute/tensorrt/lint.py`` has the rules).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from edgeroute.arch import ArchConfig
-from edgeroute.bundle import ATTENTION_VARIANTS, attention_graph_name
+from edgeroute.bundle import ATTENTION_VARIANTS, DEFAULT_TARGET, TARGETS, Target, attention_graph_name
 from edgeroute.export.packing import PackedCodes, pack_codes
 from edgeroute.export.tensors import (
     BlockFactors,
@@ -53,7 +55,7 @@ from edgeroute.export.tensors import (
 
 OPSET = 21
 CONTRIB_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib ops (the ort flavour only)
-KV_TYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}  # the K/V cache's element type
+KV_TYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}  # the K/V cache's (and activations') type
 EXTERNAL_MIN_BYTES = 1024  # smaller initializers (shape constants) stay inside the graph
 
 
@@ -100,6 +102,15 @@ def _exact_in_fp16(values: np.ndarray) -> bool:
         return bool(np.array_equal(values.astype(np.float16).astype(np.float32), values))
 
 
+def _fp16_nonzero(values: np.ndarray) -> np.ndarray:
+    """``values`` in fp16, where a nonzero one never rounds to zero (a zero scale would drop its
+    block): the smallest subnormal of its sign at least."""
+    narrow = values.astype(np.float16)
+    lost = (narrow == 0) & (values != 0)
+    narrow[lost] = np.copysign(np.float16(2.0 ** -24), values[lost])
+    return narrow
+
+
 def _narrow_ints(codes: np.ndarray) -> np.ndarray:
     """Integer codes in the one-byte type that holds them (signed Q6_K sub-scales, or up to 255)."""
     return codes.astype(np.int8 if codes.min(initial=0) < 0 else np.uint8)
@@ -119,11 +130,17 @@ def _pack_int4(values: np.ndarray) -> bytes:
 
 
 class GraphBuilder:
-    """Accumulates nodes and initializers under stable, viewer-friendly names."""
+    """Accumulates nodes and initializers under stable, viewer-friendly names.
 
-    def __init__(self, name: str, weights: WeightFile | None = None) -> None:
+    ``activations`` is the type the projections, attention and MLP compute in; the residual
+    stream between graphs (``hidden``) and the norms stay float32 either way, so a float16
+    graph narrows each norm's output and widens what it adds to the residual."""
+
+    def __init__(self, name: str, weights: WeightFile | None = None, activations: str = "float32") -> None:
         self.name = name
         self.weights = weights
+        self.activations = activations
+        self.act = KV_TYPES[activations]
         self._output_values: list[tuple[str, str]] = []
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: list[TensorProto] = []
@@ -167,6 +184,18 @@ class GraphBuilder:
         self.initializers.append(proto)
         return name
 
+    def narrow(self, value: str, name: str) -> str:
+        """A float32 value in the activation type."""
+        return value if self.act == TensorProto.FLOAT else self.op("Cast", [value], name=f"{name}/Narrow", to=self.act)
+
+    def widen(self, value: str, name: str) -> str:
+        """An activation-typed value in float32."""
+        return value if self.act == TensorProto.FLOAT else self.op("Cast", [value], name=f"{name}/Widen",
+                                                                     to=TensorProto.FLOAT)
+
+    def act_const(self, values) -> str:
+        return self.const(values, np.float32 if self.act == TensorProto.FLOAT else np.float16)
+
     def const(self, values, dtype=np.int64) -> str:
         array = np.asarray(values, dtype=dtype)
         key = (array.dtype.str, array.shape, array.tobytes())
@@ -179,15 +208,21 @@ class GraphBuilder:
     # -- building blocks -------------------------------------------------------------------
 
     def float_weight(self, name: str, w: np.ndarray, storage: str) -> str:
+        """A float table in the activation type (fp16 storage in a float32 graph: Cast at load)."""
         if storage == "fp16":
             stored = self.tensor(f"{name}.fp16", w.astype(np.float16))
-            return self.op("Cast", [stored], name=f"{name}/Cast", to=TensorProto.FLOAT)
-        return self.tensor(name, w.astype(np.float32))
+            return stored if self.act == TensorProto.FLOAT16 else self.op("Cast", [stored], name=f"{name}/Cast",
+                                                                           to=TensorProto.FLOAT)
+        return self.narrow(self.tensor(name, w.astype(np.float32)), name)
 
     def block_params(self, name: str, values: np.ndarray) -> str:
         """Block scales or offsets: stored as fp16 where every value is exactly an fp16 (GGUF
         Q4_0/Q5_0/Q8_0 scales are), half the bytes on disk; ONNX Runtime folds the Cast, so
-        its fused kernel still gets the same fp32 values (measured: still MatMulNBits)."""
+        its fused kernel still gets the same fp32 values (measured: still MatMulNBits). In a
+        float16 graph they are fp16 initializers, which DequantizeLinear takes as they are
+        (TensorRT wants its scales as initializers)."""
+        if self.act == TensorProto.FLOAT16:
+            return self.tensor(f"{name}.fp16", _fp16_nonzero(values))
         return self.float_weight(name, values, "fp16" if _exact_in_fp16(values) else "fp32")
 
     def block_table(self, name: str, table: np.ndarray, factors: BlockFactors | None, ids: str | None = None,
@@ -288,8 +323,8 @@ class GraphBuilder:
         else:
             y = self._block_quant_matmul(x, weight.with_positive_scales(), name)
         if linear.bias is not None:
-            y = self.op("Add", [y, self.tensor(f"{name}.bias", linear.bias.astype(np.float32))],
-                        name=f"{name}/BiasAdd")
+            bias = linear.bias.astype(np.float32 if self.act == TensorProto.FLOAT else np.float16)
+            y = self.op("Add", [y, self.tensor(f"{name}.bias", bias)], name=f"{name}/BiasAdd")
         return y
 
     def fused_linear(self, x: str, linears: list[Linear], name: str) -> list[str]:
@@ -329,14 +364,16 @@ class GraphBuilder:
         return self.op("Transpose", [rows], name=f"{name}/Transpose"), rows
 
     def rms_norm(self, x: str, weight: np.ndarray, eps: float, name: str) -> str:
+        """float32 ``x`` -> normed, in the activation type (in float16 the mean of squares of
+        activations in the hundreds would overflow)."""
         # Pow/ReduceMean/Add/Sqrt/Div/Mul: the pattern ORT fuses into SimplifiedLayerNormalization
         sq = self.op("Pow", [x, self.const(2.0, np.float32)], name=f"{name}/Pow")
         mean = self.op("ReduceMean", [sq, self.const([-1])], name=f"{name}/ReduceMean", keepdims=1)
         var = self.op("Add", [mean, self.const(eps, np.float32)], name=f"{name}/Add")
         std = self.op("Sqrt", [var], name=f"{name}/Sqrt")
         normed = self.op("Div", [x, std], name=f"{name}/Div")
-        return self.op("Mul", [normed, self.tensor(f"{name}.weight", weight.astype(np.float32))],
-                       name=f"{name}/Mul")
+        return self.narrow(self.op("Mul", [normed, self.tensor(f"{name}.weight", weight.astype(np.float32))],
+                                   name=f"{name}/Mul"), name)
 
     def rope(self, x: str, cos: str, sin: str, head_dim: int, name: str) -> str:
         """rotate-half RoPE (the transformers convention) on x [T, heads, head_dim]:
@@ -346,7 +383,7 @@ class GraphBuilder:
         rotation = np.zeros((head_dim, head_dim), np.float32)
         rotation[np.arange(half) + half, np.arange(half)] = -1.0
         rotation[np.arange(half), np.arange(half) + half] = 1.0
-        rotated = self.op("MatMul", [x, self.const(rotation, np.float32)], name=f"{name}/RotateHalf")
+        rotated = self.op("MatMul", [x, self.act_const(rotation)], name=f"{name}/RotateHalf")
         return self.op("Add", [self.op("Mul", [x, cos], name=f"{name}/MulCos"),
                                self.op("Mul", [rotated, sin], name=f"{name}/MulSin")], name=f"{name}/Add")
 
@@ -370,21 +407,22 @@ class GraphBuilder:
 # -- graph I/O ---------------------------------------------------------------------------------
 
 def _activation_inputs(g: GraphBuilder, arch: ArchConfig) -> tuple[str, str, str]:
+    """hidden (float32), cos and sin (in the activation type)."""
     hidden = g.input("hidden", TensorProto.FLOAT, ["tokens", arch.hidden_size])
     cos = g.input("cos", TensorProto.FLOAT, ["tokens", 1, arch.head_dim])
     sin = g.input("sin", TensorProto.FLOAT, ["tokens", 1, arch.head_dim])
-    return hidden, cos, sin
+    return hidden, g.narrow(cos, "/rope/cos"), g.narrow(sin, "/rope/sin")
 
 
 def _heads(g: GraphBuilder, arch: ArchConfig, flat: str, n_heads: int, norm: np.ndarray | None, cos: str, sin: str,
            name: str) -> str:
     x = g.heads(flat, n_heads, arch.head_dim, f"{name}_heads")
     if norm is not None:
-        x = g.rms_norm(x, norm, arch.rms_norm_eps, f"{name}_norm")
+        x = g.rms_norm(g.widen(x, f"{name}_norm"), norm, arch.rms_norm_eps, f"{name}_norm")
     return g.rope(x, cos, sin, arch.head_dim, f"{name}_rope")
 
 
-def _kv_outputs(g: GraphBuilder, arch: ArchConfig, k: str, v: str, kv_dtype: str = "float32") -> None:
+def _kv_outputs(g: GraphBuilder, arch: ArchConfig, k: str, v: str, kv_dtype: str) -> None:
     shape = ["tokens", arch.num_kv_heads, arch.head_dim]
     g.output(k, "key", KV_TYPES[kv_dtype], shape)
     g.output(v, "value", KV_TYPES[kv_dtype], shape)
@@ -432,7 +470,8 @@ def _projections(g: GraphBuilder, arch: ArchConfig, layer: LayerWeights, hidden:
 
 
 def _output_projection(g: GraphBuilder, layer: LayerWeights, hidden: str, ctx: str, prefix: str) -> str:
-    return g.op("Add", [hidden, g.linear(ctx, layer.o_proj, f"{prefix}/o_proj")], name=f"{prefix}/Residual")
+    out = g.widen(g.linear(ctx, layer.o_proj, f"{prefix}/o_proj"), f"{prefix}/o_proj")
+    return g.op("Add", [hidden, out], name=f"{prefix}/Residual")
 
 
 def add_attention(g: GraphBuilder, arch: ArchConfig, layer: LayerWeights, index: int, hidden: str, cos: str,
@@ -441,7 +480,8 @@ def add_attention(g: GraphBuilder, arch: ArchConfig, layer: LayerWeights, index:
 
     With an fp16 cache (``kv_dtype``) the new rows are rounded to fp16 before attention uses
     them, so a token sees its own K/V as every later token will (a multi-token pass still
-    equals one-token steps), and the cache is widened to fp32 once, after the Concat.
+    equals one-token steps), and the cache is widened to the activation type once, after the
+    Concat (in a float16 graph nothing is cast).
 
     The query heads that share a KV head are folded into the MatMuls' rows ([kv, group*T, hd]):
     a one-token step then multiplies with M = group, not 1, and ONNX Runtime's float MatMul
@@ -450,8 +490,8 @@ def add_attention(g: GraphBuilder, arch: ArchConfig, layer: LayerWeights, index:
     prefix = f"/model/layers.{index}/attn"
     q, k, v = _projections(g, arch, layer, hidden, cos, sin, prefix)
     v = g.heads(v, arch.num_kv_heads, arch.head_dim, f"{prefix}/v_heads")
-    narrow = kv_dtype != "float32"
-    if narrow:
+    cast = KV_TYPES[kv_dtype] != g.act
+    if cast:
         k = g.op("Cast", [k], name=f"{prefix}/KeyNarrow", to=KV_TYPES[kv_dtype])
         v = g.op("Cast", [v], name=f"{prefix}/ValueNarrow", to=KV_TYPES[kv_dtype])
     _kv_outputs(g, arch, k, v, kv_dtype)
@@ -459,15 +499,17 @@ def add_attention(g: GraphBuilder, arch: ArchConfig, layer: LayerWeights, index:
     kv, group, hd = arch.num_kv_heads, arch.num_heads // arch.num_kv_heads, arch.head_dim
     keys = g.op("Concat", [past_k, k], name=f"{prefix}/KeyConcat", axis=0)  # [S, kv, hd]
     values = g.op("Concat", [past_v, v], name=f"{prefix}/ValueConcat", axis=0)
-    if narrow:
-        keys = g.op("Cast", [keys], name=f"{prefix}/KeyWiden", to=TensorProto.FLOAT)
-        values = g.op("Cast", [values], name=f"{prefix}/ValueWiden", to=TensorProto.FLOAT)
+    if cast:
+        keys = g.op("Cast", [keys], name=f"{prefix}/KeyWiden", to=g.act)
+        values = g.op("Cast", [values], name=f"{prefix}/ValueWiden", to=g.act)
     q = g.op("Reshape", [q, g.const([-1, kv, group, hd])], name=f"{prefix}/QGroups")
     q = g.op("Transpose", [q], name=f"{prefix}/QTranspose", perm=[1, 2, 0, 3])  # [kv, group, T, hd]
     q = g.op("Reshape", [q, g.const([kv, -1, hd])], name=f"{prefix}/QFold")  # [kv, group*T, hd]
     kt = g.op("Transpose", [keys], name=f"{prefix}/KTranspose", perm=[1, 2, 0])  # [kv, hd, S]
     scores = g.op("MatMul", [q, kt], name=f"{prefix}/Scores")  # [kv, group*T, S]
-    folded_bias = g.op("Tile", [bias, g.const([group, 1])], name=f"{prefix}/MaskTile")  # [group*T, S]
+    # float32 min narrows to -inf in float16: masked positions still get probability 0
+    folded_bias = g.op("Tile", [g.narrow(bias, f"{prefix}/Mask"), g.const([group, 1])],
+                       name=f"{prefix}/MaskTile")  # [group*T, S]
     scores = g.op("Add", [scores, folded_bias], name=f"{prefix}/Mask")
     probs = g.op("Softmax", [scores], name=f"{prefix}/Softmax", axis=-1)
     vt = g.op("Transpose", [values], name=f"{prefix}/VTranspose", perm=[1, 0, 2])  # [kv, S, hd]
@@ -517,7 +559,8 @@ def add_mlp(g: GraphBuilder, arch: ArchConfig, layer: LayerWeights, index: int, 
     gate, up = g.fused_linear(normed, [layer.gate_proj, layer.up_proj], f"{prefix}/gate_up_proj")
     silu = g.op("Mul", [gate, g.op("Sigmoid", [gate], name=f"{prefix}/Sigmoid")], name=f"{prefix}/SiLU")
     act = g.op("Mul", [silu, up], name=f"{prefix}/GateMul")
-    return g.op("Add", [hidden, g.linear(act, layer.down_proj, f"{prefix}/down_proj")], name=f"{prefix}/Residual")
+    down = g.widen(g.linear(act, layer.down_proj, f"{prefix}/down_proj"), f"{prefix}/down_proj")
+    return g.op("Add", [hidden, down], name=f"{prefix}/Residual")
 
 
 def _hidden_output(g: GraphBuilder, arch: ArchConfig, value: str) -> onnx.ModelProto:
@@ -526,10 +569,11 @@ def _hidden_output(g: GraphBuilder, arch: ArchConfig, value: str) -> onnx.ModelP
 
 
 def _attention_graph(name: str, arch: ArchConfig, layer: LayerWeights, index: int, weights: WeightFile | None,
-                     flavour: str, with_mlp: bool, kv_dtype: str) -> onnx.ModelProto:
-    if (flavour, kv_dtype) not in ATTENTION_VARIANTS:
-        raise ValueError(f"no {flavour} attention graphs for a {kv_dtype} cache (variants: {ATTENTION_VARIANTS})")
-    g = GraphBuilder(name, weights)
+                     flavour: str, with_mlp: bool, kv_dtype: str, activations: str) -> onnx.ModelProto:
+    if (flavour, kv_dtype) not in ATTENTION_VARIANTS or (flavour != "portable" and activations != "float32"):
+        raise ValueError(f"no {flavour} attention graphs for a {kv_dtype} cache and {activations} activations "
+                         f"(variants: {ATTENTION_VARIANTS}; the ort flavour computes in float32)")
+    g = GraphBuilder(name, weights, activations)
     inputs, attention = ATTENTION_FLAVOURS[flavour]
     cache = {} if kv_dtype == "float32" else {"kv_dtype": kv_dtype}  # only the portable flavour takes another
     hidden, *rest = inputs(g, arch, **cache)
@@ -538,41 +582,47 @@ def _attention_graph(name: str, arch: ArchConfig, layer: LayerWeights, index: in
 
 
 def build_layer(arch: ArchConfig, layer: LayerWeights, index: int, weights: WeightFile | None = None,
-                flavour: str = "portable", kv_dtype: str = "float32") -> onnx.ModelProto:
+                flavour: str = "portable", kv_dtype: str = "float32", activations: str = "float32") -> onnx.ModelProto:
     """The whole decoder layer: the runtime's path for a token that skips nothing."""
-    return _attention_graph(f"layer_{index}", arch, layer, index, weights, flavour, True, kv_dtype)
+    return _attention_graph(f"layer_{index}", arch, layer, index, weights, flavour, True, kv_dtype, activations)
 
 
 def build_attention(arch: ArchConfig, layer: LayerWeights, index: int, weights: WeightFile | None = None,
-                    flavour: str = "portable", kv_dtype: str = "float32") -> onnx.ModelProto:
-    return _attention_graph(f"attn_{index}", arch, layer, index, weights, flavour, False, kv_dtype)
+                    flavour: str = "portable", kv_dtype: str = "float32",
+                    activations: str = "float32") -> onnx.ModelProto:
+    return _attention_graph(f"attn_{index}", arch, layer, index, weights, flavour, False, kv_dtype, activations)
 
 
-def build_mlp(arch: ArchConfig, layer: LayerWeights, index: int, weights: WeightFile | None = None) -> onnx.ModelProto:
-    g = GraphBuilder(f"mlp_{index}", weights)
+def build_mlp(arch: ArchConfig, layer: LayerWeights, index: int, weights: WeightFile | None = None,
+              activations: str = "float32") -> onnx.ModelProto:
+    g = GraphBuilder(f"mlp_{index}", weights, activations)
     hidden = g.input("hidden", TensorProto.FLOAT, ["tokens", arch.hidden_size])
     return _hidden_output(g, arch, add_mlp(g, arch, layer, index, hidden))
 
 
-def build_kv_fill(arch: ArchConfig, layer: LayerWeights, index: int,
-                  weights: WeightFile | None = None) -> onnx.ModelProto:
+def build_kv_fill(arch: ArchConfig, layer: LayerWeights, index: int, weights: WeightFile | None = None,
+                  activations: str = "float32") -> onnx.ModelProto:
+    """Outputs in the activation type: the runtime rounds them into its cache's type."""
     prefix = f"/model/layers.{index}/kv_fill"
-    g = GraphBuilder(f"kv_{index}", weights)
+    g = GraphBuilder(f"kv_{index}", weights, activations)
     hidden, cos, sin = _activation_inputs(g, arch)
     normed = g.rms_norm(hidden, layer.attn_norm, arch.rms_norm_eps, f"{prefix}/norm")
     k, v = g.fused_linear(normed, [layer.k_proj, layer.v_proj], f"{prefix}/kv_proj")
     k = _heads(g, arch, k, arch.num_kv_heads, layer.k_norm, cos, sin, f"{prefix}/k")
-    _kv_outputs(g, arch, k, g.heads(v, arch.num_kv_heads, arch.head_dim, f"{prefix}/v_heads"))
+    _kv_outputs(g, arch, k, g.heads(v, arch.num_kv_heads, arch.head_dim, f"{prefix}/v_heads"), activations)
     return g.build()
 
 
-def build_embed(arch: ArchConfig, embedding: Weight, weights: WeightFile | None = None) -> onnx.ModelProto:
+def build_embed(arch: ArchConfig, embedding: Weight, weights: WeightFile | None = None,
+                activations: str = "float32") -> onnx.ModelProto:
+    """A float16 graph gathers float16 rows and widens them (TensorRT gathers no int8 or
+    int4 codes, and its DequantizeLinear takes no gathered codes)."""
     prefix = "/model/embed_tokens"
-    g = GraphBuilder("embed", weights)
+    g = GraphBuilder("embed", weights, activations)
     ids = g.input("input_ids", TensorProto.INT64, ["tokens"])
     if isinstance(embedding, FloatWeight):
         table = g.float_weight(f"{prefix}.weight", embedding.w, embedding.storage)
-        hidden = g.op("Gather", [table, ids], name=f"{prefix}/Gather", axis=0)
+        hidden = g.widen(g.op("Gather", [table, ids], name=f"{prefix}/Gather", axis=0), f"{prefix}/Gather")
     else:
         emb = embedding.with_positive_scales()
         if emb.bits == 4 and arch.hidden_size % 2 == 0:
@@ -617,12 +667,12 @@ def _gathered_int4_rows(g: GraphBuilder, arch: ArchConfig, emb: BlockQuantWeight
     return g.op("Reshape", [scaled, g.const([0, arch.hidden_size])], name=f"{prefix}/Flat")
 
 
-def build_head(arch: ArchConfig, final_norm: np.ndarray, lm_head: Linear,
-               weights: WeightFile | None = None) -> onnx.ModelProto:
-    g = GraphBuilder("head", weights)
+def build_head(arch: ArchConfig, final_norm: np.ndarray, lm_head: Linear, weights: WeightFile | None = None,
+               activations: str = "float32") -> onnx.ModelProto:
+    g = GraphBuilder("head", weights, activations)
     hidden = g.input("hidden", TensorProto.FLOAT, ["tokens", arch.hidden_size])
     normed = g.rms_norm(hidden, final_norm, arch.rms_norm_eps, "/model/norm")
-    logits = g.linear(normed, lm_head, "/lm_head")
+    logits = g.widen(g.linear(normed, lm_head, "/lm_head"), "/lm_head")
     g.output(logits, "logits", TensorProto.FLOAT, ["tokens", lm_head.weight.shape[0]])  # reduced heads: fewer
     return g.build()
 
@@ -630,20 +680,27 @@ def build_head(arch: ArchConfig, final_norm: np.ndarray, lm_head: Linear,
 GraphSpec = tuple[str, str, "int | None", Callable[["WeightFile | None"], onnx.ModelProto]]
 
 
-def model_graphs(arch: ArchConfig, weights: ModelWeights) -> Iterator[tuple[str, list[GraphSpec]]]:
+def model_graphs(arch: ArchConfig, weights: ModelWeights,
+                 target: Target = TARGETS[DEFAULT_TARGET]) -> Iterator[tuple[str, list[GraphSpec]]]:
     """Groups of (graph name, kind, layer, build(weight_file)); the graphs of one group share
-    one external weight file, so a layer's weights are stored once for its four graphs.
+    one external weight file, so a layer's weights are stored once for its graphs. The
+    attention graphs come in the target's variants, the first one's beside mlp and kv.
 
     A generator over the layers as they come: build a group's graphs before asking for the
     next one, and only one layer is ever held."""
-    yield "embed", [("embed", "embed", None, lambda w: build_embed(arch, weights.embedding, w))]
+    act = target.activations
+    first, *others = target.attention_variants
+
+    def attention_specs(i: int, layer: LayerWeights, flavour: str, kv_dtype: str) -> list[GraphSpec]:
+        return [(attention_graph_name(kind, i, flavour, kv_dtype), kind, i,
+                 lambda w, build=build: build(arch, layer, i, w, flavour, kv_dtype, act))
+                for kind, build in (("layer", build_layer), ("attn", build_attention))]
+
+    yield "embed", [("embed", "embed", None, lambda w: build_embed(arch, weights.embedding, w, act))]
     for i, layer in enumerate(weights.layers):
         yield f"layer_{i:03d}", [
-            *((f"{kind}_{i:03d}", kind, i, lambda w, build=build, i=i, layer=layer: build(arch, layer, i, w))
-              for kind, build in (("layer", build_layer), ("attn", build_attention), ("mlp", build_mlp),
-                                  ("kv", build_kv_fill))),
-            *((attention_graph_name(kind, i, flavour, kv_dtype), kind, i,
-               lambda w, build=build, i=i, layer=layer, f=flavour, d=kv_dtype: build(arch, layer, i, w, f, d))
-              for flavour, kv_dtype in ATTENTION_VARIANTS[1:]
-              for kind, build in (("layer", build_layer), ("attn", build_attention)))]
-    yield "head", [("head", "head", None, lambda w: build_head(arch, weights.final_norm, weights.lm_head, w))]
+            *attention_specs(i, layer, *first),
+            *((f"{kind}_{i:03d}", kind, i, lambda w, build=build, i=i, layer=layer: build(arch, layer, i, w, act))
+              for kind, build in (("mlp", build_mlp), ("kv", build_kv_fill))),
+            *(spec for variant in others for spec in attention_specs(i, layer, *variant))]
+    yield "head", [("head", "head", None, lambda w: build_head(arch, weights.final_norm, weights.lm_head, w, act))]

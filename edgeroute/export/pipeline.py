@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 
 from edgeroute import __version__
-from edgeroute.bundle import NativeWeights, model_section
+from edgeroute.arch import ArchConfig
+from edgeroute.bundle import DEFAULT_TARGET, TARGETS, NativeWeights, Target, model_section
 from edgeroute.errors import EdgerouteError, TokenizerMismatch
 from edgeroute.export.chat import derive_chat_format
 from edgeroute.export.graphs import OPSET, WeightFile, model_graphs
@@ -30,7 +31,9 @@ from edgeroute.export.writer import BundleWriter
 
 QUANT_METHODS = ("int4-gptq", "int4-rtn", "fp16", "fp32")
 HEAD_FORMATS = ("int8", "int4", "fp16", "fp32")
-BLOCK_SIZES = (32, 64, 128)
+# per target: the head formats its graphs may hold, the first the default (TensorRT has no
+# blocked int8 and gathers no quantized codes: see edgeroute/tensorrt/lint.py)
+TARGET_HEADS = {"onnxruntime": HEAD_FORMATS, "tensorrt": ("fp16", "int4")}
 DEFAULT_OUT = Path("bundles/smollm2-demo")
 PARITY_CHUNK = 32  # tokens per ONNX Runtime call in the parity check
 DEFAULT_SLM_LAYERS = 12  # an SLM cut from the LLM itself (the offline demo): first 12 layers
@@ -43,11 +46,13 @@ class ExportOptions:
     slm_layers: int | None = None  # None: all layers, or DEFAULT_SLM_LAYERS when the SLM is the LLM's source
     quant: str = "int4-gptq"
     slm_quant: str | None = None  # None: same as quant
-    block_size: int = 32
+    # what the graphs are written for (edgeroute.bundle.TARGETS)
+    target: str = DEFAULT_TARGET
+    block_size: int | None = None  # None: the target's default (32; tensorrt: 64)
     # int8 by measurement (SmolLM2 int4-rtn layers, 2 cores, 1024 held-out tokens, agreement with
     # the fp32-head bundle / decode tok/s): fp32 97.3% / 73, fp16 97.4% / 79, int8 96.6% / 79 at
     # 32 MB instead of 57-113, int4 81.3% / 99. int4 is faster but costs too much quality.
-    head: str = "int8"
+    head: str | None = None  # None: the target's default (int8; tensorrt: fp16)
     slm_vocab: int | None = None  # a reduced SLM head over this many token ids (None: the whole vocabulary)
     context_length: int = 2048
     calibration_tokens: int = 2048
@@ -58,12 +63,30 @@ class ExportOptions:
     out: Path = DEFAULT_OUT
     force: bool = False
 
+    def _target(self) -> Target:
+        if self.target not in TARGETS:
+            raise EdgerouteError(f"--target {self.target!r} is not one of {', '.join(TARGETS)}")
+        return TARGETS[self.target]
+
+    def resolved(self) -> ExportOptions:
+        """The options with the target's defaults filled in, validated."""
+        options = dataclasses.replace(self, block_size=self.block_size or self._target().block_sizes[0],
+                                      head=self.head or TARGET_HEADS[self.target][0])
+        options.validate()
+        return options
+
     def validate(self) -> None:
-        for name, value, allowed in (("quant", self.quant, QUANT_METHODS), ("head", self.head, HEAD_FORMATS),
+        target = self._target()
+        for name, value, allowed in (("quant", self.quant, QUANT_METHODS),
+                                     ("head", self.head, TARGET_HEADS[self.target]),
                                      ("slm_quant", self.slm_quant or self.quant, QUANT_METHODS),
-                                     ("block_size", self.block_size, BLOCK_SIZES)):
+                                     ("block_size", self.block_size, target.block_sizes)):
             if value not in allowed:
-                raise EdgerouteError(f"--{name.replace('_', '-')} {value!r} is not one of {', '.join(map(str, allowed))}")
+                raise EdgerouteError(f"--{name.replace('_', '-')} {value!r} is not one of {', '.join(map(str, allowed))}"
+                                     + ("" if target.name == DEFAULT_TARGET else f" (--target {target.name})"))
+        if target.activations == "float16" and "fp32" in (self.quant, self.slm_quant):
+            raise EdgerouteError(f"--quant fp32 keeps float32 weights, but --target {target.name} computes in float16: "
+                                 "use --quant fp16 or an int4 method")
         if self.slm_vocab is not None and self.slm is None:
             raise EdgerouteError("--slm-vocab needs an SLM: drop --no-slm or the --slm-vocab option")
         if self.context_length < 16:
@@ -99,9 +122,10 @@ Progress = Callable[[str, int, int], None]  # (task, done, total)
 # -- quantization -------------------------------------------------------------------------------
 
 def quantize_weights(source: SourceModel, weights: ModelWeights, method: str, head: str, block: int,
-                     calibration_ids: np.ndarray | None, progress: Progress) -> ModelWeights:
+                     calibration_ids: np.ndarray | None, progress: Progress, asymmetric: bool = False) -> ModelWeights:
     """Apply the quantization setting; weights already quantized in the source are carried
-    over unchanged (never quantized twice) unless a float format is asked for.
+    over unchanged (never quantized twice) unless a float format is asked for. ``asymmetric``:
+    the int4 layers get per-block offsets.
 
     Lazy: each layer (and the embedding and head) is quantized when the graph writer asks
     for it, so the model streams through export one layer at a time."""
@@ -117,10 +141,10 @@ def quantize_weights(source: SourceModel, weights: ModelWeights, method: str, he
     if method == "int4-gptq" and any(isinstance(lin.weight, FloatWeight) for lin in weights.layers[0].linears().values()):
         from edgeroute.export.gptq_driver import gptq_layers
 
-        layers = gptq_layers(source.arch, weights, calibration_ids, block, progress)
+        layers = gptq_layers(source.arch, weights, calibration_ids, block, progress, asymmetric)
     else:
         layers = lazy_map(weights.layers, lambda layer: dataclasses.replace(layer, **{
-            n: dataclasses.replace(lin, weight=rtn_quantize(lin.weight.w, 4, block))
+            n: dataclasses.replace(lin, weight=rtn_quantize(lin.weight.w, 4, block, asymmetric))
             for n, lin in layer.linears().items() if isinstance(lin.weight, FloatWeight)}))
 
     def embedding() -> Weight:
@@ -137,6 +161,45 @@ def quantize_weights(source: SourceModel, weights: ModelWeights, method: str, he
         return dataclasses.replace(lin, weight=rtn_quantize(lin.weight.w, 8 if head == "int8" else 4,
                                                             32 if head == "int8" else block))
     return ModelWeights(embedding, layers, weights.final_norm, lm_head, weights.notes)
+
+
+def _check_blocks(arch: ArchConfig, target: Target, block: int, method: str) -> None:
+    """A target that carries nothing over needs every linear's inputs in whole blocks
+    (TensorRT infers the block from the volumes)."""
+    inputs = {"hidden_size": arch.hidden_size, "intermediate_size": arch.intermediate_size,
+              "attention width": arch.num_heads * arch.head_dim}
+    ragged = {name: n for name, n in inputs.items() if n % block}
+    if method.startswith("int4") and not target.carries_over and ragged:
+        fits = [b for b in target.block_sizes if all(n % b == 0 for n in inputs.values())]
+        sizes = ", ".join(f"{name} {n}" for name, n in ragged.items())
+        raise EdgerouteError(f"--block-size {block} does not divide the model's {sizes} (--target {target.name} "
+                             "needs whole blocks): "
+                             + (f"use --block-size {fits[0]}" if fits else "no block size of this target fits"))
+
+
+def dequantized(weights: ModelWeights) -> ModelWeights:
+    """The layers' linears as float32 matrices in the model's own input order: a quantized
+    source as a float one, for a target that carries no blocks over to quantize again."""
+    def layer_in_float(layer: LayerWeights) -> LayerWeights:
+        return dataclasses.replace(layer, **{n: Linear(FloatWeight(lin.dequantize()), lin.bias)
+                                             for n, lin in layer.linears().items()})
+    return dataclasses.replace(weights, layers=lazy_map(weights.layers, layer_in_float))
+
+
+def for_target(weights: ModelWeights, target: Target, block: int, head: str) -> ModelWeights:
+    """The quantized weights as ``target`` stores them. A target that carries nothing over
+    (tensorrt) gathers an fp16 embedding and keeps the head fp16 or int4 at ``block`` (it has
+    no int8 blocks, and gathers no codes: see edgeroute/tensorrt/lint.py)."""
+    if target.carries_over:
+        return weights
+
+    def lm_head() -> Linear:
+        lin = weights.lm_head
+        w = lin.dequantize()
+        return Linear(FloatWeight(w, "fp16") if head == "fp16" else rtn_quantize(w, 4, block, target.offsets),
+                      lin.bias)
+    return ModelWeights(lambda: FloatWeight(weights.embedding.dequantize(), "fp16"), weights.layers,
+                        weights.final_norm, lm_head, weights.notes)
 
 
 def describe_weight(w: Weight) -> str:
@@ -192,9 +255,9 @@ def parity(bundle_path: Path, role: str, source: SourceModel, weights: ModelWeig
     (ONNX Runtime) against a torch forward of the source's float weights."""
     from edgeroute.bundle import Bundle
     from edgeroute.export.reference import ReferenceModel
-    from edgeroute.runtime.model import OrtModel
+    from edgeroute.runtime.backend import open_model
 
-    model = OrtModel(Bundle.open(bundle_path, verify=False), role)
+    model, _ = open_model(Bundle.open(bundle_path, verify=False), role, backend="onnxruntime")  # the target's cache
     cache = model.new_cache()
     # in chunks: each session's arena keeps what its largest call needed (measured on the
     # 1.5B: +1.8 GB after one 256-token pass), and the reference runs after the sessions go
@@ -240,7 +303,8 @@ def _stage(report: ExportReport, name: str) -> Iterator[None]:
 
 
 def export_bundle(options: ExportOptions, progress: Progress | None = None) -> ExportReport:
-    options.validate()
+    options = options.resolved()
+    target = TARGETS[options.target]
     progress = progress or (lambda task, done, total: None)
     report = ExportReport(Path(options.out))
     with _stage(report, "load"):
@@ -268,10 +332,17 @@ def export_bundle(options: ExportOptions, progress: Progress | None = None) -> E
         manifest_models: dict[str, Any] = {}
         exported: dict[str, ModelWeights] = {}
         for role, source, weights, method in plans:
-            if source.quantized and method.startswith("int4"):
+            carried_over = source.quantized and method.startswith("int4") and target.carries_over
+            if carried_over:
                 report.notes.append(f"{role}: {source.name} is already quantized; its blocks are carried over exactly")
-            quantized = quantize_weights(source, weights, method, options.head, options.block_size,
-                                         calibration, lambda t, d, n, r=role: progress(f"{r}: {t}", d, n))
+            elif source.quantized and method.startswith("int4"):
+                report.notes.append(f"{role}: {source.name} is already quantized; --target {target.name} re-blocks it: "
+                                    f"{method}, block {options.block_size}, over its dequantized weights")
+            quantized = quantize_weights(source, weights if carried_over else dequantized(weights), method,
+                                         options.head, options.block_size,
+                                         calibration, lambda t, d, n, r=role: progress(f"{r}: {t}", d, n),
+                                         target.offsets)
+            quantized = for_target(quantized, target, options.block_size, options.head)
             counts: Counter = Counter()
             head_vocab = None
             if role == "slm" and options.slm_vocab:
@@ -280,9 +351,11 @@ def export_bundle(options: ExportOptions, progress: Progress | None = None) -> E
                     quantized = dataclasses.replace(quantized, lm_head_source=functools.partial(
                         _reduced_head, quantized, head_vocab.pop("ids")))
             arch = dataclasses.replace(source.arch, num_layers=len(weights.layers))
+            _check_blocks(arch, target, options.block_size, method)
             graphs = []
             with _stage(report, "quantize + write graphs"):
-                for done, (group, specs) in enumerate(model_graphs(arch, counting_formats(quantized, counts)), 1):
+                for done, (group, specs) in enumerate(model_graphs(arch, counting_formats(quantized, counts), target),
+                                                      1):
                     weight_file = WeightFile(writer.path(f"{role}/{group}.weights"))
                     for name, kind, layer, build in specs:
                         rel = f"{role}/{name}.onnx"
@@ -292,7 +365,6 @@ def export_bundle(options: ExportOptions, progress: Progress | None = None) -> E
                     writer.record(f"{role}/{group}.weights")
                     progress(f"{role}: graphs", done, arch.num_layers + 2)
             native = None
-            carried_over = source.quantized and method.startswith("int4")
             if options.native and carried_over:  # the graphs hold the same blocks: both backends run one model
                 with _stage(report, "native weights"):
                     rel = f"{role}/native.bin"
@@ -303,7 +375,8 @@ def export_bundle(options: ExportOptions, progress: Progress | None = None) -> E
                 else:
                     report.notes.append(f"{role}: no native weights ({written}): it runs on ONNX Runtime only")
             elif options.native and source.raw_tensor is not None:
-                report.notes.append(f"{role}: no native weights (--quant {method} re-quantizes; native weights are the "
+                why = f"--quant {method}" if target.carries_over else f"--target {target.name}"
+                report.notes.append(f"{role}: no native weights ({why} re-quantizes; native weights are the "
                                     "GGUF's blocks as stored): it runs on ONNX Runtime only")
             formats = dict(counts)
             manifest_models[role] = model_section(
@@ -324,6 +397,7 @@ def export_bundle(options: ExportOptions, progress: Progress | None = None) -> E
             "edgeroute_version": __version__,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "opset": OPSET,
+            "target": target.name,
             "tokenizer": {"file": "tokenizer.json", "chat_template": tok.chat_template,
                           "chat_format": derive_chat_format(tok.chat_template),
                           "bos_token_id": tok.bos_token_id, "eos_token_ids": tok.eos_token_ids,

@@ -6,17 +6,20 @@ truncated (rejected drafts) and copied (shared prompt prefixes), and the LM head
 :class:`edgeroute.runtime.model.OrtModel` implements it on ONNX Runtime with the bundle's
 attention flavours (portable standard ops, or the ort flavour's in-place
 GroupQueryAttention), :class:`edgeroute.runtime.native.NativeModel` on edgeroute's own CPU
-kernels over the bundle's GGUF blocks (``open_model`` chooses); a TensorRT backend would
-implement it over engines built from the portable graphs, with its own cache layout behind
-the same :class:`Cache` methods.
+kernels over the bundle's GGUF blocks (``open_model`` chooses); ``onnxruntime-cuda`` is
+OrtModel on ONNX Runtime's GPU providers. A TensorRT backend would implement it over the
+engines of ``edgeroute build-engines``, with its own cache layout behind the same
+:class:`Cache` methods (not written yet: docs/guide/gpu.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
+import onnxruntime as ort
 
 from edgeroute.arch import ArchConfig
 from edgeroute.bundle import Bundle, ModelEntry
@@ -81,12 +84,26 @@ class ModelBackend(Protocol):
         """Hidden states [T, d] -> logits [T, vocab]."""
 
 
-BACKENDS = ("auto", "onnxruntime", "native")
+BACKENDS = ("auto", "onnxruntime", "onnxruntime-cuda", "native")
+GPU_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider")  # the order onnxruntime-cuda tries them
+
+
+def cuda_providers(available: Sequence[str] | None = None) -> list[str]:
+    """ONNX Runtime's providers for ``backend='onnxruntime-cuda'``: TensorRT's where installed,
+    CUDA's, then the CPU for what they do not take; refused where this ONNX Runtime has no CUDA."""
+    available = list(ort.get_available_providers() if available is None else available)
+    if "CUDAExecutionProvider" not in available:
+        raise InputError(f"backend='onnxruntime-cuda' needs onnxruntime-gpu and an NVIDIA GPU; this ONNX Runtime has "
+                         f"{', '.join(available)}: use backend='onnxruntime' (CPU) or install onnxruntime-gpu")
+    return [p for p in GPU_PROVIDERS if p in available] + ["CPUExecutionProvider"]
 
 
 def native_blocker(entry: ModelEntry, options: EngineOptions) -> str | None:
     """Why the native backend cannot take this model with these settings (None: it can)."""
     if entry.native is None:
+        if not entry.target.carries_over:
+            return (f"the {entry.role} model has no native weights: the bundle was exported for --target "
+                    f"{entry.target.name}, which re-blocks the source's weights")
         return f"the {entry.role} model has no native weights (export writes them for GGUF sources)"
     if options.providers and list(options.providers) != ["CPUExecutionProvider"]:
         return f"providers {list(options.providers)} are ONNX Runtime's"
@@ -100,14 +117,16 @@ def native_blocker(entry: ModelEntry, options: EngineOptions) -> str | None:
 
 def resolve_kv_dtype(kv_dtype: str, backend: str, entry: ModelEntry, kernels: str = "auto") -> str:
     """The cache element type ``kv_dtype`` means for ``entry``'s model on ``backend`` ("native"
-    or "onnxruntime") with the native ``kernels`` set: for "auto", what ``kv_formats`` picks."""
+    or "onnxruntime") with the native ``kernels`` set: for "auto", what ``kv_formats`` picks; on
+    ONNX Runtime the bundle's target's first cache where it has no graphs for that one."""
     if check_kv_dtype(kv_dtype, KV_DTYPE_CHOICES) != "auto":
         return kv_dtype
     if backend == "native":
         from edgeroute.runtime.native import native_kernels
 
         return auto_kv_dtype(backend, native_kernels(kernels), entry.arch.head_dim)
-    return auto_kv_dtype(backend, None, entry.arch.head_dim)
+    cache = auto_kv_dtype(backend, None, entry.arch.head_dim)
+    return cache if cache in entry.target.kv_dtypes else entry.target.kv_dtypes[0]
 
 
 def backend_for(entry: ModelEntry, options: EngineOptions) -> tuple[str, str | None]:
@@ -122,7 +141,7 @@ def backend_for(entry: ModelEntry, options: EngineOptions) -> tuple[str, str | N
     backend = options.backend
     if backend not in BACKENDS:
         raise InputError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
-    if backend == "onnxruntime":
+    if backend in ("onnxruntime", "onnxruntime-cuda"):
         return "onnxruntime", None
     why_not = native_blocker(entry, options)
     if why_not is None:
@@ -152,6 +171,8 @@ def open_model(bundle: Bundle, role: str, options: EngineOptions,
     check_kv_dtype(options.kv_dtype, KV_DTYPE_CHOICES)  # a wrong name fails before anything is chosen or loaded
     if role not in bundle.models:
         raise InputError(f"bundle {bundle.path} has no {role!r} model (it has: {', '.join(bundle.models)})")
+    if options.backend == "onnxruntime-cuda" and not options.providers:
+        options = dataclasses.replace(options, providers=tuple(cuda_providers()))
     chosen, why_not = backend_for(bundle.models[role], options)
     cache = resolve_kv_dtype(options.kv_dtype, chosen, bundle.models[role], options.kernels)
     if chosen == "native":

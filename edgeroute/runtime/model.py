@@ -155,6 +155,12 @@ def choose_flavour(entry: ModelEntry, requested: str = "auto", kv_dtype: str = "
         raise InputError(f"a {kv_dtype} KV cache runs on the native backend only (no graphs keep one): use "
                          "backend='native' on a model with native weights, or kv_dtype='float16'")
     flavour = "portable" if requested == "auto" else requested
+    target = entry.target
+    if (flavour, kv_dtype) not in target.attention_variants and target.attention_variants != ATTENTION_VARIANTS:
+        kept = ", ".join(f"{f} attention with a {d} KV cache" for f, d in target.attention_variants)
+        raise InputError(f"the bundle was exported for --target {target.name}, whose graphs keep {kept} only "
+                         f"(asked: {flavour} attention, a {kv_dtype} cache): use attention='auto' and "
+                         "kv_dtype='auto', or re-export without --target")
     if (flavour, kv_dtype) not in ATTENTION_VARIANTS:
         raise InputError(f"the {flavour} attention keeps a float32 KV cache only: use attention='portable' for a "
                          f"{kv_dtype} one")

@@ -3,7 +3,9 @@
 A device profile chooses execution providers (and their options), may choose the attention
 graphs' flavour (``attention``: auto, portable or ort, see ``OrtModel``) and the KV caches'
 element type (``kv_dtype``: auto, float32, float16 or int8), and may declare the memory the process can
-use and the device's default context; a task profile chooses decoding settings.
+use and the device's default context, and the TensorRT engines' limits (``engines``: tokens per
+prefill and per decode call, build workspace; see edgeroute/tensorrt/engines.py); a task profile
+chooses decoding settings.
 ``--profile jetson-orin-nano-8gb,templated`` merges several, later ones winning; a profile
 may ``extend`` another.
 
@@ -31,8 +33,9 @@ if TYPE_CHECKING:
 
 GIB = 1 << 30
 FIELDS = {"name": str, "description": str, "extends": str, "providers": list, "attention": str, "kv_dtype": str,
-          "decoding": dict, "memory": dict}
+          "decoding": dict, "memory": dict, "engines": dict}
 MEMORY_FIELDS = {"usable_gib": (int, float), "default_context": int, "note": str}
+ENGINE_FIELDS = {"prefill_tokens": int, "decode_tokens": int, "workspace_gib": (int, float)}
 
 
 @dataclass
@@ -44,6 +47,7 @@ class Profile:
     decoding: dict[str, Any] = field(default_factory=dict)
     memory_budget: int | None = None  # bytes the process may use (CPU and GPU share it on Jetson)
     context_length: int | None = None  # the device's default context
+    engines: dict[str, Any] = field(default_factory=dict)  # TensorRT engine limits (ENGINE_FIELDS)
 
 
 def profile_roots() -> list[Traversable]:
@@ -94,6 +98,14 @@ def _check_memory(memory: dict[str, Any], source: str) -> None:
                          f"(got {memory})")
 
 
+def _check_engines(engines: dict[str, Any], source: str) -> None:
+    for key, value in engines.items():
+        if key not in ENGINE_FIELDS:
+            raise InputError(f"profile {source}: unknown engines key {key!r} (known: {', '.join(ENGINE_FIELDS)})")
+        if not isinstance(value, ENGINE_FIELDS[key]) or isinstance(value, bool) or value <= 0:
+            raise InputError(f"profile {source}: engines.{key} must be a positive number (got {value!r})")
+
+
 def validate_profile(data: Any, source: str) -> None:
     """Raise an InputError naming the file, the key and the value when a profile is malformed."""
     if not isinstance(data, dict):
@@ -111,6 +123,7 @@ def validate_profile(data: Any, source: str) -> None:
         raise InputError(f"profile {source}: kv_dtype {data['kv_dtype']!r} is not one of "
                          f"{', '.join(KV_DTYPE_CHOICES)}")
     _check_memory(data.get("memory", {}), source)
+    _check_engines(data.get("engines", {}), source)
     try:
         DecodeOptions().updated(**data.get("decoding", {}))
     except (InputError, TypeError) as err:
@@ -133,6 +146,7 @@ def _read(name: str, seen: tuple[str, ...] = ()) -> dict[str, Any]:
     merged = {**base, **data}
     merged["decoding"] = {**base.get("decoding", {}), **data.get("decoding", {})}
     merged["memory"] = {**base.get("memory", {}), **data.get("memory", {})}
+    merged["engines"] = {**base.get("engines", {}), **data.get("engines", {})}
     return merged
 
 
@@ -146,6 +160,7 @@ def load_profile(spec: str) -> Profile:
         profile.attention = data.get("attention", profile.attention)
         profile.kv_dtype = data.get("kv_dtype", profile.kv_dtype)
         profile.decoding.update(data.get("decoding", {}))
+        profile.engines.update(data.get("engines", {}))
         memory = data.get("memory", {})
         if "usable_gib" in memory:
             profile.memory_budget = int(memory["usable_gib"] * GIB)

@@ -1,0 +1,332 @@
+"""``edgeroute build-engines``: TensorRT engines from a tensorrt-target bundle, cached.
+
+One engine per graph the runtime runs (embed, layer/attn/mlp/kv per layer, head), each with two
+optimisation profiles: **prefill** (up to a prefill chunk of tokens over an empty to full cache)
+and **decode** (one token, or a verification pass of a draft, over any past). Their ranges come
+from the device profile: its context (``memory.default_context``, at most the bundle's) and its
+``engines`` limits (``prefill_tokens``, ``decode_tokens``); the graphs have no batch axis, so
+the batch limit is 1 (a sequence per call, as on every backend).
+
+Engines are cached under ``CACHE/<key>/`` where the key hashes the GPU (name and compute
+capability), the TensorRT version, the bundle (the sha256 of every file its manifest lists) and
+the build settings; an entry whose recorded key, or any engine file's sha256, does not match is
+stale and rebuilt, never loaded. TensorRT's timing cache (``CACHE/timing-<gpu>-<trt>.cache``) is
+shared by every build on that GPU and version, so a rebuild skips the kernel timing it did.
+
+This module imports TensorRT only to build (:func:`build_engines`); the shape logic and the cache
+keys are plain Python, tested without a GPU. Not yet verified on hardware (docs/guide/gpu.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import resource
+import shutil
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from edgeroute.arch import ArchConfig
+from edgeroute.bundle import Bundle, GraphEntry, attention_graph_name, sha256_file
+from edgeroute.errors import EdgerouteError, InputError
+from edgeroute.runtime.memory import PREFILL_CHUNK
+from edgeroute.runtime.profiles import Profile
+
+PROFILES = ("prefill", "decode")  # the optimisation profiles, in their TensorRT index order
+DIMENSIONS = ("tokens", "past", "total")  # the symbolic dimensions of the graphs' inputs (total = past + tokens)
+DEFAULT_DECODE_TOKENS = 16  # one token, or a speculative verification pass (a draft of up to 8, + 1, with room)
+DEFAULT_WORKSPACE_GIB = 1.0
+META = "engines.json"
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """What the engines must take: KV positions, and tokens per call in each profile."""
+
+    context: int
+    prefill_tokens: int
+    decode_tokens: int
+    workspace_bytes: int
+
+    def check(self) -> None:
+        if not (1 <= self.decode_tokens <= self.prefill_tokens and 1 <= self.prefill_tokens <= self.context):
+            raise InputError(f"engine limits need 1 <= decode_tokens ({self.decode_tokens}) <= prefill_tokens "
+                             f"({self.prefill_tokens}) <= context ({self.context}): fix the profile's 'engines' "
+                             "or 'memory.default_context'")
+
+
+def engine_limits(bundle: Bundle, profile: Profile) -> EngineLimits:
+    """The device profile's limits: its context (at most the bundle's; the bundle's when it
+    gives none) and its ``engines`` section (defaults: a prefill chunk, 16 decode tokens)."""
+    bundle_context = int(bundle.generation["context_length"])
+    context = min(profile.context_length or bundle_context, bundle_context)
+    engines = profile.engines
+    limits = EngineLimits(context, min(int(engines.get("prefill_tokens", PREFILL_CHUNK)), context),
+                          int(engines.get("decode_tokens", DEFAULT_DECODE_TOKENS)),
+                          int(float(engines.get("workspace_gib", DEFAULT_WORKSPACE_GIB)) * GIB))
+    limits.check()
+    return limits
+
+
+Range = tuple[int, int, int]  # TensorRT's (min, opt, max) of one dimension
+
+
+def dimension_ranges(limits: EngineLimits) -> dict[str, dict[str, Range]]:
+    """Per optimisation profile, each symbolic dimension's (min, opt, max). The past runs from
+    empty (the first prefill) to a full cache less a token; total = past + tokens never exceeds
+    the context. Decode tunes for a cache half full."""
+    c = limits.context
+    prefill, decode = limits.prefill_tokens, limits.decode_tokens
+    return {
+        "prefill": {"tokens": (1, prefill, prefill), "past": (0, 0, c - 1), "total": (1, prefill, c)},
+        "decode": {"tokens": (1, 1, decode), "past": (0, c // 2, c - 1), "total": (1, c // 2 + 1, c)},
+    }
+
+
+def input_shapes(graph: GraphEntry, ranges: dict[str, Range]) -> dict[str, tuple[tuple[int, ...], ...]]:
+    """Each input's (min, opt, max) shapes in one profile, from its symbolic shape in the
+    manifest; an input with a dimension the ranges do not know is an error naming it."""
+    shapes = {}
+    for spec in graph.inputs:
+        dims = []
+        for dim in spec["shape"]:
+            if isinstance(dim, int):
+                dims.append((dim, dim, dim))
+            elif dim in ranges:
+                dims.append(ranges[dim])
+            else:
+                raise EdgerouteError(f"graph {graph.name} input {spec['name']} has a dimension {dim!r} that no "
+                                     f"optimisation profile sets (known: {', '.join(ranges)}): re-export the bundle")
+        shapes[spec["name"]] = tuple(tuple(d[i] for d in dims) for i in range(3))
+    return shapes
+
+
+GRAPH_KINDS = ("embed", "layer", "attn", "mlp", "kv", "head")
+
+
+def engine_graphs(bundle: Bundle, role: str, kinds: tuple[str, ...] = GRAPH_KINDS) -> list[GraphEntry]:
+    """The graphs the runtime runs for ``role``'s model on the bundle's target: embed, head,
+    and per layer the target's default attention variant, mlp and kv (``kinds``: only these;
+    ``full`` decoding needs embed, layer and head). A bundle whose target is not TensorRT's is
+    refused (its graphs hold what TensorRT's parser rejects)."""
+    unknown = set(kinds) - set(GRAPH_KINDS)
+    if unknown or not kinds:
+        raise InputError(f"graph kinds {sorted(unknown) or 'none'}: choose from {', '.join(GRAPH_KINDS)}")
+    if bundle.target.name != "tensorrt":
+        raise InputError(f"bundle {bundle.path} was exported for --target {bundle.target.name}, whose graphs TensorRT "
+                         f"cannot parse (`edgeroute inspect {bundle.path} --tensorrt` lists why): export it again with "
+                         "--target tensorrt")
+    entry = bundle.models[role]
+    flavour, kv_dtype = bundle.target.attention_variants[0]
+    names = [kind for kind in ("embed", "head") if kind in kinds]
+    for i in range(entry.num_layers):
+        names += [attention_graph_name(kind, i, flavour, kv_dtype) for kind in ("layer", "attn") if kind in kinds]
+        names += [attention_graph_name(kind, i) for kind in ("mlp", "kv") if kind in kinds]
+    return [entry.graphs[name] for name in names]
+
+
+def bundle_hash(bundle: Bundle) -> str:
+    """The sha256 over every listed file's path and sha256: any re-export or calibration changes it."""
+    digest = hashlib.sha256()
+    for rel, meta in sorted(bundle.manifest["files"].items()):
+        digest.update(f"{rel}\0{meta['sha256']}\n".encode())
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class CacheKey:
+    gpu: str  # name and compute capability, e.g. "NVIDIA H200 (sm_90)"
+    tensorrt: str  # TensorRT version
+    bundle: str  # bundle_hash
+    limits: EngineLimits
+    precision: str = "strongly typed: fp16 activations, int4 weight-only (as the graphs say)"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:20]
+
+
+def _slug(text: str) -> str:
+    return "".join(ch if ch.isalnum() else "-" for ch in text).strip("-").lower()
+
+
+class EngineCache:
+    """Engines of one key under ``root/<digest>/``: ``engines.json`` (the key, the bundle's path,
+    each engine file's sha256), written last, so an interrupted build leaves an entry that is
+    never used. ``root`` may hold the engines of several bundles."""
+
+    def __init__(self, root: Path, key: CacheKey, bundle_path: Path) -> None:
+        self.root, self.key, self.bundle_path = Path(root), key, str(Path(bundle_path).resolve())
+        self.directory = self.root / key.digest
+
+    @property
+    def timing_cache(self) -> Path:
+        return self.root / f"timing-{_slug(self.key.gpu)}-{_slug(self.key.tensorrt)}.cache"
+
+    def engine_path(self, graph: str) -> Path:
+        return self.directory / f"{graph.replace('/', '__')}.engine"
+
+    def valid(self, graphs: list[str]) -> bool:
+        """Whether every engine of ``graphs`` is there, under this key, intact."""
+        meta = self.directory / META
+        try:
+            recorded = json.loads(meta.read_text())
+        except (OSError, json.JSONDecodeError):
+            return False
+        if recorded.get("key") != self.key.to_dict():
+            return False
+        engines = recorded.get("engines", {})
+        return all(graph in engines and self.engine_path(graph).is_file()
+                   and sha256_file(self.engine_path(graph)) == engines[graph] for graph in graphs)
+
+    def stale_entries(self) -> list[Path]:
+        """Other entries for the same bundle path: built from an older bundle there, or for
+        another GPU, TensorRT or limits."""
+        if not self.root.is_dir():
+            return []
+
+        def same_bundle(entry: Path) -> bool:
+            try:
+                return json.loads((entry / META).read_text()).get("bundle_path") == self.bundle_path
+            except (OSError, json.JSONDecodeError):
+                return False
+        return [d for d in self.root.iterdir() if d.is_dir() and d != self.directory and same_bundle(d)]
+
+    def write_engine(self, graph: str, data: bytes) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        path = self.engine_path(graph)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+
+    def commit(self, graphs: list[str]) -> None:
+        meta = {"key": self.key.to_dict(), "bundle_path": self.bundle_path,
+                "engines": {g: sha256_file(self.engine_path(g)) for g in graphs},
+                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        tmp = self.directory / f".{META}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(meta, indent=1))
+        os.replace(tmp, self.directory / META)
+
+
+def parameter_count(arch: ArchConfig) -> int:
+    """Weights of the model (projections, MLP, embedding, an untied head)."""
+    d, hd = arch.hidden_size, arch.head_dim
+    attention = d * hd * (2 * arch.num_heads + 2 * arch.num_kv_heads)
+    mlp = 3 * d * arch.intermediate_size
+    embedding = arch.vocab_size * d
+    return arch.num_layers * (attention + mlp) + embedding * (1 if arch.tie_word_embeddings else 2)
+
+
+def peak_host_bytes() -> int:
+    """The process's peak resident memory so far (Linux: ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def gpu_identity() -> str:
+    """The first GPU's name and compute capability (nvidia-smi), or a Jetson's model; an
+    EdgerouteError where there is none."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,compute_cap", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout.splitlines()
+        name, capability = (part.strip() for part in out[0].split(","))
+        return f"{name} (sm_{capability.replace('.', '')})"
+    except (OSError, subprocess.SubprocessError, IndexError, ValueError):
+        pass
+    model = Path("/proc/device-tree/model")
+    if model.is_file() and "jetson" in model.read_text(errors="replace").lower():
+        return model.read_text(errors="replace").strip("\0 \n")
+    raise EdgerouteError("no NVIDIA GPU found (nvidia-smi lists none, and this is no Jetson): engines are built on "
+                         "the device that runs them")
+
+
+def _tensorrt():
+    try:
+        import tensorrt
+    except ImportError as err:
+        raise EdgerouteError(f"TensorRT's Python package is not installed ({err}): install the one of your JetPack "
+                             "or CUDA (pip install tensorrt on x86 with CUDA 12), then run build-engines again") from None
+    return tensorrt
+
+
+@dataclass
+class BuildReport:
+    cache: Path
+    key: CacheKey
+    built: list[str]
+    reused: bool
+    removed_stale: int
+    seconds: float
+    peak_host_bytes: int
+    parameters: int
+
+    @property
+    def peak_per_parameter(self) -> float:
+        return self.peak_host_bytes / self.parameters
+
+
+Progress = Callable[[str, int, int], None]
+
+
+def _build_one(trt, builder, logger, path: Path, graph: GraphEntry, limits: EngineLimits, timing_cache) -> bytes:
+    """Parse one graph and build its engine with both optimisation profiles."""
+    # strongly typed: the graph's own types decide (fp16 activations, int4 weight-only DQ, the
+    # fp32 norms and residual): no precision flags to second-guess them
+    network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(path)):
+        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+        raise EdgerouteError(f"TensorRT cannot parse {graph.file}: {errors}")
+    config = builder.create_builder_config()
+    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, limits.workspace_bytes)
+    config.set_timing_cache(timing_cache, ignore_mismatch=False)
+    for ranges in dimension_ranges(limits).values():
+        profile = builder.create_optimization_profile()
+        for name, (low, opt, high) in input_shapes(graph, ranges).items():
+            profile.set_shape(name, low, opt, high)
+        config.add_optimization_profile(profile)
+    engine = builder.build_serialized_network(network, config)
+    if engine is None:
+        raise EdgerouteError(f"TensorRT could not build an engine for {graph.file} (its log above says why)")
+    return bytes(engine)
+
+
+def build_engines(bundle: Bundle, profile: Profile, cache_root: Path | None = None, role: str = "llm",
+                  progress: Progress | None = None, kinds: tuple[str, ...] = GRAPH_KINDS) -> BuildReport:
+    """Build (or reuse) the engines of ``role``'s model for this GPU, TensorRT and bundle."""
+    start = time.perf_counter()
+    progress = progress or (lambda task, done, total: None)
+    graphs = engine_graphs(bundle, role, kinds)  # refuses a bundle of another target before anything else
+    limits = engine_limits(bundle, profile)
+    trt = _tensorrt()
+    key = CacheKey(gpu_identity(), trt.__version__, bundle_hash(bundle), limits)
+    cache = EngineCache(cache_root or bundle.path.parent / f".{bundle.path.name}.engines", key, bundle.path)
+    names = [f"{role}/{g.name}" for g in graphs]
+    stale = cache.stale_entries()
+    for entry in stale:
+        shutil.rmtree(entry, ignore_errors=True)
+    if cache.valid(names):
+        return BuildReport(cache.directory, key, [], True, len(stale), time.perf_counter() - start, peak_host_bytes(),
+                           parameter_count(bundle.models[role].arch))
+    shutil.rmtree(cache.directory, ignore_errors=True)  # a partial or damaged entry: rebuilt whole
+    logger = trt.Logger(trt.Logger.WARNING)
+    builder = trt.Builder(logger)
+    timing_config = builder.create_builder_config()
+    timing_data = cache.timing_cache.read_bytes() if cache.timing_cache.is_file() else b""
+    timing_cache = timing_config.create_timing_cache(timing_data)
+    for done, (name, graph) in enumerate(zip(names, graphs, strict=True), 1):
+        cache.write_engine(name, _build_one(trt, builder, logger, bundle.file(graph.file), graph, limits, timing_cache))
+        progress(f"{role}: engines", done, len(graphs))
+    cache.root.mkdir(parents=True, exist_ok=True)
+    cache.timing_cache.write_bytes(bytes(timing_cache.serialize()))
+    cache.commit(names)
+    return BuildReport(cache.directory, key, names, False, len(stale), time.perf_counter() - start, peak_host_bytes(),
+                       parameter_count(bundle.models[role].arch))
