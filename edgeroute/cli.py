@@ -8,6 +8,7 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
@@ -27,7 +28,7 @@ def _clear_errors():
     try:
         yield
     except EdgerouteError as err:
-        err_console.print(f"[bold red]error:[/] {err}")
+        err_console.print(f"[bold red]error:[/] {escape(str(err))}")  # an error's [brackets] are text
         raise typer.Exit(2) from None
 
 
@@ -364,6 +365,10 @@ def calibrate(
     path_checks: int = typer.Option(None, help="path checks per prompt (default 3)"),
     validation_prompts: int = typer.Option(None, help="held-out prompts per task (default 6)"),
     skip_prompts: int = typer.Option(None, help="answers for skipping (default 48, 0: off)"),
+    executor: str = typer.Option("local", help="label shards on: local | ray"),
+    address: str = typer.Option(None, help="ray: cluster (RAY_ADDRESS, else local)"),
+    workers: int = typer.Option(None, help="ray: shards in flight (the CPUs allow)"),
+    worker_cpus: int = typer.Option(1, help="ray: CPUs and threads per shard"),
 ) -> None:
     """Fit routing, drafting and skipping with a quality bound. Guide: docs/guide/calibrate.md."""
     from dataclasses import replace
@@ -372,7 +377,8 @@ def calibrate(
     from edgeroute.calibration.calibrate import CalibrateOptions
     from edgeroute.calibration.calibrate import calibrate as run_calibration
 
-    options = CalibrateOptions(budget=budget, prompts=prompts, builtin=builtin, work=work, bound=bound, delta=delta)
+    options = CalibrateOptions(budget=budget, prompts=prompts, builtin=builtin, work=work, bound=bound, delta=delta,
+                               executor=executor, address=address, workers=workers, worker_cpus=worker_cpus)
     labels = {k: v for k, v in dict(max_answer_tokens=answer_tokens, path_checks=path_checks).items() if v is not None}
     options.labels = replace(options.labels, **labels)
     if prompts_per_task is not None:

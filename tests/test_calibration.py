@@ -71,8 +71,11 @@ def test_labelling_killed_and_resumed_equals_an_uninterrupted_run(tiny_engine, t
     with pytest.raises(KeyboardInterrupt):
         label_prompts(tiny_engine, prompts, SMALL, tmp_path / "resumed", killed_after_first_shard)
     assert len(list((tmp_path / "resumed").glob("*.npz"))) == 1
-    (tmp_path / "resumed" / ".deadbeef.123.tmp").write_bytes(b"half a shard")  # a kill mid-write
+    unfinished = plan_shards(tiny_engine, prompts, SMALL)[1]
+    half_written = tmp_path / "resumed" / f".{unfinished.id}.123.tmp"  # a kill mid-write
+    half_written.write_bytes(b"half a shard")
     resumed = label_prompts(tiny_engine, prompts, SMALL, tmp_path / "resumed")
+    assert not half_written.exists()
     assert resumed.prompt_ids == whole.prompt_ids == [p.id for p in prompts]
     assert whole.arrays.keys() == resumed.arrays.keys()
     for key in whole.arrays:

@@ -25,7 +25,16 @@ from edgeroute import __version__
 from edgeroute.bundle import Bundle, Calibration, RouterCalibration
 from edgeroute.calibration.checks import task_pass
 from edgeroute.calibration.drafting import RUNTIME_DEFAULT, DraftFit, fit_drafting, fit_per_task, measure_costs
-from edgeroute.calibration.labels import DIVERGENT, NEUTRAL, Labels, LabelSettings, label_prompts
+from edgeroute.calibration.labels import (
+    DIVERGENT,
+    NEUTRAL,
+    Labels,
+    LabelSettings,
+    LocalExecutor,
+    ShardExecutor,
+    label_prompts,
+    uncalibrated_engine,
+)
 from edgeroute.calibration.prompts import PER_TASK, TASKS, CalibrationPrompt, builtin_prompts, load_prompts, prompts_sha256
 from edgeroute.calibration.report import plot_generation, plot_tradeoff, render
 from edgeroute.calibration.skipping import (
@@ -55,6 +64,7 @@ FITTED_DRAFTS = "speculate/slm+fitted"  # the runtime runs' name for speculate/s
 OVERALL_DRAFTS = "speculate/slm+overall"  # the overall fitted setting on every task (confirms tasks' own settings)
 LOOKUP_THEN_SLM = "speculate/ngram+slm"  # prompt lookup where its match is long, the SLM (fitted drafts) elsewhere
 MIN_SPEEDUP = 1.05  # below this a configuration's gain over full is within the timing noise of a shared machine
+EXECUTORS = ("local", "ray")
 SLM_BASELINES = {"entropy": TOP_K, "top1": TOP_K + 1, "margin": TOP_K + 2}  # column after the hidden state
 
 
@@ -74,6 +84,10 @@ class CalibrateOptions:
     # labelled prompts whose answers are observed with skipping (0: skipping is not calibrated);
     # the conformal bound at 97% needs 33 fitting prompts before it can allow any error
     skip_prompts: int = 48
+    executor: str = "local"  # where the label shards run: local (this process) | ray (Ray tasks)
+    address: str | None = None  # ray: the cluster to join (default: RAY_ADDRESS, else a local Ray for the run)
+    workers: int | None = None  # ray: shards in flight (default: as many as the cluster's CPUs hold)
+    worker_cpus: int = 1  # ray: CPUs, and runtime threads, per shard task
 
     def validate(self) -> None:
         if not 0.5 <= self.budget < 1.0:
@@ -90,6 +104,18 @@ class CalibrateOptions:
             raise InputError(f"path checks must be 0 or more (got {self.labels.path_checks})")
         if self.skip_prompts < 0:
             raise InputError(f"skip prompts must be 0 or more (got {self.skip_prompts})")
+        if self.executor not in EXECUTORS:
+            raise InputError(f"executor {self.executor!r} is not one of {', '.join(EXECUTORS)}")
+        if self.executor == "local" and (self.address, self.workers, self.worker_cpus) != (None, None, 1):
+            raise InputError("an address, workers and worker CPUs are settings of the Ray executor: add "
+                             "--executor ray (or drop them)")
+
+    def shard_executor(self) -> ShardExecutor:
+        if self.executor == "ray":
+            from edgeroute.calibration.cluster import RayExecutor
+
+            return RayExecutor(self.address, self.workers, self.worker_cpus)
+        return LocalExecutor()
 
 
 def split_of(prompt_id: str) -> str:
@@ -447,6 +473,7 @@ class CalibrationRun:
     prompts: list[CalibrationPrompt]
     work: Path
     progress: Progress | None
+    executor: ShardExecutor  # where the label shards run
     seconds: dict[str, float] = field(default_factory=dict)
     messages: list[str] = field(default_factory=list)
     labels: Labels | None = None
@@ -463,6 +490,7 @@ class CalibrationRun:
     @classmethod
     def start(cls, bundle_path: str | Path, options: CalibrateOptions, progress: Progress | None) -> CalibrationRun:
         options.validate()
+        executor = options.shard_executor()  # without Ray, say so before anything loads
         bundle = Bundle.open(bundle_path)
         if bundle.slm is None:
             raise InputError(f"bundle {bundle.path} has no SLM: calibration labels the SLM and n-gram light paths; "
@@ -475,10 +503,7 @@ class CalibrationRun:
         if len({p.id for p in prompts}) != len(prompts):
             raise InputError("calibration prompt ids must be unique (a --prompts line reuses an id)")
         work = Path(options.work) if options.work else bundle.path.parent / f"{bundle.path.name}-calibration"
-        # the runs compare the runtime's own defaults: an earlier calibration's choices (a draft
-        # setting, a skip setting) must not leak into a re-calibration's baselines
-        bundle.calibration = None
-        return cls(bundle, Engine(bundle), options, prompts, work, progress)
+        return cls(bundle, uncalibrated_engine(bundle), options, prompts, work, progress, executor)
 
     @contextmanager
     def timed(self, stage: str) -> Iterator[None]:
@@ -494,7 +519,7 @@ class CalibrationRun:
         """The LLM's answers, and per position what each light path proposed (label shards)."""
         with self.timed("labels"):
             self.labels = label_prompts(self.engine, self.prompts, self.options.labels, self.work / "shards",
-                                        self.progress)
+                                        self.progress, self.executor)
 
     def train(self) -> None:
         """A router per light path, trained and bounded, kept only where it beats the baselines."""

@@ -15,9 +15,10 @@ two labels per light path:
 
 Shards are independent units of work with stable ids (the hash of the bundle's weights, the
 settings and the shard's prompts): one ``.npz`` per shard, written to a temporary name and
-renamed, so a killed run resumes where it stopped and a resumed run equals an uninterrupted
-one. The shards run one after another here; a cluster executor can map ``label_shard`` over
-``plan_shards`` instead.
+renamed by the process that runs ``label_prompts``, so a killed run resumes where it stopped
+and a resumed run equals an uninterrupted one. An executor decides where ``label_shard`` runs:
+one after another in this process (``LocalExecutor``), or as Ray tasks
+(:mod:`edgeroute.calibration.cluster`), which send the arrays back to be written here.
 """
 
 from __future__ import annotations
@@ -25,13 +26,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import closing
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
-from edgeroute.bundle import CALIBRATION_DIR
+from edgeroute.bundle import CALIBRATION_DIR, Bundle
 from edgeroute.calibration.prompts import TASKS, CalibrationPrompt
 from edgeroute.runtime.attention import KVCache
 from edgeroute.runtime.drafters import NgramDrafter
@@ -58,6 +61,14 @@ class LabelSettings:
 class Shard:
     id: str
     prompts: tuple[CalibrationPrompt, ...]
+
+
+def uncalibrated_engine(bundle: Bundle) -> Engine:
+    """An engine on the runtime's own defaults: an earlier calibration's choices (a draft
+    setting, a skip setting) must leak neither into the labels nor into a re-calibration's
+    baselines. The driver and every cluster worker open the bundle through it."""
+    bundle.calibration = None
+    return Engine(bundle)
 
 
 def bundle_identity(engine: Engine) -> str:
@@ -154,12 +165,9 @@ def label_prompt(engine: Engine, prompt: CalibrationPrompt, settings: LabelSetti
     }
 
 
-def label_shard(engine: Engine, shard: Shard, settings: LabelSettings, directory: Path,
-                progress: Progress | None = None) -> Path:
-    """Label one shard into ``directory/<id>.npz`` (atomically); an existing file is kept."""
-    target = directory / f"{shard.id}.npz"
-    if target.is_file():
-        return target
+def label_shard(engine: Engine, shard: Shard, settings: LabelSettings,
+                progress: Progress | None = None) -> dict[str, np.ndarray]:
+    """The arrays of one shard's ``.npz`` (``write_shard`` stores them)."""
     parts = []
     for done, prompt in enumerate(shard.prompts, 1):
         parts.append(label_prompt(engine, prompt, settings))
@@ -168,6 +176,17 @@ def label_shard(engine: Engine, shard: Shard, settings: LabelSettings, directory
     arrays = {key: np.concatenate([part[key] for part in parts]) for key in parts[0]}
     arrays["prompt"] = np.concatenate([np.full(len(part["position"]), i, np.int32) for i, part in enumerate(parts)])
     arrays["prompt_ids"] = np.asarray([p.id for p in shard.prompts])
+    return arrays
+
+
+def shard_path(directory: Path, shard: Shard) -> Path:
+    return directory / f"{shard.id}.npz"
+
+
+def write_shard(directory: Path, shard: Shard, arrays: dict[str, np.ndarray]) -> Path:
+    """``directory/<id>.npz``, written to a temporary name and renamed: a reader (a resumed
+    run) sees the whole shard or none of it."""
+    target = shard_path(directory, shard)
     directory.mkdir(parents=True, exist_ok=True)
     tmp = directory / f".{shard.id}.{os.getpid()}.tmp"
     with open(tmp, "wb") as f:
@@ -176,6 +195,22 @@ def label_shard(engine: Engine, shard: Shard, settings: LabelSettings, directory
         os.fsync(f.fileno())
     os.replace(tmp, target)
     return target
+
+
+class ShardExecutor(Protocol):
+    def label(self, engine: Engine, shards: list[Shard], settings: LabelSettings,
+              progress: Progress | None) -> Iterator[tuple[Shard, dict[str, np.ndarray]]]:
+        """Each shard with its ``label_shard`` arrays, in the order they finish."""
+        ...
+
+
+class LocalExecutor:
+    """The shards one after another on the driver's engine."""
+
+    def label(self, engine: Engine, shards: list[Shard], settings: LabelSettings,
+              progress: Progress | None) -> Iterator[tuple[Shard, dict[str, np.ndarray]]]:
+        for shard in shards:
+            yield shard, label_shard(engine, shard, settings, progress)
 
 
 @dataclass
@@ -210,14 +245,21 @@ def load_labels(paths: list[Path]) -> Labels:
 
 
 def label_prompts(engine: Engine, prompts: list[CalibrationPrompt], settings: LabelSettings, directory: Path,
-                  progress: Progress | None = None) -> Labels:
-    """Label every shard not yet on disk, then load them all (in prompt order)."""
+                  progress: Progress | None = None, executor: ShardExecutor | None = None) -> Labels:
+    """Label every shard not yet on disk (on ``executor``, default ``LocalExecutor``), then
+    load them all (in prompt order)."""
     shards = plan_shards(engine, prompts, settings)
-    paths = []
-    for done, shard in enumerate(shards):
-        if progress is not None:
-            progress("label shards", done, len(shards))
-        paths.append(label_shard(engine, shard, settings, directory, progress))
+    pending = [shard for shard in shards if not shard_path(directory, shard).is_file()]
+    done = len(shards) - len(pending)
     if progress is not None:
-        progress("label shards", len(shards), len(shards))
-    return load_labels(paths)
+        progress("label shards", done, len(shards))
+    with closing((executor or LocalExecutor()).label(engine, pending, settings, progress)) as finished:
+        for shard, arrays in finished:
+            write_shard(directory, shard, arrays)
+            done += 1
+            if progress is not None:
+                progress("label shards", done, len(shards))
+    for shard in shards:  # what a writer killed mid-write left: the shard itself is on disk now
+        for leftover in directory.glob(f".{shard.id}.*.tmp"):
+            leftover.unlink(missing_ok=True)
+    return load_labels([shard_path(directory, shard) for shard in shards])
