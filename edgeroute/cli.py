@@ -98,9 +98,9 @@ def export(
     slm_layers: int = typer.Option(None, help="keep the SLM's first N layers"),
     quant: str = typer.Option("int4-gptq", show_default=False, help="int4-gptq (default)|int4-rtn|fp16|fp32"),
     slm_quant: str = typer.Option(None, help="the SLM's --quant (default: the LLM's)"),
-    target: str = typer.Option("onnxruntime", help="graphs for: onnxruntime|tensorrt"),
+    target: str = typer.Option("onnxruntime", show_default=False, help="onnxruntime (default)|tensorrt"),
     block_size: int = typer.Option(None, help="int4 block: 32|64|128 (tensorrt: 64|128)"),
-    head: str = typer.Option(None, help="LM head: int8|int4|fp16|fp32 (tensorrt: fp16|int4)"),
+    head: str = typer.Option(None, help="LM head: int8|int4|fp16|fp32; tensorrt fp16|int4"),
     slm_vocab: int = typer.Option(None, help="SLM head over the N most frequent ids"),
     context_length: int = typer.Option(2048, help="KV capacity of a session"),
     calibration_tokens: int = typer.Option(2048, help="GPTQ calibration tokens"),
@@ -398,16 +398,13 @@ def calibrate(
 
 @app.command("build-engines")
 def build_engines(
-    bundle: Path = typer.Argument(..., help="bundle directory (exported with --target tensorrt)"),
-    profile: str = typer.Option(..., help="device profile: its context and engines limits set the optimisation "
-                                "profiles (name in profiles/ or a JSON file)"),
-    cache: Path = typer.Option(None, help="engine cache directory (default: .BUNDLE.engines beside the bundle)"),
-    role: str = typer.Option("llm", help="llm | slm"),
-    kinds: str = typer.Option("embed,layer,attn,mlp,kv,head", help="graph kinds to build (full decoding needs "
-                              "embed,layer,head; skipping also kv, attn, mlp)"),
+    bundle: Path = typer.Argument(..., help="bundle directory (--target tensorrt)"),
+    profile: str = typer.Option(..., help="device profile: context and engine limits"),
+    cache: Path = typer.Option(None, help="engine cache (default: .BUNDLE.engines)"),
+    role: str = typer.Option("llm", help="llm|slm"),
+    kinds: str = typer.Option("embed,layer,attn,mlp,kv,head", show_default=False, help="graph kinds (default: all)"),
 ) -> None:
-    """Build TensorRT engines (fp16, int4 weight-only; prefill and decode profiles) for this GPU,
-    cached by GPU, TensorRT version and bundle hash. Needs TensorRT and an NVIDIA GPU."""
+    """Build TensorRT engines for this GPU. Guide: docs/guide/gpu.md."""
     from edgeroute.bundle import Bundle
     from edgeroute.runtime.profiles import load_profile
     from edgeroute.tensorrt.engines import build_engines as build

@@ -383,7 +383,7 @@ def test_the_default_cache_is_the_narrowest_that_holds_on_the_kernels_that_run(d
 
 def test_auto_takes_int8_only_on_the_vnni_kernels_and_a_head_dim_of_32s(monkeypatch):
     def entry(head_dim: int):
-        return SimpleNamespace(arch=SimpleNamespace(head_dim=head_dim))
+        return SimpleNamespace(arch=SimpleNamespace(head_dim=head_dim), target=SimpleNamespace(kv_dtypes=("float32", "float16")))
 
     for kernels, head_dim, want in (("avx512-vnni", 64, "int8"), ("avx512-vnni", 40, "float16"),
                                     ("avx2", 64, "float16"), ("generic", 128, "float16")):

@@ -256,8 +256,10 @@ def parity(bundle_path: Path, role: str, source: SourceModel, weights: ModelWeig
     from edgeroute.bundle import Bundle
     from edgeroute.export.reference import ReferenceModel
     from edgeroute.runtime.backend import open_model
+    from edgeroute.runtime.options import EngineOptions
 
-    model, _ = open_model(Bundle.open(bundle_path, verify=False), role, backend="onnxruntime")  # the target's cache
+    model, _ = open_model(Bundle.open(bundle_path, verify=False), role,
+                          EngineOptions(backend="onnxruntime"))  # the target's cache
     cache = model.new_cache()
     # in chunks: each session's arena keeps what its largest call needed (measured on the
     # 1.5B: +1.8 GB after one 256-token pass), and the reference runs after the sessions go
