@@ -415,10 +415,9 @@ static er_status check_ids(const er_model *m, const int32_t *ids, int32_t n) {
     return ER_OK;
 }
 
-static er_status check_plan(const er_model *m, const uint8_t *plan, int32_t count) {
+static er_status check_plan(const uint8_t *plan, int32_t count) {
     for (int32_t i = 0; plan && i < count; i++)
         if (plan[i] > ER_LAYER_DROP) return er_fail(ER_ERR_ARGUMENT, "plan entry %d is %d, not an er_layer_action", i, plan[i]);
-    (void)m;
     return ER_OK;
 }
 
@@ -486,7 +485,7 @@ er_status er_session_forward(er_session *q, const int32_t *ids, int32_t n, const
     if (p.logits_rows < 0 || p.logits_rows > n || (p.logits_rows > 0 && !p.logits))
         return er_fail(ER_ERR_ARGUMENT, "logits of %d rows of a %d-token forward (logits %s)", p.logits_rows, n,
                        p.logits ? "given" : "NULL");
-    if ((s = check_plan(m, p.plan, p.plan_layers)) != ER_OK || (s = ensure_dropped(q, p.plan, p.plan_layers)) != ER_OK) return s;
+    if ((s = check_plan(p.plan, p.plan_layers)) != ER_OK || (s = ensure_dropped(q, p.plan, p.plan_layers)) != ER_OK) return s;
     pthread_mutex_lock(&m->lock);
     const int32_t d = m->dims.hidden, first_logit = n - p.logits_rows;
     for (int32_t at = 0; at < n; at += m->max_pass) {
@@ -520,7 +519,7 @@ er_status er_session_run_layers(er_session *q, float *hidden, int32_t n, int32_t
     if (start < 0 || start > q->length) return er_fail(ER_ERR_ARGUMENT, "position %d of a session of %d", start, q->length);
     if (n > q->capacity - start)
         return er_fail(ER_ERR_CAPACITY, "%d tokens at %d exceed the session's capacity of %d", n, start, q->capacity);
-    er_status s = check_plan(m, plan, last - first);
+    er_status s = check_plan(plan, last - first);
     if (s == ER_OK) s = ensure_dropped(q, plan, last - first);
     if (s != ER_OK) return s;
     pthread_mutex_lock(&m->lock);
