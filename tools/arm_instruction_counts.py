@@ -9,8 +9,14 @@ once decoding N tokens and once N + K; per decoded token = (count(N + K) - count
 loading, packing and the prompt cancel out. Also checks that every kernel set decodes the same
 tokens, and prints the bytes of weights one decode step reads.
 
+With ``--passes 1,2,4,8`` it also counts what one pass of P rows costs (a verification pass
+of P - 1 drafts, or a prefill): the prompt's first P ids prefilled in one pass and one token
+taken, count(P) - count(1) added to the one-row cost (a decode step's count), so a pass's cost
+per row shows how far a multi-row pass reuses the weights it loads.
+
     python tools/arm_instruction_counts.py [--bundle bundles/smollm2-demo] [--cpu neoverse-n1]
-        [--kernels generic,neon,dotprod] [--decode 4] [--extra 8] [--json OUT.json]
+        [--kernels generic,neon,dotprod] [--decode 4] [--extra 8] [--passes 1,2,4,8]
+        [--json OUT.json]
 """
 
 from __future__ import annotations
@@ -103,19 +109,28 @@ def main() -> None:
     parser.add_argument("--kernels", default="generic,neon,dotprod")
     parser.add_argument("--decode", type=int, default=4, help="tokens of the shorter run (N)")
     parser.add_argument("--extra", type=int, default=8, help="further tokens of the longer run (K)")
+    parser.add_argument("--passes", default="", help="pass lengths P to count (comma-separated; 1 is added)")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args()
     if platform.machine() not in ("x86_64", "AMD64"):
         print("note: meant for an x86-64 host emulating aarch64", file=sys.stderr)
     ids = prompt_ids(args.bundle)
+    passes = sorted({1, *(int(p) for p in args.passes.split(",") if p)}) if args.passes else []
+    if passes and passes[-1] > len(ids):
+        raise SystemExit(f"the prompt has {len(ids)} tokens: passes up to {len(ids)}")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         example, plugin = build(Path(tmp))
         for kernels in args.kernels.split(","):
             short, _, t0 = counted_run(example, plugin, args.cpu, args.bundle, kernels, args.decode, ids)
             long, tokens, t1 = counted_run(example, plugin, args.cpu, args.bundle, kernels, args.decode + args.extra, ids)
-            rows.append({"kernels": kernels, "instructions_short": short, "instructions_long": long,
-                         "per_token": (long - short) / args.extra, "tokens": tokens, "qemu_seconds": t0 + t1})
+            row = {"kernels": kernels, "instructions_short": short, "instructions_long": long,
+                   "per_token": (long - short) / args.extra, "tokens": tokens, "qemu_seconds": t0 + t1}
+            if passes:
+                one, _, _ = counted_run(example, plugin, args.cpu, args.bundle, kernels, 1, ids[:1])
+                row["passes"] = {p: row["per_token"] + counted_run(example, plugin, args.cpu, args.bundle, kernels, 1,
+                                                                   ids[:p])[0] - one for p in passes}
+            rows.append(row)
             print(f"  {kernels}: {(long - short) / args.extra / 1e6:.1f} M instructions per token "
                   f"({t0 + t1:.0f} s under qemu)", file=sys.stderr)
     generic = next((r for r in rows if r["kernels"] == "generic"), None)
@@ -129,6 +144,12 @@ def main() -> None:
         r["same_tokens_as_first"] = r["tokens"] == rows[0]["tokens"]
         ratio = f"{r['vs_generic']:.2f}x" if generic else "-"
         print(f"{r['kernels']:<10} {r['per_token'] / 1e6:>14.1f} {ratio:>11} {str(r['same_tokens_as_first']):>12}")
+    if passes:
+        print("one pass of P rows (prefill of P tokens, one logits row): M instructions, and per row")
+        print(f"{'kernels':<10} " + " ".join(f"{'P=' + str(p):>16}" for p in passes))
+        for r in rows:
+            print(f"{r['kernels']:<10} " + " ".join(f"{r['passes'][p] / 1e6:>7.1f} ({r['passes'][p] / p / 1e6:>5.1f}/row)"
+                                                   for p in passes))
     print(f"weights read per decoded token: {weights['total'] / 1e6:.1f} MB (layers {weights['layers'] / 1e6:.1f}, "
           f"head {weights['head'] / 1e6:.1f}, one embedding row {weights['embedding_row']} B)")
     if args.json:
