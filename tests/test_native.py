@@ -455,7 +455,7 @@ def test_auto_keeps_onnx_runtime_where_only_the_generic_kernels_run(demo, monkey
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arm", ["neon", "dotprod", "i8mm"])
+@pytest.mark.parametrize("arm", ["neon", "dotprod"])
 def test_auto_takes_the_native_backend_where_arm_kernels_run(demo, monkeypatch, arm):
     """On aarch64 the library's best kernels are an Arm set (held to the generic ones under qemu
     by tests/test_c_library.py): auto runs them, as it runs the x86 sets."""

@@ -76,8 +76,6 @@ typedef struct {
                       const er_dims *D, int M, int pos0, float *scores, float *partials, float *out);
     /* one row of hd values into a cache at row `row` */
     void (*kv_store)(void *cache, size_t row, const float *x, int hd, int format);
-    /* NULL, or rearranges er_pack's output in place into the set's own layout (i8mm's row pairs) */
-    void (*repack)(const er_matrix *m, uint8_t *packed);
 } er_kernel_table;
 
 extern const er_kernel_table er_generic_kernels;

@@ -155,7 +155,6 @@ static er_status pack_matrices(er_model *m) {
         if (!(m->packed[i] = aligned_alloc(64, (bytes + 63) / 64 * 64)))
             return er_fail(ER_ERR_MEMORY, "no memory for a packed matrix of %zu bytes", bytes);
         x->packed_rows = er_pack(x, m->packed[i]);
-        if (m->K->repack) m->K->repack(x, m->packed[i]);
         x->packed = m->packed[i];
         const size_t start = (size_t)(x->data - m->map), end = start + (size_t)x->packed_rows * row_bytes(x);
         const size_t first = (start + page - 1) / page * page, last = end / page * page;

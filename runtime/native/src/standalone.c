@@ -31,7 +31,6 @@ er_status er_matmul(int kernels, int format, const void *blocks, size_t bytes, i
     void *scratch = malloc(er_matmul_scratch_bytes(M, cols));
     if (pack && (packed = aligned_alloc(64, (pack + 63) / 64 * 64))) {
         m.packed_rows = er_pack(&m, packed);
-        if (K->repack) K->repack(&m, packed);
         m.packed = packed;
     }
     if (!scratch || (pack && !packed)) status = er_fail(ER_ERR_MEMORY, "er_matmul: out of memory");

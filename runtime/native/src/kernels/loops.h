@@ -234,7 +234,4 @@ static void attention(const void *kcache, const void *vcache, const float *q, co
     else attention_of(kcache, vcache, q, masked, D, M, pos0, scores, partials, out, KV_F32);
 }
 
-#ifndef TIER_REPACK
-#define TIER_REPACK NULL /* er_pack's layout as it is */
-#endif
-const er_kernel_table TIER_TABLE = {TIER_ID, TIER_PACKS, quantize, matmul, attention, kv_store, TIER_REPACK};
+const er_kernel_table TIER_TABLE = {TIER_ID, TIER_PACKS, quantize, matmul, attention, kv_store};

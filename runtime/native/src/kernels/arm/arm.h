@@ -36,12 +36,14 @@
 /* the 4n activations' sums with every activation row of the tile, s[i] */
 INLINE void tile_dots(const int8x16_t *c, const int n, const er_q8 *x, const int mt, const int k_form, size_t at,
                       int wide, int32x4_t *s) {
-    int i = 0;
 #if ARM_PAIRS
-    for (; i + 2 <= mt; i += 2)
-        pair_dot(c, n, (k_form ? x[i].qk : x[i].q) + at, (k_form ? x[i + 1].qk : x[i + 1].q) + at, s + i, s + i + 1);
+    if (mt == 4) { /* two pairs share the codes' regrouping (i8mm.c) */
+        pair_dots(c, n, (k_form ? x[0].qk : x[0].q) + at, (k_form ? x[1].qk : x[1].q) + at,
+                  (k_form ? x[2].qk : x[2].q) + at, (k_form ? x[3].qk : x[3].q) + at, s);
+        return;
+    }
 #endif
-    for (; i < mt; i++) s[i] = quad_dot(c, n, (k_form ? x[i].qk : x[i].q) + at, wide);
+    for (int i = 0; i < mt; i++) s[i] = quad_dot(c, n, (k_form ? x[i].qk : x[i].q) + at, wide);
 }
 
 INLINE float32x4_t f16x4(const uint8_t *p) { return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t *)p))); }

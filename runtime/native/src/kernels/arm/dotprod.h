@@ -1,4 +1,4 @@
-/* SDOT primitives: the dotprod set's and the i8mm set's (which runs one activation row alone
+/* SDOT primitives: the dotprod set's and the i8mm set's (which runs tiles of fewer than 4 rows
  * with them). Included before arm.h. */
 #ifndef ER_ARM_DOTPROD_H
 #define ER_ARM_DOTPROD_H
