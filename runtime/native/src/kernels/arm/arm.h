@@ -3,7 +3,7 @@
  * it has defined its integer primitives:
  *   quad_dot(c, n, a, wide)   4 rows x 4n codes (n packed vectors c[g]: 4 codes of each of 4
  *                             rows) against 4n activations a -> the 4 rows' int32 sums
- *   ARM_PAIRS, pair_dot       (i8mm) the same for two activation rows at once
+ *   ARM_PAIRS, pair_dots      (i8mm) the same for a tile of 4 activation rows, as two pairs
  *   dot16(acc, k, q)          acc's 4 lanes + the products of 16 int8 pairs (int8 caches)
  * The integer sums are exact whatever instructions make them; each row's float arithmetic is
  * the same whatever the pass's length (the tile a row falls in changes which rows share the
