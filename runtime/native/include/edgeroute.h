@@ -77,7 +77,7 @@ typedef enum er_kernels {
     ER_KERNELS_AVX512_VNNI = 2, /* x86-64 with AVX-512 F/BW/VL/VNNI */
     ER_KERNELS_NEON = 3,        /* aarch64 (Armv8.0 Advanced SIMD: Cortex-A57 and every later core) */
     ER_KERNELS_DOTPROD = 4,     /* aarch64 with SDOT and fp16 (Armv8.2 dotprod + fp16: Neoverse N1, A78AE) */
-    ER_KERNELS_I8MM = 5,        /* aarch64 with those and SMMLA (i8mm: Neoverse V2, Cortex-X2 and later): only when named */
+    ER_KERNELS_I8MM = 5,        /* aarch64 with those and SMMLA (i8mm: Neoverse V2, Cortex-X2 and later) */
     ER_KERNELS_COUNT = 6,
 } er_kernels;
 
@@ -87,8 +87,7 @@ ER_API const char *er_kernels_name(int kernels);
 /* 1 when this library carries `kernels` and this CPU runs them, else 0. */
 ER_API int er_kernels_supported(int kernels);
 
-/* The kernels ER_KERNELS_AUTO picks here: the best set the CPU runs, but never i8mm (an i8mm
- * CPU runs the dotprod set, which retires fewer instructions there; i8mm runs when named).
+/* The kernels ER_KERNELS_AUTO picks here: the best set the CPU runs.
  * EDGEROUTE_KERNELS=generic|avx2|avx512-vnni|neon|dotprod|i8mm in the environment overrides it
  * where this CPU runs that set, for tests and comparisons. */
 ER_API int er_kernels_best(void);

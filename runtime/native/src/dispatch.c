@@ -87,16 +87,13 @@ const char *er_kernels_name(int kernels) {
     return kernels >= 0 && kernels < ER_KERNELS_COUNT ? names[kernels] : NULL;
 }
 
-/* The best set this CPU runs, the highest id but i8mm's: that set runs when named (its SMMLA
- * tiles retired 2-3% more instructions per pass than the dotprod set's SDOTs under qemu:
- * docs/measured/2026-12-02-arm-kernels.md), so an i8mm CPU runs the dotprod set. */
 int er_kernels_best(void) {
     const char *forced = getenv("EDGEROUTE_KERNELS");
     if (forced && *forced)
         for (int k = 0; k < ER_KERNELS_COUNT; k++)
             if (strcmp(forced, er_kernels_name(k)) == 0 && er_kernels_supported(k)) return k;
     for (int k = ER_KERNELS_COUNT - 1; k > 0; k--)
-        if (k != ER_KERNELS_I8MM && er_kernels_supported(k)) return k;
+        if (er_kernels_supported(k)) return k;
     return ER_KERNELS_GENERIC;
 }
 

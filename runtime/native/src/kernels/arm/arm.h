@@ -37,9 +37,8 @@
 INLINE void tile_dots(const int8x16_t *c, const int n, const er_q8 *x, const int mt, const int k_form, size_t at,
                       int wide, int32x4_t *s) {
 #if ARM_PAIRS
-    if (mt == 4) { /* two pairs share the codes' regrouping (i8mm.c) */
-        pair_dots(c, n, (k_form ? x[0].qk : x[0].q) + at, (k_form ? x[1].qk : x[1].q) + at,
-                  (k_form ? x[2].qk : x[2].q) + at, (k_form ? x[3].qk : x[3].q) + at, s);
+    if (mt == 4) { /* two pairs share the codes' regrouping; x[4], x[5]: the pairs interleaved (i8mm.c) */
+        pair_dots(c, n, (k_form ? x[4].qk : x[4].q) + 2 * at, (k_form ? x[5].qk : x[5].q) + 2 * at, s);
         return;
     }
 #endif
@@ -222,7 +221,7 @@ PACKED_ROWS(Q8_0, dot_packed_blocks32(m, g, x, mt, y, ldy, T_Q8_0))
 PACKED_ROWS(Q4_K, dot_packed_q4_k(m, g, x, mt, y, ldy))
 PACKED_ROWS(Q6_K, dot_packed_q6_k(m, g, x, mt, y, ldy))
 
-static void packed_rows(const er_matrix *m, int g, const er_q8 *x, int mt, float *y, int ldy) {
+static void packed_rows_by_type(const er_matrix *m, int g, const er_q8 *x, int mt, float *y, int ldy) {
     switch (m->type) {
     case T_Q4_K: packed_rows_Q4_K(m, g, x, mt, y, ldy); break;
     case T_Q6_K: packed_rows_Q6_K(m, g, x, mt, y, ldy); break;
@@ -231,6 +230,34 @@ static void packed_rows(const er_matrix *m, int g, const er_q8 *x, int mt, float
     case T_Q5_0: packed_rows_Q5_0(m, g, x, mt, y, ldy); break;
     default: packed_rows_Q8_0(m, g, x, mt, y, ldy); break;
     }
+}
+
+#if ARM_PAIRS
+/* a tile of 4 rows: the tile's rows interleaved by pairs (SMMLA's right operands), once per group */
+__attribute__((noinline)) static void packed_rows_pairs(const er_matrix *m, int g, const er_q8 *x, float *y, int ldy) {
+    er_q8 paired[6];
+    int8_t pairs[4 * m->cols] __attribute__((aligned(16)));
+    memcpy(paired, x, 4 * sizeof(er_q8));
+    const int k_form = is_k_quant(m->type);
+    for (int p = 0; p < 2; p++) {
+        int8_t *to = pairs + (size_t)2 * m->cols * p;
+        interleave_pairs(k_form ? x[2 * p].qk : x[2 * p].q, k_form ? x[2 * p + 1].qk : x[2 * p + 1].q, m->cols, to);
+        paired[4 + p].q = paired[4 + p].qk = to;
+    }
+    packed_rows_by_type(m, g, paired, 4, y, ldy);
+}
+#endif
+
+static void packed_rows(const er_matrix *m, int g, const er_q8 *x, int mt, float *y, int ldy) {
+#if ARM_PAIRS
+    if (mt == 4) {
+        if (m->cols <= ARM_PAIRS_MAX_COLS) packed_rows_pairs(m, g, x, y, ldy);
+        else
+            for (int i = 0; i < 4; i += 2) packed_rows_by_type(m, g, x + i, 2, y + (size_t)i * ldy, ldy); /* 2 + 2 */
+        return;
+    }
+#endif
+    packed_rows_by_type(m, g, x, mt, y, ldy);
 }
 
 /* ---- activations ------------------------------------------------------------------------- */
