@@ -171,6 +171,12 @@ def inspect(
         raise typer.Exit(1)
 
 
+def _runs_on(model) -> str:
+    """What runs a model's layers, for the stats line: "native dotprod kernels", "portable"."""
+    kernels = getattr(model, "kernels", None) if model.flavour == "native" else None
+    return f"native {kernels} kernels" if kernels else model.flavour
+
+
 def _print_tensorrt_findings(b, report: Path | None) -> int:
     """The TensorRT lint's findings as a table (and every one into ``report``); their count."""
     import dataclasses
@@ -322,7 +328,7 @@ def run(
             sys.stdout.write("\n")
             sys.stdout.flush()  # the answer's end before the stats line on stderr
             err_console.print(f"[dim]{session.last.stats.summary(session.options.mode, engine.llm.num_layers)} "
-                              f"({engine.llm.flavour}, {engine.llm.kv_dtype} KV cache)[/]")
+                              f"({_runs_on(engine.llm)}, {engine.llm.kv_dtype} KV cache)[/]")
             if session.last.finish_reason == "incomplete":
                 incomplete.append(session.last)
                 err_console.print("[bold red]error:[/] the answer is incomplete: it ended before the response format's "

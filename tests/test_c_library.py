@@ -49,25 +49,89 @@ def test_the_c_tests_pass_under_address_and_undefined_behaviour_sanitizers(tmp_p
 CROSS = shutil.which("aarch64-linux-gnu-gcc")
 QEMU = shutil.which("qemu-aarch64")
 AARCH64_SYSROOT = Path("/usr/aarch64-linux-gnu")
+needs_qemu = pytest.mark.skipif(CROSS is None or QEMU is None or not AARCH64_SYSROOT.is_dir(),
+                                reason="no aarch64 cross compiler or qemu-aarch64 (Debian: gcc-aarch64-linux-gnu "
+                                       "qemu-user; .ci/run installs them)")
+# the Arm sets each emulated CPU runs: NEON only (Cortex-A57: Jetson Nano, TX2); dotprod + fp16
+# without i8mm (Neoverse N1, like Orin's A78AE: an i8mm instruction outside the i8mm set would
+# stop the run); everything (max: i8mm, SVE)
+RUNS_ON = {"cortex-a57": ("neon",), "neoverse-n1": ("neon", "dotprod"), "max": ("neon", "dotprod", "i8mm")}
+BEST_ON = {cpu: runs[-1] for cpu, runs in RUNS_ON.items()}  # what auto picks there
 
 
-@pytest.mark.skipif(CROSS is None or QEMU is None or not AARCH64_SYSROOT.is_dir(),
-                    reason="no aarch64 cross compiler or qemu-aarch64 (Debian: gcc-aarch64-linux-gnu qemu-user; "
-                           ".ci/run installs them)")
-@pytest.mark.parametrize("cpu", ["cortex-a57", "neoverse-n1", "max"])
-def test_the_aarch64_library_cross_builds_and_passes_its_c_tests_under_qemu(tmp_path, cpu):
-    """One aarch64 binary for every aarch64 CPU: NEON-only (Cortex-A57: Jetson Nano, TX2),
-    dotprod + fp16 without i8mm (Neoverse N1, like Orin's A78AE), and everything (max)."""
-    library = _build_script().build(tmp_path / "aarch64" / "libedgeroute.so", cc=CROSS, arch="aarch64", quiet=True)
-    program = tmp_path / "test_c_api"
-    subprocess.run([CROSS, "-std=gnu11", "-O1", f"-I{NATIVE / 'include'}", str(REPO / "tests" / "native" / "test_c_api.c"),
-                    "-o", str(program), f"-L{library.parent}", "-ledgeroute", "-lm", "-fopenmp"],
-                   check=True, capture_output=True, text=True)
-    done = subprocess.run([QEMU, "-cpu", cpu, "-L", str(AARCH64_SYSROOT), "-E", f"LD_LIBRARY_PATH={library.parent}",
-                           str(program), str(tmp_path), "500"], capture_output=True, text=True, timeout=600)
+def _qemu(cpu: str, library: Path, *command, env: dict[str, str] | None = None, timeout: int = 600, **kwargs):
+    sets = [arg for name, value in (env or {}).items() for arg in ("-E", f"{name}={value}")]
+    return subprocess.run([QEMU, "-cpu", cpu, "-L", str(AARCH64_SYSROOT), "-E", f"LD_LIBRARY_PATH={library.parent}",
+                           *sets, *map(str, command)], capture_output=True, text=True, timeout=timeout, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def aarch64_library(tmp_path_factory) -> Path:
+    """The aarch64 library, cross-built once for every emulated CPU."""
+    out = tmp_path_factory.mktemp("aarch64") / "libedgeroute.so"
+    return _build_script().build(out, cc=CROSS, arch="aarch64", quiet=True)
+
+
+def _cross_program(source: Path, out: Path, library: Path) -> Path:
+    subprocess.run([CROSS, "-std=gnu11", "-O1", f"-I{NATIVE / 'include'}", str(source), "-o", str(out),
+                    f"-L{library.parent}", "-ledgeroute", "-lm", "-fopenmp"], check=True, capture_output=True, text=True)
+    return out
+
+
+@needs_qemu
+@pytest.mark.parametrize("cpu", list(BEST_ON))
+def test_the_aarch64_library_cross_builds_and_passes_its_c_tests_under_qemu(tmp_path, aarch64_library, cpu):
+    """One aarch64 binary for every aarch64 CPU: it picks the best Arm kernels each CPU runs, and
+    the C tests hold every set the CPU runs (the best and all below it) to the generic one."""
+    program = _cross_program(REPO / "tests" / "native" / "test_c_api.c", tmp_path / "test_c_api", aarch64_library)
+    done = _qemu(cpu, aarch64_library, program, tmp_path, "500")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1].endswith(" passed, 0 failed")
-    assert "kernels here: generic" in done.stdout
+    best = BEST_ON[cpu]
+    assert f"kernels here: {best}" in done.stdout
+    for kernels in RUNS_ON["max"]:
+        skipped = f"skipped: the {kernels} kernels do not run on this CPU" in done.stdout
+        assert skipped == (kernels not in RUNS_ON[cpu]), f"{cpu}: the {kernels} kernels {'skipped' if skipped else 'ran'}"
+
+
+@pytest.fixture(scope="module")
+def generic_demo_tokens(demo, tmp_path_factory) -> tuple[list[int], list[int]]:
+    """The demo prompt's ids and the first 32 greedy tokens the generic kernels decode (this host's
+    library: the generic kernels are plain C, the same arithmetic on every architecture)."""
+    from tokenizers import Tokenizer
+
+    ids = Tokenizer.from_file(str(demo.file("tokenizer.json"))).encode("Three tips for staying awake on a long drive:").ids
+    program = _program(REPO / "examples" / "c" / "generate.c", tmp_path_factory.mktemp("generic") / "generate",
+                       native.library_path(), [])
+    done = subprocess.run([str(program), str(demo.path), "-n", "32", "-k", "generic", "-t", "1", "-c", "f16",
+                           *map(str, ids)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return ids, [int(t) for t in done.stdout.split()]
+
+
+@needs_qemu
+@needs_compiler
+@pytest.mark.slow
+@pytest.mark.parametrize("cpu", list(BEST_ON))
+def test_the_c_example_decodes_the_demo_bundle_on_arm_as_the_generic_kernels(demo, generic_demo_tokens, aarch64_library,
+                                                                             tmp_path, cpu):
+    """The cross-built example on each emulated CPU, its own best kernels (a 10-token prompt: the
+    multi-row paths: on max, tiles of 4 rows through SMMLA; then one-row steps), decodes the
+    generic kernels' 32 greedy tokens."""
+    ids, want = generic_demo_tokens
+    program = _cross_program(REPO / "examples" / "c" / "generate.c", tmp_path / "generate", aarch64_library)
+    done = _qemu(cpu, aarch64_library, program, demo.path, "-n", "32", "-t", "1", "-c", "f16", *ids)
+    assert done.returncode == 0, done.stderr
+    assert f"{BEST_ON[cpu]} kernels" in done.stderr
+    assert [int(t) for t in done.stdout.split()] == want
+    if cpu != "cortex-a57":  # EDGEROUTE_KERNELS forces a set the CPU runs, and cannot force one it lacks
+        forced = _qemu(cpu, aarch64_library, program, demo.path, "-n", "2", "-t", "1", *ids, env={"EDGEROUTE_KERNELS": "neon"})
+        assert forced.returncode == 0 and "neon kernels" in forced.stderr, forced.stderr
+        assert [int(t) for t in forced.stdout.split()] == want[:2]
+    else:
+        refused = _qemu(cpu, aarch64_library, program, demo.path, "-n", "2", "-t", "1", *ids,
+                        env={"EDGEROUTE_KERNELS": "dotprod"})
+        assert refused.returncode == 0 and "neon kernels" in refused.stderr, refused.stderr
 
 
 @pytest.fixture(scope="module")

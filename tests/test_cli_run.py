@@ -110,3 +110,12 @@ def test_engine_options_and_profile_keywords_are_not_mixed(tiny_slm_bundle):
         Engine(tiny_slm_bundle, EngineOptions(), profile="cpu")
     with pytest.raises(InputError, match="unknown engine option"):
         Engine(tiny_slm_bundle, kv_cache="int8")
+
+
+def test_the_stats_line_names_the_native_kernel_set():
+    from types import SimpleNamespace
+
+    from edgeroute.cli import _runs_on
+
+    assert _runs_on(SimpleNamespace(flavour="native", kernels="dotprod")) == "native dotprod kernels"
+    assert _runs_on(SimpleNamespace(flavour="portable")) == "portable"

@@ -454,6 +454,18 @@ def test_auto_keeps_onnx_runtime_where_only_the_generic_kernels_run(demo, monkey
     assert Engine(demo, slm=False, backend="native").llm.flavour == "native"
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("arm", ["neon", "dotprod"])
+def test_auto_takes_the_native_backend_where_arm_kernels_run(demo, monkeypatch, arm):
+    """On aarch64 the library's best kernels are an Arm set (held to the generic ones under qemu
+    by tests/test_c_library.py): auto runs them, as it runs the x86 sets."""
+    if UNAVAILABLE is not None:
+        pytest.skip(f"native kernels unavailable: {UNAVAILABLE}")
+    monkeypatch.setattr(native, "native_kernels", lambda kernels="auto": arm)
+    engine = Engine(demo, slm=False)
+    assert engine.llm.flavour == "native" and engine.backend_notes.get("llm") is None
+
+
 def test_kernels_that_do_not_load_leave_auto_on_onnx_runtime_with_its_cache(demo, monkeypatch):
     def no_library(kernels="auto"):
         raise NativeBackendUnavailable("no C compiler (cc or gcc, or $CC) to build the native kernels")
@@ -498,17 +510,24 @@ def test_a_library_that_does_not_load_or_does_not_match_is_a_clear_reason(monkey
         native.native_library()
     monkeypatch.setattr(native, "_library", None)
     with pytest.raises(InputError, match="not one of"):
-        native.native_library("neon")
+        native.native_library("sve")
 
 
 @needs_kernels
 def test_kernels_this_cpu_lacks_are_refused_naming_what_it_runs():
     lib = native.native_library()
-    for kernels in ("avx2", "avx512-vnni"):
+    for kernels in ("avx2", "avx512-vnni", "neon", "dotprod", "i8mm"):
         if not lib.er_kernels_supported(native.kernel_id(kernels)):
             with pytest.raises(NativeBackendUnavailable, match=f"the {kernels} kernels do not run on this CPU"):
                 native.native_library(kernels)
     assert native.native_kernels("generic") == "generic"
+    best = native.native_kernels()
+    for family, members in native.FAMILIES.items():  # "x86" / "arm": the best set of that family, or refused
+        if best in members:
+            assert native.native_kernels(family) == best
+        else:
+            with pytest.raises(NativeBackendUnavailable, match=f"the {family} kernels need .*runs the {best} kernels"):
+                native.native_library(family)
 
 
 @pytest.mark.slow

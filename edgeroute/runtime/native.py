@@ -47,7 +47,10 @@ from edgeroute.runtime.model import DROP, RUN, SKIP, SKIP_MLP, LayerPlan, Layerw
 from edgeroute.texts import calibration_text
 
 LIBRARY_NAME = "libedgeroute.so"
-KERNELS = ("auto", "x86", "generic", "avx2", "avx512-vnni")  # "x86": the best x86 set this CPU runs
+# "x86" / "arm": the best x86 / Arm set this CPU runs (refused where that is the generic one)
+KERNELS = ("auto", "x86", "arm", "generic", "avx2", "avx512-vnni", "neon", "dotprod", "i8mm")
+FAMILIES = {"x86": ("avx2", "avx512-vnni"), "arm": ("neon", "dotprod", "i8mm")}
+FAMILY_NEEDS = {"x86": "an x86-64 CPU with AVX2, FMA and F16C", "arm": "an aarch64 CPU (NEON)"}
 BLOCK_FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K")  # er_block_format: ER_<name>
 KV_FORMAT_NAMES = {"float32": "ER_KV_F32", "float16": "ER_KV_F16", "int8": "ER_KV_INT8"}
 ACTION_NAMES = {RUN: "ER_LAYER_RUN", SKIP_MLP: "ER_LAYER_SKIP_MLP", SKIP: "ER_LAYER_SKIP", DROP: "ER_LAYER_DROP"}
@@ -147,8 +150,9 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 def native_library(kernels: str = "auto") -> ctypes.CDLL:
     """The library, loaded once per process, after checking that it runs ``kernels`` here
-    ("auto": the best set this CPU runs; "x86": the best x86 set; "generic", "avx2",
-    "avx512-vnni": that set, e.g. to compare or to test what another CPU runs). Raises
+    ("auto": the best set this CPU runs; "x86" / "arm": the best x86 / Arm set; "generic",
+    "avx2", "avx512-vnni", "neon", "dotprod", "i8mm": that set, e.g. to compare or to test what
+    another CPU runs). Raises
     NativeBackendUnavailable with the reason (kept: later calls raise it again at no cost)."""
     global _library
     kernel_id(kernels)  # a wrong name is the caller's error, not the library's
@@ -172,7 +176,7 @@ def kernel_id(kernels: str) -> int | None:
     """The er_kernels value ``kernels`` names (None: decided by the CPU)."""
     if kernels not in KERNELS:
         raise InputError(f"kernels {kernels!r} is not one of {', '.join(KERNELS)}")
-    if kernels in ("auto", "x86"):
+    if kernels in ("auto", *FAMILIES):
         return None
     return header_constants()[f"ER_KERNELS_{kernels.replace('-', '_').upper()}"]
 
@@ -181,9 +185,9 @@ def _resolve(lib: ctypes.CDLL, kernels: str) -> int:
     chosen = kernel_id(kernels)
     if chosen is None:
         chosen = lib.er_kernels_best()
-        if kernels == "x86" and chosen == header_constants()["ER_KERNELS_GENERIC"]:
-            raise NativeBackendUnavailable("the x86 kernels need an x86-64 CPU with AVX2, FMA and F16C: this CPU "
-                                           "runs the generic kernels only")
+        if kernels in FAMILIES and lib.er_kernels_name(chosen).decode() not in FAMILIES[kernels]:
+            raise NativeBackendUnavailable(f"the {kernels} kernels need {FAMILY_NEEDS[kernels]}: this CPU "
+                                           f"runs the {lib.er_kernels_name(chosen).decode()} kernels")
     elif not lib.er_kernels_supported(chosen):
         raise NativeBackendUnavailable(f"the {kernels} kernels do not run on this CPU (it runs "
                                        f"{lib.er_kernels_name(lib.er_kernels_best()).decode()})")
@@ -191,7 +195,8 @@ def _resolve(lib: ctypes.CDLL, kernels: str) -> int:
 
 
 def native_kernels(kernels: str = "auto") -> str:
-    """Which kernels ``kernels`` runs here: "generic", "avx2" or "avx512-vnni"."""
+    """Which kernels ``kernels`` runs here: "generic", "avx2", "avx512-vnni", "neon", "dotprod" or
+    "i8mm"."""
     lib = native_library(kernels)
     return lib.er_kernels_name(_resolve(lib, kernels)).decode()
 

@@ -30,7 +30,10 @@ SOURCES = ["src/errors.c", "src/dispatch.c", "src/formats.c", "src/pack.c", "src
 KERNEL_SETS = {
     "x86_64": {"src/kernels/x86/avx2.c": ["-march=x86-64-v3", "-mtune=generic"],
                "src/kernels/x86/avx512_vnni.c": ["-march=x86-64-v4", "-mavx512vnni", "-mtune=generic"]},
-    "aarch64": {},
+    # Armv8.0 NEON (every aarch64 core); SDOT + fp16 (Neoverse N1, Cortex-A78AE: Orin); and SMMLA
+    "aarch64": {"src/kernels/arm/neon.c": ["-march=armv8-a"],
+                "src/kernels/arm/dotprod.c": ["-march=armv8.2-a+dotprod+fp16"],
+                "src/kernels/arm/i8mm.c": ["-march=armv8.2-a+dotprod+fp16+i8mm"]},
 }
 # -ffp-contract=off: the compiler would otherwise contract multiplies and adds into FMAs
 # differently in a kernel's tile-size specializations, and a row's bits would depend on the

@@ -72,6 +72,7 @@ static void test_kernel_sets_agree(void) {
     const int rows = 37, cols = 512, M = 9; /* an odd row count: the threads' shares differ */
     float *x = malloc(sizeof(float) * M * cols), *want = malloc(sizeof(float) * M * rows);
     float *got = malloc(sizeof(float) * M * rows), *one = malloc(sizeof(float) * rows);
+    float *part = malloc(sizeof(float) * M * rows);
     for (int i = 0; i < M * cols; i++) x[i] = (float)((int)(next_random() % 255) - 127);
     for (int i = 0; i < M; i++) x[(size_t)i * cols] = 127; /* integer activations: quantized exactly */
     for (size_t fi = 0; fi < sizeof FORMATS / sizeof FORMATS[0]; fi++) {
@@ -94,6 +95,11 @@ static void test_kernel_sets_agree(void) {
                 check(memcmp(one, got + (size_t)i * rows, sizeof(float) * rows) == 0, "%s format %d row %d alone",
                       er_kernels_name(k), FORMATS[fi].format, i);
             }
+            for (int m = 2; m < M; m++) { /* nor on the pass's length (every tile size and split of one) */
+                er_matmul(k, FORMATS[fi].format, raw, bytes, rows, cols, x + cols, m, part, 2);
+                check(memcmp(part, got + rows, sizeof(float) * m * rows) == 0, "%s format %d rows 1..%d as a pass of %d",
+                      er_kernels_name(k), FORMATS[fi].format, m, m);
+            }
         }
         free(raw);
     }
@@ -115,6 +121,70 @@ static void test_kernel_sets_agree(void) {
     free(want);
     free(got);
     free(one);
+    free(part);
+}
+
+/* attention over each cache format: every kernel set against the generic one, over more than one
+ * segment of positions (256), a group of 3 query heads per KV head and a group of 2, a head_dim
+ * with a partial 32-column group (40: float caches only) */
+static void test_attention_agrees(void) {
+    const int cap = 300, M = 3, pos0 = 290;
+    const int shapes[3][3] = {{6, 2, 64}, {4, 2, 40}, {2, 1, 128}}; /* heads, kv_heads, head_dim */
+    for (int si = 0; si < 3; si++) {
+        const int H = shapes[si][0], KV = shapes[si][1], hd = shapes[si][2];
+        float *q = malloc(sizeof(float) * M * H * hd), *want = malloc(sizeof(float) * M * H * hd);
+        float *got = malloc(sizeof(float) * M * H * hd), *vals = malloc(sizeof(float) * hd);
+        for (int i = 0; i < M * H * hd; i++) q[i] = 2.0f * uniform() - 1.0f;
+        uint8_t masked[300] = {0};
+        for (int t = 0; t < cap; t += 7) masked[t] = 1;
+        for (int format = 0; format < ER_KV_FORMAT_COUNT; format++) {
+            const size_t row = er_kv_row_bytes(format, hd);
+            if (row == 0) continue;
+            uint8_t *keys = malloc(row * KV * cap), *values = malloc(row * KV * cap);
+            for (int which = 0; which < 2; which++)
+                for (int r = 0; r < KV * cap; r++) {
+                    uint8_t *to = (which ? values : keys) + row * r;
+                    for (int c = 0; c < hd; c++) vals[c] = 3.0f * uniform() - 1.5f;
+                    if (format == ER_KV_F32) memcpy(to, vals, 4 * hd);
+                    else if (format == ER_KV_F16)
+                        for (int c = 0; c < hd; c++) put_f16(to + 2 * c, vals[c]);
+                    else
+                        for (int b = 0; b < hd / 32; b++) { /* codes at max|x| / 127, then the scales */
+                            float mx = 0, d;
+                            for (int c = 0; c < 32; c++) mx = fmaxf(mx, fabsf(vals[32 * b + c]));
+                            d = mx / 127;
+                            for (int c = 0; c < 32; c++) to[32 * b + c] = (uint8_t)(int8_t)lrintf(vals[32 * b + c] / d);
+                            memcpy(to + hd + 4 * b, &d, 4);
+                        }
+                }
+            check(er_attention(ER_KERNELS_GENERIC, format, H, KV, hd, cap, q, keys, values, masked, M, pos0, want, 2) == ER_OK,
+                  "generic attention");
+            for (int k = 1; k < ER_KERNELS_COUNT; k++) {
+                if (!er_kernels_supported(k)) continue;
+                check(er_attention(k, format, H, KV, hd, cap, q, keys, values, masked, M, pos0, got, 2) == ER_OK, "attention");
+                double worst = 0, scale = 0;
+                for (int i = 0; i < M * H * hd; i++) {
+                    worst = fmax(worst, fabs((double)got[i] - want[i]));
+                    scale = fmax(scale, fabs((double)want[i]));
+                }
+                /* the sets' exponentials and sums differ from expf's in the last bits; an int8 cache's
+                 * scores are integer products of the query quantized like the rows (generic: floats) */
+                check(worst <= (format == ER_KV_INT8 ? 2e-2 : 1e-4) * scale, "%s attention kv %d hd %d: max difference %g of %g",
+                      er_kernels_name(k), format, hd, worst, scale);
+                float *alone = malloc(sizeof(float) * H * hd); /* the last row's bits, in a pass of one */
+                er_attention(k, format, H, KV, hd, cap, q + (size_t)(M - 1) * H * hd, keys, values, masked, 1, pos0 + M - 1, alone, 1);
+                check(memcmp(alone, got + (size_t)(M - 1) * H * hd, sizeof(float) * H * hd) == 0,
+                      "%s attention kv %d hd %d: a row alone", er_kernels_name(k), format, hd);
+                free(alone);
+            }
+            free(keys);
+            free(values);
+        }
+        free(q);
+        free(want);
+        free(got);
+        free(vals);
+    }
 }
 
 /* ---- a tiny model as a native weight file -------------------------------------------------- */
@@ -440,6 +510,7 @@ int main(int argc, char **argv) {
     for (int k = 0; k < ER_KERNELS_COUNT; k++)
         if (!er_kernels_supported(k)) printf("skipped: the %s kernels do not run on this CPU\n", er_kernels_name(k));
     test_kernel_sets_agree();
+    test_attention_agrees();
     buffer file = {0};
     const size_t header = tiny_model(&file, 3, 1);
     test_model(argv[1], &file);

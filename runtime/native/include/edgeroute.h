@@ -11,8 +11,9 @@
  * library takes and gives token ids and logits.
  *
  * Kernels: one library carries every kernel set its architecture has (x86-64: generic C,
- * AVX2 + FMA + F16C, AVX-512 VNNI; other architectures: generic C) and picks the best the CPU
- * runs when a model is opened (cpuid), unless the model's params name one.
+ * AVX2 + FMA + F16C, AVX-512 VNNI; aarch64: generic C, NEON, dotprod, i8mm; other
+ * architectures: generic C) and picks the best the CPU runs when a model is opened (cpuid on
+ * x86-64, the kernel's HWCAP bits on aarch64), unless the model's params name one.
  *
  * Errors: every call that can fail returns an er_status; ER_OK is 0. The message of the last
  * failure on the calling thread is er_last_error() (thread-local: there is no other mutable
@@ -74,17 +75,21 @@ typedef enum er_kernels {
     ER_KERNELS_GENERIC = 0,     /* plain C: every CPU */
     ER_KERNELS_AVX2 = 1,        /* x86-64 with AVX2, FMA and F16C */
     ER_KERNELS_AVX512_VNNI = 2, /* x86-64 with AVX-512 F/BW/VL/VNNI */
-    ER_KERNELS_COUNT = 3,
+    ER_KERNELS_NEON = 3,        /* aarch64 (Armv8.0 Advanced SIMD: Cortex-A57 and every later core) */
+    ER_KERNELS_DOTPROD = 4,     /* aarch64 with SDOT and fp16 (Armv8.2 dotprod + fp16: Neoverse N1, A78AE) */
+    ER_KERNELS_I8MM = 5,        /* aarch64 with those and SMMLA (i8mm: Neoverse V2, Cortex-X2 and later) */
+    ER_KERNELS_COUNT = 6,
 } er_kernels;
 
-/* "generic", "avx2", "avx512-vnni"; NULL for a value that names no kernel set. Static. */
+/* "generic", "avx2", "avx512-vnni", "neon", "dotprod", "i8mm"; NULL for a value that names no kernel set. Static. */
 ER_API const char *er_kernels_name(int kernels);
 
 /* 1 when this library carries `kernels` and this CPU runs them, else 0. */
 ER_API int er_kernels_supported(int kernels);
 
-/* The kernels ER_KERNELS_AUTO picks here (EDGEROUTE_KERNELS=generic|avx2|avx512-vnni in the
- * environment overrides it, for tests and comparisons). */
+/* The kernels ER_KERNELS_AUTO picks here: the best set the CPU runs.
+ * EDGEROUTE_KERNELS=generic|avx2|avx512-vnni|neon|dotprod|i8mm in the environment overrides it
+ * where this CPU runs that set, for tests and comparisons. */
 ER_API int er_kernels_best(void);
 
 /* ---- KV cache formats -------------------------------------------------------------------- */

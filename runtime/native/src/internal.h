@@ -82,6 +82,9 @@ extern const er_kernel_table er_generic_kernels;
 #if defined(__x86_64__)
 extern const er_kernel_table er_avx2_kernels, er_avx512_vnni_kernels;
 #endif
+#if defined(__aarch64__)
+extern const er_kernel_table er_neon_kernels, er_dotprod_kernels, er_i8mm_kernels;
+#endif
 
 /* The table of `kernels` (an er_kernels value, ER_KERNELS_AUTO resolved), or NULL where this
  * library or CPU lacks it. */

@@ -1,0 +1,163 @@
+"""Instructions retired per decoded token on an emulated Arm CPU: the aarch64 libedgeroute's
+kernel sets against its generic C kernels, on a bundle's native weights (a proxy for speed where
+no Arm hardware is at hand: qemu cannot time Arm code, but it can count what runs).
+
+Cross-builds the aarch64 library and the C example (examples/c/generate.c) with
+aarch64-linux-gnu-gcc, builds the counting plugin (tools/qemu/insn_count.c) for the host, and
+runs the example under ``qemu-aarch64 -cpu CPU -plugin``, one thread, greedy, an fp16 cache:
+once decoding N tokens and once N + K; per decoded token = (count(N + K) - count(N)) / K, so
+loading, packing and the prompt cancel out. Also checks that every kernel set decodes the same
+tokens, and prints the bytes of weights one decode step reads.
+
+With ``--passes 1,2,4,8`` it also counts what one pass of P rows costs (a verification pass
+of P - 1 drafts, or a prefill): the prompt's first P ids prefilled in one pass and one token
+taken, count(P) - count(1) added to the one-row cost (a decode step's count), so a pass's cost
+per row shows how far a multi-row pass reuses the weights it loads.
+
+    python tools/arm_instruction_counts.py [--bundle bundles/smollm2-demo] [--cpu neoverse-n1]
+        [--kernels generic,neon,dotprod] [--decode 4] [--extra 8] [--passes 1,2,4,8]
+        [--json OUT.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+NATIVE = REPO / "runtime" / "native"
+SYSROOT = Path("/usr/aarch64-linux-gnu")
+PROMPT = "Three tips for staying awake on a long drive:"
+
+
+def need(tool: str) -> str:
+    found = shutil.which(tool)
+    if not found:
+        raise SystemExit(f"{tool} not found (Debian: apt-get install gcc-aarch64-linux-gnu qemu-user)")
+    return found
+
+
+def build(tmp: Path) -> tuple[Path, Path]:
+    """The aarch64 library + example, and the host plugin."""
+    spec = importlib.util.spec_from_file_location("native_build", NATIVE / "build.py")
+    builder = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(builder)
+    cross = need("aarch64-linux-gnu-gcc")
+    library = builder.build(tmp / "lib" / "libedgeroute.so", cc=cross, arch="aarch64", quiet=True)
+    example = tmp / "generate"
+    subprocess.run([cross, "-std=gnu11", "-O2", f"-I{NATIVE / 'include'}", str(REPO / "examples" / "c" / "generate.c"),
+                    "-o", str(example), f"-L{library.parent}", "-ledgeroute", "-lm", "-fopenmp"], check=True)
+    plugin = tmp / "libinsn_count.so"
+    subprocess.run([shutil.which("cc") or need("gcc"), "-shared", "-fPIC", "-O2",
+                    str(REPO / "tools" / "qemu" / "insn_count.c"), "-o", str(plugin)], check=True)
+    return example, plugin
+
+
+def prompt_ids(bundle: Path) -> list[int]:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(bundle / "tokenizer.json")).encode(PROMPT).ids
+
+
+def counted_run(example: Path, plugin: Path, cpu: str, bundle: Path, kernels: str, tokens: int,
+                ids: list[int]) -> tuple[int, list[int], float]:
+    """(instructions retired, the tokens decoded, seconds) of one run of the example."""
+    command = [need("qemu-aarch64"), "-cpu", cpu, "-L", str(SYSROOT), "-plugin", str(plugin),
+               "-E", f"LD_LIBRARY_PATH={example.parent / 'lib'}", "-E", "OMP_NUM_THREADS=1",
+               str(example), str(bundle), "-n", str(tokens), "-k", kernels, "-t", "1", "-c", "f16", *map(str, ids)]
+    start = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(command)}\n{done.stderr}")
+    ran = re.search(r"^(\S+) kernels", done.stderr, re.M)
+    if not ran or ran.group(1) != kernels:
+        raise SystemExit(f"asked for the {kernels} kernels, the example ran {ran.group(1) if ran else '?'}: {done.stderr}")
+    count = re.search(r"insn_count: (\d+)", done.stderr)
+    if not count:
+        raise SystemExit(f"the plugin printed no count (qemu without plugin support?): {done.stderr}")
+    return int(count.group(1)), [int(t) for t in done.stdout.split()], seconds
+
+
+def weight_bytes_per_token(bundle: Path) -> dict[str, int]:
+    """Bytes of weight blocks one decode step reads: every matrix in full, the embedding's one row
+    (with tied embeddings the head is the embedding matrix, read in full)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(bundle / "llm" / "native.bin"))
+    matrices = {t.name: t for t in reader.tensors if len(t.shape) == 2}
+    embed = matrices["token_embd.weight"]
+    layers = sum(int(t.n_bytes) for name, t in matrices.items() if name.startswith("blk."))
+    head = matrices.get("output.weight", embed)
+    return {"layers": layers, "head": int(head.n_bytes), "embedding_row": int(embed.n_bytes) // int(embed.shape[1]),
+            "total": layers + int(head.n_bytes) + int(embed.n_bytes) // int(embed.shape[1])}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--bundle", type=Path, default=REPO / "bundles" / "smollm2-demo")
+    parser.add_argument("--cpu", default="neoverse-n1")
+    parser.add_argument("--kernels", default="generic,neon,dotprod")
+    parser.add_argument("--decode", type=int, default=4, help="tokens of the shorter run (N)")
+    parser.add_argument("--extra", type=int, default=8, help="further tokens of the longer run (K)")
+    parser.add_argument("--passes", default="", help="pass lengths P to count (comma-separated; 1 is added)")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    args = parser.parse_args()
+    if platform.machine() not in ("x86_64", "AMD64"):
+        print("note: meant for an x86-64 host emulating aarch64", file=sys.stderr)
+    ids = prompt_ids(args.bundle)
+    passes = sorted({1, *(int(p) for p in args.passes.split(",") if p)}) if args.passes else []
+    if passes and passes[-1] > len(ids):
+        raise SystemExit(f"the prompt has {len(ids)} tokens: passes up to {len(ids)}")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        example, plugin = build(Path(tmp))
+        for kernels in args.kernels.split(","):
+            short, _, t0 = counted_run(example, plugin, args.cpu, args.bundle, kernels, args.decode, ids)
+            long, tokens, t1 = counted_run(example, plugin, args.cpu, args.bundle, kernels, args.decode + args.extra, ids)
+            row = {"kernels": kernels, "instructions_short": short, "instructions_long": long,
+                   "per_token": (long - short) / args.extra, "tokens": tokens, "qemu_seconds": t0 + t1}
+            if passes:
+                one, _, _ = counted_run(example, plugin, args.cpu, args.bundle, kernels, 1, ids[:1])
+                row["passes"] = {p: row["per_token"] + counted_run(example, plugin, args.cpu, args.bundle, kernels, 1,
+                                                                   ids[:p])[0] - one for p in passes}
+            rows.append(row)
+            print(f"  {kernels}: {(long - short) / args.extra / 1e6:.1f} M instructions per token "
+                  f"({t0 + t1:.0f} s under qemu)", file=sys.stderr)
+    generic = next((r for r in rows if r["kernels"] == "generic"), None)
+    weights = weight_bytes_per_token(args.bundle)
+    print(f"instructions retired per decoded token, qemu-aarch64 -cpu {args.cpu}, {args.bundle.name}, 1 thread, "
+          f"fp16 cache, prompt of {len(ids)} tokens, (count({args.decode + args.extra}) - count({args.decode})) / "
+          f"{args.extra}")
+    print(f"{'kernels':<10} {'M instr/token':>14} {'vs generic':>11} {'same tokens':>12}")
+    for r in rows:
+        r["vs_generic"] = generic["per_token"] / r["per_token"] if generic else None
+        r["same_tokens_as_first"] = r["tokens"] == rows[0]["tokens"]
+        ratio = f"{r['vs_generic']:.2f}x" if generic else "-"
+        print(f"{r['kernels']:<10} {r['per_token'] / 1e6:>14.1f} {ratio:>11} {str(r['same_tokens_as_first']):>12}")
+    if passes:
+        print("one pass of P rows (prefill of P tokens, one logits row): M instructions, and per row")
+        print(f"{'kernels':<10} " + " ".join(f"{'P=' + str(p):>16}" for p in passes))
+        for r in rows:
+            print(f"{r['kernels']:<10} " + " ".join(f"{r['passes'][p] / 1e6:>7.1f} ({r['passes'][p] / p / 1e6:>5.1f}/row)"
+                                                   for p in passes))
+    print(f"weights read per decoded token: {weights['total'] / 1e6:.1f} MB (layers {weights['layers'] / 1e6:.1f}, "
+          f"head {weights['head'] / 1e6:.1f}, one embedding row {weights['embedding_row']} B)")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"cpu": args.cpu, "bundle": str(args.bundle.name), "prompt_tokens": len(ids),
+                                         "decode": args.decode, "extra": args.extra, "threads": 1, "kv": "float16",
+                                         "weight_bytes_per_token": weights, "results": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
