@@ -5,6 +5,7 @@ decoding the demo bundle exactly as the Python backend does."""
 from __future__ import annotations
 
 import importlib.util
+import platform
 import shutil
 import subprocess
 from pathlib import Path
@@ -44,6 +45,24 @@ def test_the_c_tests_pass_under_address_and_undefined_behaviour_sanitizers(tmp_p
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     assert done.stdout.strip().splitlines()[-1].endswith(" passed, 0 failed")
     assert "ERROR: AddressSanitizer" not in done.stderr and "runtime error" not in done.stderr
+
+
+QEMU_X86 = shutil.which("qemu-x86_64")
+
+
+@needs_compiler
+@pytest.mark.skipif(QEMU_X86 is None or platform.machine() != "x86_64",
+                    reason="no qemu-x86_64 (Debian: qemu-user; .ci/run installs it) or not an x86-64 host")
+def test_the_avx2_kernels_pass_on_a_cpu_without_avx512(tmp_path):
+    """Haswell has AVX2, FMA and F16C and no AVX-512: the avx2 set is chosen, and an AVX-512
+    instruction slipped into it would fault here, on the machine CI runs on, whatever its CPU."""
+    library = _build_script().build(tmp_path / "x86" / "libedgeroute.so", quiet=True)
+    program = _program(REPO / "tests" / "native" / "test_c_api.c", tmp_path / "test_c_api", library, [])
+    done = subprocess.run([QEMU_X86, "-cpu", "Haswell", str(program), str(tmp_path), "300"], capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "kernels here: avx2" in done.stdout
+    assert done.stdout.strip().splitlines()[-1].endswith(" passed, 0 failed")
 
 
 CROSS = shutil.which("aarch64-linux-gnu-gcc")
