@@ -436,8 +436,13 @@ static void test_refusals(const char *dir, const buffer *file) {
     er_model_info info = {sizeof info};
     check(er_model_get_info(model, &info) == ER_OK && info.layers == LAYERS && info.vocab == VOCAB, "the model's info");
     er_session_free(other);
-    er_session_free(s);
+    /* the model's handle freed first (a garbage collector's order): the session keeps it */
     er_model_free(model);
+    fp = er_forward_default_params();
+    fp.logits_rows = 1;
+    fp.logits = logits;
+    check(er_session_forward(s, ids, 1, &fp) == ER_OK && er_session_length(s) == 1, "a session outliving its model's handle");
+    er_session_free(s);
     er_model_free(NULL);
     er_session_free(NULL);
 }

@@ -123,7 +123,8 @@ ER_API er_model_params er_model_default_params(void);
  * kernels that want them). The file must stay unchanged while the model is open. */
 ER_API er_status er_model_open(const char *path, const er_model_params *params, er_model **model);
 
-/* Frees the model (NULL: nothing). Its sessions must have been freed. */
+/* Frees the model (NULL: nothing). Sessions still open keep it: its memory goes with the last
+ * of them, and it must not be used through this handle again. */
 ER_API void er_model_free(er_model *model);
 
 typedef struct er_model_info {

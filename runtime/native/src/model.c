@@ -36,6 +36,9 @@ struct er_model {
     float *hidden; /* [max_pass][hidden] */
     pthread_mutex_t lock;
     int int8_sessions;
+    /* the caller's handle plus one per session: the memory goes with the last of them, so a
+     * session freed after its model (a garbage collector's order) still finds it */
+    int holders;
 };
 
 struct er_session {
@@ -228,6 +231,7 @@ er_status er_model_open(const char *path, const er_model_params *params, er_mode
     m->map = map;
     m->map_bytes = (size_t)st.st_size;
     m->K = K;
+    m->holders = 1;
     pthread_mutex_init(&m->lock, NULL);
     s = gguf_parse(m->map, m->map_bytes, &m->file);
     if (s == ER_OK) s = check_dims(&m->file);
@@ -261,8 +265,7 @@ er_status er_model_open(const char *path, const er_model_params *params, er_mode
     return ER_OK;
 }
 
-void er_model_free(er_model *m) {
-    if (!m) return;
+static void destroy_model(er_model *m) {
     for (int i = 0; m->packed && i < m->packed_count; i++) free(m->packed[i]);
     free(m->packed);
     free(m->L);
@@ -275,6 +278,19 @@ void er_model_free(er_model *m) {
     if (m->map) munmap(m->map, m->map_bytes);
     pthread_mutex_destroy(&m->lock);
     free(m);
+}
+
+/* drops one holder (the lock not held); the last one destroys the model */
+static void release_model(er_model *m, int int8_session) {
+    pthread_mutex_lock(&m->lock);
+    m->int8_sessions -= int8_session;
+    const int last = --m->holders == 0;
+    pthread_mutex_unlock(&m->lock);
+    if (last) destroy_model(m);
+}
+
+void er_model_free(er_model *m) {
+    if (m) release_model(m, 0);
 }
 
 er_status er_model_get_info(const er_model *m, er_model_info *info) {
@@ -309,6 +325,13 @@ er_status er_model_set_key_scales(er_model *m, const float *scales, size_t count
 
 /* ---- sessions ------------------------------------------------------------------------------- */
 
+static void free_session_memory(er_session *q) {
+    free(q->keys);
+    free(q->values);
+    free(q->dropped);
+    free(q);
+}
+
 er_status er_session_create(er_model *m, const er_session_params *params, er_session **session) {
     if (!m || !session) return er_fail(ER_ERR_ARGUMENT, "er_session_create: model and session are required");
     *session = NULL;
@@ -327,29 +350,23 @@ er_status er_session_create(er_model *m, const er_session_params *params, er_ses
     q->keys = resident(bytes);
     q->values = resident(bytes);
     if (!q->keys || !q->values) {
-        er_session_free(q);
+        free_session_memory(q);
         return er_fail(ER_ERR_MEMORY, "no memory for a KV cache of 2 x %zu bytes", bytes);
     }
-    if (p.kv_format == ER_KV_INT8) {
-        pthread_mutex_lock(&m->lock);
-        m->int8_sessions++;
-        pthread_mutex_unlock(&m->lock);
-    }
+    pthread_mutex_lock(&m->lock);
+    m->int8_sessions += p.kv_format == ER_KV_INT8;
+    m->holders++;
+    pthread_mutex_unlock(&m->lock);
     *session = q;
     return ER_OK;
 }
 
 void er_session_free(er_session *q) {
     if (!q) return;
-    if (q->kv_format == ER_KV_INT8 && q->keys && q->values) {
-        pthread_mutex_lock(&q->model->lock);
-        q->model->int8_sessions--;
-        pthread_mutex_unlock(&q->model->lock);
-    }
-    free(q->keys);
-    free(q->values);
-    free(q->dropped);
-    free(q);
+    er_model *m = q->model;
+    const int int8_session = q->kv_format == ER_KV_INT8;
+    free_session_memory(q);
+    release_model(m, int8_session);
 }
 
 int32_t er_session_length(const er_session *q) { return q ? q->length : -1; }
