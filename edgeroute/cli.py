@@ -149,6 +149,8 @@ def inspect(
     with _clear_errors():
         b = Bundle.open(bundle, verify=True)
     summary = b.summary()
+    if any(m["native_bytes"] for m in summary["models"].values()):
+        summary["native_here"] = _native_here()
     if as_json:
         print(json.dumps(summary, indent=2))
         return
@@ -165,10 +167,23 @@ def inspect(
     g = summary["generation"]
     console.print(f"context {g['context_length']}, max new tokens {g['max_new_tokens']}; chat template: "
                   f"{'yes' if summary['chat_template'] else 'no'}")
+    if "native_here" in summary:
+        console.print(f"native backend on this CPU: {summary['native_here']}")
     _print_calibration(b)
     console.print(f"[green]all {summary['files']} files match their sha256[/] ({_mb(summary['bytes'])})")
     if tensorrt and _print_tensorrt_findings(b, tensorrt_report):
         raise typer.Exit(1)
+
+
+def _native_here() -> str:
+    """Which native kernels a bundle's native weights would run on here, or why none."""
+    from edgeroute.errors import NativeBackendUnavailable
+    from edgeroute.runtime.native import native_kernels
+
+    try:
+        return f"the {native_kernels()} kernels"
+    except NativeBackendUnavailable as error:
+        return f"unavailable ({error})"
 
 
 def _runs_on(model) -> str:

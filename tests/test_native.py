@@ -60,7 +60,7 @@ def dequantized(fmt: str, raw: np.ndarray, shape: tuple[int, int]) -> np.ndarray
 @pytest.mark.parametrize("fmt", native.BLOCK_FORMATS)
 def test_kernels_match_the_gguf_decoders(fmt, kernels):
     if unavailable(kernels):
-        pytest.skip(f"the {kernels} kernels do not build here: {unavailable(kernels)}")
+        pytest.skip(f"the {kernels} kernels: {unavailable(kernels)}")
     shape = (37, 512)  # an odd row count: the threads' shares differ
     raw = random_blocks(fmt, *shape)
     weight = dequantized(fmt, raw, shape)
@@ -115,7 +115,7 @@ def test_attention_kernels_match_a_softmax_over_the_cache(kernels, kv_dtype, hea
     """Every head_dim the kernels take (a multiple of 8; of 32 for int8), whole and partial vectors
     on each kernel set, over more than one 256-position segment, causal rows, dropped positions."""
     if unavailable(kernels):
-        pytest.skip(f"the {kernels} kernels do not build here: {unavailable(kernels)}")
+        pytest.skip(f"the {kernels} kernels: {unavailable(kernels)}")
     rng = np.random.default_rng(head_dim)
     heads, kv_heads, capacity, start, m = 6, 2, 640, 597, 3
     rows, held = {}, {}
@@ -158,7 +158,7 @@ def models(demo, request):
     """The native model on this CPU's kernels, on the AVX2 ones (where this CPU has AVX-512) and
     on the generic ones (what Arm CPUs run), and the ONNX Runtime model of the same bundle."""
     if unavailable(request.param):
-        pytest.skip(f"the {request.param} kernels do not build here: {unavailable(request.param)}")
+        pytest.skip(f"the {request.param} kernels: {unavailable(request.param)}")
     return native.NativeModel(demo, kv_dtype="float32", kernels=request.param), OrtModel(demo)
 
 
@@ -194,6 +194,20 @@ def test_a_requantized_export_has_no_native_weights(smollm2_bundles):
     assert Bundle.open(path).llm.native is None
     assert any("re-quantizes" in note for note in report.notes)
     assert Engine(path).llm.flavour == "portable"
+
+
+@needs_kernels
+@pytest.mark.slow
+def test_inspect_names_the_kernels_the_native_weights_run_on_here(smollm2_bundles):
+    from typer.testing import CliRunner
+
+    from edgeroute.cli import app
+
+    shown = CliRunner().invoke(app, ["inspect", str(smollm2_bundles["int4"][0]), "--json"])
+    assert shown.exit_code == 0, shown.output
+    assert json.loads(shown.output)["native_here"] == f"the {native.native_kernels()} kernels"
+    without = CliRunner().invoke(app, ["inspect", str(smollm2_bundles["fp32"][0]), "--json"])
+    assert "native_here" not in json.loads(without.output)  # nothing native to run
 
 
 def assert_same_clear_choices(got: np.ndarray, want: np.ndarray, lead: float = 0.5) -> None:
