@@ -190,3 +190,41 @@ def test_the_binding_reads_the_abi_and_enums_from_the_header():
         pytest.skip(str(err))
     assert lib.er_abi_version() == constants["ER_ABI_VERSION"]
     assert lib.er_kernels_name(constants["ER_KERNELS_AVX512_VNNI"]).decode() == "avx512-vnni"
+
+
+@pytest.fixture(scope="module")
+def arm_python():
+    """tools/qemu/arm_python.py and its root filesystem (build-native/arm64-python, built once:
+    debootstrap and pip download, ~90 s), or a skip saying what this host lacks."""
+    spec = importlib.util.spec_from_file_location("arm_python", REPO / "tools" / "qemu" / "arm_python.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if (why := module.usable()) is not None:
+        pytest.skip(f"no emulated aarch64 Python: {why}")
+    root = REPO / "build-native" / "arm64-python"
+    if not (root / "site" / "onnxruntime").is_dir():
+        module.build(root)
+    return module, root
+
+
+@needs_qemu
+@pytest.mark.slow
+@pytest.mark.parametrize(("backend", "runs"), [("auto", "native dotprod"), ("onnxruntime", "portable")])
+def test_the_runtime_in_an_aarch64_python_takes_the_arm_kernels(demo, generic_demo_tokens, aarch64_library, arm_python,
+                                                                backend, runs):
+    """The device runtime as a Jetson runs it (aarch64 Python, numpy / onnxruntime / tokenizers
+    wheels for aarch64, the aarch64 libedgeroute), emulated: ``auto`` takes the native backend on
+    the CPU's best Arm kernels, which decode the generic kernels' tokens; ONNX Runtime's aarch64
+    build runs the same bundle (its own arithmetic: only its first tokens, clear choices, agree).
+    On Neoverse N1 (Orin-like); the C tests cover the other CPUs' kernel choice."""
+    module, root = arm_python
+    ids, want = generic_demo_tokens
+    command = module.command(root, "neoverse-n1", [str(REPO / "tools" / "qemu" / "greedy_steps.py"), str(demo.path), "--backend",
+                                         backend, "--tokens", "12", *map(str, ids)],
+                             env={"EDGEROUTE_NATIVE_LIB": str(aarch64_library)})
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    ran, decoded = done.stdout.splitlines()[-2:]
+    assert ran == runs
+    tokens = [int(t) for t in decoded.split()]
+    assert tokens == want[:12] if runs.startswith("native") else tokens[:4] == want[:4]

@@ -48,9 +48,7 @@ def need(tool: str) -> str:
 
 def build(tmp: Path) -> tuple[Path, Path]:
     """The aarch64 library + example, and the host plugin."""
-    spec = importlib.util.spec_from_file_location("native_build", NATIVE / "build.py")
-    builder = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(builder)
+    builder = load_tool(NATIVE / "build.py")
     cross = need("aarch64-linux-gnu-gcc")
     library = builder.build(tmp / "lib" / "libedgeroute.so", cc=cross, arch="aarch64", quiet=True)
     example = tmp / "generate"
@@ -88,6 +86,31 @@ def counted_run(example: Path, plugin: Path, cpu: str, bundle: Path, kernels: st
     return int(count.group(1)), [int(t) for t in done.stdout.split()], seconds
 
 
+def load_tool(path: Path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def counted_python_run(root: Path, plugin: Path, library: Path, cpu: str, bundle: Path, backend: str, tokens: int,
+                       ids: list[int]) -> tuple[int, list[int], float, str]:
+    """(instructions, tokens, seconds, what ran) of tools/qemu/greedy_steps.py in the emulated
+    aarch64 Python of ``root``: the runtime as a Python program runs it, interpreter included."""
+    arm_python = load_tool(REPO / "tools" / "qemu" / "arm_python.py")
+    command = arm_python.command(root, cpu, [str(REPO / "tools" / "qemu" / "greedy_steps.py"), str(bundle),
+                                             "--backend", backend, "--tokens", str(tokens), *map(str, ids)],
+                                 env={"EDGEROUTE_NATIVE_LIB": str(library), "OMP_NUM_THREADS": "1"}, plugin=plugin)
+    start = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    count = re.search(r"insn_count: (\d+)", done.stderr)
+    if done.returncode != 0 or not count:
+        raise SystemExit(f"{' '.join(command)}\n{done.stderr}")
+    ran, decoded = done.stdout.splitlines()[-2:]
+    return int(count.group(1)), [int(t) for t in decoded.split()], seconds, ran
+
+
 def weight_bytes_per_token(bundle: Path) -> dict[str, int]:
     """Bytes of weight blocks one decode step reads: every matrix in full, the embedding's one row
     (with tied embeddings the head is the embedding matrix, read in full)."""
@@ -110,6 +133,10 @@ def main() -> None:
     parser.add_argument("--decode", type=int, default=4, help="tokens of the shorter run (N)")
     parser.add_argument("--extra", type=int, default=8, help="further tokens of the longer run (K)")
     parser.add_argument("--passes", default="", help="pass lengths P to count (comma-separated; 1 is added)")
+    parser.add_argument("--python-rootfs", type=Path,
+                        help="an emulated aarch64 Python (tools/qemu/arm_python.py build DIR): also count the runtime "
+                             "run from Python on --python-backends")
+    parser.add_argument("--python-backends", default="onnxruntime,native")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args()
     if platform.machine() not in ("x86_64", "AMD64"):
@@ -133,21 +160,31 @@ def main() -> None:
             rows.append(row)
             print(f"  {kernels}: {(long - short) / args.extra / 1e6:.1f} M instructions per token "
                   f"({t0 + t1:.0f} s under qemu)", file=sys.stderr)
+        for backend in args.python_backends.split(",") if args.python_rootfs else []:
+            library = example.parent / "lib" / "libedgeroute.so"
+            runs = [counted_python_run(args.python_rootfs, plugin, library, args.cpu, args.bundle, backend, n, ids)
+                    for n in (args.decode, args.decode + args.extra)]
+            (short, _, t0, ran), (long, tokens, t1, _) = runs
+            rows.append({"kernels": f"python: {ran}", "instructions_short": short, "instructions_long": long,
+                         "per_token": (long - short) / args.extra, "tokens": tokens, "qemu_seconds": t0 + t1})
+            print(f"  python {backend} ({ran}): {(long - short) / args.extra / 1e6:.1f} M instructions per token "
+                  f"({t0 + t1:.0f} s under qemu)", file=sys.stderr)
     generic = next((r for r in rows if r["kernels"] == "generic"), None)
     weights = weight_bytes_per_token(args.bundle)
     print(f"instructions retired per decoded token, qemu-aarch64 -cpu {args.cpu}, {args.bundle.name}, 1 thread, "
           f"fp16 cache, prompt of {len(ids)} tokens, (count({args.decode + args.extra}) - count({args.decode})) / "
           f"{args.extra}")
-    print(f"{'kernels':<10} {'M instr/token':>14} {'vs generic':>11} {'same tokens':>12}")
+    width = max(10, *(len(r["kernels"]) for r in rows))
+    print(f"{'kernels':<{width}} {'M instr/token':>14} {'vs generic':>11} {'same tokens':>12}")
     for r in rows:
         r["vs_generic"] = generic["per_token"] / r["per_token"] if generic else None
         r["same_tokens_as_first"] = r["tokens"] == rows[0]["tokens"]
         ratio = f"{r['vs_generic']:.2f}x" if generic else "-"
-        print(f"{r['kernels']:<10} {r['per_token'] / 1e6:>14.1f} {ratio:>11} {str(r['same_tokens_as_first']):>12}")
+        print(f"{r['kernels']:<{width}} {r['per_token'] / 1e6:>14.1f} {ratio:>11} {str(r['same_tokens_as_first']):>12}")
     if passes:
         print("one pass of P rows (prefill of P tokens, one logits row): M instructions, and per row")
         print(f"{'kernels':<10} " + " ".join(f"{'P=' + str(p):>16}" for p in passes))
-        for r in rows:
+        for r in (r for r in rows if "passes" in r):  # the C example's rows
             print(f"{r['kernels']:<10} " + " ".join(f"{r['passes'][p] / 1e6:>7.1f} ({r['passes'][p] / p / 1e6:>5.1f}/row)"
                                                    for p in passes))
     print(f"weights read per decoded token: {weights['total'] / 1e6:.1f} MB (layers {weights['layers'] / 1e6:.1f}, "
