@@ -1,4 +1,5 @@
-"""GPU check (issue 30): TensorRT engines and ONNX Runtime's GPU providers against ONNX Runtime CPU.
+"""GPU check (issue 30): TensorRT engines, edgeroute's TensorRT backend and ONNX Runtime's GPU
+providers against ONNX Runtime CPU.
 
     tools/device/gpu_check.sh LOGDIR        # the shell wrapper: nvidia-smi, a time limit, a log
 
@@ -13,9 +14,10 @@ printed and everything is written to LOGDIR/gpu_check.json:
    ONNX Runtime CPU on the same graphs: max relative error (the fp16 tensorrt target: <= 1e-2,
    the fp32 default target: <= 1e-3);
 4. 64 greedy tokens of ``full`` on each GPU provider vs the CPU: identical in full;
-5. decode tok/s per mode (full, speculate and route with the n-gram light path) per provider.
-
-The engines themselves are not run: edgeroute has no TensorRT backend yet (docs/guide/gpu.md).
+5. decode tok/s per mode (full, speculate and route with the n-gram light path) per provider;
+6. the same three for ``backend="tensorrt"`` (the engines of step 2, run by edgeroute's own
+   backend) on the tensorrt bundle: logits vs the CPU (<= 1e-2), 64 greedy tokens identical in
+   ``full``, tok/s per mode.
 """
 
 from __future__ import annotations
@@ -69,10 +71,12 @@ def main(logdir: Path) -> int:
     from edgeroute.bundle import Bundle
     from edgeroute.runtime import Engine, OrtModel
     from edgeroute.runtime.profiles import load_profile
+    from edgeroute.runtime.trt import TrtModel
     from edgeroute.tensorrt.engines import build_engines
 
     logdir.mkdir(parents=True, exist_ok=True)
     bundles = {"default": logdir / "smollm2-default", "tensorrt": logdir / "smollm2-tensorrt"}
+    engines = logdir / "engines"
     providers = [p for p in GPU_PROVIDERS if p in ort.get_available_providers()]
     results: dict = {"available_providers": ort.get_available_providers()}
 
@@ -85,8 +89,8 @@ def main(logdir: Path) -> int:
     @_step(results, "build_engines")
     def _():
         bundle = Bundle.open(bundles["tensorrt"])
-        first = build_engines(bundle, load_profile("cuda"), logdir / "engines", kinds=("embed", "layer", "head"))
-        again = build_engines(bundle, load_profile("cuda"), logdir / "engines", kinds=("embed", "layer", "head"))
+        first = build_engines(bundle, load_profile("cuda"), engines, kinds=("embed", "layer", "head"))
+        again = build_engines(bundle, load_profile("cuda"), engines, kinds=("embed", "layer", "head"))
         assert again.reused, "the second build did not reuse the cache"
         return {"gpu": first.key.gpu, "tensorrt": first.key.tensorrt, "engines": len(first.built),
                 "build_seconds": round(first.seconds, 1), "peak_host_mib": first.peak_host_bytes >> 20,
@@ -138,6 +142,36 @@ def main(logdir: Path) -> int:
                 out[provider] = {mode: round(engine.generate(CHAT, mode=mode, max_new_tokens=TOKENS)
                                              .stats.decode_tokens_per_second, 1) for mode in MODES}
             return out
+
+    @_step(results, "logits_tensorrt_backend")
+    def _():
+        bundle = Bundle.open(bundles["tensorrt"])
+        tokenizer = Tokenizer.from_file(str(bundle.file(bundle.tokenizer["file"])))
+        ids = np.asarray(tokenizer.encode(TEXT * 8).ids[:TOKENS], np.int64)
+        cpu = OrtModel(bundle, kv_dtype="float16")
+        want = cpu.forward(cpu.new_cache(), ids, all_logits=True)
+        gpu = TrtModel(bundle, "llm", engines)
+        got = gpu.forward(gpu.new_cache(), ids, all_logits=True)
+        rel = float(np.abs(got - want).max() / np.abs(want).max())
+        return {"max_rel": rel, "within": rel <= 1e-2, "limit": 1e-2,
+                "top1_same": float((got.argmax(-1) == want.argmax(-1)).mean())}
+
+    @_step(results, "greedy_tensorrt_backend")
+    def _():
+        want = Engine(bundles["tensorrt"], slm=False, backend="onnxruntime", kv_dtype="float16").generate(
+            CHAT, mode="full", max_new_tokens=TOKENS).tokens
+        got = Engine(bundles["tensorrt"], slm=False, backend="tensorrt", engine_cache=str(engines)).generate(
+            CHAT, mode="full", max_new_tokens=TOKENS).tokens
+        same = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
+        return {"tokens": len(got), "identical": got == want and len(got) >= TOKENS,
+                "first_difference": None if got == want else same}
+
+    @_step(results, "speed_tensorrt_backend")
+    def _():
+        engine = Engine(bundles["tensorrt"], slm=False, backend="tensorrt", engine_cache=str(engines))
+        engine.generate(CHAT, mode="full", max_new_tokens=8)  # warm-up
+        return {mode: round(engine.generate(CHAT, mode=mode, max_new_tokens=TOKENS).stats.decode_tokens_per_second, 1)
+                for mode in MODES}
 
     (logdir / "gpu_check.json").write_text(json.dumps(results, indent=1))
     print("\nstep                     ok     seconds")
