@@ -255,7 +255,7 @@ def test_a_bundle_of_the_default_target_is_refused_before_anything_is_imported(t
 
 
 @pytest.mark.parametrize(("setting", "named"), [({"attention": "ort"}, "attention='ort'"),
-                                                ({"providers": ("CUDAExecutionProvider",)}, "providers="),
+                                                ({"kernels": "avx2"}, "kernels='avx2'"),
                                                 ({"activations": "fp32"}, "activations='fp32'"),
                                                 ({"kv_dtype": "float32"}, "float16 KV cache")])
 def test_settings_of_the_other_backends_are_refused_naming_them(trt_bundle, setting, named):

@@ -168,10 +168,11 @@ def backend_for(entry: ModelEntry, options: EngineOptions) -> tuple[str, str | N
 
 
 def open_tensorrt(bundle: Bundle, role: str, options: EngineOptions, kv_dtype: str) -> ModelBackend:
-    """The model on its TensorRT engines; settings of the other backends are refused, naming them."""
+    """The model on its TensorRT engines; settings of the other backends are refused, naming them
+    (ONNX Runtime's providers, which device profiles set, do not apply and are left alone)."""
     from edgeroute.runtime.trt import TrtModel
 
-    others = {"providers": options.providers, "attention": None if options.attention == "auto" else options.attention,
+    others = {"attention": None if options.attention == "auto" else options.attention,
               "activations": None if options.activations == "int8" else options.activations,
               "kernels": None if options.kernels == "auto" else options.kernels}
     if given := [f"{name}={value!r}" for name, value in others.items() if value]:

@@ -156,7 +156,8 @@ class DeviceBuffer:
     def __init__(self, device: CudaDevice, nbytes: int) -> None:
         self.nbytes = nbytes
         self.address = device.alloc(nbytes)
-        weakref.finalize(self, _release, device, self.address)
+        # not at exit: CUDA may be unloading by then, and the process's memory goes with it
+        weakref.finalize(self, _release, device, self.address).atexit = False
 
 
 def _release(device: CudaDevice, address: int) -> None:
@@ -288,26 +289,26 @@ class TrtModel(LayerwiseModel):
         if engine.num_optimization_profiles != len(PROFILES):
             raise EdgerouteError(f"{name} has {engine.num_optimization_profiles} optimisation profiles, not "
                                  f"{len(PROFILES)} ({', '.join(PROFILES)}): rebuild the engines")
+        self._grow_scratch(max(engine.get_device_memory_size_for_profile_v2(i) for i in range(len(PROFILES))))
         contexts = []
         for index in range(len(PROFILES)):
             context = engine.create_execution_context(trt.ExecutionContextAllocationStrategy.USER_MANAGED)
-            if context is None or not context.set_optimization_profile_async(index, self.device.stream_handle):
-                raise EdgerouteError(f"TensorRT could not set up {name} in its {PROFILES[index]} profile")
+            if context is None:
+                raise EdgerouteError(f"TensorRT could not create a context for {name} (its log above says why)")
+            context.set_device_memory(self._scratch.address, self._scratch.nbytes)
+            if not context.set_optimization_profile_async(index, self.device.stream_handle):
+                raise EdgerouteError(f"TensorRT could not select the {PROFILES[index]} profile of {name}")
             contexts.append(context)
-        self._share_scratch(max(engine.get_device_memory_size_for_profile_v2(i) for i in range(len(PROFILES))),
-                            contexts)
+        self._contexts += contexts
         return _Engine(graph, engine, contexts)
 
-    def _share_scratch(self, size: int, contexts: list[Any]) -> None:
+    def _grow_scratch(self, size: int) -> None:
         """One scratch buffer for every context (they run one at a time), grown to ``size``."""
         if self._scratch is None or size > self._scratch.nbytes:
             self.device.synchronize()
             self._scratch = DeviceBuffer(self.device, _aligned(size))
             for context in self._contexts:
                 context.set_device_memory(self._scratch.address, self._scratch.nbytes)
-        for context in contexts:
-            context.set_device_memory(self._scratch.address, self._scratch.nbytes)
-        self._contexts += contexts
 
     def _skip_engine(self, kind: str, layer: int) -> _Engine:
         engines = self._skips[kind]
