@@ -419,7 +419,8 @@ def test_every_mode_on_the_stand_ins_gives_onnx_runtimes_tokens(trt_bundle, fake
     for mode, extra in [("full", {}), ("slm", {}), ("route", {"router": "entropy", "route_threshold": 1.0}),
                         ("speculate", {"light": "ngram+slm"}), ("skip", skipping),
                         ("skip", {**skipping, "granularity": "mlp", "protected_first": 0}),
-                        ("speculate+skip", {**skipping, "light": "ngram"})]:
+                        ("speculate+skip", {**skipping, "light": "ngram"}),
+                        ("skip", {**skipping, "kv_cache_reduction": True, "protected_first": 0})]:
         want = ort_engine.generate(turn, mode=mode, max_new_tokens=24, **extra).tokens
         got = trt_engine.generate(turn, mode=mode, max_new_tokens=24, **extra).tokens
         assert got == want, mode
@@ -436,3 +437,15 @@ def test_an_engine_context_shorter_than_the_bundles_bounds_the_sessions(trt_bund
         Engine(trt_bundle, backend="tensorrt", engine_cache=str(root), slm=False, context_length=200)
     with pytest.raises(InputError, match="exceeds the 128 the TensorRT engines were built for.*build-engines"):
         engine.llm.new_cache(200)
+
+
+def test_edgeroute_run_takes_the_tensorrt_backend_and_its_engine_cache(trt_bundle, fake_gpu):
+    from typer.testing import CliRunner
+
+    from edgeroute.cli import app
+
+    result = CliRunner().invoke(app, ["run", str(trt_bundle.path), "--backend", "tensorrt", "--engine-cache",
+                                      str(fake_gpu.root), "--raw", "--prompt", "The capital of France is",
+                                      "--max-tokens", "4", "--mode", "speculate", "--light", "ngram+slm"])
+    assert result.exit_code == 0, result.output
+    assert "tensorrt, float16 KV cache" in result.output

@@ -58,6 +58,25 @@ def _gpu(providers: list[str]) -> list[str]:
     return providers
 
 
+def _teacher_ids(bundle) -> np.ndarray:
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(bundle.file(bundle.tokenizer["file"])))
+    return np.asarray(tokenizer.encode(TEXT * 8).ids[:TOKENS], np.int64)
+
+
+def _logits_against(got: np.ndarray, want: np.ndarray, limit: float) -> dict:
+    rel = float(np.abs(got - want).max() / np.abs(want).max())
+    return {"max_rel": rel, "within": rel <= limit, "limit": limit,
+            "top1_same": float((got.argmax(-1) == want.argmax(-1)).mean())}
+
+
+def _tokens_against(got: list[int], want: list[int]) -> dict:
+    same = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
+    return {"tokens": len(got), "identical": got == want and len(got) >= TOKENS,
+            "first_difference": None if got == want else same}
+
+
 def _export(out: Path, *args: str) -> None:
     if not (out / "manifest.json").is_file():
         subprocess.run([sys.executable, "-m", "edgeroute.cli", "export", "--no-slm", "--out", str(out), "--force",
@@ -66,7 +85,6 @@ def _export(out: Path, *args: str) -> None:
 
 def main(logdir: Path) -> int:
     import onnxruntime as ort
-    from tokenizers import Tokenizer
 
     from edgeroute.bundle import Bundle
     from edgeroute.runtime import Engine, OrtModel
@@ -104,17 +122,13 @@ def main(logdir: Path) -> int:
         def _(path=path, kv=kv, limit=limit):
             gpu_providers = _gpu(providers)
             bundle = Bundle.open(path)
-            tokenizer = Tokenizer.from_file(str(bundle.file(bundle.tokenizer["file"])))
-            ids = np.asarray(tokenizer.encode(TEXT * 8).ids[:TOKENS], np.int64)
+            ids = _teacher_ids(bundle)
             cpu = OrtModel(bundle, kv_dtype=kv)
             want = cpu.forward(cpu.new_cache(), ids, all_logits=True)
             out = {}
             for provider in gpu_providers:
                 gpu = OrtModel(bundle, providers=[provider, "CPUExecutionProvider"], kv_dtype=kv)
-                got = gpu.forward(gpu.new_cache(), ids, all_logits=True)
-                rel = float(np.abs(got - want).max() / np.abs(want).max())
-                out[provider] = {"max_rel": rel, "within": rel <= limit, "limit": limit,
-                                 "top1_same": float((got.argmax(-1) == want.argmax(-1)).mean())}
+                out[provider] = _logits_against(gpu.forward(gpu.new_cache(), ids, all_logits=True), want, limit)
             return out
 
         @_step(results, f"greedy_{name}")
@@ -125,10 +139,7 @@ def main(logdir: Path) -> int:
             out = {}
             for provider in gpu_providers:
                 gpu = Engine(path, slm=False, providers=[provider, "CPUExecutionProvider"], kv_dtype=kv)
-                got = gpu.generate(CHAT, mode="full", max_new_tokens=TOKENS).tokens
-                same = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
-                out[provider] = {"tokens": len(got), "identical": got == want and len(got) >= TOKENS,
-                                 "first_difference": None if got == want else same}
+                out[provider] = _tokens_against(gpu.generate(CHAT, mode="full", max_new_tokens=TOKENS).tokens, want)
             return out
 
         @_step(results, f"speed_{name}")
@@ -146,15 +157,11 @@ def main(logdir: Path) -> int:
     @_step(results, "logits_tensorrt_backend")
     def _():
         bundle = Bundle.open(bundles["tensorrt"])
-        tokenizer = Tokenizer.from_file(str(bundle.file(bundle.tokenizer["file"])))
-        ids = np.asarray(tokenizer.encode(TEXT * 8).ids[:TOKENS], np.int64)
+        ids = _teacher_ids(bundle)
         cpu = OrtModel(bundle, kv_dtype="float16")
         want = cpu.forward(cpu.new_cache(), ids, all_logits=True)
         gpu = TrtModel(bundle, "llm", engines)
-        got = gpu.forward(gpu.new_cache(), ids, all_logits=True)
-        rel = float(np.abs(got - want).max() / np.abs(want).max())
-        return {"max_rel": rel, "within": rel <= 1e-2, "limit": 1e-2,
-                "top1_same": float((got.argmax(-1) == want.argmax(-1)).mean())}
+        return _logits_against(gpu.forward(gpu.new_cache(), ids, all_logits=True), want, 1e-2)
 
     @_step(results, "greedy_tensorrt_backend")
     def _():
@@ -162,9 +169,7 @@ def main(logdir: Path) -> int:
             CHAT, mode="full", max_new_tokens=TOKENS).tokens
         got = Engine(bundles["tensorrt"], slm=False, backend="tensorrt", engine_cache=str(engines)).generate(
             CHAT, mode="full", max_new_tokens=TOKENS).tokens
-        same = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
-        return {"tokens": len(got), "identical": got == want and len(got) >= TOKENS,
-                "first_difference": None if got == want else same}
+        return _tokens_against(got, want)
 
     @_step(results, "speed_tensorrt_backend")
     def _():
