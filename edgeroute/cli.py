@@ -270,7 +270,8 @@ def run(
     profile: str = typer.Option(None, help="device/task profiles: NAME[,NAME] or FILE"),
     mode: str = typer.Option(None, help="full|slm|route|speculate|skip|...|auto"),
     light: str = typer.Option(None, help="light path: ngram|slm|ngram+slm"),
-    backend: str = typer.Option(None, help="auto|native|onnxruntime|onnxruntime-cuda"),
+    backend: str = typer.Option(None, help="auto|native|onnxruntime[-cuda]|tensorrt"),
+    engine_cache: Path = typer.Option(None, help="tensorrt: build-engines' --cache"),
     kernels: str = typer.Option(None, help="native kernel set (default: the best here)"),
     kv_dtype: str = typer.Option(None, help="KV cache: auto|float32|float16|int8"),
     attention: str = typer.Option(None, help="ONNX Runtime graphs: auto|portable|ort"),
@@ -319,6 +320,7 @@ def run(
         options = EngineOptions.from_profile(
             profile.split(",") if profile else None, decoding=decoding, backend=backend, kernels=kernels,
             kv_dtype=kv_dtype, attention=attention, threads=threads, context_length=context_length,
+            engine_cache=str(engine_cache) if engine_cache else None,
             slm=False if no_slm else None, exact_steps=exact_steps or None)
         if options.decoding.mode == "auto" and options.decoding.task is None:
             raise EdgerouteError("--mode auto picks the calibrated configuration of a task profile: add "

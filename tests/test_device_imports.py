@@ -19,7 +19,8 @@ PACKAGE = REPO / "edgeroute"
 DEVICE_FILES = sorted([
     *(PACKAGE / "runtime").glob("*.py"),
     *(PACKAGE / name for name in ("__init__.py", "bundle.py", "arch.py", "rope.py", "errors.py", "chat_format.py",
-                                  "texts.py", "kv_formats.py", "skip_options.py")),
+                                  "texts.py", "kv_formats.py", "skip_options.py",
+                                  "tensorrt/__init__.py", "tensorrt/engines.py")),  # the TensorRT backend finds its engines
 ])
 # the `onnx` package only: `onnxruntime` is the device's engine
 FORBIDDEN = ("torch", "transformers", "onnx", "edgeroute.export")

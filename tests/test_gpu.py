@@ -1,4 +1,5 @@
-"""GPU paths: onnxruntime-gpu (CUDA, TensorRT providers) and TensorRT's own ONNX parser.
+"""GPU paths: onnxruntime-gpu (CUDA, TensorRT providers), TensorRT's own ONNX parser and engines, and
+the TensorRT backend (backend="tensorrt").
 
 They need an NVIDIA GPU and the `gpu` extra; elsewhere (CI has no GPU) they skip with the
 reason. Run them on a GPU machine with `pytest -m gpu`."""
@@ -101,3 +102,64 @@ def test_gpu_provider_runs_the_tensorrt_target_like_the_cpu(provider, tiny_model
     want = cpu.forward(cpu.new_cache(), PROMPT, all_logits=True)
     got = gpu.forward(gpu.new_cache(), PROMPT, all_logits=True)
     assert relative_error(got, want) <= 1e-2
+
+
+def _require_tensorrt_backend() -> None:
+    """Skips (with the reason) where backend='tensorrt' cannot run: no TensorRT, cuda-python or GPU."""
+    pytest.importorskip("tensorrt", reason="TensorRT is not installed (pip install '.[gpu]' on a GPU machine)")
+    pytest.importorskip("cuda.bindings.runtime", reason="cuda-python is not installed (pip install '.[gpu]')")
+    from edgeroute.tensorrt.engines import gpu_identity
+
+    try:
+        gpu_identity()
+    except Exception as err:
+        pytest.skip(f"no NVIDIA GPU here: {err}")
+
+
+def test_tensorrt_backend_runs_the_tensorrt_target_like_the_cpu(tiny_models, tmp_path_factory):
+    """TrtModel's logits (every engine kind: a plan skipping a layer and an MLP) against ONNX
+    Runtime CPU on the same graphs. Not yet run on hardware (docs/guide/gpu.md)."""
+    _require_tensorrt_backend()
+    from edgeroute.runtime.model import RUN, SKIP, SKIP_MLP
+    from edgeroute.runtime.profiles import load_profile
+    from edgeroute.runtime.trt import TrtModel
+    from edgeroute.tensorrt.engines import build_engines
+
+    root = tmp_path_factory.mktemp("gpu-trt-backend")
+    export_tiny(tiny_models["llama"][0], root / "llama", quant="int4-rtn", target="tensorrt")
+    bundle = Bundle.open(root / "llama")
+    build_engines(bundle, load_profile("cuda"), root / "engines")
+    cpu = OrtModel(bundle, kv_dtype="float16")
+    gpu = TrtModel(bundle, "llm", root / "engines")
+
+    def plan(layer, hidden):
+        return (RUN, SKIP_MLP, SKIP)[layer % 3]
+    for each in (None, plan):
+        cpu_cache, gpu_cache = cpu.new_cache(), gpu.new_cache()
+        want = cpu.forward(cpu_cache, PROMPT, plan=each, all_logits=True)
+        assert relative_error(gpu.forward(gpu_cache, PROMPT, plan=each, all_logits=True), want) <= 1e-2
+        assert relative_error(gpu.forward(gpu_cache, [17], plan=each), cpu.forward(cpu_cache, [17], plan=each)) <= 1e-2
+
+
+@pytest.mark.slow
+def test_tensorrt_backend_greedy_full_gives_the_cpus_64_tokens_on_the_demo(tmp_path_factory):
+    """`edgeroute run --backend tensorrt` on the demo model exported for the tensorrt target:
+    64 greedy tokens of `full`, the same as ONNX Runtime CPU's on the same graphs (fp16 both).
+    Not yet run on hardware (docs/guide/gpu.md)."""
+    _require_tensorrt_backend()
+    from edgeroute.export import ExportOptions, export_bundle
+    from edgeroute.runtime import Engine
+    from edgeroute.runtime.profiles import load_profile
+    from edgeroute.tensorrt.engines import build_engines
+
+    root = tmp_path_factory.mktemp("gpu-trt-demo")
+    export_bundle(ExportOptions(out=root / "smollm2", target="tensorrt", quant="int4-rtn", slm=None, parity_tokens=0))
+    bundle = Bundle.open(root / "smollm2")
+    build_engines(bundle, load_profile("cuda"), root / "engines", kinds=("embed", "layer", "head"))
+    turn = [{"role": "user", "content": "Write a long story about a lighthouse keeper and a storm."}]
+    want = Engine(bundle, backend="onnxruntime", kv_dtype="float16", slm=False).generate(
+        turn, mode="full", max_new_tokens=64).tokens
+    got = Engine(bundle, backend="tensorrt", engine_cache=str(root / "engines"), slm=False).generate(
+        turn, mode="full", max_new_tokens=64).tokens
+    assert len(want) == 64, "the CPU's answer ended early: the check would cover fewer tokens"
+    assert got == want

@@ -144,6 +144,36 @@ def test_stale_entries_are_those_of_the_same_bundle_under_another_key(tiny_tenso
     assert other_bundle.directory.is_dir()
 
 
+def test_engines_of_both_models_share_an_entry_and_a_build_makes_only_the_missing(tiny_tensorrt_bundle, tmp_path,
+                                                                                  monkeypatch):
+    from types import SimpleNamespace
+
+    from edgeroute.tensorrt import engines
+
+    built = []
+    timing = SimpleNamespace(serialize=lambda: b"timing")
+    builder = SimpleNamespace(create_builder_config=lambda: SimpleNamespace(create_timing_cache=lambda data: timing))
+    fake_trt = SimpleNamespace(__version__="10.13.0", Builder=lambda logger: builder,
+                               Logger=type("Logger", (), {"WARNING": 2, "__init__": lambda self, level: None}))
+    monkeypatch.setattr(engines, "_tensorrt", lambda: fake_trt)
+    monkeypatch.setattr(engines, "gpu_identity", lambda: "NVIDIA H200 (sm_90)")
+    monkeypatch.setattr(engines, "_build_one", lambda trt, builder, logger, path, graph, limits, cache:
+                        built.append(graph.name) or f"engine of {graph.name}".encode())
+    profile = Profile(engines={"prefill_tokens": 64})
+    first = build_engines(tiny_tensorrt_bundle, profile, tmp_path, kinds=("embed", "layer", "head"))
+    assert len(built) == len(first.built) == 2 + tiny_tensorrt_bundle.llm.num_layers
+    built.clear()
+    every = build_engines(tiny_tensorrt_bundle, profile, tmp_path)  # attn, mlp, kv added; the rest reused
+    assert len(built) == 3 * tiny_tensorrt_bundle.llm.num_layers and every.cache == first.cache
+    cache = EngineCache(tmp_path, every.key, tiny_tensorrt_bundle.path)
+    names = [f"llm/{g.name}" for g in engine_graphs(tiny_tensorrt_bundle, "llm")]
+    assert cache.valid(names)
+    _filled(cache, ["slm/embed"])  # another role's engines join the entry, the LLM's stay
+    assert cache.valid([*names, "slm/embed"])
+    built.clear()
+    assert build_engines(tiny_tensorrt_bundle, profile, tmp_path).reused and not built
+
+
 def test_the_parameter_count_is_the_models(tiny_models, tiny_tensorrt_bundle):
     torch_model = tiny_models["llama"][1]
     expected = sum(p.numel() for name, p in torch_model.named_parameters() if "norm" not in name)

@@ -17,6 +17,7 @@ cache of fp32, fp16 or int8 rows (the row layouts: ``edgeroute.kv_formats``).
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,8 +39,71 @@ def resident_zeros(shape: tuple[int, ...], dtype: str) -> np.ndarray:
     return array
 
 
+class CacheBook(ABC):
+    """What every cache of the layer-by-layer backends keeps beside its rows: the positions
+    held, the capacity, which positions each layer dropped (kv_cache_reduction), and the rules
+    for truncating and copying them. A cache keeps its rows where its backend computes (host
+    arrays here, device buffers in ``trt.DeviceKVCache``) and moves them in ``_copy_rows``."""
+
+    capacity: int
+    length: int
+    dropped: np.ndarray | None  # [layers, capacity] bool, only once a layer was dropped
+
+    @property
+    @abstractmethod
+    def layers(self) -> int: ...
+
+    @abstractmethod
+    def _layout(self) -> tuple[Any, ...]:
+        """What two caches must share for positions to move between them (all but capacity)."""
+
+    @abstractmethod
+    def _copy_rows(self, other: Any, length: int) -> None:
+        """Copy ``other``'s rows of positions [0, length) of every layer into this cache."""
+
+    def drop(self, layer: int, start: int, count: int) -> None:
+        if self.dropped is None:
+            self.dropped = np.zeros((self.layers, self.capacity), bool)
+        self.dropped[layer, start:start + count] = True
+
+    def dropped_before(self, layer: int, start: int) -> np.ndarray | None:
+        """Which of positions [0, start) ``layer`` dropped (kv_cache_reduction), or None when
+        it dropped none of them."""
+        if self.dropped is None or not self.dropped[layer, :start].any():
+            return None
+        return self.dropped[layer, :start]
+
+    def truncate(self, length: int) -> None:
+        """Forget positions >= length (rejected speculative tokens)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of {self.length} tokens to {length}")
+        if self.dropped is not None:
+            self.dropped[:, length:] = False
+        self.length = length
+
+    def reset(self) -> None:
+        self.truncate(0)
+        self.dropped = None
+
+    def copy_from(self, other: CacheBook, length: int | None = None) -> None:
+        """Take over ``other``'s first ``length`` positions (all by default), e.g. a shared
+        prompt prefix; the buffers stay the same objects (IO bindings stay valid)."""
+        length = other.length if length is None else length
+        if other._layout() != self._layout():
+            raise ValueError("cannot copy between caches of different models, attention flavours or KV dtypes")
+        if not 0 <= length <= min(other.length, self.capacity):
+            raise ValueError(f"cannot copy {length} positions from a cache of {other.length} into one of "
+                             f"capacity {self.capacity}")
+        self._copy_rows(other, length)
+        self.dropped = None
+        if other.dropped is not None and other.dropped[:, :length].any():
+            self.dropped = np.zeros((self.layers, self.capacity), bool)
+            self.dropped[:, :length] = other.dropped[:, :length]
+        self.length = length
+
+
 @dataclass
-class KVCache:
+class KVCache(CacheBook):
     """One sequence's keys and values for every layer, positions-first or heads-first."""
 
     keys: np.ndarray
@@ -62,6 +126,10 @@ class KVCache:
     def dtype(self) -> str:
         return str(self.keys.dtype)
 
+    @property
+    def layers(self) -> int:
+        return self.keys.shape[0]
+
     def _positions(self, array: np.ndarray, layer: int | slice, start: int, stop: int) -> np.ndarray:
         """``array``'s rows [start, stop) of ``layer`` as [..., positions, kv, hd] (a view)."""
         if self.heads_first:
@@ -77,53 +145,15 @@ class KVCache:
         k, v = self.rows(layer, start, start + key.shape[0])
         k[...], v[...] = key, value
 
-    def drop(self, layer: int, start: int, count: int) -> None:
-        if self.dropped is None:
-            self.dropped = np.zeros((self.keys.shape[0], self.capacity), bool)
-        self.dropped[layer, start:start + count] = True
-
-    def dropped_before(self, layer: int, start: int) -> np.ndarray | None:
-        """Which of positions [0, start) ``layer`` dropped (kv_cache_reduction), or None when
-        it dropped none of them."""
-        if self.dropped is None or not self.dropped[layer, :start].any():
-            return None
-        return self.dropped[layer, :start]
-
-    def truncate(self, length: int) -> None:
-        """Forget positions >= length (rejected speculative tokens)."""
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot truncate a cache of {self.length} tokens to {length}")
-        if self.dropped is not None:
-            self.dropped[:, length:] = False
-        self.length = length
-
-    def reset(self) -> None:
-        self.truncate(0)
-        self.dropped = None
-
     def _layout(self) -> tuple[tuple[int, ...], bool, str]:
-        """What two caches must share for positions to move between them (all but capacity)."""
         shape = list(self.keys.shape)
         del shape[-2 if self.heads_first else 1]
         return tuple(shape), self.heads_first, self.dtype
 
-    def copy_from(self, other: KVCache, length: int | None = None) -> None:
-        """Take over ``other``'s first ``length`` positions (all by default), e.g. a shared
-        prompt prefix; the buffers stay the same objects (IO bindings stay valid)."""
-        length = other.length if length is None else length
-        if other._layout() != self._layout():
-            raise ValueError("cannot copy between caches of different models, attention flavours or KV dtypes")
-        if not 0 <= length <= min(other.length, self.capacity):
-            raise ValueError(f"cannot copy {length} positions from a cache of {other.length} into one of "
-                             f"capacity {self.capacity}")
+    def _copy_rows(self, other: KVCache, length: int) -> None:
         every = slice(None)
         for mine, theirs in ((self.keys, other.keys), (self.values, other.values)):
             self._positions(mine, every, 0, length)[...] = other._positions(theirs, every, 0, length)
-        self.dropped = None
-        if other.dropped is not None and other.dropped[:, :length].any():
-            self.dropped = np.zeros((self.keys.shape[0], self.capacity), bool)
-            self.dropped[:, :length] = other.dropped[:, :length]
-        self.length = length
 
     def clone(self) -> KVCache:
         """An independent cache of the same capacity holding the same positions."""
@@ -140,7 +170,7 @@ class PortableAttention:
     def __init__(self, capacity: int) -> None:
         self._zero_row = np.zeros((1, capacity), np.float32)
 
-    def bias(self, cache: KVCache, layer: int, start: int, t: int) -> np.ndarray:
+    def bias(self, cache: CacheBook, layer: int, start: int, t: int) -> np.ndarray:
         """Additive mask [t, start + t]: every cached position, the new ones causally, minus
         the positions this layer dropped (kv_cache_reduction). A one-token step without drops
         (the decode hot path) gets a view of a preallocated zero row."""
@@ -170,7 +200,7 @@ class OrtAttention:
     def __init__(self, capacity: int) -> None:
         self._zero_row = np.zeros((1, 1, 1, capacity), np.float32)
 
-    def bias(self, cache: KVCache, layer: int, start: int, t: int) -> np.ndarray:
+    def bias(self, cache: CacheBook, layer: int, start: int, t: int) -> np.ndarray:
         """Additive bias [1, 1, t, start + t] for the kernel, which masks causally on its own:
         zero but for the positions this layer dropped (kv_cache_reduction)."""
         dropped = cache.dropped_before(layer, start)

@@ -7,9 +7,9 @@ truncated (rejected drafts) and copied (shared prompt prefixes), and the LM head
 attention flavours (portable standard ops, or the ort flavour's in-place
 GroupQueryAttention), :class:`edgeroute.runtime.native.NativeModel` on edgeroute's own CPU
 kernels over the bundle's GGUF blocks (``open_model`` chooses); ``onnxruntime-cuda`` is
-OrtModel on ONNX Runtime's GPU providers. A TensorRT backend would implement it over the
-engines of ``edgeroute build-engines``, with its own cache layout behind the same
-:class:`Cache` methods (not written yet: docs/guide/gpu.md).
+OrtModel on ONNX Runtime's GPU providers; :class:`edgeroute.runtime.trt.TrtModel` runs the
+engines of ``edgeroute build-engines`` with a KV cache on the GPU behind the same
+:class:`Cache` methods (not yet verified on hardware: docs/guide/gpu.md).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class ModelBackend(Protocol):
 
     arch: ArchConfig
     capacity: int  # the default cache capacity (the bundle's context length)
-    flavour: str  # what runs the layers: portable | ort (ONNX Runtime graphs) | native
+    flavour: str  # what runs the layers: portable | ort (ONNX Runtime graphs) | native | tensorrt
     head_vocab: HeadVocabulary | None  # a reduced-vocabulary head's token ids (None: the whole vocabulary)
 
     @property
@@ -84,7 +84,7 @@ class ModelBackend(Protocol):
         """Hidden states [T, d] -> logits [T, vocab]."""
 
 
-BACKENDS = ("auto", "onnxruntime", "onnxruntime-cuda", "native")
+BACKENDS = ("auto", "onnxruntime", "onnxruntime-cuda", "native", "tensorrt")
 GPU_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider")  # the order onnxruntime-cuda tries them
 
 
@@ -116,11 +116,14 @@ def native_blocker(entry: ModelEntry, options: EngineOptions) -> str | None:
 
 
 def resolve_kv_dtype(kv_dtype: str, backend: str, entry: ModelEntry, kernels: str = "auto") -> str:
-    """The cache element type ``kv_dtype`` means for ``entry``'s model on ``backend`` ("native"
-    or "onnxruntime") with the native ``kernels`` set: for "auto", what ``kv_formats`` picks; on
-    ONNX Runtime the bundle's target's first cache where it has no graphs for that one."""
+    """The cache element type ``kv_dtype`` means for ``entry``'s model on ``backend`` ("native",
+    "onnxruntime" or "tensorrt") with the native ``kernels`` set: for "auto", what ``kv_formats``
+    picks; on ONNX Runtime the bundle's target's first cache where it has no graphs for that one;
+    on TensorRT the cache of the graphs ``build-engines`` builds (the target's first)."""
     if check_kv_dtype(kv_dtype, KV_DTYPE_CHOICES) != "auto":
         return kv_dtype
+    if backend == "tensorrt":
+        return entry.target.kv_dtypes[0]
     if backend == "native":
         from edgeroute.runtime.native import native_kernels
 
@@ -130,13 +133,14 @@ def resolve_kv_dtype(kv_dtype: str, backend: str, entry: ModelEntry, kernels: st
 
 
 def backend_for(entry: ModelEntry, options: EngineOptions) -> tuple[str, str | None]:
-    """Which backend ``open_model`` runs the model on, "native" or "onnxruntime", without
-    loading it; and why ``auto`` did not take the native backend (None where it did, or where
-    a backend was named). ``auto`` takes the native backend where the model has native
-    weights, the settings are its own (CPU, attention auto, int8 activations) and the library's
-    best kernels here are not the generic ones: an x86 set (AVX2, AVX-512 VNNI) or an Arm set
-    (NEON, dotprod, i8mm, held to the generic kernels under qemu in the C tests); the generic
-    kernels only when named. Otherwise ONNX Runtime."""
+    """Which backend ``open_model`` runs the model on, "native", "onnxruntime" or "tensorrt"
+    (only when named: its engines are built per GPU), without loading it; and why ``auto`` did
+    not take the native backend (None where it did, or where a backend was named). ``auto``
+    takes the native backend where the model has native weights, the settings are its own
+    (CPU, attention auto, int8 activations) and the library's best kernels here are not the
+    generic ones: an x86 set (AVX2, AVX-512 VNNI) or an Arm set (NEON, dotprod, i8mm, held to
+    the generic kernels under qemu in the C tests); the generic kernels only when named.
+    Otherwise ONNX Runtime."""
     from edgeroute.runtime.native import native_kernels
 
     backend = options.backend
@@ -144,6 +148,8 @@ def backend_for(entry: ModelEntry, options: EngineOptions) -> tuple[str, str | N
         raise InputError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
     if backend in ("onnxruntime", "onnxruntime-cuda"):
         return "onnxruntime", None
+    if backend == "tensorrt":
+        return "tensorrt", None
     why_not = native_blocker(entry, options)
     if why_not is None:
         try:
@@ -161,6 +167,20 @@ def backend_for(entry: ModelEntry, options: EngineOptions) -> tuple[str, str | N
     return "onnxruntime", why_not
 
 
+def open_tensorrt(bundle: Bundle, role: str, options: EngineOptions, kv_dtype: str) -> ModelBackend:
+    """The model on its TensorRT engines; settings of the other backends are refused, naming them
+    (ONNX Runtime's providers, which device profiles set, do not apply and are left alone)."""
+    from edgeroute.runtime.trt import TrtModel
+
+    others = {"attention": None if options.attention == "auto" else options.attention,
+              "activations": None if options.activations == "int8" else options.activations,
+              "kernels": None if options.kernels == "auto" else options.kernels}
+    if given := [f"{name}={value!r}" for name, value in others.items() if value]:
+        raise InputError(f"backend='tensorrt' runs the engines as built: {', '.join(given)} belong to ONNX Runtime or "
+                         "the native backend")
+    return TrtModel(bundle, role, options.engine_cache, kv_dtype)
+
+
 def open_model(bundle: Bundle, role: str, options: EngineOptions,
                exact_steps: bool | None = None) -> tuple[ModelBackend, str | None]:
     """The model of ``role`` on the backend :func:`backend_for` picks, and why ``auto`` did
@@ -176,6 +196,8 @@ def open_model(bundle: Bundle, role: str, options: EngineOptions,
         options = dataclasses.replace(options, providers=tuple(cuda_providers()))
     chosen, why_not = backend_for(bundle.models[role], options)
     cache = resolve_kv_dtype(options.kv_dtype, chosen, bundle.models[role], options.kernels)
+    if chosen == "tensorrt":
+        return open_tensorrt(bundle, role, options, cache), None
     if chosen == "native":
         return NativeModel(bundle, role, threads=options.threads, kv_dtype=cache, kernels=options.kernels), None
     if cache not in GRAPH_KV_DTYPES:

@@ -92,6 +92,11 @@ class Engine:
         self.tokenizer = Tokenizer.from_file(str(self.bundle.file(self.bundle.tokenizer["file"])))
         self.backend_notes: dict[str, str] = {}  # role -> why backend "auto" runs it on ONNX Runtime
         self.llm = self._open("llm", options.exact_steps)
+        if self.context_length > self.llm.capacity:  # TensorRT engines are built for a context of their own
+            if options.context_length is not None:
+                raise InputError(f"context_length {self.context_length} exceeds the {self.llm.capacity} positions the "
+                                 f"{self.llm.flavour} backend takes here: use at most {self.llm.capacity}")
+            self.context_length = self.llm.capacity
         self._check_calibration_device()
         self._slm: ModelBackend | None = None
         self._slm_lock = threading.Lock()

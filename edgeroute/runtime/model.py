@@ -133,8 +133,9 @@ RUN, SKIP_MLP, SKIP, DROP = "run", "skip_mlp", "skip", "drop"
 LayerPlan = Callable[[int, np.ndarray], str]
 
 
-def plan_action(plan: Sequence[bool] | LayerPlan | None, layer: int, hidden: np.ndarray) -> str:
-    """What a forward plan says for ``layer``: RUN without a plan, SKIP for a False entry."""
+def plan_action(plan: Sequence[bool] | LayerPlan | None, layer: int, hidden: np.ndarray | None) -> str:
+    """What a forward plan says for ``layer``: RUN without a plan, SKIP for a False entry
+    (``hidden``, the current hidden states, is read by a callable plan only)."""
     if plan is None:
         return RUN
     if callable(plan):
@@ -173,10 +174,11 @@ def choose_flavour(entry: ModelEntry, requested: str = "auto", kv_dtype: str = "
 
 class LayerwiseModel(ABC):
     """What every backend's model shares: the forward contract of
-    :class:`edgeroute.runtime.backend.ModelBackend` over a ``_pass`` of at most PREFILL_CHUNK
+    :class:`edgeroute.runtime.backend.ModelBackend` over a ``_pass`` of at most ``chunk_tokens``
     tokens through the layers and a ``head``; the profiling hook."""
 
     arch: Any
+    chunk_tokens = PREFILL_CHUNK  # the most tokens a pass runs (a TensorRT model: its engines' prefill limit)
     # profiling hook: when set, called as timings(kind, seconds) after every graph or kernel
     # call (kind: embed, layer, attn, mlp, kv, head); None costs nothing on the hot path
     timings: Callable[[str, float], None] | None = None
@@ -200,7 +202,7 @@ class LayerwiseModel(ABC):
 
     @abstractmethod
     def _pass(self, cache: KVCache, ids: np.ndarray, plan: Sequence[bool] | LayerPlan | None) -> np.ndarray:
-        """One pass of at most PREFILL_CHUNK tokens through the layers: the last hidden states."""
+        """One pass of at most ``chunk_tokens`` tokens through the layers: the last hidden states."""
 
     def _after_tokens(self, count: int) -> None:  # noqa: B027 - a hook: nothing to do by default
         """Called after each pass with its token count."""
@@ -217,7 +219,7 @@ class LayerwiseModel(ABC):
         masked for later tokens: kv_cache_reduction). Returns logits [T, vocab] with
         ``all_logits``, [tail, vocab] for the last ``tail`` tokens (the LM head is costly: a
         verification pass needs it only where drafts are checked), or by default [vocab]
-        of the last token. More than PREFILL_CHUNK tokens run as several passes (a callable
+        of the last token. More than ``chunk_tokens`` tokens run as several passes (a callable
         plan then decides per pass)."""
         t = len(ids)
         wanted = t if all_logits else (tail or 1)
@@ -250,12 +252,12 @@ class LayerwiseModel(ABC):
 
     def _passes(self, cache: KVCache, ids: Sequence[int] | np.ndarray,
                 plan: Sequence[bool] | LayerPlan | None) -> Iterator[tuple[int, np.ndarray]]:
-        """(offset, last hidden states) of each pass of at most PREFILL_CHUNK tokens."""
+        """(offset, last hidden states) of each pass of at most ``chunk_tokens`` tokens."""
         ids = np.asarray(ids, np.int64).reshape(-1)
         t = ids.shape[0]
         self.check_room(cache, t)
-        for offset in range(0, t, PREFILL_CHUNK):
-            chunk = ids[offset:offset + PREFILL_CHUNK]
+        for offset in range(0, t, self.chunk_tokens):
+            chunk = ids[offset:offset + self.chunk_tokens]
             hidden = self._pass(cache, chunk, plan)
             self._after_tokens(len(chunk))
             yield offset, hidden

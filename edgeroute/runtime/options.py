@@ -23,7 +23,7 @@ from edgeroute.runtime.profiles import Profile, load_profile
 class EngineOptions:
     """Everything an engine is set up with; ``decoding`` are its sessions' defaults."""
 
-    backend: str = "auto"  # auto | native | onnxruntime (see backend.backend_for)
+    backend: str = "auto"  # auto | native | onnxruntime | onnxruntime-cuda | tensorrt (see backend.backend_for)
     kernels: str = "auto"  # the native kernels to load (native.KERNELS): auto, the best this CPU runs
     kv_dtype: str = "auto"  # auto | float32 | float16 | int8 (edgeroute.kv_formats)
     attention: str = "auto"  # ONNX Runtime's attention graphs: auto | portable | ort
@@ -31,6 +31,7 @@ class EngineOptions:
     threads: int | None = None  # None: $EDGEROUTE_THREADS, else every core
     activations: str = "int8"  # int8 (fast int4 kernels) | fp32 (ONNX Runtime only)
     exact_steps: bool = False  # ONNX Runtime: one-token steps as two rows, so speculate == full exactly
+    engine_cache: str | None = None  # tensorrt: the build-engines cache (None: .BUNDLE.engines beside the bundle)
     context_length: int | None = None  # KV capacity per session (None: default_context, else the bundle's)
     default_context: int | None = None  # a device profile's context, taken up to the bundle's
     memory_budget: int | None = None  # bytes: refuse a bundle that would not fit, before loading it

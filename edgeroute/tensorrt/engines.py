@@ -10,8 +10,11 @@ the batch limit is 1 (a sequence per call, as on every backend).
 Engines are cached under ``CACHE/<key>/`` where the key hashes the GPU (name and compute
 capability), the TensorRT version, the bundle (the sha256 of every file its manifest lists) and
 the build settings; an entry whose recorded key, or any engine file's sha256, does not match is
-stale and rebuilt, never loaded. TensorRT's timing cache (``CACHE/timing-<gpu>-<trt>.cache``) is
-shared by every build on that GPU and version, so a rebuild skips the kernel timing it did.
+stale and rebuilt, never loaded. One entry holds the engines of both models (``--role llm`` and
+``--role slm`` add to it) and of every kind built so far; a build makes only the missing ones.
+TensorRT's timing cache (``CACHE/timing-<gpu>-<trt>.cache``) is shared by every build on that
+GPU and version, so a rebuild skips the kernel timing it did. The TensorRT backend
+(``edgeroute.runtime.trt``) finds its engines with :func:`find_engines`.
 
 This module imports TensorRT only to build (:func:`build_engines`); the shape logic and the cache
 keys are plain Python, tested without a GPU. Not yet verified on hardware (docs/guide/gpu.md).
@@ -29,13 +32,15 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from edgeroute.arch import ArchConfig
 from edgeroute.bundle import Bundle, GraphEntry, attention_graph_name, sha256_file
 from edgeroute.errors import EdgerouteError, InputError
 from edgeroute.runtime.memory import PREFILL_CHUNK
-from edgeroute.runtime.profiles import Profile
+
+if TYPE_CHECKING:  # the TensorRT backend imports this module, and the profiles import the decoding loop
+    from edgeroute.runtime.profiles import Profile
 
 PROFILES = ("prefill", "decode")  # the optimisation profiles, in their TensorRT index order
 DIMENSIONS = ("tokens", "past", "total")  # the symbolic dimensions of the graphs' inputs (total = past + tokens)
@@ -139,6 +144,17 @@ def bundle_hash(bundle: Bundle) -> str:
     return digest.hexdigest()
 
 
+def choose_profile(tokens: int, limits: EngineLimits) -> int:
+    """The optimisation profile (its index in PROFILES) a call over ``tokens`` new tokens runs
+    in: decode up to ``decode_tokens`` (a step, a draft's verification), prefill beyond, up to
+    ``prefill_tokens``; more is refused (the runtime runs long prompts in passes of at most that)."""
+    if not 1 <= tokens <= limits.prefill_tokens:
+        raise InputError(f"a call over {tokens} tokens is outside what the engines take (1..{limits.prefill_tokens}, "
+                         "the prefill profile's limit): run longer inputs in passes, or rebuild the engines with a "
+                         "profile of larger engines.prefill_tokens")
+    return PROFILES.index("decode" if tokens <= limits.decode_tokens else "prefill")
+
+
 @dataclass(frozen=True)
 class CacheKey:
     gpu: str  # name and compute capability, e.g. "NVIDIA H200 (sm_90)"
@@ -175,31 +191,25 @@ class EngineCache:
     def engine_path(self, graph: str) -> Path:
         return self.directory / f"{graph.replace('/', '__')}.engine"
 
+    def recorded(self) -> dict[str, str]:
+        """The engines (graph -> sha256) this entry records under this key; none where it has no
+        record, or one under another key."""
+        meta = _record(self.directory)
+        return meta.get("engines", {}) if meta.get("key") == self.key.to_dict() else {}
+
+    def _intact(self, graph: str, digest: str) -> bool:
+        path = self.engine_path(graph)
+        return path.is_file() and sha256_file(path) == digest
+
     def valid(self, graphs: list[str]) -> bool:
         """Whether every engine of ``graphs`` is there, under this key, intact."""
-        meta = self.directory / META
-        try:
-            recorded = json.loads(meta.read_text())
-        except (OSError, json.JSONDecodeError):
-            return False
-        if recorded.get("key") != self.key.to_dict():
-            return False
-        engines = recorded.get("engines", {})
-        return all(graph in engines and self.engine_path(graph).is_file()
-                   and sha256_file(self.engine_path(graph)) == engines[graph] for graph in graphs)
+        engines = self.recorded()
+        return all(graph in engines and self._intact(graph, engines[graph]) for graph in graphs)
 
     def stale_entries(self) -> list[Path]:
         """Other entries for the same bundle path: built from an older bundle there, or for
         another GPU, TensorRT or limits."""
-        if not self.root.is_dir():
-            return []
-
-        def same_bundle(entry: Path) -> bool:
-            try:
-                return json.loads((entry / META).read_text()).get("bundle_path") == self.bundle_path
-            except (OSError, json.JSONDecodeError):
-                return False
-        return [d for d in self.root.iterdir() if d.is_dir() and d != self.directory and same_bundle(d)]
+        return [d for d in bundle_entries(self.root, self.bundle_path) if d != self.directory]
 
     def write_engine(self, graph: str, data: bytes) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -209,12 +219,87 @@ class EngineCache:
         os.replace(tmp, path)
 
     def commit(self, graphs: list[str]) -> None:
+        """Record ``graphs`` (just written) beside the intact engines the entry already holds."""
+        kept = {g: digest for g, digest in self.recorded().items() if g not in graphs and self._intact(g, digest)}
         meta = {"key": self.key.to_dict(), "bundle_path": self.bundle_path,
-                "engines": {g: sha256_file(self.engine_path(g)) for g in graphs},
+                "engines": {**kept, **{g: sha256_file(self.engine_path(g)) for g in graphs}},
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         tmp = self.directory / f".{META}.{os.getpid()}.tmp"
         tmp.write_text(json.dumps(meta, indent=1))
         os.replace(tmp, self.directory / META)
+
+
+def _record(entry: Path) -> dict[str, Any]:
+    """An entry's engines.json (empty where it has none or cannot be read)."""
+    try:
+        return json.loads((entry / META).read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def bundle_entries(root: Path, bundle_path: str) -> list[Path]:
+    """The entries under ``root`` recorded for the bundle at ``bundle_path`` (resolved)."""
+    if not Path(root).is_dir():
+        return []
+    return sorted(d for d in Path(root).iterdir() if d.is_dir() and _record(d).get("bundle_path") == bundle_path)
+
+
+def default_cache_root(bundle: Bundle) -> Path:
+    """``.BUNDLE.engines`` beside the bundle."""
+    return bundle.path.parent / f".{bundle.path.name}.engines"
+
+
+def build_command(bundle: Bundle, role: str, cache_root: Path | None = None) -> str:
+    """The ``edgeroute build-engines`` command line that builds every missing engine of ``role``
+    (DEVICE: the device profile whose context and limits the engines take)."""
+    command = f"edgeroute build-engines {bundle.path} --profile DEVICE"
+    command += "" if role == "llm" else f" --role {role}"
+    return command + ("" if cache_root is None else f" --cache {cache_root}")
+
+
+def find_engines(bundle: Bundle, role: str, gpu: str, tensorrt: str, graphs: list[str],
+                 cache_root: Path | None = None) -> EngineCache:
+    """The cache entry that holds ``graphs`` (``role/name``, as built) of this bundle, built on
+    ``gpu`` with TensorRT ``tensorrt``, intact: whatever limits it was built with (they are in
+    its key). Without one, an InputError that says what is wrong (none built, built from
+    another export of the bundle, for another GPU or TensorRT, some engines missing or damaged)
+    and names the ``build-engines`` command."""
+    root = Path(cache_root) if cache_root is not None else default_cache_root(bundle)
+    command = build_command(bundle, role, cache_root)
+    entries = bundle_entries(root, str(bundle.path.resolve()))
+    if not entries:
+        raise InputError(f"no TensorRT engines for the {role} model of {bundle.path} in {root}: build them on this "
+                         f"GPU with `{command}`")
+    reasons = []
+    for entry in entries:
+        recorded = _record(entry).get("key", {})
+        try:
+            limits = EngineLimits(**recorded["limits"])
+        except (KeyError, TypeError):
+            reasons.append(f"{entry.name}: no readable key")
+            continue
+        cache = EngineCache(root, CacheKey(gpu, tensorrt, bundle_hash(bundle), limits), bundle.path)
+        if cache.directory == entry and cache.valid(graphs):
+            return cache
+        reasons.append(_why_stale(cache, recorded, entry, graphs))
+    raise InputError(f"the TensorRT engines of {bundle.path} in {root} are stale ({'; '.join(reasons)}): rebuild them "
+                     f"with `{command}`")
+
+
+def _why_stale(cache: EngineCache, recorded: dict[str, Any], entry: Path, graphs: list[str]) -> str:
+    expected = cache.key.to_dict()
+    if recorded.get("bundle") != expected["bundle"]:
+        return "built from another export of the bundle"
+    for field, what in (("gpu", "GPU"), ("tensorrt", "TensorRT")):
+        if recorded.get(field) != expected[field]:
+            return f"built for {what} {recorded.get(field)}, this is {expected[field]}"
+    if recorded != expected or cache.directory != entry:
+        return "built under other settings"
+    engines = cache.recorded()
+    missing = [g for g in graphs if g not in engines]
+    if missing:
+        return f"{len(missing)} engines not built, e.g. {missing[0]}"
+    return "an engine file was changed or damaged"
 
 
 def parameter_count(arch: ArchConfig) -> int:
@@ -308,25 +393,28 @@ def build_engines(bundle: Bundle, profile: Profile, cache_root: Path | None = No
     limits = engine_limits(bundle, profile)
     trt = _tensorrt()
     key = CacheKey(gpu_identity(), trt.__version__, bundle_hash(bundle), limits)
-    cache = EngineCache(cache_root or bundle.path.parent / f".{bundle.path.name}.engines", key, bundle.path)
+    cache = EngineCache(cache_root or default_cache_root(bundle), key, bundle.path)
     names = [f"{role}/{g.name}" for g in graphs]
     stale = cache.stale_entries()
     for entry in stale:
         shutil.rmtree(entry, ignore_errors=True)
-    if cache.valid(names):
+    todo = [(name, graph) for name, graph in zip(names, graphs, strict=True) if not cache.valid([name])]
+    if not todo:
         return BuildReport(cache.directory, key, [], True, len(stale), time.perf_counter() - start, peak_host_bytes(),
                            parameter_count(bundle.models[role].arch))
-    shutil.rmtree(cache.directory, ignore_errors=True)  # a partial or damaged entry: rebuilt whole
+    if not cache.recorded():
+        shutil.rmtree(cache.directory, ignore_errors=True)  # an interrupted first build: nothing in it is trusted
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
     timing_config = builder.create_builder_config()
     timing_data = cache.timing_cache.read_bytes() if cache.timing_cache.is_file() else b""
     timing_cache = timing_config.create_timing_cache(timing_data)
-    for done, (name, graph) in enumerate(zip(names, graphs, strict=True), 1):
+    for done, (name, graph) in enumerate(todo, 1):
         cache.write_engine(name, _build_one(trt, builder, logger, bundle.file(graph.file), graph, limits, timing_cache))
-        progress(f"{role}: engines", done, len(graphs))
+        progress(f"{role}: engines", done, len(todo))
     cache.root.mkdir(parents=True, exist_ok=True)
     cache.timing_cache.write_bytes(bytes(timing_cache.serialize()))
-    cache.commit(names)
-    return BuildReport(cache.directory, key, names, False, len(stale), time.perf_counter() - start, peak_host_bytes(),
+    built = [name for name, _ in todo]
+    cache.commit(built)
+    return BuildReport(cache.directory, key, built, False, len(stale), time.perf_counter() - start, peak_host_bytes(),
                        parameter_count(bundle.models[role].arch))

@@ -1,4 +1,5 @@
-"""GPU check (issue 30): TensorRT engines and ONNX Runtime's GPU providers against ONNX Runtime CPU.
+"""GPU check (issue 30): TensorRT engines, edgeroute's TensorRT backend and ONNX Runtime's GPU
+providers against ONNX Runtime CPU.
 
     tools/device/gpu_check.sh LOGDIR        # the shell wrapper: nvidia-smi, a time limit, a log
 
@@ -13,9 +14,10 @@ printed and everything is written to LOGDIR/gpu_check.json:
    ONNX Runtime CPU on the same graphs: max relative error (the fp16 tensorrt target: <= 1e-2,
    the fp32 default target: <= 1e-3);
 4. 64 greedy tokens of ``full`` on each GPU provider vs the CPU: identical in full;
-5. decode tok/s per mode (full, speculate and route with the n-gram light path) per provider.
-
-The engines themselves are not run: edgeroute has no TensorRT backend yet (docs/guide/gpu.md).
+5. decode tok/s per mode (full, speculate and route with the n-gram light path) per provider;
+6. the same three for ``backend="tensorrt"`` (the engines of step 2, run by edgeroute's own
+   backend) on the tensorrt bundle: logits vs the CPU (<= 1e-2), 64 greedy tokens identical in
+   ``full``, tok/s per mode.
 """
 
 from __future__ import annotations
@@ -56,6 +58,25 @@ def _gpu(providers: list[str]) -> list[str]:
     return providers
 
 
+def _teacher_ids(bundle) -> np.ndarray:
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(bundle.file(bundle.tokenizer["file"])))
+    return np.asarray(tokenizer.encode(TEXT * 8).ids[:TOKENS], np.int64)
+
+
+def _logits_against(got: np.ndarray, want: np.ndarray, limit: float) -> dict:
+    rel = float(np.abs(got - want).max() / np.abs(want).max())
+    return {"max_rel": rel, "within": rel <= limit, "limit": limit,
+            "top1_same": float((got.argmax(-1) == want.argmax(-1)).mean())}
+
+
+def _tokens_against(got: list[int], want: list[int]) -> dict:
+    same = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
+    return {"tokens": len(got), "identical": got == want and len(got) >= TOKENS,
+            "first_difference": None if got == want else same}
+
+
 def _export(out: Path, *args: str) -> None:
     if not (out / "manifest.json").is_file():
         subprocess.run([sys.executable, "-m", "edgeroute.cli", "export", "--no-slm", "--out", str(out), "--force",
@@ -64,15 +85,16 @@ def _export(out: Path, *args: str) -> None:
 
 def main(logdir: Path) -> int:
     import onnxruntime as ort
-    from tokenizers import Tokenizer
 
     from edgeroute.bundle import Bundle
     from edgeroute.runtime import Engine, OrtModel
     from edgeroute.runtime.profiles import load_profile
+    from edgeroute.runtime.trt import TrtModel
     from edgeroute.tensorrt.engines import build_engines
 
     logdir.mkdir(parents=True, exist_ok=True)
     bundles = {"default": logdir / "smollm2-default", "tensorrt": logdir / "smollm2-tensorrt"}
+    engines = logdir / "engines"
     providers = [p for p in GPU_PROVIDERS if p in ort.get_available_providers()]
     results: dict = {"available_providers": ort.get_available_providers()}
 
@@ -85,8 +107,8 @@ def main(logdir: Path) -> int:
     @_step(results, "build_engines")
     def _():
         bundle = Bundle.open(bundles["tensorrt"])
-        first = build_engines(bundle, load_profile("cuda"), logdir / "engines", kinds=("embed", "layer", "head"))
-        again = build_engines(bundle, load_profile("cuda"), logdir / "engines", kinds=("embed", "layer", "head"))
+        first = build_engines(bundle, load_profile("cuda"), engines, kinds=("embed", "layer", "head"))
+        again = build_engines(bundle, load_profile("cuda"), engines, kinds=("embed", "layer", "head"))
         assert again.reused, "the second build did not reuse the cache"
         return {"gpu": first.key.gpu, "tensorrt": first.key.tensorrt, "engines": len(first.built),
                 "build_seconds": round(first.seconds, 1), "peak_host_mib": first.peak_host_bytes >> 20,
@@ -100,17 +122,13 @@ def main(logdir: Path) -> int:
         def _(path=path, kv=kv, limit=limit):
             gpu_providers = _gpu(providers)
             bundle = Bundle.open(path)
-            tokenizer = Tokenizer.from_file(str(bundle.file(bundle.tokenizer["file"])))
-            ids = np.asarray(tokenizer.encode(TEXT * 8).ids[:TOKENS], np.int64)
+            ids = _teacher_ids(bundle)
             cpu = OrtModel(bundle, kv_dtype=kv)
             want = cpu.forward(cpu.new_cache(), ids, all_logits=True)
             out = {}
             for provider in gpu_providers:
                 gpu = OrtModel(bundle, providers=[provider, "CPUExecutionProvider"], kv_dtype=kv)
-                got = gpu.forward(gpu.new_cache(), ids, all_logits=True)
-                rel = float(np.abs(got - want).max() / np.abs(want).max())
-                out[provider] = {"max_rel": rel, "within": rel <= limit, "limit": limit,
-                                 "top1_same": float((got.argmax(-1) == want.argmax(-1)).mean())}
+                out[provider] = _logits_against(gpu.forward(gpu.new_cache(), ids, all_logits=True), want, limit)
             return out
 
         @_step(results, f"greedy_{name}")
@@ -121,10 +139,7 @@ def main(logdir: Path) -> int:
             out = {}
             for provider in gpu_providers:
                 gpu = Engine(path, slm=False, providers=[provider, "CPUExecutionProvider"], kv_dtype=kv)
-                got = gpu.generate(CHAT, mode="full", max_new_tokens=TOKENS).tokens
-                same = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
-                out[provider] = {"tokens": len(got), "identical": got == want and len(got) >= TOKENS,
-                                 "first_difference": None if got == want else same}
+                out[provider] = _tokens_against(gpu.generate(CHAT, mode="full", max_new_tokens=TOKENS).tokens, want)
             return out
 
         @_step(results, f"speed_{name}")
@@ -138,6 +153,30 @@ def main(logdir: Path) -> int:
                 out[provider] = {mode: round(engine.generate(CHAT, mode=mode, max_new_tokens=TOKENS)
                                              .stats.decode_tokens_per_second, 1) for mode in MODES}
             return out
+
+    @_step(results, "logits_tensorrt_backend")
+    def _():
+        bundle = Bundle.open(bundles["tensorrt"])
+        ids = _teacher_ids(bundle)
+        cpu = OrtModel(bundle, kv_dtype="float16")
+        want = cpu.forward(cpu.new_cache(), ids, all_logits=True)
+        gpu = TrtModel(bundle, "llm", engines)
+        return _logits_against(gpu.forward(gpu.new_cache(), ids, all_logits=True), want, 1e-2)
+
+    @_step(results, "greedy_tensorrt_backend")
+    def _():
+        want = Engine(bundles["tensorrt"], slm=False, backend="onnxruntime", kv_dtype="float16").generate(
+            CHAT, mode="full", max_new_tokens=TOKENS).tokens
+        got = Engine(bundles["tensorrt"], slm=False, backend="tensorrt", engine_cache=str(engines)).generate(
+            CHAT, mode="full", max_new_tokens=TOKENS).tokens
+        return _tokens_against(got, want)
+
+    @_step(results, "speed_tensorrt_backend")
+    def _():
+        engine = Engine(bundles["tensorrt"], slm=False, backend="tensorrt", engine_cache=str(engines))
+        engine.generate(CHAT, mode="full", max_new_tokens=8)  # warm-up
+        return {mode: round(engine.generate(CHAT, mode=mode, max_new_tokens=TOKENS).stats.decode_tokens_per_second, 1)
+                for mode in MODES}
 
     (logdir / "gpu_check.json").write_text(json.dumps(results, indent=1))
     print("\nstep                     ok     seconds")
