@@ -24,7 +24,9 @@ primary context is TensorRT's, so nothing creates or pushes a context), with not
 at install and a few MB to install (torch is barred from the device, CuPy ships its own kernels).
 
 Not yet verified on hardware (docs/guide/gpu.md): written against TensorRT 10's Python API and
-X can test is in tests/test_tensorrt_backend.py.
+cuda-python's runtime bindings as documented; what a CPU can test (every mode on stand-ins for
+TensorRT and CUDA that run each engine's graph on ONNX Runtime) is in
+tests/test_tensorrt_backend.py.
 """
 
 from __future__ import annotations
