@@ -52,10 +52,12 @@ def _cpu_flags() -> set[str]:
     return set((first.get("flags") or first.get("Features") or "").split())
 
 
-def thread_count(threads: int | None = None) -> int:
-    """The threads a runtime uses: ``threads``, else $EDGEROUTE_THREADS, else every core the OS
-    lists (hyperthreads included)."""
-    return threads or int(os.environ.get("EDGEROUTE_THREADS", 0)) or (os.cpu_count() or 1)
+def thread_count(threads: int | None = None, device: int | None = None) -> int:
+    """The threads a runtime uses: ``threads``, else $EDGEROUTE_THREADS, else a device profile's
+    (``device``: the board's cores, at most the CPUs the OS lists), else every CPU the OS lists
+    (hyperthreads included)."""
+    listed = os.cpu_count() or 1
+    return threads or int(os.environ.get("EDGEROUTE_THREADS", 0)) or min(device or listed, listed)
 
 
 def _model_name(processors: list[dict[str, str]]) -> str:
