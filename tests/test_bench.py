@@ -57,6 +57,40 @@ def test_bench_without_a_bandwidth_gives_gb_s_and_says_none_is_known(smollm2_bun
     assert report.bandwidth_gbs is None and any("no memory bandwidth known" in note for note in report.notes)
 
 
+@pytest.mark.slow
+def test_llama_cpp_reads_the_source_gguf_whose_blocks_the_native_backend_reads(smollm2_bundles):
+    from edgeroute.export.sources import packaged_gguf
+    from edgeroute.runtime.step_bytes import gguf_step_bytes, native_step_bytes
+
+    bundle = Bundle.open(smollm2_bundles["int4"][0], verify=False)
+    assert source_gguf(bundle, "llm") == packaged_gguf()  # the path export recorded
+    assert gguf_step_bytes(packaged_gguf()) == native_step_bytes(bundle.llm)
+
+
+ORIN_CPU = """processor\t: {n}
+BogoMIPS\t: 62.50
+Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm lrcpc dcpop asimddp
+CPU implementer\t: 0x41
+CPU architecture: 8
+CPU variant\t: 0x1
+CPU part\t: 0xd42
+CPU revision\t: 1
+"""
+
+
+def test_describe_cpu_names_a_jetsons_board_cores_and_dotprod(tmp_path, monkeypatch):
+    import edgeroute.cpu as cpu
+
+    (tmp_path / "cpuinfo").write_text("\n".join(ORIN_CPU.format(n=n) for n in range(6)))
+    (tmp_path / "model").write_text("NVIDIA Jetson Orin Nano Developer Kit\x00")
+    monkeypatch.setattr(cpu, "CPUINFO", tmp_path / "cpuinfo")
+    monkeypatch.setattr(cpu, "DEVICE_TREE_MODEL", tmp_path / "model")
+    described = cpu.describe_cpu()
+    assert described["board"] == "NVIDIA Jetson Orin Nano Developer Kit"
+    assert (described["model"], described["cores"]) == ("6x Cortex-A78AE", 6)
+    assert described["isa"] == ["asimd", "asimddp", "asimdhp"]
+
+
 def test_bench_of_a_missing_bundle_fails_naming_it(tmp_path):
     result = runner.invoke(app, ["bench", str(tmp_path / "nosuch"), *FAST])
     assert result.exit_code == 2

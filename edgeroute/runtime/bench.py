@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -63,16 +63,6 @@ def prompt_ids(tokenizer: Bundle | str | Path, n: int) -> list[int]:
 
 
 # -- the backends, each over one cache ------------------------------------------------------------
-
-class DecodeCase(Protocol):
-    """One model on one backend with one sequence: prefill, one greedy step, truncate."""
-
-    def prefill(self, ids: list[int]) -> np.ndarray: ...
-
-    def step(self, logits: np.ndarray) -> np.ndarray: ...
-
-    def truncate(self, length: int) -> None: ...
-
 
 class EdgerouteCase:
     """A bundle's model on an edgeroute backend: ``flavour`` "native", or ONNX Runtime's
@@ -133,6 +123,9 @@ class LlamaCppCase:
 
     def truncate(self, length: int) -> None:
         self.llm.n_tokens = length  # the next eval drops the cache's positions from here on
+
+
+DecodeCase = EdgerouteCase | LlamaCppCase  # prefill, one greedy step, truncate; describe() says what runs
 
 
 def source_gguf(bundle: Bundle, role: str) -> Path:
@@ -264,9 +257,10 @@ def _step_bytes(bundle: Bundle, role: str, backend: str, case: DecodeCase) -> tu
     try:
         if isinstance(case, LlamaCppCase):
             return gguf_step_bytes(case.gguf), None
-        if backend == "native":
+        model = case.model
+        if model.flavour == "native":
             return native_step_bytes(bundle.models[role]), None
-        return ort_step_bytes(bundle, role, case.model.flavour, case.model.kv_dtype), None
+        return ort_step_bytes(bundle, role, model.flavour, model.kv_dtype), None
     except ImportError as err:
         return None, f"{backend}'s bytes per token need the {err.name} package, not installed here"
 
@@ -283,7 +277,7 @@ def _run(case: DecodeCase, ids: list[int], steps: int, clock: Callable[[], float
     return ttft, clock() - start
 
 
-def bench_model(bundle: Bundle, role: str, options: BenchOptions, threads: int, bandwidth_gbs: float | None,
+def _bench_model(bundle: Bundle, role: str, options: BenchOptions, threads: int, bandwidth_gbs: float | None,
                 report: BenchReport, progress: Callable[[str], None] | None = None) -> None:
     """Every backend of ``options`` on one model, interleaved; records and skips go into ``report``."""
     cases: dict[str, DecodeCase] = {}
@@ -369,5 +363,5 @@ def run_bench(bundles: Sequence[str | Path], options: BenchOptions | None = None
                             "--profile DEVICE with memory.bandwidth_gbs (e.g. jetson-orin-nano-8gb) for the share")
     for bundle, roles in opened:
         for role in roles:
-            bench_model(bundle, role, options, threads, bandwidth, report, progress)
+            _bench_model(bundle, role, options, threads, bandwidth, report, progress)
     return report
