@@ -446,8 +446,8 @@ def _print_bench(report) -> None:
                     ("model", cpu["model"]), ("cores (threads)", f"{cpu['cores']} ({cpu['threads']})"),
                     ("instruction sets", " ".join(cpu["isa"]) or "none listed"),
                     ("native kernels", report.kernels),
-                    ("bench", f"{report.threads} threads, {report.clock} clock, {report.steps} steps, "
-                              f"median of {report.repeats}"),
+                    ("bench", f"{report.threads} thread{'s' * (report.threads != 1)}, {report.clock} clock, "
+                              f"{report.steps} steps, median of {report.repeats}"),
                     ("bandwidth", f"{report.bandwidth_gbs:g} GB/s ({report.profile})" if report.bandwidth_gbs
                      else "unknown (no --profile with memory.bandwidth_gbs)")])
     share = report.bandwidth_gbs is not None
