@@ -12,14 +12,16 @@ import argparse
 import gc
 import json
 import multiprocessing
+import tempfile
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+import onnx
 from rich.console import Console
 from rich.table import Table
 
-from edgeroute.runtime.step_bytes import gguf_step_bytes, native_step_bytes, optimized_initializer_bytes, ort_step_graphs
+from edgeroute.runtime.step_bytes import gguf_step_bytes, native_step_bytes, ort_step_graphs, save_optimized
 
 MB = 1e6
 
@@ -36,9 +38,10 @@ def bundle_figures(bundle: Path, role: str) -> dict:
     b = Bundle.open(bundle, verify=False)
     step_bytes, ops = 0, Counter()
     for g in ort_step_graphs(b.models[role], choose_flavour(b.models[role])):
-        n, counts = optimized_initializer_bytes(b.file(g.file))
-        step_bytes += n
-        ops += counts
+        with tempfile.TemporaryDirectory() as tmp:
+            model, data = save_optimized(b.file(g.file), Path(tmp))
+            step_bytes += data.stat().st_size
+            ops += Counter(n.op_type for n in onnx.load(str(model), load_external_data=False).graph.node)
     gc.collect()
     before = resident_bytes()
     model = OrtModel(b, role)

@@ -261,7 +261,7 @@ def _step_bytes(bundle: Bundle, role: str, backend: str, case: DecodeCase) -> tu
         if model.flavour == "native":
             return native_step_bytes(bundle.models[role]), None
         return ort_step_bytes(bundle, role, model.flavour, model.kv_dtype), None
-    except ImportError as err:
+    except ImportError as err:  # gguf, for llama.cpp's
         return None, f"{backend}'s bytes per token need the {err.name} package, not installed here"
 
 

@@ -14,11 +14,13 @@ grow with the context, are not counted here.
 from __future__ import annotations
 
 import tempfile
-from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
 
+import onnxruntime as ort
+
 from edgeroute.bundle import Bundle, GraphEntry, ModelEntry
+from edgeroute.runtime.model import session_options
 
 OUTPUT, TIED = "output.weight", "token_embd.weight"
 
@@ -50,33 +52,31 @@ def ort_step_graphs(entry: ModelEntry, flavour: str, kv_dtype: str = "float32") 
     return [entry.graph("layer", i, flavour, kv_dtype) for i in range(entry.num_layers)] + [entry.graph("head")]
 
 
-def optimized_initializer_bytes(graph: Path) -> tuple[int, Counter]:
-    """Bytes of the initializers of ``graph`` after ONNX Runtime's full optimization (the runtime's
-    session options), and its op counts. Needs the ``onnx`` package (the export extra)."""
-    import onnx
-    import onnxruntime as ort
-    from onnx.external_data_helper import uses_external_data
+def save_optimized(graph: Path, directory: Path) -> tuple[Path, Path]:
+    """``graph`` after ONNX Runtime's full optimization with the runtime's session options (same
+    optimizations, same shared thread pool), saved into ``directory``: the model, and the file
+    that holds every one of its initializers."""
+    model, data = directory / "optimized.onnx", directory / "optimized.data"
+    options = session_options()
+    options.log_severity_level = 3
+    options.optimized_model_filepath = str(model)
+    options.add_session_config_entry("session.optimized_model_external_initializers_file_name", data.name)
+    options.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "0")
+    ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"])
+    return model, data
 
-    from edgeroute.runtime.model import session_options
 
+def optimized_initializer_bytes(graph: Path) -> int:
+    """Bytes of the initializers of ``graph`` after ONNX Runtime's optimizations: the size of the
+    file that ``save_optimized`` writes them to (ONNX Runtime aligns some of them there: at most
+    0.05% over their own bytes, measured on the SmolLM2 and Qwen2.5-Coder-1.5B layers and heads).
+    No ``onnx`` package needed."""
     with tempfile.TemporaryDirectory() as tmp:
-        options = session_options()  # the runtime's: same optimizations, same (shared) thread pool
-        options.log_severity_level = 3
-        options.optimized_model_filepath = str(Path(tmp) / "opt.onnx")
-        options.add_session_config_entry("session.optimized_model_external_initializers_file_name", "opt.data")
-        options.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "64")
-        ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"])
-        model = onnx.load(str(Path(tmp) / "opt.onnx"), load_external_data=False)
-    total = 0
-    for t in model.graph.initializer:
-        if uses_external_data(t):
-            total += int({e.key: e.value for e in t.external_data}["length"])
-        else:
-            total += onnx.numpy_helper.to_array(t).nbytes
-    return total, Counter(n.op_type for n in model.graph.node)
+        data = save_optimized(graph, Path(tmp))[1]
+        return data.stat().st_size if data.exists() else 0
 
 
 def ort_step_bytes(bundle: Bundle, role: str, flavour: str, kv_dtype: str = "float32") -> int:
     """ONNX Runtime's bytes per decode step of ``role``'s model (see ``optimized_initializer_bytes``)."""
     graphs = ort_step_graphs(bundle.models[role], flavour, kv_dtype)
-    return sum(optimized_initializer_bytes(bundle.file(g.file))[0] for g in graphs)
+    return sum(optimized_initializer_bytes(bundle.file(g.file)) for g in graphs)
