@@ -445,6 +445,87 @@ def build_engines(
                   f"({report.peak_per_parameter:.2f} bytes per parameter, {report.parameters / 1e6:,.0f}M parameters)")
 
 
+def _numbers(text: str, what: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise EdgerouteError(f"{what} are whole numbers separated by commas, e.g. 32,1024 (got {text!r})") from None
+
+
+def _names(text: str | None) -> tuple[str, ...] | None:
+    return tuple(part.strip() for part in text.split(",") if part.strip()) if text is not None else None
+
+
+def _print_bench(report) -> None:
+    """The CPU, then a table per model: each backend's medians per context."""
+    cpu = report.cpu
+    _fields("CPU", [("machine", cpu["machine"]), *([("board", cpu["board"])] if cpu["board"] else []),
+                    ("model", cpu["model"]), ("cores (threads)", f"{cpu['cores']} ({cpu['threads']})"),
+                    ("instruction sets", " ".join(cpu["isa"]) or "none listed"),
+                    ("native kernels", report.kernels),
+                    ("bench", f"{report.threads} thread{'s' * (report.threads != 1)}, {report.clock} clock, "
+                              f"{report.steps} steps, median of {report.repeats}"),
+                    ("bandwidth", f"{report.bandwidth_gbs:g} GB/s ({report.profile})" if report.bandwidth_gbs
+                     else "unknown (no --profile with memory.bandwidth_gbs)")])
+    share = report.bandwidth_gbs is not None
+    models: dict[tuple[str, str], list] = {}
+    for record in report.records:
+        models.setdefault((record.bundle, record.role), []).append(record)
+    for (bundle, role), records in models.items():
+        table = Table(title=f"{bundle}: {role}", title_justify="left", box=None, padding=(0, 1))
+        for column in ("backend", "ctx", "tok/s", "TTFT s", "prefill t/s", "MB/tok", "GB/s", *(["BW"] if share else [])):
+            table.add_column(column, justify="left" if column == "backend" else "right", no_wrap=True)
+        for r in records:
+            known = r.step_bytes is not None
+            table.add_row(r.backend, str(r.context), f"{r.decode_tok_s:.1f}", f"{r.ttft_s:.3f}", f"{r.prefill_tok_s:.0f}",
+                          f"{r.step_bytes / 1e6:.0f}" if known else "-", f"{r.gb_s:.1f}" if known else "-",
+                          *([f"{r.bandwidth_share:.0%}" if known else "-"] if share else []))
+        console.print()
+        console.print(table)
+        for backend, runs_on in {r.backend: r.runs_on for r in records}.items():
+            console.print(Text(f"  {backend}: {runs_on}", style="dim"))
+    skipped: dict[tuple[str, str], list[str]] = {}
+    for skip in report.skipped:
+        skipped.setdefault((skip.backend, skip.reason), []).append(f"{skip.bundle} {skip.role}")
+    for (backend, reason), models in skipped.items():
+        console.print(Text(f"skipped {backend} ({', '.join(models)}): {reason}"))
+    for note in report.notes:
+        console.print(Text(f"note: {note}"))
+
+
+@app.command()
+def bench(
+    bundles: list[Path] = typer.Argument(..., help="bundle directories"),
+    contexts: str = typer.Option("32,1024", help="contexts to decode at (prompt tokens)"),
+    steps: int = typer.Option(16, help="decode steps timed per run"),
+    repeats: int = typer.Option(3, help="runs per backend and context (median)"),
+    threads: int = typer.Option(None, help="threads (default: the profile's, else all)"),
+    profile: str = typer.Option(None, help="device profile: bandwidth and threads"),
+    backends: str = typer.Option("native,onnxruntime,llama.cpp", show_default=False,
+                                 help="native,onnxruntime,llama.cpp (default: all)"),
+    roles: str = typer.Option(None, help="models: llm,slm (default: each one)"),
+    kernels: str = typer.Option("auto", help="native kernel set"),
+    clock: str = typer.Option("wall", help="wall|cpu (the process's CPU time)"),
+    as_json: Path = typer.Option(None, "--json", help="write the records to this JSON file"),
+) -> None:
+    """Decode speed per backend and context vs memory bandwidth. Guide: docs/guide/bench.md."""
+    import dataclasses
+    import json
+
+    from edgeroute.runtime.bench import BenchOptions, run_bench
+
+    with _clear_errors():
+        options = BenchOptions(contexts=_numbers(contexts, "contexts"), steps=steps, repeats=repeats, threads=threads,
+                               clock=clock, profile=profile, backends=_names(backends) or (), roles=_names(roles),
+                               kernels=kernels)
+        report = run_bench(bundles, options, lambda line: err_console.print(Text(line, style="dim")))
+    _print_bench(report)
+    if as_json is not None:
+        as_json.parent.mkdir(parents=True, exist_ok=True)
+        as_json.write_text(json.dumps({"options": dataclasses.asdict(options), **report.to_dict()}, indent=1))
+        console.print(f"wrote {as_json}")
+
+
 @app.command()
 def sources(
     names: list[str] = typer.Argument(None, help="named sources (default: all)"),

@@ -10,6 +10,7 @@ on a CPU that differs in them (the quality budget still holds there; only "faste
 
 from __future__ import annotations
 
+import os
 import platform
 from pathlib import Path
 from typing import Any
@@ -20,19 +21,75 @@ SPEED_FLAGS = frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl
                          "avx512_fp16", "avx_vnni", "amx_int8", "amx_bf16", "asimd", "asimddp", "asimdhp", "i8mm",
                          "bf16", "sve", "sve2"})
 CPUINFO = Path("/proc/cpuinfo")
+DEVICE_TREE_MODEL = Path("/proc/device-tree/model")  # the board's name on Arm boards (Jetson included)
+# Arm's "CPU implementer" / "CPU part" codes of the cores that matter here (the kernel prints no name)
+ARM_PARTS = {("0x41", "0xd0c"): "Neoverse N1", ("0x41", "0xd40"): "Neoverse V1", ("0x41", "0xd4f"): "Neoverse V2",
+             ("0x41", "0xd84"): "Neoverse V3", ("0x41", "0xd83"): "Neoverse V3AE", ("0x41", "0xd42"): "Cortex-A78AE",
+             ("0x41", "0xd41"): "Cortex-A78", ("0x41", "0xd0b"): "Cortex-A76", ("0x41", "0xd08"): "Cortex-A72",
+             ("0x41", "0xd07"): "Cortex-A57", ("0x41", "0xd03"): "Cortex-A53", ("0x41", "0xd05"): "Cortex-A55"}
+
+
+def _processors() -> list[dict[str, str]]:
+    """/proc/cpuinfo as one dict per processor (Linux; empty where it is missing)."""
+    try:
+        text = CPUINFO.read_text()
+    except OSError:
+        return []
+    blocks = []
+    for block in text.split("\n\n"):
+        fields = {}
+        for line in block.splitlines():
+            key, _, value = line.partition(":")
+            fields[key.strip()] = value.strip()
+        if fields.get("processor"):
+            blocks.append(fields)
+    return blocks
 
 
 def _cpu_flags() -> set[str]:
     """The flags of the first processor listed (Linux; empty where /proc/cpuinfo is missing)."""
+    first = (_processors() or [{}])[0]
+    return set((first.get("flags") or first.get("Features") or "").split())
+
+
+def thread_count(threads: int | None = None, device: int | None = None) -> int:
+    """The threads a runtime uses: ``threads``, else $EDGEROUTE_THREADS, else a device profile's
+    (``device``: the board's cores, at most the CPUs the OS lists), else every CPU the OS lists
+    (hyperthreads included)."""
+    listed = os.cpu_count() or 1
+    return threads or int(os.environ.get("EDGEROUTE_THREADS", 0)) or min(device or listed, listed)
+
+
+def _model_name(processors: list[dict[str, str]]) -> str:
+    """x86: the "model name"; Arm: the core names from their part codes, e.g. "8x Cortex-A78AE"."""
+    if processors and processors[0].get("model name"):
+        return processors[0]["model name"]
+    parts: dict[str, int] = {}
+    for fields in processors:
+        code = (fields.get("CPU implementer", "?"), fields.get("CPU part", "?"))
+        name = ARM_PARTS.get(code, f"implementer {code[0]} part {code[1]}")
+        parts[name] = parts.get(name, 0) + 1
+    return ", ".join(f"{n}x {name}" for name, n in parts.items()) or platform.processor() or "unknown"
+
+
+def _physical_cores(processors: list[dict[str, str]]) -> int | None:
+    """Cores without hyperthreads: distinct (physical id, core id) pairs on x86; on Arm, where
+    a core runs one thread, the processors listed."""
+    pairs = {(f.get("physical id"), f.get("core id")) for f in processors if "core id" in f}
+    return len(pairs) or len(processors) or None
+
+
+def describe_cpu() -> dict[str, Any]:
+    """What ``edgeroute bench`` prints about the CPU: ``cpu_signature()`` plus "model" (the CPU's
+    name), "board" (the device tree's model, e.g. a Jetson's; None elsewhere), "cores" (physical)
+    and "threads" (the OS's logical CPUs)."""
+    processors = _processors()
     try:
-        lines = CPUINFO.read_text().splitlines()
+        board: str | None = DEVICE_TREE_MODEL.read_text().strip("\x00\n ") or None
     except OSError:
-        return set()
-    for line in lines:
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            return set(value.split())
-    return set()
+        board = None
+    return {**cpu_signature(), "model": _model_name(processors), "board": board,
+            "cores": _physical_cores(processors), "threads": os.cpu_count()}
 
 
 def cpu_signature() -> dict[str, Any]:

@@ -36,6 +36,32 @@ def test_jetson_profiles_carry_usable_memory_default_context_and_tensorrt(name):
     assert profile.decoding["mode"] == "speculate"
 
 
+BOARDS = {"jetson-orin-nano-8gb": (68.0, 6), "jetson-orin-nx-16gb": (102.4, 8), "jetson-agx-orin-64gb": (204.8, 12),
+          "jetson-thor": (273.0, 14)}  # NVIDIA's published peak GB/s, CPU cores
+
+
+@pytest.mark.parametrize("name", BOARDS)
+def test_jetson_profiles_carry_the_published_bandwidth_and_their_cores(name):
+    profile = load_profile(f"{name},templated")
+    assert (profile.bandwidth_gbs, profile.threads) == BOARDS[name]
+    generic = load_profile("jetson-orin")  # Nano to AGX: 68-204.8 GB/s, no one figure
+    assert (generic.bandwidth_gbs, generic.threads) == (None, None)
+
+
+def test_a_profile_threads_apply_only_where_neither_the_caller_nor_the_environment_sets_them(monkeypatch):
+    from edgeroute.runtime.options import EngineOptions
+
+    monkeypatch.delenv("EDGEROUTE_THREADS", raising=False)
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    assert EngineOptions.from_profile("jetson-orin-nano-8gb").model_threads() == 6
+    assert EngineOptions.from_profile("jetson-orin-nano-8gb", threads=3).model_threads() == 3
+    assert EngineOptions.from_profile("cpu").model_threads() == 16
+    monkeypatch.setattr("os.cpu_count", lambda: 2)  # never more threads than the OS lists CPUs
+    assert EngineOptions.from_profile("jetson-thor").model_threads() == 2
+    monkeypatch.setenv("EDGEROUTE_THREADS", "1")
+    assert EngineOptions.from_profile("jetson-orin-nano-8gb").model_threads() == 1
+
+
 @pytest.mark.parametrize("data, message", [
     ([1, 2], "must be a JSON object"),
     ({"provider": ["CPUExecutionProvider"]}, "unknown key 'provider'.*known: name"),
@@ -46,6 +72,11 @@ def test_jetson_profiles_carry_usable_memory_default_context_and_tensorrt(name):
     ({"memory": {"usable_gib": "4"}}, "memory.usable_gib has the wrong type"),
     ({"memory": {"usable_gib": -1}}, "usable_gib must be > 0"),
     ({"memory": {"default_context": 0}}, "default_context >= 1"),
+    ({"memory": {"bandwidth_gbs": 0}}, "bandwidth_gbs must be > 0"),
+    ({"memory": {"bandwidth_gbs": "68"}}, "memory.bandwidth_gbs has the wrong type"),
+    ({"threads": 0}, "threads must be >= 1"),
+    ({"threads": 6.5}, "'threads' must be a JSON int"),
+    ({"threads": True}, "'threads' must be a JSON int"),
     ({"attention": "flash"}, "attention 'flash' is not one of auto, portable, ort"),
     ({"kv_dtype": "int4"}, "kv_dtype .int4. is not one of auto, float32, float16, int8"),
     ({"extends": "nosuch"}, "profile 'nosuch' not found; known profiles: .*jetson-orin"),

@@ -49,6 +49,8 @@ import sys
 import time
 from pathlib import Path
 
+from edgeroute.runtime.bench import EdgerouteCase, LlamaCppCase, prompt_ids
+
 RUNTIMES = ("edgeroute:native", "edgeroute:ort", "edgeroute:portable", "llama.cpp")
 
 
@@ -63,66 +65,6 @@ def _reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := current RSS
 
 
-def _text_ids(tokenizer_file: Path, n: int) -> list[int]:
-    from tokenizers import Tokenizer
-
-    from edgeroute.texts import evaluation_text
-
-    ids = Tokenizer.from_file(str(tokenizer_file)).encode(evaluation_text(), add_special_tokens=False).ids
-    if len(ids) < n:
-        raise SystemExit(f"the evaluation text has only {len(ids)} tokens, {n} asked")
-    return ids[:n]
-
-
-class EdgerouteCase:
-    def __init__(self, bundle: Path, flavour: str, kv_dtype: str = "auto") -> None:
-        from edgeroute.runtime import Bundle
-        from edgeroute.runtime.backend import open_model
-        from edgeroute.runtime.options import EngineOptions
-
-        opened = Bundle.open(bundle, verify=False)
-        if flavour == "native":
-            options = EngineOptions(backend="native", kv_dtype=kv_dtype)
-        else:
-            options = EngineOptions(backend="onnxruntime", attention=flavour, kv_dtype=kv_dtype)
-        self.model = open_model(opened, "llm", options)[0]
-        self.cache = self.model.new_cache()
-
-    def prefill(self, ids: list[int]):
-        return self.model.forward(self.cache, ids)
-
-    def step(self, logits) -> object:
-        return self.model.forward(self.cache, [int(logits.argmax())])
-
-    def truncate(self, length: int) -> None:
-        self.cache.truncate(length)
-
-
-class LlamaCppCase:
-    def __init__(self, gguf: Path, threads: int, n_ctx: int) -> None:
-        import numpy as np
-        from llama_cpp import Llama
-
-        self.np = np
-        self.llm = Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx,
-                         verbose=False, logits_all=False)
-
-    def _last_logits(self):
-        # the context's own output row (without logits_all, Llama keeps no scores of its own)
-        return self.np.ctypeslib.as_array(self.llm._ctx.get_logits(), shape=(self.llm.n_vocab(),))
-
-    def prefill(self, ids: list[int]):
-        self.llm.eval(ids)
-        return self._last_logits()
-
-    def step(self, logits):
-        self.llm.eval([int(logits.argmax())])
-        return self._last_logits()
-
-    def truncate(self, length: int) -> None:
-        self.llm.n_tokens = length  # the next eval drops the cache's positions from here on
-
-
 def open_case(spec: dict) -> EdgerouteCase | LlamaCppCase:
     if spec["runtime"] == "llama.cpp":
         return LlamaCppCase(Path(spec["gguf"]), spec["threads"], spec["n_ctx"])
@@ -134,7 +76,7 @@ def worker(spec: dict) -> dict:
     os.environ["EDGEROUTE_THREADS"] = str(spec["threads"])
     if "contexts" in spec:
         return paired_worker(spec)
-    ids = _text_ids(Path(spec["tokenizer"]), spec["tokens"])
+    ids = prompt_ids(Path(spec["tokenizer"]), spec["tokens"])
     case = open_case(spec)
     clock = time.process_time if spec["clock"] == "cpu" else time.perf_counter
     load_rss = _status_bytes("VmRSS")
@@ -153,7 +95,7 @@ def worker(spec: dict) -> dict:
 def paired_worker(spec: dict) -> dict:
     """Decode at every context of ``spec["contexts"]`` in this one process, in alternating rounds."""
     contexts = spec["contexts"]
-    ids = _text_ids(Path(spec["tokenizer"]), max(contexts))
+    ids = prompt_ids(Path(spec["tokenizer"]), max(contexts))
     cases = {c: open_case(spec) for c in contexts}
     logits = {c: cases[c].prefill(ids[:c]) for c in contexts}
     clock = time.process_time if spec["clock"] == "cpu" else time.perf_counter

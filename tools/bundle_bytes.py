@@ -1,12 +1,7 @@
 """What a bundle costs against its GGUF source: size on disk, resident memory once loaded,
 and the weight bytes one decode step reads, next to llama.cpp's for the same file.
 
-A decode step runs every layer graph and the head once; what it reads is the initializers
-of those graphs *after* ONNX Runtime's optimizations (DequantizeLinear + MatMul fused into
-MatMulNBits: packed codes, fp32 scales, plus the offset Gemm's fp32 offsets), measured by
-saving each optimized graph. llama.cpp reads every ``blk.*`` tensor and the output matrix
-(the embedding is gathered, one row per token, for both); so does the native backend, from
-the bundle's native weight file (its ``blk.*`` tensors and head, as listed in the manifest).
+What a decode step reads, per backend: ``edgeroute.runtime.step_bytes``.
 
     python tools/bundle_bytes.py bundles/qwen-pair --gguf llm=qwen2.5-coder-1.5b --gguf slm=qwen2.5-coder-0.5b
 """
@@ -23,33 +18,12 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import onnx
-import onnxruntime as ort
-from onnx.external_data_helper import uses_external_data
 from rich.console import Console
 from rich.table import Table
 
+from edgeroute.runtime.step_bytes import gguf_step_bytes, native_step_bytes, ort_step_graphs, save_optimized
+
 MB = 1e6
-
-
-def optimized_initializer_bytes(graph: Path) -> tuple[int, Counter]:
-    """Bytes of the initializers of ``graph`` after ORT's full optimization, and its op counts."""
-    from edgeroute.runtime.model import session_options
-
-    with tempfile.TemporaryDirectory() as tmp:
-        options = session_options()  # the runtime's: same optimizations, same (shared) thread pool
-        options.log_severity_level = 3
-        options.optimized_model_filepath = str(Path(tmp) / "opt.onnx")
-        options.add_session_config_entry("session.optimized_model_external_initializers_file_name", "opt.data")
-        options.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "64")
-        ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"])
-        model = onnx.load(str(Path(tmp) / "opt.onnx"), load_external_data=False)
-    total = 0
-    for t in model.graph.initializer:
-        if uses_external_data(t):
-            total += int({e.key: e.value for e in t.external_data}["length"])
-        else:
-            total += onnx.numpy_helper.to_array(t).nbytes
-    return total, Counter(n.op_type for n in model.graph.node)
 
 
 def resident_bytes() -> int:
@@ -62,42 +36,27 @@ def bundle_figures(bundle: Path, role: str) -> dict:
     from edgeroute.runtime.model import OrtModel, choose_flavour
 
     b = Bundle.open(bundle, verify=False)
-    flavour = choose_flavour(b.models[role])
-    # one decode step's graphs: every layer in the flavour (and float32 cache) the runtime runs,
-    # and the head (a bundle also carries other variants' layer graphs, over the same weights)
-    entry = b.models[role]
-    graphs = [entry.graph("layer", i, flavour) for i in range(entry.num_layers)] + [entry.graph("head")]
     step_bytes, ops = 0, Counter()
-    for g in graphs:
-        n, counts = optimized_initializer_bytes(b.file(g.file))
-        step_bytes += n
-        ops += counts
+    for g in ort_step_graphs(b.models[role], choose_flavour(b.models[role])):
+        with tempfile.TemporaryDirectory() as tmp:
+            model, data = save_optimized(b.file(g.file), Path(tmp))
+            step_bytes += data.stat().st_size
+            ops += Counter(n.op_type for n in onnx.load(str(model), load_external_data=False).graph.node)
     gc.collect()
     before = resident_bytes()
     model = OrtModel(b, role)
     loaded = resident_bytes() - before
     del model
-    native = b.models[role].native
-    native_step = None
-    if native is not None:
-        head = "output.weight" if "output.weight" in native.tensors else "token_embd.weight"
-        native_step = sum(t.bytes for name, t in native.tensors.items() if name.startswith("blk.") or name == head)
     return {"disk_bytes": b.total_bytes(f"{role}/"), "resident_bytes": loaded, "step_bytes": step_bytes,
-            "native_step_bytes": native_step,
+            "native_step_bytes": native_step_bytes(b.models[role]),
             "matmul_ops": {k: v for k, v in ops.items() if "MatMul" in k or k == "Gemm"}}
 
 
 def gguf_figures(spec: str) -> dict:
-    import gguf
-
     from edgeroute.export.sources import resolve_source
 
     path = resolve_source(spec)
-    reader = gguf.GGUFReader(str(path))
-    sizes = {t.name: int(t.n_bytes) for t in reader.tensors}
-    head = "output.weight" if "output.weight" in sizes else "token_embd.weight"
-    step = sum(n for name, n in sizes.items() if name.startswith("blk.")) + sizes[head]
-    return {"path": str(path), "disk_bytes": path.stat().st_size, "step_bytes": step}
+    return {"path": str(path), "disk_bytes": path.stat().st_size, "step_bytes": gguf_step_bytes(path)}
 
 
 def main(argv: list[str] | None = None) -> int:

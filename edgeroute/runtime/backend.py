@@ -199,10 +199,10 @@ def open_model(bundle: Bundle, role: str, options: EngineOptions,
     if chosen == "tensorrt":
         return open_tensorrt(bundle, role, options, cache), None
     if chosen == "native":
-        return NativeModel(bundle, role, threads=options.threads, kv_dtype=cache, kernels=options.kernels), None
+        return NativeModel(bundle, role, threads=options.model_threads(), kv_dtype=cache, kernels=options.kernels), None
     if cache not in GRAPH_KV_DTYPES:
         raise InputError(f"a {cache} KV cache runs on the native backend only, which does not take the {role} "
                          f"model here: {why_not}")
     steps = options.exact_steps if exact_steps is None else exact_steps
     return OrtModel(bundle, role, options.providers, options.activations, options.attention, exact_steps=steps,
-                    kv_dtype=cache, threads=options.threads), why_not
+                    kv_dtype=cache, threads=options.model_threads()), why_not

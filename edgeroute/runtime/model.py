@@ -23,6 +23,7 @@ import numpy as np
 import onnxruntime as ort
 
 from edgeroute.bundle import ATTENTION_VARIANTS, Bundle, ModelEntry
+from edgeroute.cpu import thread_count
 from edgeroute.errors import InputError
 from edgeroute.kv_formats import GRAPH_KV_DTYPES, check_kv_dtype
 from edgeroute.rope import rope_tables
@@ -46,7 +47,7 @@ def _shared_thread_pool(threads: int | None = None) -> bool:
     global _global_pool
     with _pool_lock:
         if _global_pool is None:
-            threads = threads or int(os.environ.get("EDGEROUTE_THREADS", 0)) or (os.cpu_count() or 1)
+            threads = thread_count(threads)
             try:
                 ort.set_global_thread_pool_sizes(threads, 1)
                 _global_pool = True

@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from edgeroute.bundle import Bundle
+from edgeroute.cpu import thread_count
 from edgeroute.errors import BundleError, InputError, NativeBackendUnavailable
 from edgeroute.kv_formats import check_int8_head_dim, check_kv_dtype
 from edgeroute.runtime.evaluate import tokenize_text
@@ -313,7 +314,7 @@ class NativeModel(LayerwiseModel):
         self.lib = native_library(kernels)
         self.arch = entry.arch
         self.capacity = int(bundle.generation["context_length"])
-        threads = threads or int(os.environ.get("EDGEROUTE_THREADS", 0)) or (os.cpu_count() or 1)
+        threads = thread_count(threads)
         params = _sized(_ModelParams, kernels=_resolve(self.lib, kernels), threads=threads, max_pass=PREFILL_CHUNK)
         handle = ctypes.c_void_p()
         path = bundle.file(entry.native.file)

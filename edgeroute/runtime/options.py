@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from edgeroute.cpu import thread_count
 from edgeroute.errors import InputError
 from edgeroute.runtime.decoding import DecodeOptions
 from edgeroute.runtime.profiles import Profile, load_profile
@@ -28,12 +29,13 @@ class EngineOptions:
     kv_dtype: str = "auto"  # auto | float32 | float16 | int8 (edgeroute.kv_formats)
     attention: str = "auto"  # ONNX Runtime's attention graphs: auto | portable | ort
     providers: tuple[Any, ...] | None = None  # ONNX Runtime execution providers (names or (name, options))
-    threads: int | None = None  # None: $EDGEROUTE_THREADS, else every core
+    threads: int | None = None  # None: $EDGEROUTE_THREADS, else default_threads, else every core
     activations: str = "int8"  # int8 (fast int4 kernels) | fp32 (ONNX Runtime only)
     exact_steps: bool = False  # ONNX Runtime: one-token steps as two rows, so speculate == full exactly
     engine_cache: str | None = None  # tensorrt: the build-engines cache (None: .BUNDLE.engines beside the bundle)
     context_length: int | None = None  # KV capacity per session (None: default_context, else the bundle's)
     default_context: int | None = None  # a device profile's context, taken up to the bundle's
+    default_threads: int | None = None  # a device profile's threads (its cores), below $EDGEROUTE_THREADS
     memory_budget: int | None = None  # bytes: refuse a bundle that would not fit, before loading it
     slm: bool = True  # False: never load the bundle's SLM
     decoding: DecodeOptions = field(default_factory=DecodeOptions)
@@ -54,7 +56,7 @@ class EngineOptions:
             raise InputError(f"unknown engine option(s): {', '.join(sorted(unknown))} (known: {', '.join(sorted(known))}; "
                              "decoding options go in decoding={...})")
         given = {k: v for k, v in settings.items() if v is not None}
-        from_profiles = {"attention": merged.attention, "kv_dtype": merged.kv_dtype,
+        from_profiles = {"attention": merged.attention, "kv_dtype": merged.kv_dtype, "default_threads": merged.threads,
                          "default_context": merged.context_length, "memory_budget": merged.memory_budget,
                          "providers": tuple(merged.providers) if merged.providers else None}
         return cls(**{**from_profiles, **given}, profiles=tuple(merged.names),
@@ -66,3 +68,8 @@ class EngineOptions:
         if self.context_length is not None:
             return self.context_length
         return min(self.default_context, exported) if self.default_context else exported
+
+    def model_threads(self) -> int:
+        """The threads each model runs on (``edgeroute.cpu.thread_count``): the explicit threads,
+        else $EDGEROUTE_THREADS, else the device profile's, else every CPU the OS lists."""
+        return thread_count(self.threads, self.default_threads)

@@ -2,10 +2,12 @@
 
 A device profile chooses execution providers (and their options), may choose the attention
 graphs' flavour (``attention``: auto, portable or ort, see ``OrtModel``) and the KV caches'
-element type (``kv_dtype``: auto, float32, float16 or int8), and may declare the memory the process can
-use and the device's default context, and the TensorRT engines' limits (``engines``: tokens per
-prefill and per decode call, build workspace; see edgeroute/tensorrt/engines.py); a task profile
-chooses decoding settings.
+element type (``kv_dtype``: auto, float32, float16 or int8) and the threads (``threads``: the
+board's cores, used where the caller sets none), and may declare the memory the process can
+use, the device's default context and its memory bandwidth (``memory.bandwidth_gbs``, the
+published peak that ``edgeroute bench`` holds decode against), and the TensorRT engines' limits
+(``engines``: tokens per prefill and per decode call, build workspace; see
+edgeroute/tensorrt/engines.py); a task profile chooses decoding settings.
 ``--profile jetson-orin-nano-8gb,templated`` merges several, later ones winning; a profile
 may ``extend`` another.
 
@@ -33,8 +35,8 @@ if TYPE_CHECKING:
 
 GIB = 1 << 30
 FIELDS = {"name": str, "description": str, "extends": str, "providers": list, "attention": str, "kv_dtype": str,
-          "decoding": dict, "memory": dict, "engines": dict}
-MEMORY_FIELDS = {"usable_gib": (int, float), "default_context": int, "note": str}
+          "decoding": dict, "memory": dict, "engines": dict, "threads": int}
+MEMORY_FIELDS = {"usable_gib": (int, float), "default_context": int, "bandwidth_gbs": (int, float), "note": str}
 ENGINE_FIELDS = {"prefill_tokens": int, "decode_tokens": int, "workspace_gib": (int, float)}
 
 
@@ -47,6 +49,8 @@ class Profile:
     decoding: dict[str, Any] = field(default_factory=dict)
     memory_budget: int | None = None  # bytes the process may use (CPU and GPU share it on Jetson)
     context_length: int | None = None  # the device's default context
+    bandwidth_gbs: float | None = None  # the device's peak memory bandwidth, GB/s (1e9 bytes)
+    threads: int | None = None  # the device's cores (None: every core the OS lists)
     engines: dict[str, Any] = field(default_factory=dict)  # TensorRT engine limits (ENGINE_FIELDS)
 
 
@@ -96,6 +100,8 @@ def _check_memory(memory: dict[str, Any], source: str) -> None:
     if memory.get("usable_gib", 1) <= 0 or memory.get("default_context", 1) < 1:
         raise InputError(f"profile {source}: memory.usable_gib must be > 0 and memory.default_context >= 1 "
                          f"(got {memory})")
+    if memory.get("bandwidth_gbs", 1) <= 0:
+        raise InputError(f"profile {source}: memory.bandwidth_gbs must be > 0 (got {memory['bandwidth_gbs']})")
 
 
 def _check_engines(engines: dict[str, Any], source: str) -> None:
@@ -113,8 +119,10 @@ def validate_profile(data: Any, source: str) -> None:
     for key, value in data.items():
         if key not in FIELDS:
             raise InputError(f"profile {source}: unknown key {key!r} (known: {', '.join(FIELDS)})")
-        if not isinstance(value, FIELDS[key]):
+        if not isinstance(value, FIELDS[key]) or (FIELDS[key] is int and isinstance(value, bool)):
             raise InputError(f"profile {source}: {key!r} must be a JSON {FIELDS[key].__name__} (got {value!r})")
+    if data.get("threads", 1) < 1:
+        raise InputError(f"profile {source}: threads must be >= 1 (got {data['threads']})")
     _check_providers(data.get("providers", []), source)
     if data.get("attention", "auto") not in ATTENTION_CHOICES:
         raise InputError(f"profile {source}: attention {data['attention']!r} is not one of "
@@ -159,6 +167,7 @@ def load_profile(spec: str) -> Profile:
             profile.providers = [tuple(p) if isinstance(p, list) else p for p in data["providers"]]
         profile.attention = data.get("attention", profile.attention)
         profile.kv_dtype = data.get("kv_dtype", profile.kv_dtype)
+        profile.threads = data.get("threads", profile.threads)
         profile.decoding.update(data.get("decoding", {}))
         profile.engines.update(data.get("engines", {}))
         memory = data.get("memory", {})
@@ -166,4 +175,6 @@ def load_profile(spec: str) -> Profile:
             profile.memory_budget = int(memory["usable_gib"] * GIB)
         if "default_context" in memory:
             profile.context_length = memory["default_context"]
+        if "bandwidth_gbs" in memory:
+            profile.bandwidth_gbs = float(memory["bandwidth_gbs"])
     return profile
