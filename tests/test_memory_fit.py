@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -89,7 +90,8 @@ def test_engine_refuses_before_loading_and_accepts_what_the_message_offers(tiny_
     bundle = Bundle.open(tiny_slm_bundle)
     need, alone = estimate(bundle, 256), estimate(bundle, 256, slm=False)
     loads = []
-    monkeypatch.setattr("edgeroute.runtime.engine.open_model", lambda *a, **k: loads.append(a) or (None, None))
+    loaded = SimpleNamespace(capacity=256, flavour="portable")  # a model in name only: nothing loads
+    monkeypatch.setattr("edgeroute.runtime.engine.open_model", lambda *a, **k: loads.append(a) or (loaded, None))
     with pytest.raises(InputError, match="What would fit: .*no SLM") as err:
         Engine(bundle, memory_budget=need.total - 1)
     assert loads == [] and "slm=False" in str(err.value)
