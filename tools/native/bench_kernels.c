@@ -72,7 +72,7 @@ int main(int argc, char **argv) {
     size_t read = bytes;
     uint8_t *packed = NULL;
     if (K->packs && er_pack_bytes(&m)) {
-        packed = aligned_alloc(64, (er_pack_bytes(&m) + 63) / 64 * 64);
+        packed = er_alloc_streamed(er_pack_bytes(&m));
         m.packed_rows = er_pack(&m, packed);
         m.packed = packed;
         read = er_pack_bytes(&m) + (size_t)(rows - m.packed_rows) * rb;
@@ -88,7 +88,7 @@ int main(int argc, char **argv) {
         memcpy(d, data, bytes);
         copy[c].data = d;
         if (packed) {
-            uint8_t *p = aligned_alloc(64, (er_pack_bytes(&m) + 63) / 64 * 64);
+            uint8_t *p = er_alloc_streamed(er_pack_bytes(&m));
             memcpy(p, packed, er_pack_bytes(&m));
             copy[c].packed = p;
         }

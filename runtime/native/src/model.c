@@ -72,7 +72,7 @@ static er_status check_size(uint32_t got, size_t want, const char *what) {
 
 /* resident, zeroed memory (a device that cannot hold it refuses now, not mid-conversation) */
 static void *resident(size_t bytes) {
-    void *p = aligned_alloc(64, (bytes + 63) / 64 * 64);
+    void *p = er_alloc_streamed(bytes);
     if (p) memset(p, 0, bytes);
     return p;
 }
@@ -155,7 +155,7 @@ static er_status pack_matrices(er_model *m) {
         er_matrix *x = i == m->packed_count - 1 ? &m->head : mats[i % 7];
         const size_t bytes = er_pack_bytes(x);
         if (!bytes) continue;
-        if (!(m->packed[i] = aligned_alloc(64, (bytes + 63) / 64 * 64)))
+        if (!(m->packed[i] = er_alloc_streamed(bytes)))
             return er_fail(ER_ERR_MEMORY, "no memory for a packed matrix of %zu bytes", bytes);
         x->packed_rows = er_pack(x, m->packed[i]);
         x->packed = m->packed[i];

@@ -29,7 +29,7 @@ er_status er_matmul(int kernels, int format, const void *blocks, size_t bytes, i
     uint8_t *packed = NULL;
     const size_t pack = K->packs ? er_pack_bytes(&m) : 0;
     void *scratch = malloc(er_matmul_scratch_bytes(M, cols));
-    if (pack && (packed = aligned_alloc(64, (pack + 63) / 64 * 64))) {
+    if (pack && (packed = er_alloc_streamed(pack))) {
         m.packed_rows = er_pack(&m, packed);
         m.packed = packed;
     }
