@@ -434,7 +434,7 @@ def build_engines(
 
     with _clear_errors(), _progress_bars() as update:
         report = build(Bundle.open(bundle, verify=True), load_profile(profile), cache, role, update,
-                       tuple(k.strip() for k in kinds.split(",") if k.strip()))
+                       _names(kinds))
     limits = report.key.limits
     done = "reused: built for this GPU, TensorRT and bundle" if report.reused else f"{len(report.built)} built"
     stale = f", {report.removed_stale} stale entries removed" if report.removed_stale else ""

@@ -22,11 +22,16 @@ COMPILER = shutil.which("cc") or shutil.which("gcc")
 needs_compiler = pytest.mark.skipif(COMPILER is None, reason="no C compiler to build the C tests")
 
 
-def _build_script():
-    spec = importlib.util.spec_from_file_location("native_build", NATIVE / "build.py")
+def _load_script(path: Path):
+    """A script of the repository (not a package module) as a module."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _build_script():
+    return _load_script(NATIVE / "build.py")
 
 
 def _program(source: Path, out: Path, library: Path, flags: list[str]) -> Path:
@@ -196,9 +201,7 @@ def test_the_binding_reads_the_abi_and_enums_from_the_header():
 def arm_python():
     """tools/qemu/arm_python.py and its root filesystem (build-native/arm64-python, built once:
     debootstrap and pip download, ~90 s), or a skip saying what this host lacks."""
-    spec = importlib.util.spec_from_file_location("arm_python", REPO / "tools" / "qemu" / "arm_python.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _load_script(REPO / "tools" / "qemu" / "arm_python.py")
     if (why := module.usable()) is not None:
         pytest.skip(f"no emulated aarch64 Python: {why}")
     root = REPO / "build-native" / "arm64-python"
