@@ -81,7 +81,11 @@ INLINE void dot_rows(const er_matrix *m, const uint8_t *w, const er_q8 *x, const
  * as two halves of 8 rows (bytes 0-31: rows 0-7). Without VNNI, maddubs makes 16-bit sums of
  * code x activation pairs; sums of several are added in 16 bits while they cannot overflow
  * (|activation code| <= 127), then widened once by madd, against the rows' sub-block scales
- * where the format has them. */
+ * where the format has them. Both halves of a block are done before the next block: a pass
+ * over the group per half read each line from memory for half its work and again from cache
+ * for the other, and left the streaming and the arithmetic overlapping poorly (Zen 3, one
+ * thread, the 1.5B's Q4_K 1536 x 8960 at M = 1: 0.86 -> 0.49 ms with the bytes asked for
+ * ahead at every pass length). */
 
 /* 4 activation codes, in every 32-bit lane */
 INLINE __m256i four_codes(const int8_t *a) {
@@ -111,15 +115,22 @@ INLINE __m256i pair_of(const int16_t *p) {
 
 INLINE __m256 f16x8(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 
+/* the 16 rows' results: half h (rows 8h..8h+7) of activation row i in acc[h][i] */
+INLINE void store_halves(__m256 acc[2][PACK_TILE], const int mt, float *y, int ldy) {
+    for (int i = 0; i < mt; i++)
+        for (int h = 0; h < 2; h++) _mm256_storeu_ps(y + (size_t)i * ldy + 8 * h, acc[h][i]);
+}
+
 /* rows 16g..16g+15 of packed Q6_K against mt <= PACK_TILE activation rows: value = d * scale_j * (u - 32) */
 INLINE void dot_packed_q6_k(const er_matrix *m, int g, const er_q8 *x, const int mt, float *y, int ldy) {
     const int nsb = m->cols / 256;
     const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
-    for (int h = 0; h < 2; h++) {
-        __m256 acc[PACK_TILE];
-        for (int i = 0; i < mt; i++) acc[i] = _mm256_setzero_ps();
-        for (int sb = 0; sb < nsb; sb++) {
-            const uint8_t *blk = m->packed + ((size_t)g * nsb + sb) * PACK_Q6_K_BYTES;
+    __m256 acc[2][PACK_TILE];
+    for (int h = 0; h < 2; h++)
+        for (int i = 0; i < mt; i++) acc[h][i] = _mm256_setzero_ps();
+    for (int sb = 0; sb < nsb; sb++) {
+        const uint8_t *blk = m->packed + ((size_t)g * nsb + sb) * PACK_Q6_K_BYTES;
+        for (int h = 0; h < 2; h++) {
             __m256i total[PACK_TILE];
             for (int i = 0; i < mt; i++) total[i] = _mm256_setzero_si256();
             for (int c = 0; c < 8; c++) {
@@ -162,31 +173,29 @@ INLINE void dot_packed_q6_k(const er_matrix *m, int g, const er_q8 *x, const int
             const __m256 d = f16x8(blk + 3328 + 16 * h);
             UNROLL_TILE
             for (int i = 0; i < mt; i++)
-                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[i]), _mm256_mul_ps(d, _mm256_set1_ps(x[i].dk[sb])), acc[i]);
+                acc[h][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[i]), _mm256_mul_ps(d, _mm256_set1_ps(x[i].dk[sb])),
+                                            acc[h][i]);
         }
-        for (int i = 0; i < mt; i++) _mm256_storeu_ps(y + (size_t)i * ldy + 8 * h, acc[i]);
     }
+    store_halves(acc, mt, y, ldy);
 }
 
 /* rows 16g..16g+15 of packed Q4_K: value = d * scale_j * u - dmin * min_j. The mins' sum per
  * super-block is an integer (sum_j min_j x the activation codes' sum over sub-block j), made
- * by madd from the 16-value code sums as the scales' is. A pass of several activation rows asks
- * for the bytes ahead (measured, 1.5B shapes, one thread: M = 4 -16%); a pass of one does not,
- * where the hardware's prefetching keeps up and the instructions cost more than they save
- * (M = 1 +12% with them). */
+ * by madd from the 16-value code sums as the scales' is. */
 INLINE void dot_packed_q4_k(const er_matrix *m, int g, const er_q8 *x, const int mt, float *y, int ldy) {
     const int nsb = m->cols / 256;
     const __m256i m4 = _mm256_set1_epi8(0x0F);
-    for (int h = 0; h < 2; h++) {
-        __m256 acc[PACK_TILE];
-        for (int i = 0; i < mt; i++) acc[i] = _mm256_setzero_ps();
-        for (int sb = 0; sb < nsb; sb++) {
-            const uint8_t *blk = m->packed + ((size_t)g * nsb + sb) * PACK_Q4_K_BYTES;
+    __m256 acc[2][PACK_TILE];
+    for (int h = 0; h < 2; h++)
+        for (int i = 0; i < mt; i++) acc[h][i] = _mm256_setzero_ps();
+    for (int sb = 0; sb < nsb; sb++) {
+        const uint8_t *blk = m->packed + ((size_t)g * nsb + sb) * PACK_Q4_K_BYTES;
+        for (int h = 0; h < 2; h++) {
             __m256i total[PACK_TILE], mins[PACK_TILE];
             for (int i = 0; i < mt; i++) total[i] = mins[i] = _mm256_setzero_si256();
             for (int j = 0; j < 8; j++) {
-                if (mt > 1 && h == 0)
-                    prefetch_lines(blk + PREFETCH_BLOCKS * PACK_Q4_K_BYTES + PACK_Q4_K_BYTES / 8 * j, PACK_Q4_K_BYTES / 8);
+                if (h == 0) prefetch_lines(blk + PREFETCH_BLOCKS * PACK_Q4_K_BYTES + PACK_Q4_K_BYTES / 8 * j, PACK_Q4_K_BYTES / 8);
                 const __m256i scale = row_pairs_u8(blk + 2048 + 16 * j + 8 * h);
                 const __m256i min = row_pairs_u8(blk + 2176 + 16 * j + 8 * h);
                 __m256i p[PACK_TILE]; /* 8 products of codes <= 15 per lane: at most 30480 */
@@ -212,12 +221,12 @@ INLINE void dot_packed_q4_k(const er_matrix *m, int g, const er_q8 *x, const int
             UNROLL_TILE
             for (int i = 0; i < mt; i++) {
                 const __m256 dx = _mm256_set1_ps(x[i].dk[sb]);
-                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[i]), _mm256_mul_ps(d, dx), acc[i]);
-                acc[i] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins[i]), _mm256_mul_ps(dmin, dx), acc[i]);
+                acc[h][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[i]), _mm256_mul_ps(d, dx), acc[h][i]);
+                acc[h][i] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins[i]), _mm256_mul_ps(dmin, dx), acc[h][i]);
             }
         }
-        for (int i = 0; i < mt; i++) _mm256_storeu_ps(y + (size_t)i * ldy + 8 * h, acc[i]);
     }
+    store_halves(acc, mt, y, ldy);
 }
 
 /* rows 16g..16g+15 of a packed 32-value block format: value = d * u + offset (Q8_0: signed
@@ -227,11 +236,12 @@ INLINE void dot_packed_blocks32(const er_matrix *m, int g, const er_q8 *x, const
     const int nb = m->cols / 32;
     const size_t bytes = pack_block_bytes(type), d_at = bytes - (type == T_Q4_1 ? 64 : 32);
     const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    for (int h = 0; h < 2; h++) {
-        __m256 acc[PACK_TILE];
-        for (int i = 0; i < mt; i++) acc[i] = _mm256_setzero_ps();
-        for (int b = 0; b < nb; b++) {
-            const uint8_t *blk = m->packed + ((size_t)g * nb + b) * bytes;
+    __m256 acc[2][PACK_TILE];
+    for (int h = 0; h < 2; h++)
+        for (int i = 0; i < mt; i++) acc[h][i] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *blk = m->packed + ((size_t)g * nb + b) * bytes;
+        for (int h = 0; h < 2; h++) {
             const __m256 d = f16x8(blk + d_at + 16 * h);
             const __m256 offset = type == T_Q4_1 ? f16x8(blk + d_at + 32 + 16 * h)
                                 : _mm256_mul_ps(d, _mm256_set1_ps(-block32_zero(type)));
@@ -272,12 +282,12 @@ INLINE void dot_packed_blocks32(const er_matrix *m, int g, const er_q8 *x, const
                         sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, ones));
                     }
                 }
-                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_set1_ps(x[i].d[b])), acc[i]);
-                if (type != T_Q8_0) acc[i] = _mm256_fmadd_ps(offset, _mm256_set1_ps(x[i].s[b]), acc[i]);
+                acc[h][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_set1_ps(x[i].d[b])), acc[h][i]);
+                if (type != T_Q8_0) acc[h][i] = _mm256_fmadd_ps(offset, _mm256_set1_ps(x[i].s[b]), acc[h][i]);
             }
         }
-        for (int i = 0; i < mt; i++) _mm256_storeu_ps(y + (size_t)i * ldy + 8 * h, acc[i]);
     }
+    store_halves(acc, mt, y, ldy);
 }
 
 #define ATT_LANES 8
