@@ -241,6 +241,7 @@ INLINE void dot_packed_blocks32(const er_matrix *m, int g, const er_q8 *x, const
         for (int i = 0; i < mt; i++) acc[h][i] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
         const uint8_t *blk = m->packed + ((size_t)g * nb + b) * bytes;
+        prefetch_lines(blk + PREFETCH_BLOCKS * bytes, bytes);
         for (int h = 0; h < 2; h++) {
             const __m256 d = f16x8(blk + d_at + 16 * h);
             const __m256 offset = type == T_Q4_1 ? f16x8(blk + d_at + 32 + 16 * h)
