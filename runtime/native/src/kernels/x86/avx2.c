@@ -4,6 +4,7 @@
 #define TIER_ID ER_KERNELS_AVX2
 #define TILE 4      /* activation rows per pass over a weight row: 16 vector registers */
 #define HEAD_BLOCK 1 /* query heads per pass over a cache row: 16 vector registers */
+#define PACK_TILE 4  /* activation rows per pass over a packed group (x86.h) */
 
 #include <immintrin.h>
 
@@ -121,7 +122,9 @@ INLINE void store_halves(__m256 acc[2][PACK_TILE], const int mt, float *y, int l
         for (int h = 0; h < 2; h++) _mm256_storeu_ps(y + (size_t)i * ldy + 8 * h, acc[h][i]);
 }
 
-/* rows 16g..16g+15 of packed Q6_K against mt <= PACK_TILE activation rows: value = d * scale_j * (u - 32) */
+/* rows 16g..16g+15 of packed Q6_K against mt <= PACK_TILE activation rows: value = d * scale_j * (u - 32).
+ * A chunk's 8 code vectors are made and used 4 at a time (one sub-block's), so that with 4
+ * activation rows the codes, the rows' sums and the masks still fit the 16 vector registers. */
 INLINE void dot_packed_q6_k(const er_matrix *m, int g, const er_q8 *x, const int mt, float *y, int ldy) {
     const int nsb = m->cols / 256;
     const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
@@ -136,39 +139,39 @@ INLINE void dot_packed_q6_k(const er_matrix *m, int g, const er_q8 *x, const int
             for (int c = 0; c < 8; c++) {
                 const uint8_t *chunk = blk + 384 * c, *sc = blk + 3072 + 32 * c + 8 * h; /* sub-blocks 2c, 2c + 1 */
                 if (h == 0) prefetch_lines(blk + PREFETCH_BLOCKS * PACK_Q6_K_BYTES + PACK_Q6_K_BYTES / 8 * c, PACK_Q6_K_BYTES / 8);
-                const __m256i s0 = row_pairs_i8(sc), s1 = row_pairs_i8(sc + 16);
+#pragma GCC unroll 1
+                for (int s = 0; s < 2; s++) { /* sub-block 2c + s: code vectors 4s..4s+3 */
+                    const __m256i scale = row_pairs_i8(sc + 16 * s);
+                    const __m256i hb = _mm256_loadu_si256((const __m256i *)(chunk + 256 + 64 * s + 32 * h));
+                    __m256i codes[4];
+                    for (int k = 0; k < 2; k++) {
+                        const __m256i v = _mm256_loadu_si256((const __m256i *)(chunk + 64 * (2 * s + k) + 32 * h));
+                        codes[2 * k] = _mm256_and_si256(v, m4);
+                        codes[2 * k + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                    }
+                    for (int k = 0; k < 4; k++) { /* the high bits, moved to bits 4-5 */
+                        const __m256i bits = k == 0 ? _mm256_slli_epi16(hb, 4) : k == 1 ? _mm256_slli_epi16(hb, 2)
+                                           : k == 2 ? hb : _mm256_srli_epi16(hb, 2);
+                        codes[k] = _mm256_or_si256(codes[k], _mm256_and_si256(bits, m30));
+                    }
+                    UNROLL_TILE
+                    for (int i = 0; i < mt; i++) {
+                        const int8_t *a = x[i].qk + 256 * sb + 32 * c + 16 * s;
+                        for (int k = 0; k < 4; k += 2) { /* two products of codes <= 63: at most 32004 */
+                            const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(codes[k], four_codes(a + 4 * k)),
+                                                               _mm256_maddubs_epi16(codes[k + 1], four_codes(a + 4 * k + 4)));
+                            total[i] = _mm256_add_epi32(total[i], _mm256_madd_epi16(p, scale));
+                        }
+                    }
+                }
                 /* 32 x the two sub-blocks' scales, lanes 2r and 2r + 1: the codes' offset of 32 against the
                  * activations' 16-code sums (|32 x 128 x 2032| fits 32 bits) */
                 const __m256i offsets = _mm256_slli_epi16(
                     _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *)sc),
                                                            _mm_loadl_epi64((const __m128i *)(sc + 16)))), 5);
-                __m256i codes[8];
-                for (int k = 0; k < 4; k++) {
-                    const __m256i v = _mm256_loadu_si256((const __m256i *)(chunk + 64 * k + 32 * h));
-                    codes[2 * k] = _mm256_and_si256(v, m4);
-                    codes[2 * k + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-                }
-                const __m256i h0 = _mm256_loadu_si256((const __m256i *)(chunk + 256 + 32 * h));
-                const __m256i h1 = _mm256_loadu_si256((const __m256i *)(chunk + 320 + 32 * h));
-                for (int k = 0; k < 8; k++) { /* the high bits, moved to bits 4-5 */
-                    const __m256i hb = k < 4 ? h0 : h1;
-                    const int q = k % 4;
-                    const __m256i bits = q == 0 ? _mm256_slli_epi16(hb, 4) : q == 1 ? _mm256_slli_epi16(hb, 2)
-                                       : q == 2 ? hb : _mm256_srli_epi16(hb, 2);
-                    codes[k] = _mm256_or_si256(codes[k], _mm256_and_si256(bits, m30));
-                }
                 UNROLL_TILE
-                for (int i = 0; i < mt; i++) {
-                    const int8_t *a = x[i].qk + 256 * sb + 32 * c;
-                    __m256i sum = _mm256_setzero_si256();
-                    for (int k = 0; k < 8; k += 2) { /* two products of codes <= 63: at most 32004 */
-                        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(codes[k], four_codes(a + 4 * k)),
-                                                           _mm256_maddubs_epi16(codes[k + 1], four_codes(a + 4 * k + 4)));
-                        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, k < 4 ? s0 : s1));
-                    }
-                    const __m256i offset = _mm256_madd_epi16(offsets, pair_of(x[i].bsum + 16 * sb + 2 * c));
-                    total[i] = _mm256_add_epi32(total[i], _mm256_sub_epi32(sum, offset));
-                }
+                for (int i = 0; i < mt; i++)
+                    total[i] = _mm256_sub_epi32(total[i], _mm256_madd_epi16(offsets, pair_of(x[i].bsum + 16 * sb + 2 * c)));
             }
             const __m256 d = f16x8(blk + 3328 + 16 * h);
             UNROLL_TILE
@@ -182,7 +185,8 @@ INLINE void dot_packed_q6_k(const er_matrix *m, int g, const er_q8 *x, const int
 
 /* rows 16g..16g+15 of packed Q4_K: value = d * scale_j * u - dmin * min_j. The mins' sum per
  * super-block is an integer (sum_j min_j x the activation codes' sum over sub-block j), made
- * by madd from the 16-value code sums as the scales' is. */
+ * by madd from the 16-value code sums as the scales' is, in a loop of its own: with 4
+ * activation rows, the codes' loop keeps its sums in registers. */
 INLINE void dot_packed_q4_k(const er_matrix *m, int g, const er_q8 *x, const int mt, float *y, int ldy) {
     const int nsb = m->cols / 256;
     const __m256i m4 = _mm256_set1_epi8(0x0F);
@@ -197,9 +201,9 @@ INLINE void dot_packed_q4_k(const er_matrix *m, int g, const er_q8 *x, const int
             for (int j = 0; j < 8; j++) {
                 if (h == 0) prefetch_lines(blk + PREFETCH_BLOCKS * PACK_Q4_K_BYTES + PACK_Q4_K_BYTES / 8 * j, PACK_Q4_K_BYTES / 8);
                 const __m256i scale = row_pairs_u8(blk + 2048 + 16 * j + 8 * h);
-                const __m256i min = row_pairs_u8(blk + 2176 + 16 * j + 8 * h);
                 __m256i p[PACK_TILE]; /* 8 products of codes <= 15 per lane: at most 30480 */
                 for (int i = 0; i < mt; i++) p[i] = _mm256_setzero_si256();
+#pragma GCC unroll 1
                 for (int k = 0; k < 4; k++) {
                     const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 64 * (4 * j + k) + 32 * h));
                     const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
@@ -211,11 +215,13 @@ INLINE void dot_packed_q4_k(const er_matrix *m, int g, const er_q8 *x, const int
                     }
                 }
                 UNROLL_TILE
-                for (int i = 0; i < mt; i++) {
-                    total[i] = _mm256_add_epi32(total[i], _mm256_madd_epi16(p[i], scale));
-                    /* min_j x (the sums of the sub-block's two halves of 16 codes) */
+                for (int i = 0; i < mt; i++) total[i] = _mm256_add_epi32(total[i], _mm256_madd_epi16(p[i], scale));
+            }
+            for (int j = 0; j < 8; j++) { /* min_j x (the sums of the sub-block's two halves of 16 codes) */
+                const __m256i min = row_pairs_u8(blk + 2176 + 16 * j + 8 * h);
+                UNROLL_TILE
+                for (int i = 0; i < mt; i++)
                     mins[i] = _mm256_add_epi32(mins[i], _mm256_madd_epi16(min, pair_of(x[i].bsum + 16 * sb + 2 * j)));
-                }
             }
             const __m256 d = f16x8(blk + 2304 + 16 * h), dmin = f16x8(blk + 2336 + 16 * h);
             UNROLL_TILE

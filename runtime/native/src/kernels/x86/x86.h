@@ -11,7 +11,9 @@
 #include "../../formats.h"
 
 #define TIER_PACKS 1
-#define PACK_TILE 3 /* activation rows per pass over a packed group (measured: 3 beats 2 and 4 at M = 4..8) */
+#ifndef PACK_TILE /* activation rows per pass over a packed group; a set may define its own */
+#define PACK_TILE 3 /* AVX-512 (measured: 3 beats 2 and 4 at M = 4..8) */
+#endif
 
 static inline float hsum(__m256 v) {
     __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

@@ -1,10 +1,16 @@
 /* The x86 kernel sets' code over their own vector width: included by each set after it has
  * defined its packed kernels (dot_packed_*) and attention vectors (att_vec, kv_vec). */
 
+#if PACK_TILE > 3
+#define PACKED_TILE_3(kernel) case 3: kernel(m, g, x, 3, y, ldy); break;
+#else
+#define PACKED_TILE_3(kernel)
+#endif
 #define PACKED_TILES(kernel)                                  \
     switch (mt) {                                             \
     case 1: kernel(m, g, x, 1, y, ldy); break;                \
     case 2: kernel(m, g, x, 2, y, ldy); break;                \
+    PACKED_TILE_3(kernel)                                     \
     default: kernel(m, g, x, PACK_TILE, y, ldy); break;       \
     }
 
