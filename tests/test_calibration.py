@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import warnings
@@ -23,13 +24,13 @@ from edgeroute.calibration.calibrate import (
 )
 from edgeroute.calibration.checks import echoes_instructions, task_pass
 from edgeroute.calibration.drafting import (
-    RUNTIME_DEFAULT,
     DraftCosts,
     DraftFit,
     DraftSetting,
     fit_drafting,
     fit_per_task,
     replay,
+    runtime_default,
 )
 from edgeroute.calibration.labels import LabelSettings, label_prompts, plan_shards, rejoins
 from edgeroute.calibration.prompts import TASKS, builtin_prompts
@@ -183,12 +184,12 @@ def test_replayed_draft_length_adapts_like_the_runtime():
     rounds = DraftCosts(slm_step=0.0, llm_pass=1.0, llm_row=0.0)  # seconds = LLM passes
     right, wrong, sure = np.ones(40, bool), np.zeros(40, bool), np.full(40, 0.9)
     # all accepted: 4, 5, 6, 7, 8, then the 4 left before the answer's last token
-    assert replay(right, sure, np.array([0]), RUNTIME_DEFAULT, rounds)[0] == 6
+    assert replay(right, sure, np.array([0]), runtime_default(), rounds)[0] == 6
     # drafts of at most 2: three tokens a pass
     assert replay(right, sure, np.array([0]), DraftSetting(0.0, 2), rounds)[0] == 14
     # all rejected: 4, 3, 2, then 1 drafted token per pass; drafted rows cost what they cost
     rows = DraftCosts(slm_step=0.0, llm_pass=0.0, llm_row=1.0)
-    assert replay(wrong, sure, np.array([0]), RUNTIME_DEFAULT, rows)[0] == 4 + 3 + 2 + 37 * 1 - 1
+    assert replay(wrong, sure, np.array([0]), runtime_default(), rows)[0] == 4 + 3 + 2 + 37 * 1 - 1
 
 
 def test_draft_fit_prefers_short_sure_drafts_when_verification_rows_are_costly():
@@ -199,11 +200,18 @@ def test_draft_fit_prefers_short_sure_drafts_when_verification_rows_are_costly()
     splits = np.where(answer_ids % 4 == 0, "validation", "calibration")
     costs = DraftCosts(slm_step=0.3, llm_pass=1.0, llm_row=0.4)  # the 2-core CPU's proportions
     fit = fit_drafting(agree, confidence, answer_ids, splits, costs)
-    assert fit.setting.confidence > 0.0 and fit.setting.max_tokens < RUNTIME_DEFAULT.max_tokens
+    assert fit.setting.confidence > 0.0 and fit.setting.max_tokens < runtime_default().max_tokens
     assert fit.speedup_vs_default > 1.05
     assert fit.curve[fit.setting.name]["calibration"] == max(v["calibration"] for v in fit.curve.values())
     free_rows = fit_drafting(agree, confidence, answer_ids, splits, DraftCosts(0.01, 1.0, 0.0))
     assert free_rows.setting.max_tokens > fit.setting.max_tokens  # cheap drafts and rows: draft longer
+    # the speed-up is over what the runtime drafts with on the measured backend: a native LLM whose
+    # passes serve 4 rows drafts at most 3 tokens, one that does not say (ONNX Runtime) 8
+    tiled = fit_drafting(agree, confidence, answer_ids, splits, dataclasses.replace(costs, pass_rows=4))
+    assert runtime_default(4) == DraftSetting(0.0, 3) and runtime_default(None) == DraftSetting(0.0, 8)
+    best = tiled.curve[tiled.setting.name]["validation"]
+    assert tiled.speedup_vs_default == pytest.approx(best / tiled.curve["0.0/3"]["validation"])
+    assert fit.speedup_vs_default == pytest.approx(best / fit.curve["0.0/8"]["validation"])
 
 
 def test_measured_passes_replace_the_linear_row_cost():
@@ -316,7 +324,7 @@ def test_a_calibrated_bundles_defaults_are_used_by_run(slm_bundle_copy):
     fitted = engine.session(mode="speculate", light="slm").options
     assert (fitted.draft_tokens, fitted.max_draft_tokens) == (2, 3)
     own = engine.session(mode="speculate", light="slm", max_draft_tokens=6).options
-    assert (own.draft_tokens, own.max_draft_tokens) == (4, 6)
+    assert (own.draft_tokens, own.max_draft_tokens) == (None, 6)  # the first draft: the runtime's 4
     auto = engine.session(mode="auto", task="json").options
     assert (auto.mode, auto.light, auto.protect_format) == ("route", "slm", True) and auto.protected_tokens
     traces = list(engine.session(mode="route", light="slm").generate_tokens("one two three", max_new_tokens=6))

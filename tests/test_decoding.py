@@ -12,7 +12,7 @@ from edgeroute.errors import InputError
 from edgeroute.export.reference import ReferenceModel, linear, rms_norm, rope
 from edgeroute.export.sources import load_source
 from edgeroute.runtime.decoding import DecodeOptions, Decoder, SequenceState
-from edgeroute.runtime.drafters import NgramDrafter
+from edgeroute.runtime.drafters import NgramDrafter, draft_lengths
 from edgeroute.runtime.model import DROP, RUN, SKIP, SKIP_MLP
 from edgeroute.runtime.policies import FallbackMonitor, FallbackOptions
 from tests.conftest import OracleDrafter, record_forward, relative_error
@@ -61,6 +61,18 @@ LOSSLESS = {
     "speculate-ngram+slm": dict(mode="speculate", light="ngram+slm"),
     "speculate-ngram+slm-long-lookups": dict(mode="speculate", light="ngram+slm", lookup_min_match=1, lookup_tokens=8),
 }
+
+
+def test_unset_draft_lengths_follow_what_one_verification_pass_serves():
+    assert draft_lengths(None, None, 4) == (3, 3)  # avx2, Arm, generic: 4 rows a pass
+    assert draft_lengths(None, None, 3) == (2, 2)  # avx512-vnni
+    assert draft_lengths(None, None, None) == (4, 8)  # a backend that does not say (ONNX Runtime)
+    assert draft_lengths(6, None, 4) == (6, 6)  # a first draft asked for raises the longest to it
+    assert draft_lengths(None, 2, 4) == (2, 2) and draft_lengths(2, 8, 4) == (2, 8)  # as set
+    with pytest.raises(InputError, match="draft_tokens"):
+        DecodeOptions(mode="speculate", draft_tokens=9).validate(4, has_slm=False)
+    with pytest.raises(InputError, match="max_draft_tokens"):
+        DecodeOptions(mode="speculate", max_draft_tokens=0).validate(4, has_slm=False)
 
 
 @pytest.mark.parametrize("variant", LOSSLESS)

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -317,6 +320,51 @@ def test_engine_picks_native_and_speculation_reproduces_full_without_exact_steps
         assert spec.tokens == full.tokens, light
     ort = Engine(demo, backend="onnxruntime")
     assert ort.llm.flavour == "portable"
+
+
+# the sets' activation rows per pass over the weights (PACK_TILE where they pack, else TILE)
+PASS_ROWS = {"avx2": 4, "avx512-vnni": 3, "neon": 4, "dotprod": 4, "i8mm": 4, "generic": 4}
+
+
+@pytest.mark.slow
+def test_drafts_grow_to_one_verification_pass_unless_the_caller_sets_longer(demo, monkeypatch):
+    if UNAVAILABLE is not None:
+        pytest.skip(f"native kernels unavailable: {UNAVAILABLE}")
+    engine = Engine(demo)
+    assert engine.llm.pass_rows == PASS_ROWS[engine.llm.kernels]
+    verified = []  # rows each LLM pass returned logits for: the draft and the token before it
+    forward = engine.llm.forward
+
+    def counting(cache, ids, plan=None, all_logits=False, tail=None):
+        verified.append(tail or 1)
+        return forward(cache, ids, plan=plan, all_logits=all_logits, tail=tail)
+
+    monkeypatch.setattr(engine.llm, "forward", counting)
+    prompt = "List three things to check before a long drive."
+    full = engine.session(mode="full", max_new_tokens=48).generate(prompt)
+    verified.clear()
+    fitted = engine.session(mode="speculate", light="slm", max_new_tokens=48).generate(prompt)
+    assert fitted.tokens == full.tokens and fitted.stats.accepted > 0
+    assert max(verified) == engine.llm.pass_rows  # drafts grew to the pass, never past it
+    verified.clear()
+    longer = engine.session(mode="speculate", light="slm", max_new_tokens=48, max_draft_tokens=8).generate(prompt)
+    assert longer.tokens == full.tokens and max(verified) > engine.llm.pass_rows
+
+
+@pytest.mark.slow
+def test_the_pass_bench_times_passes_of_1_to_9_tokens_on_the_kernels_run(demo, tmp_path):
+    if UNAVAILABLE is not None:
+        pytest.skip(f"native kernels unavailable: {UNAVAILABLE}")
+    out = tmp_path / "passes.json"
+    repo = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, str(repo / "tools" / "bench_passes.py"), str(demo.path), "--threads", "1",
+                           "--repeats", "1", "--out", str(out)], capture_output=True, text=True, cwd=repo)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [record] = json.loads(out.read_text())
+    assert record["threads"] == 1 and record["pass_rows"] == PASS_ROWS[record["kernels_run"]]
+    assert record["longest_default_draft"] == record["pass_rows"] - 1
+    assert len(record["pass_ms"]) == 9 and min(record["pass_ms"]) > 0 and record["slm_step_ms"] > 0
+    assert out.with_suffix(".png").stat().st_size > 0 and "M=9" in done.stdout
 
 
 @pytest.mark.slow

@@ -24,7 +24,14 @@ import numpy as np
 from edgeroute import __version__
 from edgeroute.bundle import Bundle, Calibration, RouterCalibration
 from edgeroute.calibration.checks import task_pass
-from edgeroute.calibration.drafting import RUNTIME_DEFAULT, DraftFit, fit_drafting, fit_per_task, measure_costs
+from edgeroute.calibration.drafting import (
+    DraftFit,
+    DraftSetting,
+    fit_drafting,
+    fit_per_task,
+    measure_costs,
+    runtime_default,
+)
 from edgeroute.calibration.labels import (
     DIVERGENT,
     NEUTRAL,
@@ -330,12 +337,13 @@ class DraftingResult:
     why: str
     figures: dict[str, Any]
     per_task: dict[str, DraftFit] = field(default_factory=dict)  # tasks whose own setting replays faster
+    default: DraftSetting = field(default_factory=runtime_default)  # the runtime's own on the measured backend
 
     def run_config(self) -> RunConfig | None:
         """speculate/slm with the fitted settings: the overall one, a task's own for its prompts."""
         if self.fit is None and not self.per_task:
             return None
-        overall = self.fit.setting if self.fit is not None else RUNTIME_DEFAULT
+        overall = self.fit.setting if self.fit is not None else self.default
         return RunConfig(FITTED_DRAFTS, {"mode": "speculate", "light": "slm", **overall.options()},
                          {task: fit.setting.options() for task, fit in self.per_task.items()})
 
@@ -388,9 +396,9 @@ def calibrate_drafting(engine: Engine, slm: LightData) -> DraftingResult:
     costs = measure_costs(engine)
     fit = fit_drafting(~slm.differ, confidence, slm.prompt, slm.split, costs)
     figures = fit.to_dict()
-    setting = fit.setting
-    pays = setting != RUNTIME_DEFAULT and fit.speedup_vs_default >= MIN_REPLAYED_SPEEDUP
-    overall = setting if pays else RUNTIME_DEFAULT
+    setting, default = fit.setting, runtime_default(costs.pass_rows)
+    pays = setting != default and fit.speedup_vs_default >= MIN_REPLAYED_SPEEDUP
+    overall = setting if pays else default
     per_task, notes = {}, []
     for index, task_fit in fit_per_task(~slm.differ, confidence, slm.prompt, slm.split, slm.task, costs).items():
         task = TASKS[index]
@@ -405,10 +413,10 @@ def calibrate_drafting(engine: Engine, slm: LightData) -> DraftingResult:
     if not pays:
         return DraftingResult(None, f"speculate/slm: no draft setting replayed faster than the defaults "
                                     f"({fit.speedup_vs_default:.3f}x on validation prompts): defaults kept{own}",
-                              figures, per_task)
+                              figures, per_task, default)
     return DraftingResult(fit, f"speculate/slm: drafts of at most {setting.max_tokens} tokens, ending below SLM "
                                f"confidence {setting.confidence} (replayed {fit.speedup_vs_default:.3f}x the "
-                               f"defaults on validation prompts){own}", figures, per_task)
+                               f"defaults on validation prompts){own}", figures, per_task, default)
 
 
 # -- skipping ----------------------------------------------------------------------------------------

@@ -32,8 +32,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from edgeroute.runtime.decoding import DecodeOptions
-from edgeroute.runtime.drafters import DraftLength
+from edgeroute.runtime.drafters import FIRST_DRAFT, DraftLength, longest_draft
 from edgeroute.runtime.engine import Engine
 
 CONFIDENCES = (0.0, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
@@ -53,6 +52,7 @@ class DraftCosts:
     llm_pass: float
     llm_row: float
     passes: tuple[float, ...] = ()
+    pass_rows: int | None = None  # the LLM backend's rows per pass (what the runtime's longest draft follows)
 
     def pass_seconds(self, drafted: int) -> float:
         if drafted < len(self.passes):
@@ -60,8 +60,8 @@ class DraftCosts:
         return self.llm_pass + drafted * self.llm_row
 
 
-def measure_costs(engine: Engine, repeats: int = 15, longest_draft: int = max(MAX_DRAFT_TOKENS)) -> DraftCosts:
-    """Time an SLM step and LLM passes of 1 .. 1 + ``longest_draft`` tokens after a prefix
+def measure_costs(engine: Engine, repeats: int = 15, longest: int = max(MAX_DRAFT_TOKENS)) -> DraftCosts:
+    """Time an SLM step and LLM passes of 1 .. 1 + ``longest`` tokens after a prefix
     (medians). They are timed in turn within every repeat, so a change of the machine's pace
     during the measurement (clock boost, another process) hits them alike: a row's cost is a
     difference of two of them, and unpaired timings moved the fitted draft length between runs
@@ -84,29 +84,30 @@ def measure_costs(engine: Engine, repeats: int = 15, longest_draft: int = max(MA
         return one
 
     calls = {"slm": pass_after_prefix(engine.slm, 1),
-             **{rows: pass_after_prefix(engine.llm, rows) for rows in range(1, longest_draft + 2)}}
+             **{rows: pass_after_prefix(engine.llm, rows) for rows in range(1, longest + 2)}}
     samples: dict[str | int, list[float]] = {name: [] for name in calls}
     for _ in range(repeats):
         for name, call in calls.items():
             start = time.perf_counter()
             call()
             samples[name].append(time.perf_counter() - start)
-    passes = tuple(statistics.median(samples[rows]) for rows in range(1, longest_draft + 2))
+    passes = tuple(statistics.median(samples[rows]) for rows in range(1, longest + 2))
     return DraftCosts(slm_step=statistics.median(samples["slm"]), llm_pass=passes[0],
-                      llm_row=max(passes[-1] - passes[0], 0.0) / longest_draft, passes=passes)
+                      llm_row=max(passes[-1] - passes[0], 0.0) / longest, passes=passes,
+                      pass_rows=engine.llm.pass_rows)
 
 
 @dataclass(frozen=True)
 class DraftSetting:
     """How speculate/slm drafts: the confidence that ends a draft and the longest draft (the
-    runtime starts at ``min(DecodeOptions.draft_tokens, max_tokens)`` and adapts)."""
+    runtime starts at ``min(FIRST_DRAFT, max_tokens)`` and adapts)."""
 
     confidence: float
     max_tokens: int
 
     @property
     def first_tokens(self) -> int:
-        return min(DecodeOptions.draft_tokens, self.max_tokens)
+        return min(FIRST_DRAFT, self.max_tokens)
 
     @property
     def name(self) -> str:
@@ -118,7 +119,11 @@ class DraftSetting:
                 "max_draft_tokens": self.max_tokens}
 
 
-RUNTIME_DEFAULT = DraftSetting(0.0, DecodeOptions.max_draft_tokens)
+def runtime_default(pass_rows: int | None = None) -> DraftSetting:
+    """What speculate/slm drafts with when nothing is fitted, on an LLM backend whose passes
+    serve ``pass_rows`` tokens (None: one that does not say)."""
+    return DraftSetting(0.0, longest_draft(pass_rows))
+
 CANDIDATES = tuple(DraftSetting(c, n) for c in CONFIDENCES for n in MAX_DRAFT_TOKENS)
 
 
@@ -152,7 +157,7 @@ class DraftFit:
     setting: DraftSetting
     costs: DraftCosts
     curve: dict[str, dict[str, float]]  # setting name -> replayed tok/s on calibration / validation
-    speedup_vs_default: float  # replayed on the validation split, over RUNTIME_DEFAULT
+    speedup_vs_default: float  # replayed on the validation split, over the runtime's default on the costs' backend
 
     def to_dict(self) -> dict:
         return {**asdict(self), "setting": asdict(self.setting),
@@ -170,9 +175,10 @@ def fit_drafting(agree: np.ndarray, confidence: np.ndarray, answer_ids: np.ndarr
         return tokens / seconds if seconds else 0.0
 
     curve = {s.name: {"calibration": rate("calibration", s), "validation": rate("validation", s)}
-             for s in CANDIDATES}  # RUNTIME_DEFAULT among them
+             for s in CANDIDATES}  # the runtime's default among them
     best = max(CANDIDATES, key=lambda s: curve[s.name]["calibration"])
-    speedup = curve[best.name]["validation"] / max(curve[RUNTIME_DEFAULT.name]["validation"], 1e-12)
+    default = runtime_default(costs.pass_rows)
+    speedup = curve[best.name]["validation"] / max(curve[default.name]["validation"], 1e-12)
     return DraftFit(best, costs, curve, speedup)
 
 

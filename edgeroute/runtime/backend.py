@@ -60,6 +60,7 @@ class ModelBackend(Protocol):
     capacity: int  # the default cache capacity (the bundle's context length)
     flavour: str  # what runs the layers: portable | ort (ONNX Runtime graphs) | native | tensorrt
     head_vocab: HeadVocabulary | None  # a reduced-vocabulary head's token ids (None: the whole vocabulary)
+    pass_rows: int | None  # tokens one pass over the weights serves (None: not known for this backend)
 
     @property
     def num_layers(self) -> int: ...

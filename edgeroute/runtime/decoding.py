@@ -25,12 +25,14 @@ from edgeroute.errors import InputError
 from edgeroute.runtime.backend import Cache, ModelBackend
 from edgeroute.runtime.constraints import Constraint, Draft, ResponseFormat, apply_mask
 from edgeroute.runtime.drafters import (
+    LONGEST_DRAFT,
     ConfidentSlmDrafts,
     DraftLength,
     LookupThenSlmDrafter,
     NgramDrafter,
     Proposal,
     SlmDrafter,
+    draft_lengths,
     draft_source,
 )
 from edgeroute.runtime.model import RUN
@@ -67,8 +69,10 @@ class DecodeOptions:
     task: str | None = None  # the task profile (voice-command, templated, json, ...): what mode auto reads
     protect_format: bool = False  # never route a format-critical token (JSON brackets, quotes, ...)
     protected_tokens: frozenset[int] = frozenset()  # filled by the engine from its tokenizer
-    draft_tokens: int = 4  # initial draft length; adapts to the acceptance rate
-    max_draft_tokens: int = 8
+    # the first draft's length and the longest (the length adapts to the acceptance rate between 1
+    # and that); None: 4, and what one verification pass of the LLM serves (drafters.draft_lengths)
+    draft_tokens: int | None = None
+    max_draft_tokens: int | None = None
     adaptive_draft: bool = True
     # the SLM's draft ends before a token it gives less probability than this (0: never; None:
     # the bundle's calibrated value, else 0), fitted from the cost of an SLM step and an LLM row
@@ -121,8 +125,11 @@ class DecodeOptions:
             raise InputError(f"temperature must be >= 0 and top_p within (0, 1] (got {self.temperature}, {self.top_p})")
         if self.draft_confidence is not None and not 0.0 <= self.draft_confidence < 1.0:
             raise InputError(f"draft_confidence must be within [0, 1) (got {self.draft_confidence})")
-        if not 1 <= self.draft_tokens <= self.max_draft_tokens:
-            raise InputError(f"draft_tokens must be between 1 and max_draft_tokens ({self.max_draft_tokens})")
+        if self.max_draft_tokens is not None and self.max_draft_tokens < 1:
+            raise InputError(f"max_draft_tokens must be >= 1 (got {self.max_draft_tokens})")
+        longest = self.max_draft_tokens or LONGEST_DRAFT
+        if self.draft_tokens is not None and not 1 <= self.draft_tokens <= longest:
+            raise InputError(f"draft_tokens must be between 1 and max_draft_tokens ({longest})")
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise InputError(f"max_new_tokens must be >= 1 (got {self.max_new_tokens})")
         if ResponseFormat.parse(self.response_format) is not None and self.stop:
@@ -249,7 +256,8 @@ class Decoder:
         router = options.router or ("entropy" if options.light == "slm" else "ngram")
         self.router: Router = ROUTERS[router] if isinstance(router, str) else router
         self.route_threshold = DEFAULT_ROUTE_THRESHOLD if options.route_threshold is None else options.route_threshold
-        self.draft_length = DraftLength(options.draft_tokens, options.max_draft_tokens, options.adaptive_draft)
+        first, longest = draft_lengths(options.draft_tokens, options.max_draft_tokens, self.llm.pass_rows)
+        self.draft_length = DraftLength(first, longest, options.adaptive_draft)
 
     # -- the steps ------------------------------------------------------------------------------
 
@@ -293,7 +301,7 @@ class Decoder:
             proposal = self.light.propose(self.state.tokens, self.draft_length.current)
             return Draft.unconstrained(proposal.tokens, draft_source(proposal, self.light))
         return self.constraint.draft(self.light, self.state.tokens, self.draft_length.current,
-                                     self.options.max_draft_tokens)
+                                     self.draft_length.longest)
 
     def step_llm(self) -> list[TokenTrace]:
         logits, trace = self._llm_pass([])

@@ -38,6 +38,34 @@ class Proposal:
     source: str = ""  # the drafter that proposed the tokens ("ngram", "slm"; "": the light path's name)
 
 
+FIRST_DRAFT = 4  # the first draft's length when the caller sets none
+LONGEST_DRAFT = 8  # the longest draft where the LLM's backend does not say what a pass serves
+
+
+def longest_draft(pass_rows: int | None) -> int:
+    """The longest draft when the caller sets none: one the LLM verifies in a single pass over
+    its weights (the draft and the token before it: ``pass_rows`` rows), where the backend says
+    how many rows a pass serves; else :data:`LONGEST_DRAFT`.
+
+    Past a pass, each verification row costs another pass's arithmetic over weights that no
+    longer come free with the memory traffic. On a compute-poor core that is most of a step:
+    on an AVX2-only Zen 3 (the 1.5B, 4-row passes) drafts grown to 8 tokens at 82% acceptance
+    ran speculate/slm at 1.08-1.16x ``full``, drafts of at most 3 at 1.30x
+    (docs/measured/2026-12-03-avx2-zen3.md). With AVX-512 VNNI (3-row passes, a row +6 ms on
+    a 48 ms step) the replayed cost model puts 2- and 3-token drafts within 1% of each other.
+    ``edgeroute calibrate`` fits the longest draft from measured pass costs instead."""
+    return max(pass_rows - 1, 1) if pass_rows else LONGEST_DRAFT
+
+
+def draft_lengths(first: int | None, longest: int | None, pass_rows: int | None) -> tuple[int, int]:
+    """(first, longest) draft lengths from the caller's (None: not set): an unset longest is
+    :func:`longest_draft`, or the first draft asked for where that is longer; an unset first is
+    :data:`FIRST_DRAFT`, at most the longest."""
+    if longest is None:
+        longest = max(longest_draft(pass_rows), first or 1)
+    return (min(FIRST_DRAFT, longest) if first is None else first), longest
+
+
 @dataclass
 class DraftLength:
     """How many tokens the next draft asks for: ``first`` at the start of a generation, one more

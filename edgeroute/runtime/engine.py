@@ -36,6 +36,7 @@ from edgeroute.runtime.decoding import (
     SequenceState,
     TokenTrace,
 )
+from edgeroute.runtime.drafters import draft_lengths
 from edgeroute.runtime.memory import check_fit
 from edgeroute.runtime.model import KVCache
 from edgeroute.runtime.options import EngineOptions
@@ -362,7 +363,8 @@ class Session:
 
     def _answer_room(self, options: DecodeOptions) -> tuple[int, int]:
         """(tokens an answer wants, positions kept free for speculative drafts)."""
-        return options.max_new_tokens or int(self.engine.bundle.generation["max_new_tokens"]), options.max_draft_tokens + 1
+        wanted = options.max_new_tokens or int(self.engine.bundle.generation["max_new_tokens"])
+        return wanted, draft_lengths(options.draft_tokens, options.max_draft_tokens, self.engine.llm.pass_rows)[1] + 1
 
     def _drop_oldest(self, turn: Turn, options: DecodeOptions) -> Turn:
         """The ``drop_oldest`` context policy: when the turn and its whole answer budget do not

@@ -180,6 +180,9 @@ class LayerwiseModel(ABC):
 
     arch: Any
     chunk_tokens = PREFILL_CHUNK  # the most tokens a pass runs (a TensorRT model: its engines' prefill limit)
+    # tokens one pass over the weights serves (the native kernels' tile); None: the backend names
+    # none (ONNX Runtime, TensorRT), its cost per extra row unknown here
+    pass_rows: int | None = None
     # profiling hook: when set, called as timings(kind, seconds) after every graph or kernel
     # call (kind: embed, layer, attn, mlp, kv, head); None costs nothing on the hot path
     timings: Callable[[str, float], None] | None = None

@@ -87,7 +87,8 @@ class _ModelParams(ctypes.Structure):
 class _ModelInfo(ctypes.Structure):
     _fields_ = [("struct_size", ctypes.c_uint32),
                 *((name, ctypes.c_int32) for name in ("layers", "hidden", "heads", "kv_heads", "head_dim", "ffn",
-                                                       "vocab", "context_length", "kernels", "threads"))]
+                                                       "vocab", "context_length", "kernels", "threads",
+                                                       "pass_rows"))]
 
 
 class _SessionParams(ctypes.Structure):
@@ -328,6 +329,7 @@ class NativeModel(LayerwiseModel):
             raise BundleError(f"{path} does not describe the manifest's {role} model: export the bundle again")
         self.kernels = self.lib.er_kernels_name(info.kernels).decode()
         self.threads = info.threads
+        self.pass_rows = info.pass_rows
         self.key_scales: np.ndarray | None = None  # [layers, kv_heads, head_dim], int8 caches only
         if self.kv_dtype == "int8":
             self.key_scales = self._key_scales(bundle, role)

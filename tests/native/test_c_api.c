@@ -434,7 +434,8 @@ static void test_refusals(const char *dir, const buffer *file) {
     check(er_session_copy(other, s, 0) == ER_ERR_ARGUMENT, "a copy between KV formats");
     check(er_model_get_info(NULL, NULL) == ER_ERR_ARGUMENT, "info of NULL");
     er_model_info info = {sizeof info};
-    check(er_model_get_info(model, &info) == ER_OK && info.layers == LAYERS && info.vocab == VOCAB, "the model's info");
+    check(er_model_get_info(model, &info) == ER_OK && info.layers == LAYERS && info.vocab == VOCAB &&
+          info.pass_rows >= 1 && info.pass_rows <= 8, "the model's info");
     er_session_free(other);
     /* the model's handle freed first (a garbage collector's order): the session keeps it */
     er_model_free(model);

@@ -46,7 +46,7 @@ extern "C" {
 #endif
 
 /* Bumped on any change a caller compiled against an older header could not survive. */
-#define ER_ABI_VERSION 6
+#define ER_ABI_VERSION 7
 
 /* ---- errors ------------------------------------------------------------------------------ */
 
@@ -133,6 +133,10 @@ typedef struct er_model_info {
     int32_t context_length; /* positions the rotary tables cover: a session's largest capacity */
     int32_t kernels;        /* the er_kernels value the model runs */
     int32_t threads;
+    int32_t pass_rows;      /* tokens one pass over the weights serves: a forward of up to this many tokens
+                               reads each weight once, a longer one re-reads them per this many (from cache
+                               where a row group fits it) and costs about as much more arithmetic. The
+                               longest speculative verification that stays one pass is this many tokens. */
 } er_model_info;
 
 ER_API er_status er_model_get_info(const er_model *model, er_model_info *info);

@@ -67,6 +67,7 @@ enum { FORM_32 = 1, FORM_256 = 2 };
 typedef struct {
     int id;    /* an er_kernels value */
     int packs; /* reads matrices interleaved by 16 rows (er_pack) */
+    int pass_rows; /* activation rows one pass over the weights serves (PACK_TILE, or TILE where it does not pack) */
     /* x [M, n] -> the int8 forms asked for (n a multiple of 32; of 256 for FORM_256) */
     void (*quantize)(const float *x, int M, int n, er_q8 *q, int forms);
     /* y[M, rows] = x[M, cols] @ m^T (+ bias) */

@@ -298,7 +298,7 @@ er_status er_model_get_info(const er_model *m, er_model_info *info) {
     er_status s = check_size(info->struct_size, sizeof(er_model_info), "er_model_info");
     if (s != ER_OK) return s;
     *info = (er_model_info){sizeof(er_model_info), m->layers, m->dims.hidden, m->dims.heads, m->dims.kv_heads,
-                            m->dims.head_dim, m->dims.ffn, m->vocab, m->context_length, m->K->id, m->dims.threads};
+                            m->dims.head_dim, m->dims.ffn, m->vocab, m->context_length, m->K->id, m->dims.threads, m->K->pass_rows};
     return ER_OK;
 }
 

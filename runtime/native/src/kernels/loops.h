@@ -234,4 +234,9 @@ static void attention(const void *kcache, const void *vcache, const float *q, co
     else attention_of(kcache, vcache, q, masked, D, M, pos0, scores, partials, out, KV_F32);
 }
 
-const er_kernel_table TIER_TABLE = {TIER_ID, TIER_PACKS, quantize, matmul, attention, kv_store};
+#if TIER_PACKS
+#define PASS_ROWS PACK_TILE
+#else
+#define PASS_ROWS TILE
+#endif
+const er_kernel_table TIER_TABLE = {TIER_ID, TIER_PACKS, PASS_ROWS, quantize, matmul, attention, kv_store};

@@ -183,10 +183,11 @@ INLINE void dot_packed_q6_k(const er_matrix *m, int g, const er_q8 *x, const int
     store_halves(acc, mt, y, ldy);
 }
 
-/* rows 16g..16g+15 of packed Q4_K: value = d * scale_j * u - dmin * min_j. The mins' sum per
- * super-block is an integer (sum_j min_j x the activation codes' sum over sub-block j), made
- * by madd from the 16-value code sums as the scales' is, in a loop of its own: with 4
- * activation rows, the codes' loop keeps its sums in registers. */
+/* rows 16g..16g+15 of packed Q4_K: value = d * scale_j * u - dmin * min_j. Both halves' code
+ * vectors meet each activation row's broadcast codes together: a broadcast serves 16 rows, not
+ * 8. The mins' sum per super-block is an integer (sum_j min_j x the activation codes' sum over
+ * sub-block j), made by madd from the 16-value code sums as the scales' is, in a loop of its
+ * own: with 4 activation rows, the codes' loop keeps its 16-bit sums in registers. */
 INLINE void dot_packed_q4_k(const er_matrix *m, int g, const er_q8 *x, const int mt, float *y, int ldy) {
     const int nsb = m->cols / 256;
     const __m256i m4 = _mm256_set1_epi8(0x0F);
@@ -195,28 +196,40 @@ INLINE void dot_packed_q4_k(const er_matrix *m, int g, const er_q8 *x, const int
         for (int i = 0; i < mt; i++) acc[h][i] = _mm256_setzero_ps();
     for (int sb = 0; sb < nsb; sb++) {
         const uint8_t *blk = m->packed + ((size_t)g * nsb + sb) * PACK_Q4_K_BYTES;
-        for (int h = 0; h < 2; h++) {
-            __m256i total[PACK_TILE], mins[PACK_TILE];
-            for (int i = 0; i < mt; i++) total[i] = mins[i] = _mm256_setzero_si256();
-            for (int j = 0; j < 8; j++) {
-                if (h == 0) prefetch_lines(blk + PREFETCH_BLOCKS * PACK_Q4_K_BYTES + PACK_Q4_K_BYTES / 8 * j, PACK_Q4_K_BYTES / 8);
-                const __m256i scale = row_pairs_u8(blk + 2048 + 16 * j + 8 * h);
-                __m256i p[PACK_TILE]; /* 8 products of codes <= 15 per lane: at most 30480 */
-                for (int i = 0; i < mt; i++) p[i] = _mm256_setzero_si256();
+        __m256i total[2][PACK_TILE];
+        for (int h = 0; h < 2; h++)
+            for (int i = 0; i < mt; i++) total[h][i] = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j++) {
+            prefetch_lines(blk + PREFETCH_BLOCKS * PACK_Q4_K_BYTES + PACK_Q4_K_BYTES / 8 * j, PACK_Q4_K_BYTES / 8);
+            __m256i p[2][PACK_TILE]; /* 8 products of codes <= 15 per lane: at most 30480 */
+            for (int h = 0; h < 2; h++)
+                for (int i = 0; i < mt; i++) p[h][i] = _mm256_setzero_si256();
 #pragma GCC unroll 1
-                for (int k = 0; k < 4; k++) {
-                    const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 64 * (4 * j + k) + 32 * h));
-                    const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-                    UNROLL_TILE
-                    for (int i = 0; i < mt; i++) {
-                        const int8_t *a = x[i].qk + 256 * sb + 32 * j + 8 * k;
-                        p[i] = _mm256_add_epi16(p[i], _mm256_add_epi16(_mm256_maddubs_epi16(lo, four_codes(a)),
-                                                                       _mm256_maddubs_epi16(hi, four_codes(a + 4))));
-                    }
-                }
+            for (int k = 0; k < 4; k++) {
+                const uint8_t *codes = blk + 64 * (4 * j + k);
+                const __m256i v0 = _mm256_loadu_si256((const __m256i *)codes);
+                const __m256i v1 = _mm256_loadu_si256((const __m256i *)(codes + 32));
+                const __m256i lo0 = _mm256_and_si256(v0, m4), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), m4);
+                const __m256i lo1 = _mm256_and_si256(v1, m4), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), m4);
                 UNROLL_TILE
-                for (int i = 0; i < mt; i++) total[i] = _mm256_add_epi32(total[i], _mm256_madd_epi16(p[i], scale));
+                for (int i = 0; i < mt; i++) {
+                    const int8_t *a = x[i].qk + 256 * sb + 32 * j + 8 * k;
+                    const __m256i a0 = four_codes(a), a1 = four_codes(a + 4);
+                    p[0][i] = _mm256_add_epi16(_mm256_add_epi16(p[0][i], _mm256_maddubs_epi16(lo0, a0)),
+                                               _mm256_maddubs_epi16(hi0, a1));
+                    p[1][i] = _mm256_add_epi16(_mm256_add_epi16(p[1][i], _mm256_maddubs_epi16(lo1, a0)),
+                                               _mm256_maddubs_epi16(hi1, a1));
+                }
             }
+            for (int h = 0; h < 2; h++) {
+                const __m256i scale = row_pairs_u8(blk + 2048 + 16 * j + 8 * h);
+                UNROLL_TILE
+                for (int i = 0; i < mt; i++) total[h][i] = _mm256_add_epi32(total[h][i], _mm256_madd_epi16(p[h][i], scale));
+            }
+        }
+        for (int h = 0; h < 2; h++) {
+            __m256i mins[PACK_TILE];
+            for (int i = 0; i < mt; i++) mins[i] = _mm256_setzero_si256();
             for (int j = 0; j < 8; j++) { /* min_j x (the sums of the sub-block's two halves of 16 codes) */
                 const __m256i min = row_pairs_u8(blk + 2176 + 16 * j + 8 * h);
                 UNROLL_TILE
@@ -227,7 +240,7 @@ INLINE void dot_packed_q4_k(const er_matrix *m, int g, const er_q8 *x, const int
             UNROLL_TILE
             for (int i = 0; i < mt; i++) {
                 const __m256 dx = _mm256_set1_ps(x[i].dk[sb]);
-                acc[h][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[i]), _mm256_mul_ps(d, dx), acc[h][i]);
+                acc[h][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[h][i]), _mm256_mul_ps(d, dx), acc[h][i]);
                 acc[h][i] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins[i]), _mm256_mul_ps(dmin, dx), acc[h][i]);
             }
         }
