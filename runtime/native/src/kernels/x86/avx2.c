@@ -123,8 +123,9 @@ INLINE void store_halves(__m256 acc[2][PACK_TILE], const int mt, float *y, int l
 }
 
 /* rows 16g..16g+15 of packed Q6_K against mt <= PACK_TILE activation rows: value = d * scale_j * (u - 32).
- * A chunk's 8 code vectors are made and used 4 at a time (one sub-block's), so that with 4
- * activation rows the codes, the rows' sums and the masks still fit the 16 vector registers. */
+ * A chunk's code vectors are made two at a time for both halves (a vector of low nibbles and its
+ * high bits), so that each activation row's broadcast codes serve 16 rows and, with 4 activation
+ * rows, the codes and the rows' sums still about fit the 16 vector registers. */
 INLINE void dot_packed_q6_k(const er_matrix *m, int g, const er_q8 *x, const int mt, float *y, int ldy) {
     const int nsb = m->cols / 256;
     const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
@@ -133,50 +134,51 @@ INLINE void dot_packed_q6_k(const er_matrix *m, int g, const er_q8 *x, const int
         for (int i = 0; i < mt; i++) acc[h][i] = _mm256_setzero_ps();
     for (int sb = 0; sb < nsb; sb++) {
         const uint8_t *blk = m->packed + ((size_t)g * nsb + sb) * PACK_Q6_K_BYTES;
-        for (int h = 0; h < 2; h++) {
-            __m256i total[PACK_TILE];
-            for (int i = 0; i < mt; i++) total[i] = _mm256_setzero_si256();
-            for (int c = 0; c < 8; c++) {
-                const uint8_t *chunk = blk + 384 * c, *sc = blk + 3072 + 32 * c + 8 * h; /* sub-blocks 2c, 2c + 1 */
-                if (h == 0) prefetch_lines(blk + PREFETCH_BLOCKS * PACK_Q6_K_BYTES + PACK_Q6_K_BYTES / 8 * c, PACK_Q6_K_BYTES / 8);
+        __m256i total[2][PACK_TILE];
+        for (int h = 0; h < 2; h++)
+            for (int i = 0; i < mt; i++) total[h][i] = _mm256_setzero_si256();
+        for (int c = 0; c < 8; c++) {
+            const uint8_t *chunk = blk + 384 * c, *sc = blk + 3072 + 32 * c; /* sub-blocks 2c, 2c + 1 */
+            prefetch_lines(blk + PREFETCH_BLOCKS * PACK_Q6_K_BYTES + PACK_Q6_K_BYTES / 8 * c, PACK_Q6_K_BYTES / 8);
 #pragma GCC unroll 1
-                for (int s = 0; s < 2; s++) { /* sub-block 2c + s: code vectors 4s..4s+3 */
-                    const __m256i scale = row_pairs_i8(sc + 16 * s);
+            for (int v = 0; v < 4; v++) { /* low-nibble vector v: sub-block 2c + v / 2, its codes 4v..4v+7 */
+                const int s = v / 2;
+                __m256i lo[2], hi[2], scale[2];
+                for (int h = 0; h < 2; h++) {
+                    const __m256i low = _mm256_loadu_si256((const __m256i *)(chunk + 64 * v + 32 * h));
                     const __m256i hb = _mm256_loadu_si256((const __m256i *)(chunk + 256 + 64 * s + 32 * h));
-                    __m256i codes[4];
-                    for (int k = 0; k < 2; k++) {
-                        const __m256i v = _mm256_loadu_si256((const __m256i *)(chunk + 64 * (2 * s + k) + 32 * h));
-                        codes[2 * k] = _mm256_and_si256(v, m4);
-                        codes[2 * k + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-                    }
-                    for (int k = 0; k < 4; k++) { /* the high bits, moved to bits 4-5 */
-                        const __m256i bits = k == 0 ? _mm256_slli_epi16(hb, 4) : k == 1 ? _mm256_slli_epi16(hb, 2)
-                                           : k == 2 ? hb : _mm256_srli_epi16(hb, 2);
-                        codes[k] = _mm256_or_si256(codes[k], _mm256_and_si256(bits, m30));
-                    }
-                    UNROLL_TILE
-                    for (int i = 0; i < mt; i++) {
-                        const int8_t *a = x[i].qk + 256 * sb + 32 * c + 16 * s;
-                        for (int k = 0; k < 4; k += 2) { /* two products of codes <= 63: at most 32004 */
-                            const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(codes[k], four_codes(a + 4 * k)),
-                                                               _mm256_maddubs_epi16(codes[k + 1], four_codes(a + 4 * k + 4)));
-                            total[i] = _mm256_add_epi32(total[i], _mm256_madd_epi16(p, scale));
-                        }
+                    const __m256i bits = v % 2 ? hb : _mm256_slli_epi16(hb, 4); /* the low nibbles' high bits at 4-5 */
+                    lo[h] = _mm256_or_si256(_mm256_and_si256(low, m4), _mm256_and_si256(bits, m30));
+                    hi[h] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(low, 4), m4),
+                                            _mm256_and_si256(_mm256_srli_epi16(bits, 2), m30));
+                    scale[h] = row_pairs_i8(sc + 16 * s + 8 * h);
+                }
+                UNROLL_TILE
+                for (int i = 0; i < mt; i++) {
+                    const int8_t *a = x[i].qk + 256 * sb + 32 * c + 8 * v;
+                    const __m256i a0 = four_codes(a), a1 = four_codes(a + 4);
+                    for (int h = 0; h < 2; h++) { /* two products of codes <= 63: at most 32004 */
+                        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], a0), _mm256_maddubs_epi16(hi[h], a1));
+                        total[h][i] = _mm256_add_epi32(total[h][i], _mm256_madd_epi16(p, scale[h]));
                     }
                 }
+            }
+            for (int h = 0; h < 2; h++) {
                 /* 32 x the two sub-blocks' scales, lanes 2r and 2r + 1: the codes' offset of 32 against the
                  * activations' 16-code sums (|32 x 128 x 2032| fits 32 bits) */
                 const __m256i offsets = _mm256_slli_epi16(
-                    _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *)sc),
-                                                           _mm_loadl_epi64((const __m128i *)(sc + 16)))), 5);
+                    _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *)(sc + 8 * h)),
+                                                           _mm_loadl_epi64((const __m128i *)(sc + 16 + 8 * h)))), 5);
                 UNROLL_TILE
                 for (int i = 0; i < mt; i++)
-                    total[i] = _mm256_sub_epi32(total[i], _mm256_madd_epi16(offsets, pair_of(x[i].bsum + 16 * sb + 2 * c)));
+                    total[h][i] = _mm256_sub_epi32(total[h][i], _mm256_madd_epi16(offsets, pair_of(x[i].bsum + 16 * sb + 2 * c)));
             }
+        }
+        for (int h = 0; h < 2; h++) {
             const __m256 d = f16x8(blk + 3328 + 16 * h);
             UNROLL_TILE
             for (int i = 0; i < mt; i++)
-                acc[h][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[i]), _mm256_mul_ps(d, _mm256_set1_ps(x[i].dk[sb])),
+                acc[h][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[h][i]), _mm256_mul_ps(d, _mm256_set1_ps(x[i].dk[sb])),
                                             acc[h][i]);
         }
     }

@@ -129,7 +129,7 @@ INLINE __m256i scaled_dot256_narrow(const __m256i u[8], const __m256i s[8], cons
  * hardware's own prefetching left the arithmetic and the memory reads overlapping poorly
  * (measured on the Qwen2.5-Coder 1.5B, passes of 1 / 2 / 3 rows: 26.5 / 30.4 / 34.2 ms without,
  * 25.0 / 25.7 / 27.0 with: a speculative verification row became nearly free) */
-#ifndef PREFETCH_BLOCKS
+#ifndef PREFETCH_BLOCKS /* -DPREFETCH_BLOCKS=N tries another distance (tools/native/bench_kernels.c) */
 #define PREFETCH_BLOCKS 2
 #endif
 
