@@ -330,7 +330,7 @@ PASS_ROWS = {"avx2": 4, "avx512-vnni": 3, "neon": 4, "dotprod": 4, "i8mm": 4, "g
 def test_drafts_grow_to_one_verification_pass_unless_the_caller_sets_longer(demo, monkeypatch):
     if UNAVAILABLE is not None:
         pytest.skip(f"native kernels unavailable: {UNAVAILABLE}")
-    engine = Engine(demo)
+    engine = Engine(demo, backend="native")
     assert engine.llm.pass_rows == PASS_ROWS[engine.llm.kernels]
     verified = []  # rows each LLM pass returned logits for: the draft and the token before it
     forward = engine.llm.forward
