@@ -124,6 +124,7 @@ def runtime_default(pass_rows: int | None = None) -> DraftSetting:
     serve ``pass_rows`` tokens (None: one that does not say)."""
     return DraftSetting(0.0, longest_draft(pass_rows))
 
+
 CANDIDATES = tuple(DraftSetting(c, n) for c in CONFIDENCES for n in MAX_DRAFT_TOKENS)
 
 

@@ -49,10 +49,11 @@ def longest_draft(pass_rows: int | None) -> int:
 
     Past a pass, each verification row costs another pass's arithmetic over weights that no
     longer come free with the memory traffic. On a compute-poor core that is most of a step:
-    on an AVX2-only Zen 3 (the 1.5B, 4-row passes) drafts grown to 8 tokens at 82% acceptance
-    ran speculate/slm at 1.08-1.16x ``full``, drafts of at most 3 at 1.30x
-    (docs/measured/2026-12-03-avx2-zen3.md). With AVX-512 VNNI (3-row passes, a row +6 ms on
-    a 48 ms step) the replayed cost model puts 2- and 3-token drafts within 1% of each other.
+    on an AVX2-only Zen 3 (the 1.5B, 4-row passes: a 5-token pass 1.9-2.2x a step) drafts grown
+    to 8 ran speculate/slm at 1.15x ``full`` (1 thread) and 1.26x (2), drafts of at most 3 at
+    1.35x and 1.59x, the same tokens (docs/measured/2026-12-03-avx2-passes-drafts.md). With
+    AVX-512 VNNI (3-row passes, a row +6 ms on a 48 ms step) the replayed cost model puts 2- and
+    3-token drafts within 1% of each other.
     ``edgeroute calibrate`` fits the longest draft from measured pass costs instead."""
     return max(pass_rows - 1, 1) if pass_rows else LONGEST_DRAFT
 
