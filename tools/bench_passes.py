@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -39,8 +38,7 @@ def worker(spec: dict) -> dict:
 
 
 def run_case(spec: dict) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], capture_output=True, text=True,
-                         env={**os.environ, "EDGEROUTE_THREADS": str(spec["threads"])})
+    out = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], capture_output=True, text=True)
     if out.returncode != 0:
         raise SystemExit(f"case {spec} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -124,8 +124,9 @@ INLINE void store_halves(__m256 acc[2][PACK_TILE], const int mt, float *y, int l
 
 /* rows 16g..16g+15 of packed Q6_K against mt <= PACK_TILE activation rows: value = d * scale_j * (u - 32).
  * A chunk's code vectors are made two at a time for both halves (a vector of low nibbles and its
- * high bits), so that each activation row's broadcast codes serve 16 rows and, with 4 activation
- * rows, the codes and the rows' sums still about fit the 16 vector registers. */
+ * high bits), so that each activation row's broadcast codes serve 16 rows and every line is used
+ * whole when it arrives. With 4 activation rows the 8 sums no longer all fit the 16 vector
+ * registers beside the codes: GCC keeps some on the stack (measured: still faster streaming). */
 INLINE void dot_packed_q6_k(const er_matrix *m, int g, const er_q8 *x, const int mt, float *y, int ldy) {
     const int nsb = m->cols / 256;
     const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
@@ -189,7 +190,8 @@ INLINE void dot_packed_q6_k(const er_matrix *m, int g, const er_q8 *x, const int
  * vectors meet each activation row's broadcast codes together: a broadcast serves 16 rows, not
  * 8. The mins' sum per super-block is an integer (sum_j min_j x the activation codes' sum over
  * sub-block j), made by madd from the 16-value code sums as the scales' is, in a loop of its
- * own: with 4 activation rows, the codes' loop keeps its 16-bit sums in registers. */
+ * own, out of the codes' loop's registers (with 4 activation rows its 8 16-bit sums already
+ * leave some on the stack). */
 INLINE void dot_packed_q4_k(const er_matrix *m, int g, const er_q8 *x, const int mt, float *y, int ldy) {
     const int nsb = m->cols / 256;
     const __m256i m4 = _mm256_set1_epi8(0x0F);
