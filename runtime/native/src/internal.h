@@ -55,7 +55,8 @@ typedef struct {
     int8_t *qk;     /* codes at the per-256 scales */
     float *dk;      /* cols / 256 */
     int16_t *bsum;  /* cols / 16 */
-    float *bsum32;  /* cols / 32: sums of 32 codes, as floats (the packed Q4_K path's min terms) */
+    float *bsum32;  /* cols / 32: sums of 32 codes, as floats (the 512-bit packed Q4_K's min terms) */
+    int16_t *bsum32_i16; /* the same sums as int16 (the 256-bit packed Q4_K's min terms, by madd) */
 } er_q8;
 
 enum { FORM_32 = 1, FORM_256 = 2 };

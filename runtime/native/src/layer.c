@@ -62,12 +62,13 @@ static er_q8 *take_q8(carver *c, int M, int cols) {
     float *dk = take(c, (size_t)M * (cols / 256 + 1) * 4);
     int16_t *bsum = take(c, (size_t)M * cols / 16 * 2);
     float *bsum32 = take(c, (size_t)M * cols / 32 * 4);
+    int16_t *bsum32_i16 = take(c, (size_t)M * cols / 32 * 2);
     if (rows)
         for (int i = 0; i < M; i++) {
             rows[i] = (er_q8){q + (size_t)i * cols, d + (size_t)i * (cols / 32), s + (size_t)i * (cols / 32),
                               d_lanes + (size_t)i * (cols / 4), s_lanes + (size_t)i * (cols / 4),
                               qk + (size_t)i * cols, dk + (size_t)i * (cols / 256 + 1), bsum + (size_t)i * (cols / 16),
-                              bsum32 + (size_t)i * (cols / 32)};
+                              bsum32 + (size_t)i * (cols / 32), bsum32_i16 + (size_t)i * (cols / 32)};
         }
     return rows;
 }

@@ -87,7 +87,10 @@ static void quantize(const float *x, int M, int n, er_q8 *q, int forms) {
                 const float amax = max_abs(xi + 256 * b, 256);
                 for (int j = 0; j < 8; j++) q[i].dk[b] = quantize32(xi + 256 * b + 32 * j, q[i].qk + 256 * b + 32 * j, amax);
                 for (int j = 0; j < 16; j++) q[i].bsum[16 * b + j] = (int16_t)sum_codes(q[i].qk + 256 * b + 16 * j, 16);
-                for (int j = 0; j < 8; j++) q[i].bsum32[8 * b + j] = (float)(q[i].bsum[16 * b + 2 * j] + q[i].bsum[16 * b + 2 * j + 1]);
+                for (int j = 0; j < 8; j++) { /* |sum| <= 32 x 127 */
+                    q[i].bsum32_i16[8 * b + j] = (int16_t)(q[i].bsum[16 * b + 2 * j] + q[i].bsum[16 * b + 2 * j + 1]);
+                    q[i].bsum32[8 * b + j] = q[i].bsum32_i16[8 * b + j];
+                }
             }
     }
 }
