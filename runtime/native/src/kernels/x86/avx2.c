@@ -189,9 +189,9 @@ INLINE void dot_packed_q6_k(const er_matrix *m, int g, const er_q8 *x, const int
 /* rows 16g..16g+15 of packed Q4_K: value = d * scale_j * u - dmin * min_j. Both halves' code
  * vectors meet each activation row's broadcast codes together: a broadcast serves 16 rows, not
  * 8. A line's low nibbles go through every activation row, then its high nibbles (reloaded from
- * L1): 4 code vectors live, not 8, so that with 4 activation rows the 8 16-bit sums stay in
+ * L1): 2 code vectors live, not 4, so that with 4 activation rows the 8 16-bit sums stay in
  * registers. The empty asm pins each row's sums after its products: GCC otherwise reassociates
- * the adds, keeps all 16 products live and spills the sums to the stack (gcc 12 -O3).
+ * the adds, keeps the products live and spills sums to the stack (gcc 12 -O3).
  * Measured on Zen 3, one thread, the 1.5B's Q4_K 8960 x 1536 from L3 at M = 4: 0.65 -> 0.57 ms
  * with the mins below.
  * The mins' sum per super-block is an integer, sum_j min_j x (the activation codes' sum over
