@@ -95,16 +95,15 @@ INLINE __m256i four_codes(const int8_t *a) {
     return _mm256_set1_epi32(four);
 }
 
-/* 8 rows' unsigned / signed bytes -> int16 lanes 2r and 2r + 1 = byte r (madd's pair layout) */
-INLINE __m256i row_pairs_u8(const uint8_t *s) {
-    const __m128i v = _mm_loadl_epi64((const __m128i *)s);
-    return _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(v, v));
+/* 8 rows' unsigned / signed bytes from a and from b -> int16 lanes 2r = a[r] and 2r + 1 = b[r]
+ * (madd's pair layout; a == b: one value per row against both of a pair) */
+INLINE __m128i interleave_bytes(const uint8_t *a, const uint8_t *b) {
+    return _mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *)a), _mm_loadl_epi64((const __m128i *)b));
 }
 
-INLINE __m256i row_pairs_i8(const uint8_t *s) {
-    const __m128i v = _mm_loadl_epi64((const __m128i *)s);
-    return _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(v, v));
-}
+INLINE __m256i row_pairs_u8(const uint8_t *a, const uint8_t *b) { return _mm256_cvtepu8_epi16(interleave_bytes(a, b)); }
+
+INLINE __m256i row_pairs_i8(const uint8_t *a, const uint8_t *b) { return _mm256_cvtepi8_epi16(interleave_bytes(a, b)); }
 
 /* the int16 pair (p[0], p[1]) of an activation row, in every 32-bit lane: madd's other operand
  * against row_pairs_* (lane r: p[0] x byte r of one vector + p[1] x byte r of the next) */
@@ -152,7 +151,8 @@ INLINE void dot_packed_q6_k(const er_matrix *m, int g, const er_q8 *x, const int
                     lo[h] = _mm256_or_si256(_mm256_and_si256(low, m4), _mm256_and_si256(bits, m30));
                     hi[h] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(low, 4), m4),
                                             _mm256_and_si256(_mm256_srli_epi16(bits, 2), m30));
-                    scale[h] = row_pairs_i8(sc + 16 * s + 8 * h);
+                    const uint8_t *scales = sc + 16 * s + 8 * h;
+                    scale[h] = row_pairs_i8(scales, scales);
                 }
                 UNROLL_TILE
                 for (int i = 0; i < mt; i++) {
@@ -167,9 +167,7 @@ INLINE void dot_packed_q6_k(const er_matrix *m, int g, const er_q8 *x, const int
             for (int h = 0; h < 2; h++) {
                 /* 32 x the two sub-blocks' scales, lanes 2r and 2r + 1: the codes' offset of 32 against the
                  * activations' 16-code sums (|32 x 128 x 2032| fits 32 bits) */
-                const __m256i offsets = _mm256_slli_epi16(
-                    _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *)(sc + 8 * h)),
-                                                           _mm_loadl_epi64((const __m128i *)(sc + 16 + 8 * h)))), 5);
+                const __m256i offsets = _mm256_slli_epi16(row_pairs_i8(sc + 8 * h, sc + 16 + 8 * h), 5);
                 UNROLL_TILE
                 for (int i = 0; i < mt; i++)
                     total[h][i] = _mm256_sub_epi32(total[h][i], _mm256_madd_epi16(offsets, pair_of(x[i].bsum + 16 * sb + 2 * c)));
@@ -230,7 +228,8 @@ INLINE void dot_packed_q4_k(const er_matrix *m, int g, const er_q8 *x, const int
                 }
             }
             for (int h = 0; h < 2; h++) {
-                const __m256i scale = row_pairs_u8(blk + 2048 + 16 * j + 8 * h);
+                const uint8_t *scales = blk + 2048 + 16 * j + 8 * h;
+                const __m256i scale = row_pairs_u8(scales, scales);
                 UNROLL_TILE
                 for (int i = 0; i < mt; i++) total[h][i] = _mm256_add_epi32(total[h][i], _mm256_madd_epi16(p[h][i], scale));
             }
@@ -239,9 +238,7 @@ INLINE void dot_packed_q4_k(const er_matrix *m, int g, const er_q8 *x, const int
             __m256i mins[PACK_TILE];
             for (int i = 0; i < mt; i++) mins[i] = _mm256_setzero_si256();
             for (int j = 0; j < 8; j += 2) { /* lanes 2r, 2r + 1: min_j, min_j+1 of row r (|sum| <= 2 x 63 x 4064) */
-                const __m256i min = _mm256_cvtepu8_epi16(
-                    _mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *)(blk + 2176 + 16 * j + 8 * h)),
-                                      _mm_loadl_epi64((const __m128i *)(blk + 2176 + 16 * (j + 1) + 8 * h))));
+                const __m256i min = row_pairs_u8(blk + 2176 + 16 * j + 8 * h, blk + 2176 + 16 * (j + 1) + 8 * h);
                 UNROLL_TILE
                 for (int i = 0; i < mt; i++)
                     mins[i] = _mm256_add_epi32(mins[i], _mm256_madd_epi16(min, pair_of(x[i].bsum32_i16 + 8 * sb + j)));
