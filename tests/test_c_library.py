@@ -8,6 +8,7 @@ import importlib.util
 import platform
 import shutil
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -118,10 +119,27 @@ def test_the_aarch64_library_cross_builds_and_passes_its_c_tests_under_qemu(tmp_
         assert skipped == (kernels not in RUNS_ON[cpu]), f"{cpu}: the {kernels} kernels {'skipped' if skipped else 'ran'}"
 
 
+# Kernel sets sum in different orders and each layer quantizes its activations to int8, so a
+# float's last bit can move an activation code and the sets' logits differ by up to ~0.3 (the
+# demo, generic against avx2). A greedy chain passes many positions whose top two logits are
+# closer than that (6 of the demo's 32 tokens within 0.25), where either choice is right and the
+# chains part for good; the comparison stops at the first.
+NEAR_TIE = 0.3
+
+
+@dataclass(frozen=True)
+class GenericDecode:
+    ids: list[int]  # the demo prompt's
+    tokens: list[int]  # the generic kernels' 32 greedy tokens
+    clear: int  # how many lead the chain before its first near tie: those every kernel set decodes
+
+
 @pytest.fixture(scope="module")
-def generic_demo_tokens(demo, tmp_path_factory) -> tuple[list[int], list[int]]:
+def generic_demo_tokens(demo, tmp_path_factory) -> GenericDecode:
     """The demo prompt's ids and the first 32 greedy tokens the generic kernels decode (this host's
-    library: the generic kernels are plain C, the same arithmetic on every architecture)."""
+    library: the generic kernels are plain C, the same arithmetic on every architecture), from the
+    C example; the Python binding on the same kernels gives the same tokens and the logits that
+    say where the chain meets a near tie."""
     from tokenizers import Tokenizer
 
     ids = Tokenizer.from_file(str(demo.file("tokenizer.json"))).encode("Three tips for staying awake on a long drive:").ids
@@ -130,7 +148,18 @@ def generic_demo_tokens(demo, tmp_path_factory) -> tuple[list[int], list[int]]:
     done = subprocess.run([str(program), str(demo.path), "-n", "32", "-k", "generic", "-t", "1", "-c", "f16",
                            *map(str, ids)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    return ids, [int(t) for t in done.stdout.split()]
+    tokens = [int(t) for t in done.stdout.split()]
+    model = native.NativeModel(demo, kv_dtype="float16", kernels="generic", threads=1)
+    cache, margins = model.new_cache(), []
+    logits = model.forward(cache, ids)
+    for token in tokens:
+        top_two = np.sort(logits)[-2:]
+        margins.append(float(top_two[1] - top_two[0]))
+        assert int(np.argmax(logits)) == token
+        logits = model.forward(cache, [token])
+    clear = next((i for i, margin in enumerate(margins) if margin < NEAR_TIE), len(tokens))
+    assert clear >= 4, f"the demo's greedy chain meets a near tie at token {clear}: too early to compare kernel sets"
+    return GenericDecode(ids, tokens, clear)
 
 
 @needs_qemu
@@ -141,13 +170,14 @@ def test_the_c_example_decodes_the_demo_bundle_on_arm_as_the_generic_kernels(dem
                                                                              tmp_path, cpu):
     """The cross-built example on each emulated CPU, its own best kernels (a 10-token prompt: the
     multi-row paths: on max, tiles of 4 rows through SMMLA; then one-row steps), decodes the
-    generic kernels' 32 greedy tokens."""
-    ids, want = generic_demo_tokens
+    generic kernels' greedy tokens up to their chain's first near tie."""
+    ids, want, clear = generic_demo_tokens.ids, generic_demo_tokens.tokens, generic_demo_tokens.clear
     program = _cross_program(REPO / "examples" / "c" / "generate.c", tmp_path / "generate", aarch64_library)
     done = _qemu(cpu, aarch64_library, program, demo.path, "-n", "32", "-t", "1", "-c", "f16", *ids)
     assert done.returncode == 0, done.stderr
     assert f"{BEST_ON[cpu]} kernels" in done.stderr
-    assert [int(t) for t in done.stdout.split()] == want
+    decoded = [int(t) for t in done.stdout.split()]
+    assert len(decoded) == 32 and decoded[:clear] == want[:clear]
     if cpu != "cortex-a57":  # EDGEROUTE_KERNELS forces a set the CPU runs, and cannot force one it lacks
         forced = _qemu(cpu, aarch64_library, program, demo.path, "-n", "2", "-t", "1", *ids, env={"EDGEROUTE_KERNELS": "neon"})
         assert forced.returncode == 0 and "neon kernels" in forced.stderr, forced.stderr
@@ -217,11 +247,12 @@ def test_the_runtime_in_an_aarch64_python_takes_the_arm_kernels(demo, generic_de
                                                                 backend, runs):
     """The device runtime as a Jetson runs it (aarch64 Python, numpy / onnxruntime / tokenizers
     wheels for aarch64, the aarch64 libedgeroute), emulated: ``auto`` takes the native backend on
-    the CPU's best Arm kernels, which decode the generic kernels' tokens; ONNX Runtime's aarch64
-    build runs the same bundle (its own arithmetic: only its first tokens, clear choices, agree).
+    the CPU's best Arm kernels, which decode the generic kernels' tokens up to their first near
+    tie; ONNX Runtime's aarch64 build runs the same bundle (its own arithmetic: only its first
+    tokens, clear choices, agree).
     On Neoverse N1 (Orin-like); the C tests cover the other CPUs' kernel choice."""
     module, root = arm_python
-    ids, want = generic_demo_tokens
+    ids, want = generic_demo_tokens.ids, generic_demo_tokens.tokens
     command = module.command(root, "neoverse-n1", [str(REPO / "tools" / "qemu" / "greedy_steps.py"), str(demo.path), "--backend",
                                          backend, "--tokens", "12", *map(str, ids)],
                              env={"EDGEROUTE_NATIVE_LIB": str(aarch64_library)})
@@ -230,4 +261,6 @@ def test_the_runtime_in_an_aarch64_python_takes_the_arm_kernels(demo, generic_de
     ran, decoded = done.stdout.splitlines()[-2:]
     assert ran == runs
     tokens = [int(t) for t in decoded.split()]
-    assert tokens == want[:12] if runs.startswith("native") else tokens[:4] == want[:4]
+    assert len(tokens) == 12
+    clear = min(generic_demo_tokens.clear, 12) if runs.startswith("native") else 4
+    assert tokens[:clear] == want[:clear]
