@@ -141,26 +141,28 @@ INLINE void dot_packed_q6_k(const er_matrix *m, int g, const er_q8 *x, const int
             const uint8_t *chunk = blk + 384 * c, *sc = blk + 3072 + 32 * c; /* sub-blocks 2c, 2c + 1 */
             prefetch_lines(blk + PREFETCH_BLOCKS * PACK_Q6_K_BYTES + PACK_Q6_K_BYTES / 8 * c, PACK_Q6_K_BYTES / 8);
 #pragma GCC unroll 1
-            for (int v = 0; v < 4; v++) { /* low-nibble vector v: sub-block 2c + v / 2, its codes 4v..4v+7 */
-                const int s = v / 2;
-                __m256i lo[2], hi[2], scale[2];
-                for (int h = 0; h < 2; h++) {
-                    const __m256i low = _mm256_loadu_si256((const __m256i *)(chunk + 64 * v + 32 * h));
-                    const __m256i hb = _mm256_loadu_si256((const __m256i *)(chunk + 256 + 64 * s + 32 * h));
-                    const __m256i bits = v % 2 ? hb : _mm256_slli_epi16(hb, 4); /* the low nibbles' high bits at 4-5 */
-                    lo[h] = _mm256_or_si256(_mm256_and_si256(low, m4), _mm256_and_si256(bits, m30));
-                    hi[h] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(low, 4), m4),
-                                            _mm256_and_si256(_mm256_srli_epi16(bits, 2), m30));
-                    const uint8_t *scales = sc + 16 * s + 8 * h;
-                    scale[h] = row_pairs_i8(scales, scales);
-                }
-                UNROLL_TILE
-                for (int i = 0; i < mt; i++) {
-                    const int8_t *a = x[i].qk + 256 * sb + 32 * c + 8 * v;
-                    const __m256i a0 = four_codes(a), a1 = four_codes(a + 4);
-                    for (int h = 0; h < 2; h++) { /* two products of codes <= 63: at most 32004 */
-                        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], a0), _mm256_maddubs_epi16(hi[h], a1));
-                        total[h][i] = _mm256_add_epi32(total[h][i], _mm256_madd_epi16(p, scale[h]));
+            for (int s = 0; s < 2; s++) { /* sub-block 2c + s: its scales widened once for its two low-nibble vectors */
+                __m256i scale[2];
+                for (int h = 0; h < 2; h++) scale[h] = row_pairs_i8(sc + 16 * s + 8 * h, sc + 16 * s + 8 * h);
+#pragma GCC unroll 1
+                for (int v = 2 * s; v < 2 * s + 2; v++) { /* low-nibble vector v: codes 4v..4v+7 of the chunk */
+                    __m256i lo[2], hi[2];
+                    for (int h = 0; h < 2; h++) {
+                        const __m256i low = _mm256_loadu_si256((const __m256i *)(chunk + 64 * v + 32 * h));
+                        const __m256i hb = _mm256_loadu_si256((const __m256i *)(chunk + 256 + 64 * s + 32 * h));
+                        const __m256i bits = v % 2 ? hb : _mm256_slli_epi16(hb, 4); /* the low nibbles' high bits at 4-5 */
+                        lo[h] = _mm256_or_si256(_mm256_and_si256(low, m4), _mm256_and_si256(bits, m30));
+                        hi[h] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(low, 4), m4),
+                                                _mm256_and_si256(_mm256_srli_epi16(bits, 2), m30));
+                    }
+                    UNROLL_TILE
+                    for (int i = 0; i < mt; i++) {
+                        const int8_t *a = x[i].qk + 256 * sb + 32 * c + 8 * v;
+                        const __m256i a0 = four_codes(a), a1 = four_codes(a + 4);
+                        for (int h = 0; h < 2; h++) { /* two products of codes <= 63: at most 32004 */
+                            const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], a0), _mm256_maddubs_epi16(hi[h], a1));
+                            total[h][i] = _mm256_add_epi32(total[h][i], _mm256_madd_epi16(p, scale[h]));
+                        }
                     }
                 }
             }
