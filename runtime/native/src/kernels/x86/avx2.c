@@ -186,6 +186,24 @@ INLINE void dot_packed_q6_k(const er_matrix *m, int g, const er_q8 *x, const int
     store_halves(acc, mt, y, ldy);
 }
 
+/* one 64-byte line of a packed Q4_K group (codes 8k..8k+7 of a sub-block, `at` the first's
+ * activation index) into the rows' 16-bit sums p: the low nibbles through every activation row,
+ * then the high ones (activation codes 4-7) */
+INLINE void q4_k_line(const uint8_t *line, const er_q8 *x, const int mt, size_t at, __m256i p[2][PACK_TILE]) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int n = 0; n < 2; n++) {
+        const __m256i c0 = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)line), 4 * n), m4);
+        const __m256i c1 = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(line + 32)), 4 * n), m4);
+        UNROLL_TILE
+        for (int i = 0; i < mt; i++) {
+            const __m256i a = four_codes(x[i].qk + at + 4 * n);
+            p[0][i] = _mm256_add_epi16(p[0][i], _mm256_maddubs_epi16(c0, a));
+            p[1][i] = _mm256_add_epi16(p[1][i], _mm256_maddubs_epi16(c1, a));
+            __asm__("" : "+x"(p[0][i]), "+x"(p[1][i]));
+        }
+    }
+}
+
 /* rows 16g..16g+15 of packed Q4_K: value = d * scale_j * u - dmin * min_j. Both halves' code
  * vectors meet each activation row's broadcast codes together: a broadcast serves 16 rows, not
  * 8. A line's low nibbles go through every activation row, then its high nibbles (reloaded from
@@ -197,10 +215,12 @@ INLINE void dot_packed_q6_k(const er_matrix *m, int g, const er_q8 *x, const int
  * The mins' sum per super-block is an integer, sum_j min_j x (the activation codes' sum over
  * sub-block j), made by madd from two sub-blocks' mins against their 32-code sums at once, in a
  * loop of its own out of the codes' registers: 4 madds a row and half where pairs of 16-code
- * sums took 8 (the mins were 10% of the M = 4 product). */
+ * sums took 8 (the mins were 10% of the M = 4 product).
+ * A pass of several rows unrolls a sub-block's 4 lines: from L2, 6-7% faster at M = 4 and 4% at
+ * 2-3 (Zen 3, docs/measured/2026-12-04-avx2-four-row-bound.md); one row keeps the rolled loop,
+ * whose streaming products were 4-5% faster than the unrolled ones on two of three shapes. */
 INLINE void dot_packed_q4_k(const er_matrix *m, int g, const er_q8 *x, const int mt, float *y, int ldy) {
     const int nsb = m->cols / 256;
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
     __m256 acc[2][PACK_TILE];
     for (int h = 0; h < 2; h++)
         for (int i = 0; i < mt; i++) acc[h][i] = _mm256_setzero_ps();
@@ -214,20 +234,14 @@ INLINE void dot_packed_q4_k(const er_matrix *m, int g, const er_q8 *x, const int
             __m256i p[2][PACK_TILE]; /* 8 products of codes <= 15 per lane: at most 30480 */
             for (int h = 0; h < 2; h++)
                 for (int i = 0; i < mt; i++) p[h][i] = _mm256_setzero_si256();
+            const uint8_t *lines = blk + 256 * j;
+            const size_t at = (size_t)256 * sb + 32 * j;
+            if (mt > 1) {
+#pragma GCC unroll 4
+                for (int k = 0; k < 4; k++) q4_k_line(lines + 64 * k, x, mt, at + 8 * k, p);
+            } else {
 #pragma GCC unroll 1
-            for (int k = 0; k < 4; k++) {
-                const uint8_t *line = blk + 64 * (4 * j + k);
-                for (int n = 0; n < 2; n++) { /* the low nibbles (activation codes 0-3), then the high (4-7) */
-                    const __m256i c0 = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)line), 4 * n), m4);
-                    const __m256i c1 = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(line + 32)), 4 * n), m4);
-                    UNROLL_TILE
-                    for (int i = 0; i < mt; i++) {
-                        const __m256i a = four_codes(x[i].qk + 256 * sb + 32 * j + 8 * k + 4 * n);
-                        p[0][i] = _mm256_add_epi16(p[0][i], _mm256_maddubs_epi16(c0, a));
-                        p[1][i] = _mm256_add_epi16(p[1][i], _mm256_maddubs_epi16(c1, a));
-                        __asm__("" : "+x"(p[0][i]), "+x"(p[1][i]));
-                    }
-                }
+                for (int k = 0; k < 4; k++) q4_k_line(lines + 64 * k, x, mt, at + 8 * k, p);
             }
             for (int h = 0; h < 2; h++) {
                 const uint8_t *scales = blk + 2048 + 16 * j + 8 * h;
