@@ -311,6 +311,8 @@ def test_caches_truncate_and_copy(models, text_ids):
 def test_engine_picks_native_and_speculation_reproduces_full_without_exact_steps(demo):
     if UNAVAILABLE is not None:
         pytest.skip(f"native kernels unavailable: {UNAVAILABLE}")
+    if native.native_kernels() == "generic":  # auto keeps ONNX Runtime there by design (test below)
+        pytest.skip("only the generic kernels run here: auto picks ONNX Runtime")
     engine = Engine(demo)
     assert engine.llm.flavour == "native" and engine.slm.flavour == "native" and engine.backend_notes == {}
     prompt = "List three things to check before a long drive."
