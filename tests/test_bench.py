@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import platform
+import sys
+import types
 
 import pytest
 from typer.testing import CliRunner
@@ -68,6 +71,31 @@ def test_llama_cpp_reads_the_source_gguf_whose_blocks_the_native_backend_reads(s
     bundle = Bundle.open(smollm2_bundles["int4"][0], verify=False)
     assert source_gguf(bundle, "llm") == packaged_gguf()  # the path export recorded
     assert gguf_step_bytes(packaged_gguf()) == native_step_bytes(bundle.llm)
+
+
+@pytest.mark.slow
+def test_bench_skips_llama_cpp_where_the_model_is_a_cut_of_its_gguf(smollm2_bundles, monkeypatch):
+    """The demo's slm is the packaged GGUF's first 12 layers: llama.cpp on that GGUF runs all 30,
+    so its row would set another model against ours."""
+    import edgeroute.runtime.bench as bench
+
+    if importlib.util.find_spec("llama_cpp") is None:  # llama.cpp's own view of the GGUF, where it is absent
+        class WholeGguf:
+            layers = 30
+
+            def __init__(self, gguf, threads, n_ctx):
+                self.gguf = gguf
+
+        stand_in = types.ModuleType("llama_cpp")
+        stand_in.__version__ = "stand-in"
+        monkeypatch.setitem(sys.modules, "llama_cpp", stand_in)
+        monkeypatch.setattr(bench, "LlamaCppCase", WholeGguf)
+    report = run_bench([smollm2_bundles["int4"][0]], BenchOptions(contexts=(8,), steps=2, repeats=1, threads=1,
+                                                                 roles=("slm",), backends=("llama.cpp",)))
+    assert not report.records
+    (skipped,) = report.skipped
+    assert (skipped.role, skipped.backend) == ("slm", "llama.cpp")
+    assert "the slm model is the first 12 of its GGUF's 30 layers" in skipped.reason
 
 
 ORIN_CPU = """processor\t: {n}

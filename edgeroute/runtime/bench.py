@@ -109,6 +109,12 @@ class LlamaCppCase:
 
         return f"llama-cpp-python {llama_cpp.__version__} on {self.gguf.name}"
 
+    @property
+    def layers(self) -> int:
+        """The GGUF's own layer count (all of which llama.cpp runs)."""
+        metadata = self.llm.metadata
+        return int(metadata[f"{metadata['general.architecture']}.block_count"])
+
     def _last_logits(self) -> np.ndarray:
         # the context's own output row (without logits_all, Llama keeps no scores of its own)
         return np.ctypeslib.as_array(self.llm._ctx.get_logits(), shape=(self.llm.n_vocab(),))
@@ -249,7 +255,12 @@ def _open_case(bundle: Bundle, role: str, backend: str, options: BenchOptions, t
         import llama_cpp  # noqa: F401 - only whether it is installed
     except ImportError:
         raise Unavailable("llama-cpp-python is not installed (pip install llama-cpp-python)") from None
-    return LlamaCppCase(source_gguf(bundle, role), threads, int(bundle.generation["context_length"]))
+    case = LlamaCppCase(source_gguf(bundle, role), threads, int(bundle.generation["context_length"]))
+    used = bundle.models[role].num_layers
+    if case.layers != used:  # e.g. the demo's slm: the LLM's GGUF cut to its first layers
+        raise Unavailable(f"the {role} model is the first {used} of its GGUF's {case.layers} layers, and llama.cpp "
+                          "would run them all: not the same model")
+    return case
 
 
 def _step_bytes(bundle: Bundle, role: str, backend: str, case: DecodeCase) -> tuple[int | None, str | None]:
