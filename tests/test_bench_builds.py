@@ -29,10 +29,12 @@ def test_run_without_a_prepared_kit_says_to_prepare_one(tmp_path):
 
 
 @needs_git
-def test_prepare_refuses_a_name_that_is_no_commit(tmp_path):
+def test_prepare_refuses_a_name_that_is_no_commit_or_a_missing_file_before_building(tmp_path):
     done = tool("prepare", str(tmp_path / "kit"), "--commits", "HEAD,no-such-commit")
     assert done.returncode != 0 and "no-such-commit is not a commit" in done.stderr
-    assert not list((tmp_path / "kit").glob("lib-*.so"))
+    done = tool("prepare", str(tmp_path / "kit"), "--commits", "HEAD", "--layout", str(tmp_path / "none.bin"))
+    assert done.returncode != 0 and "none.bin: no such native weight file" in done.stderr
+    assert not (tmp_path / "kit").exists()  # refused before anything was built
 
 
 @pytest.mark.slow
@@ -62,15 +64,15 @@ def test_a_build_timed_against_itself_on_the_demo_layout(smollm2_bundles, tmp_pa
     reported for both, the second as a ratio to the first (a null control)."""
     kit, out = tmp_path / "kit", tmp_path / "builds.json"
     native = smollm2_bundles["int4"][0] / "llm" / "native.bin"
-    done = tool("prepare", str(kit), "--commits", "HEAD,HEAD", "--layout", f"demo={native}")
+    done = tool("prepare", str(kit), "--commits", "HEAD,HEAD", "--layout", f"demo.llm={native}")
     assert done.returncode == 0, done.stderr[-3000:]
     described = json.loads((kit / "kit.json").read_text())
-    assert [b["name"] for b in described["builds"]] == ["HEAD", "HEAD #2"] and described["layouts"] == ["demo"]
+    assert [b["name"] for b in described["builds"]] == ["HEAD", "HEAD #2"] and described["layouts"] == ["demo.llm"]
     assert len(list(kit.glob("lib-*.so"))) == 1
     done = tool("run", str(kit), "--kernels", "generic", "--threads", "1,2", "--contexts", "8", "--m", "1,3",
                 "--rounds", "2", "--passes", "1", "--json", str(out))
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "x HEAD" in done.stdout and "demo" in done.stdout
+    assert "x HEAD" in done.stdout and "demo.llm" in done.stdout
     report = json.loads(out.read_text())
     cases = {(r["threads"], r["ctx"], r["m"]) for r in report["results"]}
     assert cases == {(1, 8, 1), (1, 8, 3), (2, 8, 1), (2, 8, 3)}

@@ -72,24 +72,35 @@ def build_library(commit: str, out: Path) -> None:
         raise SystemExit(f"building {commit[:12]}'s library failed:\n{done.stderr[-3000:]}")
 
 
+def _beside(stem: Path, suffix: str) -> Path:
+    return stem.with_name(stem.name + suffix)  # a layout's name may hold dots
+
+
 def write_layout(native_bin: Path, out: Path) -> dict:
     """``out``.head (the GGUF bytes before the tensor data) and ``out``.json (the tensor table)."""
     import gguf
 
     reader = gguf.GGUFReader(str(native_bin))
     with open(native_bin, "rb") as f:
-        out.with_suffix(".head").write_bytes(f.read(reader.data_offset))
+        _beside(out, ".head").write_bytes(f.read(reader.data_offset))
     tensors = [{"name": t.name, "type": t.tensor_type.name, "offset": int(t.data_offset), "nbytes": int(t.n_bytes),
                 "shape": [int(x) for x in t.shape]} for t in reader.tensors]
     embedding = next(t for t in tensors if t["name"] == "token_embd.weight")
     layout = {"source": str(native_bin), "size": native_bin.stat().st_size, "vocab": embedding["shape"][1],
               "tensors": tensors}
-    out.with_suffix(".json").write_text(json.dumps(layout))
+    _beside(out, ".json").write_text(json.dumps(layout))
     return layout
 
 
 def prepare(kit: Path, commits: list[str], layouts: list[str]) -> dict:
-    resolved = [(name, _commit(name)) for name in commits]  # every name checked before anything is built
+    resolved = [(name, _commit(name)) for name in commits]  # every input checked before anything is built
+    sources = []
+    for spec in layouts:
+        name, _, path = spec.rpartition("=")
+        native_bin = Path(path)
+        if not native_bin.is_file():
+            raise SystemExit(f"{native_bin}: no such native weight file")
+        sources.append((name or native_bin.parent.name, native_bin))
     kit.mkdir(parents=True, exist_ok=True)
     builds, built = [], {}
     for name, commit in resolved:
@@ -108,16 +119,9 @@ def prepare(kit: Path, commits: list[str], layouts: list[str]) -> dict:
     gomp = subprocess.run([compiler, "-print-file-name=libgomp.so.1"], capture_output=True, text=True).stdout.strip()
     if os.path.isabs(gomp) and os.path.isfile(gomp):
         shutil.copy(gomp, kit / "libgomp.so.1")
-    names = []
-    for spec in layouts:
-        name, _, path = spec.rpartition("=")
-        native_bin = Path(path)
-        if not native_bin.is_file():
-            raise SystemExit(f"{native_bin}: no such native weight file")
-        name = name or native_bin.parent.name
+    for name, native_bin in sources:
         write_layout(native_bin, kit / name)
-        names.append(name)
-    description = {"builds": builds, "layouts": names}
+    description = {"builds": builds, "layouts": [name for name, _ in sources]}
     (kit / KIT_FILE).write_text(json.dumps(description, indent=1))
     return description
 
@@ -126,8 +130,8 @@ def random_model(layout_stem: Path, out: Path) -> dict:
     """A native weight file of the layout at ``layout_stem`` with random codes."""
     import numpy as np
 
-    layout = json.loads(layout_stem.with_suffix(".json").read_text())
-    head = layout_stem.with_suffix(".head").read_bytes()
+    layout = json.loads(_beside(layout_stem, ".json").read_text())
+    head = _beside(layout_stem, ".head").read_bytes()
     data = np.random.default_rng(0).integers(0, 256, size=layout["size"], dtype=np.uint8)
     data[: len(head)] = np.frombuffer(head, dtype=np.uint8)
     scale = np.frombuffer(np.float16(SCALE).tobytes(), dtype=np.uint8)
