@@ -341,6 +341,9 @@ class Bundle:
         if not path.exists():
             raise BundleError(f"bundle {path} does not exist: create one with `edgeroute export --out {path}`")
         manifest_path = path / MANIFEST
+        if manifest_path.exists() and not manifest_path.is_file():  # a FIFO would block the read forever
+            raise BundleError(f"{manifest_path} is not a regular file (a folder, FIFO or device): the bundle is "
+                              "damaged, export again")
         if not manifest_path.is_file():
             raise BundleError(f"{path} is not a bundle (no {MANIFEST}); an interrupted export leaves no manifest: "
                               "export again")
@@ -370,6 +373,9 @@ class Bundle:
     def check_files(self, hashes: bool = True) -> None:
         for rel, meta in self.manifest["files"].items():
             file = self.path / rel
+            if file.exists() and not file.is_file():  # never opened: a FIFO would block the read forever
+                raise BundleError(f"bundle file {rel} is not a regular file (a folder, FIFO or device): the bundle "
+                                  "is damaged; export again")
             if not file.is_file():
                 raise BundleError(f"bundle {self.path} is incomplete: {rel} is missing; export again")
             if file.stat().st_size != meta["bytes"]:

@@ -226,8 +226,11 @@ def _print_calibration(b) -> None:
                       f"run `edgeroute calibrate {b.path}`)")
         return
     budget = c.budget
+    loss = (f"a task profile loses at most {budget['task_loss']:.0%} of full's task passes "
+            f"({budget['confidence']:.0%} bound, {budget.get('held_out', {}).get('prompts', '?')} held-out prompts)"
+            if "task_loss" in budget else "task profiles chosen by the checks of an older calibration (re-calibrate)")
     console.print(f"calibration: {c.created}, budget: teacher-forced agreement >= {budget['tf_agreement']:.1%} "
-                  f"({budget['bound']} bound), task-level pass no lower than full; data sha256 {c.data_sha256[:12]}")
+                  f"({budget['bound']} bound); {loss}; data sha256 {c.data_sha256[:12]}")
     if c.device:
         difference = signature_difference(c.device, cpu_signature())
         backend = f", {c.device['backend']} backend" if c.device.get("backend") else ""
@@ -248,15 +251,34 @@ def _print_calibration(b) -> None:
         table.add_row(light, r.router, f"{r.threshold:.3f}", shown(1 - f.get("bound", {}).get("bound", 1), ".2%"),
                       shown(f.get("validation_tf_agreement"), ".2%"), shown(f.get("validation_llm_share"), ".0%"))
     console.print(table)
-    table = Table(title="task profiles (mode auto)")
-    for column in ("task", "configuration", "x full", "LLM share", "task pass (full)"):
+    table = Table(title="task profiles (mode auto), judged on held-out prompts")
+    for column in ("task", "configuration", "x full", "LLM share", "task pass (full)", "n", "loss bound", "why"):
         table.add_column(column, overflow="fold")  # names differ in their ends: never cut
     for task, profile in c.profiles.items():
         f = profile["figures"][profile["config"]]
-        full = profile["figures"]["full"]
-        table.add_row(task, profile["config"], f"{f['speed_vs_full']:.2f}x", f"{f['llm_share']:.0%}",
-                      f"{f['task_pass']:.0%} ({full['task_pass']:.0%})")
+        quality = profile.get("quality", {})
+        passed = "no check" if f.get("task_pass") is None else \
+            f"{f['task_pass']:.0%} ({f.get('full_task_pass', profile['figures']['full']['task_pass']):.0%})"
+        bound = f"{quality['loss_bound']:.1%}" if quality.get("judged") else "-"
+        table.add_row(task, profile["config"], f"{f['speed_vs_full']:.2f}x", f"{f['llm_share']:.0%}", passed,
+                      str(f.get("judged", f.get("prompts", "-"))), bound, quality.get("why", "-"))
     console.print(table)
+
+
+def _open_trace(path: Path):
+    """--trace's file, open for writing (closed by the caller). Missing parent folders are
+    created, as `mkdir -p` would: a trace is often sent to a fresh runs/DATE/ folder, and
+    refusing after the model loaded would only make the user type the mkdir. A path that is
+    a folder, or a parent that cannot be made, is an error naming it before any token."""
+    if path.is_dir():
+        raise EdgerouteError(f"--trace {path} is a folder: give a file path, e.g. --trace {path / 'trace.jsonl'}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return open(path, "w")  # noqa: SIM115 - the caller closes it
+    except (FileExistsError, NotADirectoryError):
+        raise EdgerouteError(f"cannot write the trace file {path}: part of {path.parent} is a file") from None
+    except OSError as err:
+        raise EdgerouteError(f"cannot write the trace file {path}: {err.strerror}") from None
 
 
 @app.command()
@@ -332,7 +354,7 @@ def run(
             session = engine.session()
         else:
             session = engine.chat(system=system, context_policy=context_policy)
-        trace_file = open(trace, "w") if trace else None  # noqa: SIM115 - closed below
+        trace_file = _open_trace(trace) if trace else None
 
         def on_token(record) -> None:
             if trace_file is not None:
@@ -386,7 +408,10 @@ def calibrate(
     prompts_per_task: int = typer.Option(None, help="built-in prompts per task (default 40)"),
     answer_tokens: int = typer.Option(None, help="longest answer labelled (default 40)"),
     path_checks: int = typer.Option(None, help="path checks per prompt (default 3)"),
-    validation_prompts: int = typer.Option(None, help="held-out prompts per task (default 6)"),
+    validation_prompts: int = typer.Option(None, help="held-out prompts per task (default 60)"),
+    task_loss: float = typer.Option(0.05, help="share of full's passes a lossy mode may lose"),
+    confidence: float = typer.Option(0.95, help="confidence of the bound on that loss"),
+    eval_file: Path = typer.Option(None, "--eval", help="your task file (edgeroute eval's JSONL), judged too"),
     skip_prompts: int = typer.Option(None, help="answers for skipping (default 48, 0: off)"),
     executor: str = typer.Option("local", help="label shards on: local | ray"),
     address: str = typer.Option(None, help="ray: cluster (RAY_ADDRESS, else local)"),
@@ -401,7 +426,8 @@ def calibrate(
     from edgeroute.calibration.calibrate import calibrate as run_calibration
 
     options = CalibrateOptions(budget=budget, prompts=prompts, builtin=builtin, work=work, bound=bound, delta=delta,
-                               executor=executor, address=address, workers=workers, worker_cpus=worker_cpus)
+                               task_loss=task_loss, confidence=confidence, eval_cases=eval_file, executor=executor,
+                               address=address, workers=workers, worker_cpus=worker_cpus)
     labels = {k: v for k, v in dict(max_answer_tokens=answer_tokens, path_checks=path_checks).items() if v is not None}
     options.labels = replace(options.labels, **labels)
     if prompts_per_task is not None:
@@ -524,6 +550,89 @@ def bench(
         as_json.parent.mkdir(parents=True, exist_ok=True)
         as_json.write_text(json.dumps({"options": dataclasses.asdict(options), **report.to_dict()}, indent=1))
         console.print(f"wrote {as_json}")
+
+
+def _print_eval(report) -> None:
+    def row(table: Table, name: str, f: dict, label: str | None = None) -> None:
+        if f["task_pass"] is None:
+            passed = "no check"
+        else:
+            low, high = f["pass_interval"]
+            passed = f"{f['task_pass']:.0%} ({low:.0%}-{high:.0%})"
+        table.add_row(label or name, f"{f['judged']}/{f['prompts']}", passed, f"{f['lost']}/{f['gained']}",
+                      f"{f['loss_bound']:.1%}" if f["judged"] else "-", f"{f['same_as_full']:.0%}",
+                      f"{f['tok_s']:.1f}", f"{f['speed_vs_full']:.2f}x", f"{f['llm_share']:.0%}",
+                      "yes" if f["eligible"] else "no")
+
+    columns = ("mode", "judged", f"pass ({report.confidence:.0%} CI)", "lost/ gained", "loss bound", "same as full",
+               "tok/s", "x full", "LLM", "for full")
+    table = Table(title=f"{report.cases} cases, {report.backend} backend, at most {report.max_tokens} new tokens")
+    for column in columns:
+        table.add_column(column, overflow="fold", no_wrap=column == "mode")
+    for name, figures in report.overall.items():
+        row(table, name, figures)
+    console.print(table)
+    for name, figures in report.overall.items():
+        if name != "full":
+            console.print(f"{name}: {'may' if figures['eligible'] else 'may not'} replace full: {figures['why']}")
+    if len(report.per_task) > 1:
+        table = Table(title="per task")
+        for column in ("task / mode", *columns[1:]):
+            table.add_column(column, overflow="fold")
+        for task, figures in report.per_task.items():
+            for name, f in figures.items():
+                row(table, name, f, f"{task} / {name}")
+        console.print(table)
+    for note in report.notes:
+        console.print(f"note: {note}")
+
+
+@app.command("eval")
+def eval_tasks(
+    bundle: Path = typer.Argument(..., help="bundle directory"),
+    tasks: str = typer.Option(..., help="task file (JSONL: prompt + promptfoo-style assert) | builtin"),
+    modes: str = typer.Option("full,speculate/ngram,speculate/slm,route/slm", help="modes to judge, full first"),
+    per_task: int = typer.Option(12, help="builtin: held-out prompts per task"),
+    max_tokens: int = typer.Option(64, help="maximum new tokens per answer"),
+    confidence: float = typer.Option(0.95, help="of the intervals and the loss bound"),
+    task_loss: float = typer.Option(0.05, help="loss bound a lossy mode may show"),
+    profile: str = typer.Option(None, help="device profile: NAME or FILE"),
+    backend: str = typer.Option(None, help="auto|native|onnxruntime[-cuda]|tensorrt"),
+    threads: int = typer.Option(None, help="threads (default: every core)"),
+    llama_cpp: bool = typer.Option(False, "--llama-cpp", help="also the source GGUF on llama.cpp"),
+    as_json: Path = typer.Option(None, "--json", help="write the report (every answer) as JSON"),
+    plot: Path = typer.Option(None, help="PNG: pass rate against tok/s"),
+) -> None:
+    """Judge modes of a bundle on task cases: pass rates with bounds, speed. Guide: docs/guide/eval.md."""
+    import json
+
+    from edgeroute.quality.cases import load_cases
+    from edgeroute.quality.evaluation import evaluate, plot_report
+    from edgeroute.runtime import Engine, EngineOptions
+
+    with _clear_errors():
+        if tasks == "builtin":
+            from edgeroute.calibration.checks import prompt_case
+            from edgeroute.calibration.prompts import held_out_prompts
+
+            if per_task < 1:
+                raise EdgerouteError(f"--per-task must be at least 1 (got {per_task})")
+            cases = [prompt_case(p) for p in held_out_prompts(per_task)]
+        else:
+            cases = load_cases(tasks)
+        if not 0.0 <= task_loss < 1.0:
+            raise EdgerouteError(f"--task-loss must be within [0, 1) (got {task_loss})")
+        engine = Engine(bundle, EngineOptions.from_profile(profile.split(",") if profile else None, backend=backend,
+                                                           threads=threads))
+        with _progress_bars() as update:
+            report = evaluate(engine, cases, modes, max_tokens, confidence, task_loss, llama_cpp, threads, update)
+    _print_eval(report)
+    if as_json is not None:
+        as_json.parent.mkdir(parents=True, exist_ok=True)
+        as_json.write_text(json.dumps(report.to_dict(), indent=1))
+        console.print(f"report: {as_json}")
+    if plot is not None:
+        console.print(f"plot: {plot_report(report, plot)}")
 
 
 @app.command()

@@ -15,6 +15,8 @@ import platform
 from pathlib import Path
 from typing import Any
 
+from edgeroute.errors import InputError
+
 # instruction sets that change which int8 / int4 / float kernels ONNX Runtime and llama.cpp run
 # (x86 names as in /proc/cpuinfo "flags", Arm names as in its "Features")
 SPEED_FLAGS = frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
@@ -55,9 +57,28 @@ def _cpu_flags() -> set[str]:
 def thread_count(threads: int | None = None, device: int | None = None) -> int:
     """The threads a runtime uses: ``threads``, else $EDGEROUTE_THREADS, else a device profile's
     (``device``: the board's cores, at most the CPUs the OS lists), else every CPU the OS lists
-    (hyperthreads included)."""
-    listed = os.cpu_count() or 1
-    return threads or int(os.environ.get("EDGEROUTE_THREADS", 0)) or min(device or listed, listed)
+    (hyperthreads included).
+
+    An explicit count (``threads`` or $EDGEROUTE_THREADS) outside 1..the CPUs online is an
+    InputError naming it, the CPUs and the fix; libedgeroute's er_model_open refuses the same.
+    Refused rather than clamped: threads beyond the CPUs only take turns on them (each forward
+    waits at the kernels' barriers for the descheduled ones), and a clamp would run and report
+    another count than the one asked for. A device profile's count describes its board, not a
+    request, and is taken up to the CPUs here."""
+    listed = os.cpu_count() or 1  # the CPUs online (sysconf(_SC_NPROCESSORS_ONLN) on Linux)
+    given = "threads"
+    if threads is None and (text := os.environ.get("EDGEROUTE_THREADS", "").strip()):
+        given = "$EDGEROUTE_THREADS"
+        try:
+            threads = int(text)
+        except ValueError:
+            raise InputError(f"$EDGEROUTE_THREADS must be a whole number of threads (got {text!r})") from None
+    if threads is None:
+        return min(device or listed, listed)
+    if not isinstance(threads, int) or isinstance(threads, bool) or not 1 <= threads <= listed:
+        raise InputError(f"{given} must be a whole number within 1..{listed}, the CPUs online (got {threads!r}): "
+                         f"give at most {listed}, or leave it unset to use all {listed}")
+    return threads
 
 
 def _model_name(processors: list[dict[str, str]]) -> str:

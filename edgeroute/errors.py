@@ -35,6 +35,12 @@ class CalibrationDeviceWarning(UserWarning):
     not be the fastest here."""
 
 
+class UnmeasuredQualityWarning(UserWarning):
+    """A lossy mode runs with settings no calibration measured (e.g. ``--mode skip`` on a bundle
+    whose calibration kept no skip setting): it uses conservative defaults, and what it costs in
+    quality is unknown until ``edgeroute calibrate`` has judged it on held-out tasks."""
+
+
 class NativeBackendUnavailable(EdgerouteError):
     """The native CPU backend cannot run here (no native weights in the bundle, a library that
     does not load, kernels this CPU lacks): ``backend="auto"`` then runs ONNX Runtime."""

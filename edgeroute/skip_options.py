@@ -10,13 +10,17 @@ from edgeroute.errors import InputError
 
 SKIP_SCORERS = ("update", "cosine", "random")  # importance scorers (runtime.policies.make_scorer)
 GRANULARITIES = ("layer", "mlp")
+# Without a calibrated setting a skip decision frees at most this many layers, not the seed's 8:
+# on the pair's 1.5B, 8-layer runs changed 21-76% of the tokens (docs/measured/2026-12-01-skipping-pair.md);
+# calibration observes longer runs itself (calibration.skipping.FREE_LAYERS) and keeps what it measured.
+UNCALIBRATED_FREE_LAYERS = 2
 
 
 @dataclass
 class SkipOptions:
     importance_threshold: float = 0.6  # skip when the importance score is below this
     re_eval_interval: int = 2
-    max_free_layers: int | None = None  # None: the seed's 8, at most half the layers
+    max_free_layers: int | None = None  # None: UNCALIBRATED_FREE_LAYERS, at most half the layers
     skip_ratio: float = 0.1  # cap on the skipped share of layer work per sequence
     protected_first: int = 2  # skipping the first layers is catastrophic (Mistral-7B ppl 9 -> 3200)
     protected_last: int = 2
@@ -25,7 +29,7 @@ class SkipOptions:
     scorer: str = "update"  # one of SKIP_SCORERS
 
     def free_layers(self, num_layers: int) -> int:
-        return self.max_free_layers or max(1, min(8, num_layers // 2))
+        return self.max_free_layers or max(1, min(UNCALIBRATED_FREE_LAYERS, num_layers // 2))
 
     def validate(self, num_layers: int | None) -> None:
         """Value ranges always; the layer-count checks when ``num_layers`` is given (skip modes)."""

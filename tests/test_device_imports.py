@@ -18,6 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "edgeroute"
 DEVICE_FILES = sorted([
     *(PACKAGE / "runtime").glob("*.py"),
+    *(PACKAGE / "quality").glob("*.py"),  # edgeroute eval and its checks run on the device
     *(PACKAGE / name for name in ("__init__.py", "bundle.py", "arch.py", "rope.py", "errors.py", "chat_format.py",
                                   "texts.py", "kv_formats.py", "skip_options.py",
                                   "tensorrt/__init__.py", "tensorrt/engines.py")),  # the TensorRT backend finds its engines

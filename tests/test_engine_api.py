@@ -342,6 +342,9 @@ def test_prompt_over_the_context_is_an_input_error_naming_the_sizes(tiny_engine)
     (dict(temperature=-1.0), "temperature"),
     (dict(top_p=0.0), "top_p"),
     (dict(top_p=1.5), "top_p"),
+    (dict(temperature=float("nan")), r"temperature must be a finite number >= 0 .*\(got nan\)"),
+    (dict(temperature=float("inf")), r"temperature must be a finite number >= 0 .*\(got inf\)"),
+    (dict(top_p=float("nan")), r"top_p must be a number within \(0, 1\] .*\(got nan\)"),
     (dict(mode="speculate", draft_tokens=9), "draft_tokens"),
     (dict(max_new_tokens=0), "max_new_tokens"),
 ])

@@ -416,3 +416,141 @@ def test_cli_export_then_inspect(tiny_llama, tmp_path):
     result = invoke("inspect", str(out))
     assert result.exit_code == 0, result.output
     assert "match their sha256" in result.output
+
+
+# -- run: sampling values, trace paths, files that are not regular, threads ----------------------
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--temperature", "nan", "temperature must be a finite number >= 0"),
+    ("--temperature", "inf", "temperature must be a finite number >= 0"),
+    ("--temperature", "-0.5", "temperature must be a finite number >= 0"),
+    ("--top-p", "nan", "top_p must be a number within (0, 1]"),
+    ("--top-p", "inf", "top_p must be a number within (0, 1]"),
+    ("--top-p", "0", "top_p must be a number within (0, 1]"),
+])
+def test_cli_run_refuses_a_non_finite_or_out_of_range_sampling_value_with_exit_2(tiny_slm_bundle, flag, value, message):
+    result = invoke("run", str(tiny_slm_bundle), "--prompt", "hi", "--raw", flag, value)
+    assert result.exit_code == 2, result.output
+    assert words(result.output).startswith("error:") and message in words(result.output)
+    assert f"(got {float(value)!r})" in words(result.output)
+
+
+def test_engine_refuses_a_nan_temperature_before_loading_a_model(tiny_slm_bundle, monkeypatch):
+    from edgeroute.errors import InputError
+    from edgeroute.runtime import Engine
+    from edgeroute.runtime import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "open_model", lambda *args: pytest.fail("a model loaded"))
+    with pytest.raises(InputError, match=r"temperature must be a finite number >= 0 .*\(got nan\)"):
+        Engine(tiny_slm_bundle, decoding={"temperature": float("nan")})
+
+
+def test_cli_run_trace_into_a_missing_folder_creates_the_folder(tiny_slm_bundle, tmp_path):
+    trace = tmp_path / "runs" / "today" / "trace.jsonl"
+    result = invoke("run", str(tiny_slm_bundle), "--prompt", "hi", "--raw", "--max-tokens", "3", "--trace", str(trace))
+    assert result.exit_code == 0, result.output
+    assert len(trace.read_text().splitlines()) == 3
+
+
+def test_cli_run_trace_to_a_folder_exits_2_before_generating(tiny_slm_bundle, tmp_path):
+    result = invoke("run", str(tiny_slm_bundle), "--prompt", "hi", "--raw", "--max-tokens", "3", "--trace", str(tmp_path))
+    assert result.exit_code == 2, result.output
+    assert words(result.output).startswith(f"error: --trace {tmp_path} is a folder: give a file path")
+    assert "mode full" not in words(result.output)  # no stats line: nothing was generated
+
+
+def test_cli_run_trace_under_a_file_exits_2(tiny_slm_bundle, tmp_path):
+    (tmp_path / "notes").write_text("not a folder")
+    trace = tmp_path / "notes" / "trace.jsonl"
+    result = invoke("run", str(tiny_slm_bundle), "--prompt", "hi", "--raw", "--trace", str(trace))
+    assert result.exit_code == 2, result.output
+    assert f"cannot write the trace file {trace}: part of {trace.parent} is a file" in words(result.output)
+    assert (tmp_path / "notes").read_text() == "not a folder"
+
+
+def returns_within(seconds: float, call, fifo: Path):
+    """call()'s result (or its exception), failing the test when it blocks for ``seconds``; a
+    reader blocked on ``fifo`` is then released by opening its other end, so nothing hangs."""
+    import threading
+
+    outcome: dict = {}
+
+    def target() -> None:
+        try:
+            outcome["value"] = call()
+        except Exception as err:  # re-raised in the test's thread
+            outcome["error"] = err
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        thread.join()
+        pytest.fail(f"blocked for {seconds} s on the FIFO {fifo}")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome.get("value")
+
+
+def test_a_fifo_in_place_of_the_manifest_is_refused_without_blocking(bundle_copy):
+    manifest = bundle_copy / MANIFEST
+    manifest.unlink()
+    os.mkfifo(manifest)
+    with pytest.raises(BundleError, match="manifest.json is not a regular file"):
+        returns_within(10, lambda: Bundle.open(bundle_copy), manifest)
+
+
+def test_a_fifo_in_place_of_a_bundle_file_is_refused_without_blocking(bundle_copy):
+    graph = bundle_copy / "llm" / "head.onnx"
+    graph.unlink()
+    os.mkfifo(graph)
+    with pytest.raises(BundleError, match="llm/head.onnx is not a regular file"):
+        returns_within(10, lambda: Bundle.open(bundle_copy), graph)
+
+
+def test_the_native_library_refuses_a_fifo_or_a_folder_without_blocking(tmp_path):
+    import ctypes
+
+    from edgeroute.errors import NativeBackendUnavailable
+
+    native = pytest.importorskip("edgeroute.runtime.native")
+    try:
+        lib = native.native_library()
+    except NativeBackendUnavailable as err:
+        pytest.skip(str(err))
+    fifo = tmp_path / "native.bin"
+    os.mkfifo(fifo)
+    handle = ctypes.c_void_p()
+    for path, kind in ((fifo, "FIFO"), (tmp_path, "directory")):
+        with pytest.raises(BundleError, match=f"is not a regular file \\(a {kind}\\)"):
+            returns_within(10, lambda p=path: native._check(lib, lib.er_model_open(str(p).encode(), None,
+                                                                                  ctypes.byref(handle))), fifo)
+        assert handle.value is None
+
+
+def test_threads_outside_the_cpus_online_are_refused_naming_the_value_the_cpus_and_the_fix(monkeypatch):
+    from edgeroute.cpu import thread_count
+    from edgeroute.errors import InputError
+
+    monkeypatch.delenv("EDGEROUTE_THREADS", raising=False)
+    monkeypatch.setattr("os.cpu_count", lambda: 4)
+    for threads in (5, 0, -1, 2.5):
+        with pytest.raises(InputError, match=rf"^threads must be a whole number within 1\.\.4, the CPUs online "
+                                             rf"\(got {threads}\): give at most 4, or leave it unset"):
+            thread_count(threads)
+    assert thread_count(4) == 4 and thread_count() == 4
+    assert thread_count(None, device=16) == 4  # a device profile's cores describe its board: taken up to the CPUs here
+    monkeypatch.setenv("EDGEROUTE_THREADS", "5")
+    with pytest.raises(InputError, match=r"^\$EDGEROUTE_THREADS must be .* \(got 5\)"):
+        thread_count()
+    monkeypatch.setenv("EDGEROUTE_THREADS", "many")
+    with pytest.raises(InputError, match=r"\$EDGEROUTE_THREADS must be a whole number of threads \(got 'many'\)"):
+        thread_count()
+
+
+def test_cli_run_with_more_threads_than_cpus_online_exits_2(tiny_slm_bundle):
+    online = os.cpu_count()
+    result = invoke("run", str(tiny_slm_bundle), "--prompt", "hi", "--raw", "--threads", str(online + 1))
+    assert result.exit_code == 2, result.output
+    assert f"within 1..{online}, the CPUs online (got {online + 1})" in words(result.output)

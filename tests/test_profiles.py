@@ -68,6 +68,8 @@ def test_a_profile_threads_apply_only_where_neither_the_caller_nor_the_environme
     ({"providers": "CPUExecutionProvider"}, "'providers' must be a JSON list"),
     ({"providers": [["TensorrtExecutionProvider", "fp16"]]}, r"provider .* must be a name or a \[name, \{options\}\]"),
     ({"decoding": {"mode": "speculate", "draft_tokns": 4}}, "unknown decoding option.*draft_tokns"),
+    ({"decoding": {"temperature": float("nan")}}, r"temperature must be a finite number >= 0 .*\(got nan\)"),
+    ({"decoding": {"top_p": float("inf")}}, r"top_p must be a number within \(0, 1\] .*\(got inf\)"),
     ({"memory": {"usable_gb": 4}}, "unknown memory key 'usable_gb'"),
     ({"memory": {"usable_gib": "4"}}, "memory.usable_gib has the wrong type"),
     ({"memory": {"usable_gib": -1}}, "usable_gib must be > 0"),

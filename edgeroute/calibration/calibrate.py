@@ -23,7 +23,7 @@ import numpy as np
 
 from edgeroute import __version__
 from edgeroute.bundle import Bundle, Calibration, RouterCalibration
-from edgeroute.calibration.checks import task_pass
+from edgeroute.calibration.checks import prompt_case
 from edgeroute.calibration.drafting import (
     DraftFit,
     DraftSetting,
@@ -42,7 +42,16 @@ from edgeroute.calibration.labels import (
     label_prompts,
     uncalibrated_engine,
 )
-from edgeroute.calibration.prompts import PER_TASK, TASKS, CalibrationPrompt, builtin_prompts, load_prompts, prompts_sha256
+from edgeroute.calibration.prompts import (
+    HELD_OUT_PER_TASK,
+    PER_TASK,
+    TASKS,
+    CalibrationPrompt,
+    builtin_prompts,
+    held_out_prompts,
+    load_prompts,
+    prompts_sha256,
+)
 from edgeroute.calibration.report import plot_generation, plot_tradeoff, render
 from edgeroute.calibration.skipping import (
     FREE_LAYERS,
@@ -56,6 +65,15 @@ from edgeroute.calibration.thresholds import BOUNDS, BudgetUnreachable, Choice, 
 from edgeroute.calibration.train import TrainSettings, roc_auc, router_onnx, train_router
 from edgeroute.cpu import cpu_signature
 from edgeroute.errors import InputError
+from edgeroute.quality.cases import TaskCase, load_cases
+from edgeroute.quality.runs import (
+    DEFAULT_CONFIDENCE,
+    DEFAULT_TOLERANCE,
+    RunConfig,
+    eligibility,
+    run_cases,
+    summarize,
+)
 from edgeroute.runtime.calibrated import AUTO_KEYS, SKIP_KEYS
 from edgeroute.runtime.drafters import Proposal
 from edgeroute.runtime.engine import Engine
@@ -87,7 +105,12 @@ class CalibrateOptions:
     labels: LabelSettings = field(default_factory=LabelSettings)
     slm_router: TrainSettings = field(default_factory=TrainSettings)
     ngram_router: TrainSettings = field(default_factory=lambda: TrainSettings(hidden_units=0, dropout=0.0))
-    validation_prompts_per_task: int = 6  # runtime runs per task profile (the slow part)
+    # held-out prompts per task the runtime runs judge every configuration on (the slow part);
+    # below ~60 no lossy mode can show a loss bound of 5% (0 losses in n bound it at 1 - 0.05^(1/n))
+    validation_prompts_per_task: int = HELD_OUT_PER_TASK
+    task_loss: float = DEFAULT_TOLERANCE  # share of held-out prompts a lossy mode may lose against full
+    confidence: float = DEFAULT_CONFIDENCE  # of the bound on that loss
+    eval_cases: Path | None = None  # a task file (edgeroute eval's JSONL) judged beside the built-in held-out set
     # labelled prompts whose answers are observed with skipping (0: skipping is not calibrated);
     # the conformal bound at 97% needs 33 fitting prompts before it can allow any error
     skip_prompts: int = 48
@@ -109,6 +132,11 @@ class CalibrateOptions:
                 raise InputError(f"{name} must be at least 1 (got {value})")
         if self.labels.path_checks < 0:
             raise InputError(f"path checks must be 0 or more (got {self.labels.path_checks})")
+        if not 0.0 <= self.task_loss < 1.0:
+            raise InputError(f"the task loss is the share of held-out prompts a lossy mode may lose against full, "
+                             f"within [0, 1) (got {self.task_loss})")
+        if not 0.5 <= self.confidence < 1.0:
+            raise InputError(f"confidence must be within [0.5, 1) (got {self.confidence})")
         if self.skip_prompts < 0:
             raise InputError(f"skip prompts must be 0 or more (got {self.skip_prompts})")
         if self.executor not in EXECUTORS:
@@ -256,16 +284,6 @@ def router_cost(engine: Engine, router: TrainedRouter, repeats: int = 48) -> dic
 # -- runtime confirmation --------------------------------------------------------------------------
 
 
-@dataclass
-class RunConfig:
-    name: str
-    options: dict[str, Any]
-    per_task: dict[str, dict[str, Any]] = field(default_factory=dict)  # options a task's prompts run with instead
-
-    def options_for(self, task: str) -> dict[str, Any]:
-        return {**self.options, **self.per_task.get(task, {})}
-
-
 def run_configs(routers: dict[str, RouterResult], loaded: dict[str, Any]) -> list[RunConfig]:
     configs = [RunConfig("full", {"mode": "full"}), RunConfig("speculate/ngram", {"mode": "speculate", "light": "ngram"}),
                RunConfig("speculate/slm", {"mode": "speculate", "light": "slm"})]
@@ -276,58 +294,35 @@ def run_configs(routers: dict[str, RouterResult], loaded: dict[str, Any]) -> lis
     return configs
 
 
-def confirm(engine: Engine, prompts: list[CalibrationPrompt], configs: list[RunConfig], max_tokens: int,
-            progress: Progress | None) -> dict[str, list[dict[str, Any]]]:
-    """Run every config on every prompt (interleaved, so machine noise hits all alike)."""
-    runs: dict[str, list[dict[str, Any]]] = {c.name: [] for c in configs}
-    for done, prompt in enumerate(prompts):
-        if progress is not None:
-            progress("runtime runs", done, len(prompts))
-        reference = None
-        for config in configs:
-            extra = {"protect_format": True} if prompt.task == "json" and config.options["mode"] == "route" else {}
-            generation = engine.generate([{"role": "user", "content": prompt.content}], max_new_tokens=max_tokens,
-                                         **config.options_for(prompt.task), **extra)
-            reference = generation.text if reference is None else reference
-            runs[config.name].append({"task": prompt.task, "tokens": generation.stats.new_tokens,
-                                      "seconds": generation.stats.decode_seconds,
-                                      "llm_tokens": generation.stats.llm_tokens,
-                                      "pass": task_pass(prompt, generation.text, reference),
-                                      "same_as_full": generation.text == reference})
-    if progress is not None:
-        progress("runtime runs", len(prompts), len(prompts))
-    return runs
-
-
-def summarize(rows: list[dict[str, Any]], full: list[dict[str, Any]]) -> dict[str, float]:
-    def rate(rs):
-        steps = sum(r["tokens"] - 1 for r in rs)
-        return steps / max(sum(r["seconds"] for r in rs), 1e-9)
-
-    return {"speed_vs_full": rate(rows) / rate(full), "tok_s": rate(rows),
-            "llm_share": sum(r["llm_tokens"] for r in rows) / max(sum(r["tokens"] for r in rows), 1),
-            "task_pass": statistics.fmean(r["pass"] for r in rows),
-            "same_as_full": statistics.fmean(r["same_as_full"] for r in rows), "prompts": len(rows)}
-
-
-def choose_profiles(runs: dict[str, list[dict[str, Any]]], configs: list[RunConfig]) -> dict[str, dict[str, Any]]:
-    """Per task (and ``default`` over all): the fastest configuration whose task-level pass rate
-    is no lower than full's; full when nothing qualifies at least MIN_SPEEDUP faster."""
+def choose_profiles(runs: dict[str, list[dict[str, Any]]], configs: list[RunConfig],
+                    tolerance: float = DEFAULT_TOLERANCE, confidence: float = DEFAULT_CONFIDENCE,
+                    ) -> dict[str, dict[str, Any]]:
+    """Per task (and ``default`` over all): the fastest eligible configuration (lossless: the same
+    text as full on every held-out prompt; lossy: a loss bound within ``tolerance``, on prompts
+    that all have a check), full when none is at least MIN_SPEEDUP faster. Each profile records
+    every configuration's figures, why it was or was not eligible, and the chosen one's quality."""
     profiles = {}
-    tasks = sorted({r["task"] for r in runs["full"]}, key=TASKS.index)
+    found = {r["task"] for r in runs["full"]}
+    tasks = [t for t in TASKS if t in found] + sorted(found - set(TASKS))
     for task in [*tasks, "default"]:
         pick = [i for i, r in enumerate(runs["full"]) if task in ("default", r["task"])]
-        figures = {c.name: summarize([runs[c.name][i] for i in pick], [runs["full"][i] for i in pick])
+        figures = {c.name: summarize([runs[c.name][i] for i in pick], [runs["full"][i] for i in pick], confidence)
                    for c in configs}
-        full_pass = figures["full"]["task_pass"]
-        qualified = [c for c in configs if figures[c.name]["task_pass"] >= full_pass]
+        verdicts = {c.name: eligibility(c.name, figures[c.name], tolerance) for c in configs}
+        qualified = [c for c in configs if verdicts[c.name][0]]
         best = max(qualified, key=lambda c: (figures[c.name]["speed_vs_full"] if c.name != "full" else 1.0))
         if best.name != "full" and figures[best.name]["speed_vs_full"] < MIN_SPEEDUP:
             best = configs[0]
         options = {k: v for k, v in best.options_for(task).items() if k in (*AUTO_KEYS, *SKIP_KEYS)}
         if task == "json" and options["mode"] == "route":
             options["protect_format"] = True
-        profiles[task] = {**options, "config": best.name, "figures": figures}
+        chosen = figures[best.name]
+        profiles[task] = {**options, "config": best.name, "figures": figures,
+                          "eligible": {name: {"eligible": ok, "why": why} for name, (ok, why) in verdicts.items()},
+                          "quality": {"task_pass": chosen["task_pass"], "full_task_pass": chosen["full_task_pass"],
+                                      "judged": chosen["judged"], "prompts": chosen["prompts"],
+                                      "loss_bound": chosen["loss_bound"], "confidence": confidence,
+                                      "tolerance": tolerance, "why": verdicts[best.name][1]}}
     return profiles
 
 
@@ -491,7 +486,7 @@ class CalibrationRun:
     drafting: DraftingResult | None = None
     fitted_drafts: RunConfig | None = None
     skipping: list[SkipVerdict] = field(default_factory=list)
-    held_out: list[CalibrationPrompt] = field(default_factory=list)
+    held_out: list[TaskCase] = field(default_factory=list)  # what the runtime runs judge: never labelled
     runs: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     decoding: dict[str, Any] = field(default_factory=dict)
 
@@ -510,8 +505,16 @@ class CalibrationRun:
             raise InputError("no calibration prompts: keep the built-in set or give --prompts FILE.jsonl")
         if len({p.id for p in prompts}) != len(prompts):
             raise InputError("calibration prompt ids must be unique (a --prompts line reuses an id)")
+        held_out = [prompt_case(p) for p in held_out_prompts(options.validation_prompts_per_task)] \
+            if options.builtin else []
+        if options.eval_cases:
+            held_out += load_cases(options.eval_cases)
+        if not held_out:
+            raise InputError("no held-out prompts to judge the modes on: keep the built-in set or give --eval FILE.jsonl")
+        if len({c.id for c in held_out}) != len(held_out):
+            raise InputError("held-out case ids must be unique (an --eval line reuses a built-in id)")
         work = Path(options.work) if options.work else bundle.path.parent / f"{bundle.path.name}-calibration"
-        return cls(bundle, uncalibrated_engine(bundle), options, prompts, work, progress, executor)
+        return cls(bundle, uncalibrated_engine(bundle), options, prompts, work, progress, executor, held_out=held_out)
 
     @contextmanager
     def timed(self, stage: str) -> Iterator[None]:
@@ -570,13 +573,9 @@ class CalibrationRun:
 
     def confirm(self) -> None:
         """Every candidate run through the runtime on held-out prompts: what becomes a default."""
-        by_id = self.by_id
-        validation = [by_id[i] for i in self.labels.prompt_ids if split_of(i) == "validation"]
-        self.held_out = [p for task in TASKS for p in [q for q in validation if q.task == task][
-            :self.options.validation_prompts_per_task]]
         with self.timed("runtime runs"):
-            self.runs = confirm(self.engine, self.held_out, self.configs, self.options.labels.max_answer_tokens,
-                                self.progress)
+            self.runs = run_cases(self.engine, self.held_out, self.configs, self.options.labels.max_answer_tokens,
+                                  self.progress)
         if self.fitted_drafts is not None:
             self.messages.extend(confirm_task_drafts(self.runs, self.drafting, self.fitted_drafts))
             plain, fitted = (summarize(self.runs[name], self.runs["full"]) for name in ("speculate/slm", FITTED_DRAFTS))
@@ -602,20 +601,22 @@ class CalibrationRun:
                                  f"runtime runs ({fitted['tok_s']:.1f} vs {plain['tok_s']:.1f} tok/s): defaults kept")
 
     def _confirm_skipping(self) -> None:
-        """A skip setting becomes the skip modes' default only where it ran faster than full at
-        full's task pass."""
-        full_pass = summarize(self.runs["full"], self.runs["full"])["task_pass"]
+        """A skip setting becomes the skip modes' default only where it ran faster than full and
+        is eligible over all held-out prompts (a bound on its loss, every prompt judged)."""
+        options = self.options
         for verdict in self.skipping:
             if verdict.options is None:
                 continue
-            figures = summarize(self.runs[f"skip/{verdict.granularity}"], self.runs["full"])
+            name = f"skip/{verdict.granularity}"
+            figures = summarize(self.runs[name], self.runs["full"], options.confidence)
             verdict.figures["runtime"] = figures
-            if figures["speed_vs_full"] >= MIN_SPEEDUP and figures["task_pass"] >= full_pass:
+            eligible, why = eligibility(name, figures, options.task_loss)
+            if figures["speed_vs_full"] >= MIN_SPEEDUP and eligible:
                 if figures["speed_vs_full"] > self.decoding.get("skip", {}).get("speed_vs_full", 0.0):
                     self.decoding["skip"] = {**verdict.options, "speed_vs_full": figures["speed_vs_full"]}
             else:
-                self.messages.append(f"skip/{verdict.granularity}: ran at {figures['speed_vs_full']:.2f}x full with "
-                                     f"task pass {figures['task_pass']:.0%} on held-out prompts: stays off")
+                self.messages.append(f"{name}: ran at {figures['speed_vs_full']:.2f}x full on held-out prompts "
+                                     f"({why}): stays off")
 
     def write(self) -> CalibrateReport:
         """The calibration section into the bundle (atomically), the report and its plots beside it."""
@@ -637,9 +638,12 @@ class CalibrationRun:
         calibration = Calibration(
             created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), edgeroute_version=__version__,
             data_sha256=hashlib.sha256(provenance.encode()).hexdigest(),
-            budget={"tf_agreement": options.budget, "task_pass": "no lower than full", "bound": options.bound,
-                    "delta": options.delta if options.bound == "ltt" else None},
-            routers=entries, profiles=choose_profiles(self.runs, self.configs), decoding=self.decoding,
+            budget={"tf_agreement": options.budget, "bound": options.bound,
+                    "delta": options.delta if options.bound == "ltt" else None,
+                    "task_loss": options.task_loss, "confidence": options.confidence,
+                    "held_out": {"prompts": len(self.held_out), "sha256": cases_sha256(self.held_out)}},
+            routers=entries, profiles=choose_profiles(self.runs, self.configs, options.task_loss, options.confidence),
+            decoding=self.decoding,
             device={**cpu_signature(), "backend": engine.llm.flavour, "kv_dtype": engine.llm.kv_dtype},
             figures={"labels": label_counts(self.labels), "seconds": dict(self.seconds),
                      "drafting": self.drafting.figures,
@@ -656,13 +660,19 @@ class CalibrationRun:
                 plot_tradeoff(result, self.work / f"tradeoff-{light}.png")
         if self.held_out:
             # a grounded answer mixes copied values (light path) and new wording (LLM): the telling picture
-            sample = next((p for p in self.held_out if p.task == "grounded"), self.held_out[0])
+            sample = next((c for c in self.held_out if c.task == "grounded"), self.held_out[0])
             light = "slm" if engine.slm is not None else "ngram"
             routing = next((c.options for c in self.configs if c.name == f"route/{light}"),
                            {"mode": "route", "light": light})
             plot_sample_answer(engine, sample, routing, options.labels.max_answer_tokens,
                                self.work / "token-layers.png")
         return CalibrateReport(self.bundle.path, calibration, self.messages, self.seconds, report)
+
+
+def cases_sha256(cases: list[TaskCase]) -> str:
+    """Of the held-out cases' ids, messages and assertions: which set a calibration was judged on."""
+    payload = [[c.id, c.task, c.messages, [[a.type, a.value] for a in c.assertions], c.response_format] for c in cases]
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def label_counts(labels: Labels) -> dict[str, Any]:
@@ -680,14 +690,14 @@ def label_counts(labels: Labels) -> dict[str, Any]:
                                      & (labels["ngram_token"] >= 0)).sum())}}
 
 
-def plot_sample_answer(engine: Engine, prompt: CalibrationPrompt, routing: dict[str, Any], max_tokens: int,
+def plot_sample_answer(engine: Engine, case: TaskCase, routing: dict[str, Any], max_tokens: int,
                        path: Path) -> None:
     """The token x layer view of one held-out answer in ``route+skip`` with the calibrated
     router and threshold (``routing``: the route configuration's options, a baseline's when
     no threshold met the budget; the engine itself runs uncalibrated) and the default skip
     settings."""
     light = routing["light"]
-    messages = [{"role": "user", "content": prompt.content}]
+    messages = case.messages
     mode = "route+skip"
     chosen = {**routing, "max_new_tokens": max_tokens}
     try:
@@ -695,5 +705,5 @@ def plot_sample_answer(engine: Engine, prompt: CalibrationPrompt, routing: dict[
     except InputError:  # a model too shallow for the default protected layers: routing alone
         mode = "route"
         generation = engine.generate(messages, **{**chosen, "mode": mode})
-    plot_generation(engine, generation, f"{prompt.id}: {mode}, light path {light} "
+    plot_generation(engine, generation, f"{case.id}: {mode}, light path {light} "
                     f"({generation.stats.llm_share:.0%} LLM share)", path)

@@ -1,15 +1,22 @@
 """Task-level checks of an answer: what teacher-forced agreement cannot see (an answer that
-agrees with the LLM token by token on 93% of positions may still leave JSON unclosed or copy
-the prompt's instructions). Each check compares with the prompt and with ``full``'s answer."""
+agrees with the LLM token by token on 98% of positions may still get the one number that
+matters wrong, leave JSON unclosed or copy the prompt's instructions).
+
+A prompt's check is its own assertions (promptfoo's vocabulary, see
+:mod:`edgeroute.quality.assertions`), judged against the prompt's values, never against
+``full``'s answer: a mode and ``full`` are both judged, and compared on the same prompts. A
+prompt without assertions (open dialogue) has no automatic check: its verdict is ``None``.
+"""
 
 from __future__ import annotations
 
 import json
 import re
 
-from edgeroute.calibration.prompts import CalibrationPrompt
+from edgeroute.calibration.prompts import ECHO_WORDS, CalibrationPrompt
+from edgeroute.quality.assertions import Verdict, parse_assertion
+from edgeroute.quality.cases import TaskCase
 
-ECHO_WORDS = 8  # this many consecutive words of the instructions (all, if fewer) in an answer is an echo
 _WORD = re.compile(r"[A-Za-z0-9]+(?:[.,:][0-9]+)*")  # numbers keep their separators: 14:35, 21.5
 
 
@@ -19,7 +26,8 @@ def words(text: str) -> list[str]:
 
 def echoes_instructions(answer: str, instructions: str, window: int = ECHO_WORDS) -> bool:
     """The answer repeats ``window`` consecutive words of the instructions (all of them if
-    shorter), matched on whole words."""
+    shorter), matched on whole words (the benchmarks' check; built-in prompts carry the same
+    rule as a ``not-regex`` assertion, :func:`edgeroute.calibration.prompts.echo_pattern`)."""
     said, heard = words(instructions), f" {' '.join(words(answer))} "
     size = min(window, len(said))
     return size > 0 and any(f" {' '.join(said[i:i + size])} " in heard for i in range(len(said) - size + 1))
@@ -37,16 +45,13 @@ def parse_json_object(text: str) -> dict | None:
     return value if isinstance(value, dict) else None
 
 
-def task_pass(prompt: CalibrationPrompt, answer: str, reference: str) -> bool:
-    """Does ``answer`` do the task as well as the check can tell? ``reference`` is full's answer:
-    json must parse and carry its keys and values; templated and grounded must contain every
-    record value that full's answer contains; no answer may echo the prompt's instructions."""
-    if prompt.instructions and echoes_instructions(answer, prompt.instructions) \
-            and not echoes_instructions(reference, prompt.instructions):
-        return False
-    if prompt.task == "json":
-        want = parse_json_object(reference)
-        got = parse_json_object(answer)
-        return got is not None and (want is None or got == want)
-    values = [v for v in prompt.record.values() if v.lower() in reference.lower()]
-    return all(v.lower() in answer.lower() for v in values)
+def prompt_case(prompt: CalibrationPrompt) -> TaskCase:
+    """A built-in (or user) calibration prompt as a task case: one user turn and its assertions."""
+    return TaskCase(prompt.id, prompt.task, [{"role": "user", "content": prompt.content}],
+                    tuple(parse_assertion(a, prompt.id) for a in prompt.assertions))
+
+
+def task_verdict(prompt: CalibrationPrompt, answer: str) -> Verdict:
+    """Does ``answer`` do the prompt's task? ``Verdict.passed`` is None where there is no check
+    (or it could not run, e.g. a JavaScript check without node)."""
+    return prompt_case(prompt).verdict(answer)

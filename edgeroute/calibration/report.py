@@ -20,8 +20,9 @@ def render(calibration: Calibration, bundle: Path, messages: list[str]) -> str:
     lines = [f"# Calibration of `{bundle}`", "",
              f"{c.created}, edgeroute {c.edgeroute_version}, data sha256 `{c.data_sha256[:16]}`. Budget: "
              f"teacher-forced agreement with full >= {c.budget['tf_agreement']:.1%} ({c.budget['bound']} bound"
-             + (f", delta {c.budget['delta']}" if c.budget.get("delta") else "") + "), task-level pass no lower "
-             "than full's.", "", "## Labels", "",
+             + (f", delta {c.budget['delta']}" if c.budget.get("delta") else "") + ") for the routers' thresholds; "
+             f"a task profile's loss against full's task pass at most {c.budget.get('task_loss', 0):.0%} "
+             f"({c.budget.get('confidence', 0):.0%} bound on held-out prompts).", "", "## Labels", "",
              f"{labels['positions']} answer positions of {labels['prompts']} prompts.", "",
              "| light path | agree | differ | no proposal | path-checked | neutral | divergent |",
              "|---|---|---|---|---|---|---|",
@@ -48,15 +49,28 @@ def render(calibration: Calibration, bundle: Path, messages: list[str]) -> str:
                      f"{_pct(f.get('validation_tf_agreement'), 2)} | {_pct(f.get('validation_llm_share'), 0)} | "
                      + (f"{cost['router_ms']:.3f} ms ({cost['router_ms'] / cost['slm_step_ms']:.2%} of an SLM step)"
                         if cost else "-") + " |")
+    held = c.budget.get("held_out", {})
     lines += ["", "## Task profiles (runtime runs on held-out prompts)", "",
-              "| task | configuration | prompts | speed vs full | LLM share | task pass | full's task pass | "
-              "same text as full |", "|---|---|---|---|---|---|---|---|"]
+              f"Judged on {held.get('prompts', '?')} held-out prompts whose slot values occur in no calibration "
+              "prompt, each with its own task check (slots, numbers, JSON values, code run against unit tests). A "
+              "lossless configuration is eligible where its text equals full's on every prompt; any other only where "
+              f"every prompt has a check and the bound on its loss against full is at most "
+              f"{c.budget.get('task_loss', 0):.0%} (one-sided Clopper-Pearson, {c.budget.get('confidence', 0):.0%}). "
+              "Tasks without a check (open dialogue) get lossless modes only.", "",
+              "| task | configuration | prompts (judged) | speed vs full | LLM share | task pass (interval) | "
+              "full's task pass | lost / gained | loss bound | same text as full | eligible |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for task, profile in c.profiles.items():
         for name, f in profile["figures"].items():
             mark = " **(chosen)**" if name == profile["config"] else ""
-            lines.append(f"| {task} | {name}{mark} | {f['prompts']} | {f['speed_vs_full']:.2f}x | "
-                         f"{_pct(f['llm_share'], 0)} | {_pct(f['task_pass'], 0)} | "
-                         f"{_pct(profile['figures']['full']['task_pass'], 0)} | {_pct(f['same_as_full'], 0)} |")
+            eligible = profile.get("eligible", {}).get(name, {})
+            low, high = f.get("pass_interval", (None, None))
+            interval = f" ({_pct(low, 0)}-{_pct(high, 0)})" if f.get("task_pass") is not None else ""
+            lines.append(f"| {task} | {name}{mark} | {f['prompts']} ({f.get('judged', '-')}) | "
+                         f"{f['speed_vs_full']:.2f}x | {_pct(f['llm_share'], 0)} | {_pct(f['task_pass'], 0)}{interval} | "
+                         f"{_pct(f.get('full_task_pass'), 0)} | {f.get('lost', '-')} / {f.get('gained', '-')} | "
+                         f"{_pct(f.get('loss_bound'))} | {_pct(f['same_as_full'], 0)} | "
+                         f"{'yes' if eligible.get('eligible') else 'no'}: {eligible.get('why', '-')} |")
     drafting = c.figures.get("drafting")
     if drafting:
         costs = drafting["costs"]

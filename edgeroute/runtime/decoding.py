@@ -13,6 +13,8 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 import threading
 import time
 from collections.abc import Iterator
@@ -53,6 +55,17 @@ LIGHT_PATHS = ("ngram", "slm", "ngram+slm")  # ngram+slm: speculation only (draf
 SLM_LIGHT_PATHS = ("slm", "ngram+slm")
 
 
+def check_sampling(temperature: Any, top_p: Any) -> None:
+    """Raise an InputError naming the value and its range unless ``temperature`` is a finite
+    number >= 0 and ``top_p`` a number within (0, 1]. NaN passes every ``<`` test (and ended in
+    numpy's "probabilities contain NaN"); an infinite temperature samples uniformly random tokens."""
+    for name, value, fits, allowed in (
+            ("temperature", temperature, lambda v: math.isfinite(v) and v >= 0.0, "a finite number >= 0 (0: greedy)"),
+            ("top_p", top_p, lambda v: 0.0 < v <= 1.0, "a number within (0, 1] (1: no nucleus cut)")):
+        if not isinstance(value, numbers.Real) or isinstance(value, bool) or not fits(value):
+            raise InputError(f"{name} must be {allowed} (got {value!r})")
+
+
 @dataclass
 class DecodeOptions:
     mode: str = "full"
@@ -85,6 +98,11 @@ class DecodeOptions:
     fallback: FallbackOptions | None = field(default_factory=FallbackOptions)
     # structured output: a JSON schema, regex or grammar every token must fit (see constraints.py)
     response_format: ResponseFormat | dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        # at once, so a profile's or a flag's bad value fails before any model loads (validate()
+        # checks again: the fields may be set after construction)
+        check_sampling(self.temperature, self.top_p)
 
     def updated(self, **overrides: Any) -> DecodeOptions:
         """A copy with overrides; skip options may be given flat (``skip_ratio=0.2``)."""
@@ -121,8 +139,7 @@ class DecodeOptions:
             raise InputError(f"router {self.router!r} is not one of {', '.join(ROUTERS)}")
         if self.route_threshold is not None and not 0.0 <= self.route_threshold <= 1.0:
             raise InputError(f"route_threshold must be within [0, 1] (got {self.route_threshold})")
-        if self.temperature < 0 or not 0.0 < self.top_p <= 1.0:
-            raise InputError(f"temperature must be >= 0 and top_p within (0, 1] (got {self.temperature}, {self.top_p})")
+        check_sampling(self.temperature, self.top_p)
         if self.draft_confidence is not None and not 0.0 <= self.draft_confidence < 1.0:
             raise InputError(f"draft_confidence must be within [0, 1) (got {self.draft_confidence})")
         if self.max_draft_tokens is not None and self.max_draft_tokens < 1:

@@ -23,7 +23,7 @@ from tokenizers import Tokenizer
 from edgeroute.bundle import Bundle, RouterCalibration
 from edgeroute.chat_format import format_messages
 from edgeroute.cpu import cpu_signature, signature_difference
-from edgeroute.errors import CalibrationDeviceWarning, InputError, SessionBusy
+from edgeroute.errors import CalibrationDeviceWarning, InputError, SessionBusy, UnmeasuredQualityWarning
 from edgeroute.kv_formats import INT8_GROUP, KV_DTYPE_CHOICES, check_kv_dtype, kv_row_bytes
 from edgeroute.runtime.backend import ModelBackend, backend_for, open_model, resolve_kv_dtype
 from edgeroute.runtime.calibrated import calibrated_options, format_token_ids
@@ -163,6 +163,12 @@ class Engine:
         """The options a generation runs with: mode auto and unset router choices taken from
         the bundle's calibration, format-critical tokens listed when the profile protects them."""
         options = calibrated_options(options, self.bundle.calibration, self._trained_router)
+        calibration = self.bundle.calibration
+        if "skip" in options.mode and not (calibration is not None and calibration.decoding.get("skip")):
+            warnings.warn(f"{self.bundle.path}: mode {options.mode} skips layers with uncalibrated settings (at most "
+                          f"{options.skip.free_layers(self.llm.num_layers)} layers a decision, skip_ratio "
+                          f"{options.skip.skip_ratio}): its quality is unmeasured until `edgeroute calibrate` keeps a "
+                          "skip setting judged on held-out tasks", UnmeasuredQualityWarning, stacklevel=3)
         if options.protect_format and not options.protected_tokens:
             if self._format_tokens is None:
                 self._format_tokens = format_token_ids(self.tokenizer.get_vocab())

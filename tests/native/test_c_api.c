@@ -8,10 +8,13 @@
  *
  * Ends with "N passed, N failed" and exits non-zero on a failure. */
 #include <math.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "edgeroute.h"
 
@@ -302,7 +305,7 @@ static er_status open_bytes(const char *path, const uint8_t *p, size_t n, int ke
     write_file(path, p, n);
     er_model_params params = er_model_default_params();
     params.kernels = kernels;
-    params.threads = 2;
+    params.threads = sysconf(_SC_NPROCESSORS_ONLN) >= 2 ? 2 : 1; /* never more than the CPUs online */
     params.max_pass = 8; /* longer forwards run in passes: tested too */
     return er_model_open(path, &params, model);
 }
@@ -382,6 +385,19 @@ static void test_refusals(const char *dir, const buffer *file) {
     mp = er_model_default_params();
     mp.kernels = 7;
     check(er_model_open(path, &mp, &model) == ER_ERR_UNSUPPORTED, "kernels that do not exist");
+    write_file(path, file->p, file->n);
+    const long online = sysconf(_SC_NPROCESSORS_ONLN);
+    mp = er_model_default_params();
+    mp.threads = (int32_t)online + 1;
+    char online_text[64];
+    snprintf(online_text, sizeof online_text, "0..%ld, the CPUs online", online);
+    check(er_model_open(path, &mp, &model) == ER_ERR_ARGUMENT && model == NULL && strstr(er_last_error(), online_text),
+          "more threads than CPUs online");
+    mp.threads = -1;
+    check(er_model_open(path, &mp, &model) == ER_ERR_ARGUMENT && strstr(er_last_error(), "threads -1"), "negative threads");
+    mp.threads = (int32_t)online;
+    check(er_model_open(path, &mp, &model) == ER_OK, "as many threads as CPUs online");
+    er_model_free(model);
     check(open_bytes(path, file->p, file->n, ER_KERNELS_GENERIC, &model) == ER_OK, "the tiny model");
     er_session *s;
     er_session_params sp = er_session_default_params();
@@ -446,6 +462,35 @@ static void test_refusals(const char *dir, const buffer *file) {
     er_session_free(s);
     er_model_free(NULL);
     er_session_free(NULL);
+}
+
+static void on_alarm(int signal_number) {
+    (void)signal_number;
+    static const char message[] = "FAILED: er_model_open blocked on a FIFO for 10 s\n";
+    const ssize_t written = write(2, message, sizeof message - 1);
+    (void)written;
+    _exit(1);
+}
+
+/* A FIFO (or any other file that is not a regular one) is refused at once: without
+ * O_NONBLOCK, open() waits forever for a writer. The alarm turns a hang into a failure. */
+static void test_files_that_are_not_regular(const char *dir) {
+    char path[1024];
+    snprintf(path, sizeof path, "%s/fifo.bin", dir);
+    unlink(path);
+    er_model *model = NULL;
+    if (mkfifo(path, 0600) != 0) {
+        check(0, "mkfifo %s", path);
+        return;
+    }
+    signal(SIGALRM, on_alarm);
+    alarm(10);
+    check(er_model_open(path, NULL, &model) == ER_ERR_IO && model == NULL && strstr(er_last_error(), "not a regular file") &&
+          strstr(er_last_error(), "FIFO"), "a FIFO is refused without blocking");
+    alarm(0);
+    signal(SIGALRM, SIG_DFL);
+    unlink(path);
+    check(er_model_open(dir, NULL, &model) == ER_ERR_IO && strstr(er_last_error(), "directory"), "a directory is refused");
 }
 
 static void test_damaged_files(const char *dir, const buffer *file, size_t header, int iterations) {
@@ -521,6 +566,7 @@ int main(int argc, char **argv) {
     const size_t header = tiny_model(&file, 3, 1);
     test_model(argv[1], &file);
     test_refusals(argv[1], &file);
+    test_files_that_are_not_regular(argv[1]);
     test_damaged_files(argv[1], &file, header, iterations);
     free(file.p);
     printf("%d passed, %d failed\n", passed, failed);

@@ -113,14 +113,16 @@ typedef struct er_model er_model;
 typedef struct er_model_params {
     uint32_t struct_size; /* sizeof(er_model_params) of the caller's header: checked */
     int32_t kernels;      /* an er_kernels value; ER_KERNELS_AUTO by default */
-    int32_t threads;      /* OpenMP threads per forward; 0 (default): the CPU's count */
+    int32_t threads;      /* OpenMP threads per forward; 0 (default): the CPU's count. At most the
+                             CPUs online (sysconf(_SC_NPROCESSORS_ONLN)): more is ER_ERR_ARGUMENT */
     int32_t max_pass;     /* most tokens one internal pass runs (longer forwards run in passes): 256 */
 } er_model_params;
 
 ER_API er_model_params er_model_default_params(void);
 
 /* Opens a native weight file (mapped read-only; packed copies of its matrices are made for
- * kernels that want them). The file must stay unchanged while the model is open. */
+ * kernels that want them). The file must stay unchanged while the model is open. A path that
+ * is not a regular file (a FIFO, a directory, a device) is ER_ERR_IO, without blocking. */
 ER_API er_status er_model_open(const char *path, const er_model_params *params, er_model **model);
 
 /* Frees the model (NULL: nothing). Sessions still open keep it: its memory goes with the last
@@ -225,6 +227,9 @@ ER_API er_status er_session_advance(er_session *session, int32_t n);
 ER_API er_status er_model_head(er_model *model, const float *hidden, int32_t n, float *logits);
 
 /* ---- kernels on their own (tests and benchmarks) ----------------------------------------- */
+
+/* `threads` here is any count >= 1, more than the CPUs online included: tests split the rows
+ * over more threads than a small machine has to cover every share. */
 
 /* ggml type ids of the block formats the kernels read */
 typedef enum er_block_format {

@@ -207,18 +207,37 @@ er_status er_model_open(const char *path, const er_model_params *params, er_mode
     const er_model_params p = params ? *params : er_model_default_params();
     er_status s = check_size(p.struct_size, sizeof(er_model_params), "er_model_params");
     if (s != ER_OK) return s;
-    if (p.threads < 0 || p.max_pass < 1 || p.max_pass > 65536)
-        return er_fail(ER_ERR_ARGUMENT, "threads %d / max_pass %d out of range", p.threads, p.max_pass);
+    /* More threads than CPUs online are refused, not clamped: they only take turns on the CPUs
+     * (each forward waits at OpenMP's barriers for the descheduled ones), and a clamp would run
+     * something other than what the caller asked for and reports. The Python runtime's rule. */
+    const long online = sysconf(_SC_NPROCESSORS_ONLN);
+    if (p.threads < 0 || (online > 0 && p.threads > online))
+        return er_fail(ER_ERR_ARGUMENT, "threads %d is outside 0..%ld, the CPUs online: give at most %ld, or 0 for all "
+                       "of them", p.threads, online, online);
+    if (p.max_pass < 1 || p.max_pass > 65536)
+        return er_fail(ER_ERR_ARGUMENT, "max_pass %d is outside 1..65536", p.max_pass);
     const er_kernel_table *K = er_kernel_table_for(p.kernels);
     if (!K)
         return er_fail(ER_ERR_UNSUPPORTED, "kernels %s do not run on this CPU (or this library lacks them)",
                        er_kernels_name(p.kernels) ? er_kernels_name(p.kernels) : "(unknown)");
-    const int fd = open(path, O_RDONLY | O_CLOEXEC);
+    /* O_NONBLOCK: a FIFO opens at once instead of waiting for a writer, and is refused below
+     * with the rest of what is not a regular file (it changes nothing for a regular file, and
+     * the descriptor is closed once the file is mapped) */
+    const int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd < 0) return er_fail(ER_ERR_IO, "cannot open %s", path);
     struct stat st;
-    if (fstat(fd, &st) != 0 || st.st_size <= 0) {
+    if (fstat(fd, &st) != 0) {
         close(fd);
-        return er_fail(ER_ERR_FORMAT, "%s is empty or cannot be read", path);
+        return er_fail(ER_ERR_IO, "cannot read %s", path);
+    }
+    if (!S_ISREG(st.st_mode)) {
+        close(fd);
+        return er_fail(ER_ERR_IO, "%s is not a regular file (a %s): give the native weight file itself", path,
+                       S_ISDIR(st.st_mode) ? "directory" : S_ISFIFO(st.st_mode) ? "FIFO" : "device or socket");
+    }
+    if (st.st_size <= 0) {
+        close(fd);
+        return er_fail(ER_ERR_FORMAT, "%s is empty", path);
     }
     void *map = mmap(NULL, (size_t)st.st_size, PROT_READ, MAP_PRIVATE, fd, 0);
     close(fd);

@@ -1,0 +1,124 @@
+"""`edgeroute eval`: a user's task file through several modes, judged by assertions that can
+fail; pass rates with intervals, the loss bound against full, speed, JSON and a PNG."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from edgeroute.cli import app
+from edgeroute.errors import InputError
+from edgeroute.quality.cases import load_cases
+from edgeroute.quality.evaluation import evaluate, parse_modes
+from edgeroute.runtime import Engine
+
+runner = CliRunner()
+
+
+def write_cases(path: Path, cases: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(c) + "\n" for c in cases))
+    return path
+
+
+def test_modes_parse_with_full_first_and_bad_names_refused():
+    assert [c.name for c in parse_modes("speculate/slm,route/ngram,full")] == ["full", "speculate/slm", "route/ngram"]
+    assert parse_modes("route/slm")[1].options == {"mode": "route", "light": "slm"}
+    with pytest.raises(InputError, match="mode 'fast'"):
+        parse_modes("fast")
+    with pytest.raises(InputError, match="light path 'cache'"):
+        parse_modes("speculate/cache")
+
+
+@pytest.mark.parametrize(("line", "message"), [
+    ('{"prompt": "hi"}', r"\"assert\" must be a non-empty list"),
+    ('{"prompt": "hi", "assert": []}', r"\"assert\" must be a non-empty list"),
+    ('{"assert": [{"type": "contains", "value": "a"}]}', "give either \"prompt\""),
+    ('{"prompt": "hi", "messages": [], "assert": [{"type": "contains", "value": "a"}]}', "not both"),
+    ('{"prompt": "hi", "asert": [{"type": "contains", "value": "a"}]}', "unknown key"),
+    ('{"prompt": "hi", "assert": [{"type": "smells-right", "value": "a"}]}', "smells-right"),
+    ('{"prompt": "hi", "assert": [{"type": "contains", "value": "a"}], "max_tokens": 0}', "max_tokens"),
+    ("not json", "is not JSON"),
+])
+def test_bad_task_files_are_clear_errors(tmp_path, line, message):
+    path = tmp_path / "tasks.jsonl"
+    path.write_text(line + "\n")
+    with pytest.raises(InputError, match=message):
+        load_cases(path)
+
+
+def test_a_task_file_reuses_no_id_and_exists(tmp_path):
+    case = {"id": "a", "prompt": "hi", "assert": [{"type": "contains", "value": "x"}]}
+    with pytest.raises(InputError, match="used twice"):
+        load_cases(write_cases(tmp_path / "t.jsonl", [case, case]))
+    with pytest.raises(InputError, match="does not exist"):
+        load_cases(tmp_path / "missing.jsonl")
+
+
+def test_eval_judges_every_assertion_type_and_fails_the_ones_that_must(tiny_slm_bundle, tmp_path):
+    """Cases written against full's own answer: the assertions that hold pass in full and in
+    (identical) speculation; their negations and wrong values fail in every mode."""
+    engine = Engine(tiny_slm_bundle)
+    prompt = "one two three"
+    answer = engine.generate([{"role": "user", "content": prompt}], max_new_tokens=12).text
+    assert answer.strip(), "the tiny model wrote nothing: the test would prove nothing"
+    word = answer.strip().split()[0]
+    holds = [{"type": "contains", "value": word}, {"type": "icontains", "value": word.upper()},
+             {"type": "contains-all", "value": [word]}, {"type": "contains-any", "value": [word, "zzzz"]},
+             {"type": "not-contains", "value": "\x00never"}, {"type": "regex", "value": "."},
+             {"type": "equals", "value": answer}, {"type": "python", "value": f"output.startswith({answer[:3]!r})"}]
+    fails = [{"type": "not-contains", "value": word}, {"type": "equals", "value": answer + "!"},
+             {"type": "is-json"}, {"type": "json-schema", "value": {"type": "object"}},
+             {"type": "python", "value": "len(output) > 10_000"}, {"type": "contains-all", "value": [word, "\x00no"]}]
+    cases = [{"id": f"holds-{i}", "task": "holds", "prompt": prompt, "assert": [a]} for i, a in enumerate(holds)]
+    cases += [{"id": f"fails-{i}", "task": "fails", "prompt": prompt, "assert": [a]} for i, a in enumerate(fails)]
+    report = evaluate(engine, load_cases(write_cases(tmp_path / "t.jsonl", cases)), "full,speculate/ngram",
+                      max_tokens=12)
+    for mode in ("full", "speculate/ngram"):
+        assert report.per_task["holds"][mode]["task_pass"] == 1.0, [r["reason"] for r in report.runs[mode]]
+        assert report.per_task["fails"][mode]["task_pass"] == 0.0
+        assert report.overall[mode]["judged"] == len(cases)
+    assert report.overall["speculate/ngram"]["same_as_full"] == 1.0 and report.overall["speculate/ngram"]["eligible"]
+    low, high = report.overall["full"]["pass_interval"]
+    assert low < len(holds) / len(cases) < high
+
+
+def test_eval_command_prints_the_table_and_writes_json_and_a_plot(tiny_slm_bundle, tmp_path):
+    tasks = write_cases(tmp_path / "tasks.jsonl", [
+        {"id": "any", "prompt": "one two", "assert": [{"type": "regex", "value": "."}]},
+        {"id": "never", "prompt": "three four", "assert": [{"type": "contains", "value": "\x00"}]}])
+    out, plot = tmp_path / "eval.json", tmp_path / "eval.png"
+    result = runner.invoke(app, ["eval", str(tiny_slm_bundle), "--tasks", str(tasks), "--modes",
+                                 "full,speculate/ngram,route/slm", "--max-tokens", "8", "--json", str(out),
+                                 "--plot", str(plot)])
+    assert result.exit_code == 0, result.output
+    printed = " ".join(result.output.split())
+    assert "2 cases" in printed and "speculate" in printed and "lossless" in printed
+    report = json.loads(out.read_text())
+    assert report["configs"] == ["full", "speculate/ngram", "route/slm"] and report["cases"] == 2
+    assert report["overall"]["full"]["task_pass"] == 0.5 and len(report["runs"]["route/slm"]) == 2
+    assert plot.stat().st_size > 5000
+
+
+def test_eval_command_refuses_bad_input_with_exit_2(tiny_slm_bundle, tmp_path):
+    result = runner.invoke(app, ["eval", str(tiny_slm_bundle), "--tasks", str(tmp_path / "none.jsonl")])
+    assert result.exit_code == 2 and "does not exist" in " ".join(result.output.split())
+    assert "Traceback" not in result.output
+    tasks = write_cases(tmp_path / "t.jsonl", [{"prompt": "x", "assert": [{"type": "regex", "value": "."}]}])
+    result = runner.invoke(app, ["eval", str(tiny_slm_bundle), "--tasks", str(tasks), "--modes", "auto"])
+    assert result.exit_code == 2 and "uncalibrated" in " ".join(result.output.split())
+
+
+@pytest.mark.slow
+def test_eval_on_the_demo_model_passes_a_fact_it_knows_and_fails_a_wrong_one(smollm2_bundles, tmp_path):
+    bundle = smollm2_bundles["int4"][0]
+    tasks = write_cases(tmp_path / "facts.jsonl", [
+        {"id": "paris", "prompt": "What is the capital of France? Answer in one short sentence.",
+         "assert": [{"type": "icontains", "value": "Paris"}]},
+        {"id": "wrong", "prompt": "What is the capital of France? Answer in one short sentence.",
+         "assert": [{"type": "icontains", "value": "Madrid"}]}])
+    report = evaluate(Engine(bundle), load_cases(tasks), "full,speculate/ngram", max_tokens=24)
+    passed = {r["case"]: r["pass"] for r in report.runs["full"]}
+    assert passed == {"paris": True, "wrong": False}, report.runs["full"]
