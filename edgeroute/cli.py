@@ -552,41 +552,6 @@ def bench(
         console.print(f"wrote {as_json}")
 
 
-def _print_eval(report) -> None:
-    def row(table: Table, name: str, f: dict, label: str | None = None) -> None:
-        if f["task_pass"] is None:
-            passed = "no check"
-        else:
-            low, high = f["pass_interval"]
-            passed = f"{f['task_pass']:.0%} ({low:.0%}-{high:.0%})"
-        table.add_row(label or name, f"{f['judged']}/{f['prompts']}", passed, f"{f['lost']}/{f['gained']}",
-                      f"{f['loss_bound']:.1%}" if f["judged"] else "-", f"{f['same_as_full']:.0%}",
-                      f"{f['tok_s']:.1f}", f"{f['speed_vs_full']:.2f}x", f"{f['llm_share']:.0%}",
-                      "yes" if f["eligible"] else "no")
-
-    columns = ("mode", "judged", f"pass ({report.confidence:.0%} CI)", "lost/ gained", "loss bound", "same as full",
-               "tok/s", "x full", "LLM", "for full")
-    table = Table(title=f"{report.cases} cases, {report.backend} backend, at most {report.max_tokens} new tokens")
-    for column in columns:
-        table.add_column(column, overflow="fold", no_wrap=column == "mode")
-    for name, figures in report.overall.items():
-        row(table, name, figures)
-    console.print(table)
-    for name, figures in report.overall.items():
-        if name != "full":
-            console.print(f"{name}: {'may' if figures['eligible'] else 'may not'} replace full: {figures['why']}")
-    if len(report.per_task) > 1:
-        table = Table(title="per task")
-        for column in ("task / mode", *columns[1:]):
-            table.add_column(column, overflow="fold")
-        for task, figures in report.per_task.items():
-            for name, f in figures.items():
-                row(table, name, f, f"{task} / {name}")
-        console.print(table)
-    for note in report.notes:
-        console.print(f"note: {note}")
-
-
 @app.command("eval")
 def eval_tasks(
     bundle: Path = typer.Argument(..., help="bundle directory"),
@@ -607,7 +572,7 @@ def eval_tasks(
     import json
 
     from edgeroute.quality.cases import load_cases
-    from edgeroute.quality.evaluation import evaluate, plot_report
+    from edgeroute.quality.evaluation import evaluate, plot_report, print_report
     from edgeroute.runtime import Engine, EngineOptions
 
     with _clear_errors():
@@ -626,7 +591,7 @@ def eval_tasks(
                                                            threads=threads))
         with _progress_bars() as update:
             report = evaluate(engine, cases, modes, max_tokens, confidence, task_loss, llama_cpp, threads, update)
-    _print_eval(report)
+    print_report(report, console)
     if as_json is not None:
         as_json.parent.mkdir(parents=True, exist_ok=True)
         as_json.write_text(json.dumps(report.to_dict(), indent=1))

@@ -296,3 +296,29 @@ def test_route_with_a_trained_slm_router_under_a_schema(tiny_engine):
     assert parses_and_validates(got.text, INTENT)
     scored = [t.router_score for t in got.trace if t.router_score is not None]
     assert scored and any(0.0 < s < 1.0 for s in scored)  # scored by the net, not the "no features" fallback
+
+
+def follow(constraint: Constraint, engine, text: str) -> bool:
+    """Whether the grammar allows ``text`` (its tokens, one by one) and is complete after it."""
+    for token in engine.encode(text):
+        if not constraint.allowed()[token]:
+            return False
+        constraint.advance(token)
+    return constraint.complete
+
+
+PRETTY = '{\n  "action": "set",\n  "zone": "rear",\n  "temperature_c": 21,\n  "note": "",\n  "recirculate": false\n}'
+
+
+@pytest.mark.parametrize("text", [PRETTY, f"```json\n{PRETTY}\n```", json.dumps(json.loads(PRETTY))])
+def test_the_model_layout_takes_the_models_own_whitespace_and_a_fence(text, tiny_engine):
+    assert follow(tiny_engine.grammars.compile({**FORMAT, "layout": "model"}), tiny_engine, text)
+
+
+def test_the_model_layout_still_holds_the_schema_and_the_compact_one_its_layout(tiny_engine):
+    wrong_value = PRETTY.replace('"rear"', '"roof"')
+    assert not follow(tiny_engine.grammars.compile({**FORMAT, "layout": "model"}), tiny_engine, wrong_value)
+    assert not follow(tiny_engine.grammars.compile({**FORMAT, "layout": "model"}), tiny_engine, f"Sure: {PRETTY}")
+    assert not follow(tiny_engine.grammars.compile(FORMAT), tiny_engine, PRETTY)
+    with pytest.raises(InputError, match="layout 'pretty'"):
+        tiny_engine.grammars.compile({**FORMAT, "layout": "pretty"})

@@ -14,6 +14,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+from rich.table import Table
+
 from edgeroute.cpu import cpu_signature
 from edgeroute.errors import InputError
 from edgeroute.quality.cases import TaskCase
@@ -154,6 +157,42 @@ def evaluate(engine, cases: Sequence[TaskCase], modes: str | Sequence[RunConfig]
                 (False, "another runtime: compared for speed and pass rate only")
     return EvalReport(str(engine.bundle.path), cpu_signature(), engine.llm.flavour, max_tokens, confidence, tolerance,
                       len(cases), names, overall, per_task, runs, notes)
+
+
+def print_report(report: EvalReport, console: Console) -> None:
+    """The report as tables: every mode over all cases, then per task; eligibility reasons below."""
+    def row(table: Table, name: str, f: dict, label: str | None = None) -> None:
+        if f["task_pass"] is None:
+            passed = "no check"
+        else:
+            low, high = f["pass_interval"]
+            passed = f"{f['task_pass']:.0%} ({low:.0%}-{high:.0%})"
+        table.add_row(label or name, f"{f['judged']}/{f['prompts']}", passed, f"{f['lost']}/{f['gained']}",
+                      f"{f['loss_bound']:.1%}" if f["judged"] else "-", f"{f['same_as_full']:.0%}",
+                      f"{f['tok_s']:.1f}", f"{f['speed_vs_full']:.2f}x", f"{f['llm_share']:.0%}",
+                      "yes" if f["eligible"] else "no")
+
+    columns = ("mode", "judged", f"pass ({report.confidence:.0%} CI)", "lost/ gained", "loss bound", "same as full",
+               "tok/s", "x full", "LLM", "for full")
+    table = Table(title=f"{report.cases} cases, {report.backend} backend, at most {report.max_tokens} new tokens")
+    for column in columns:
+        table.add_column(column, overflow="fold", no_wrap=column == "mode")
+    for name, figures in report.overall.items():
+        row(table, name, figures)
+    console.print(table)
+    for name, figures in report.overall.items():
+        if name != "full":
+            console.print(f"{name}: {'may' if figures['eligible'] else 'may not'} replace full: {figures['why']}")
+    if len(report.per_task) > 1:
+        table = Table(title="per task")
+        for column in ("task / mode", *columns[1:]):
+            table.add_column(column, overflow="fold")
+        for task, figures in report.per_task.items():
+            for name, f in figures.items():
+                row(table, name, f, f"{task} / {name}")
+        console.print(table)
+    for note in report.notes:
+        console.print(f"note: {note}")
 
 
 def plot_report(report: EvalReport, path: str | Path) -> Path:

@@ -34,23 +34,34 @@ FORMAT_TYPES = ("json_schema", "json_object", "regex", "grammar", "text")
 # the fewest tokens, and with no optional whitespace every separator and key is forced (an
 # optional blank would make the next token a choice). A schema's "x-guidance" overrides these.
 JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+# How a JSON answer may be laid out: "compact" forces the minified layout above (most tokens
+# forced, the fastest); "model" lets the model write the layout it would write unconstrained
+# (any whitespace, optionally inside a ```json fence): a model that pretty-prints in a fence,
+# as Qwen2.5 does when asked for JSON in a sentence, otherwise has its meaning bent to fit a
+# layout it does not write (seen on the pair: {"intent": ["navigate"], ...}).
+JSON_LAYOUTS = ("compact", "model")
 
 
 @dataclass(frozen=True)
 class ResponseFormat:
     kind: str  # json_schema | regex | grammar
     text: str  # the schema (JSON text), the regex, or the grammar (Lark or GBNF)
+    layout: str = "compact"  # json_schema: one of JSON_LAYOUTS
 
     @classmethod
-    def json_schema(cls, schema: dict[str, Any] | str) -> ResponseFormat:
-        return cls("json_schema", schema if isinstance(schema, str) else json.dumps(schema))
+    def json_schema(cls, schema: dict[str, Any] | str, layout: str = "compact") -> ResponseFormat:
+        if layout not in JSON_LAYOUTS:
+            raise InputError(f"response_format layout {layout!r} is not one of {', '.join(JSON_LAYOUTS)}: compact "
+                             "(minified, fastest) or model (the model's own whitespace, a ```json fence allowed)")
+        return cls("json_schema", schema if isinstance(schema, str) else json.dumps(schema), layout)
 
     @classmethod
     def parse(cls, spec: ResponseFormat | dict[str, Any] | None) -> ResponseFormat | None:
         """A format from ``{"type": "json_schema", "json_schema": {"schema": {...}}}`` (OpenAI's
         form; ``{"type": "json_schema", "schema": {...}}`` too), ``{"type": "json_object"}`` (any
         JSON object), ``{"type": "regex", "regex": "..."}``, ``{"type": "grammar", "grammar":
-        "..."}`` (Lark or GBNF) or ``{"type": "text"}`` / None (no constraint)."""
+        "..."}`` (Lark or GBNF) or ``{"type": "text"}`` / None (no constraint). A JSON format may
+        add ``"layout": "model"`` (see :data:`JSON_LAYOUTS`)."""
         if spec is None or isinstance(spec, ResponseFormat):
             return spec
         if not isinstance(spec, dict) or spec.get("type") not in FORMAT_TYPES:
@@ -69,7 +80,7 @@ class ResponseFormat:
             if not isinstance(schema, (dict, bool)):
                 raise InputError('response_format json_schema needs a schema object: {"type": "json_schema", '
                                  f'"json_schema": {{"schema": {{...}}}}}} (got {schema!r})')
-            return cls.json_schema(schema)
+            return cls.json_schema(schema, spec.get("layout", "compact"))
         text = spec.get(kind)
         if not isinstance(text, str) or not text.strip():
             raise InputError(f'response_format {kind} needs its text: {{"type": "{kind}", "{kind}": "..."}} '
@@ -78,6 +89,19 @@ class ResponseFormat:
 
     def describe(self) -> str:
         return {"json_schema": "JSON schema", "regex": "regex", "grammar": "grammar"}[self.kind]
+
+
+def model_layout_grammar(schema_text: str) -> str:
+    """A Lark grammar for JSON valid against the schema in the model's own layout: flexible
+    whitespace, bare or in one ```json fence (the schema's own "x-guidance" settings win)."""
+    try:
+        schema = json.loads(schema_text)
+    except json.JSONDecodeError as err:
+        raise InputError(f"response_format: the JSON schema is not JSON ({err})") from None
+    if isinstance(schema, dict):
+        schema = {**schema, "x-guidance": {"whitespace_flexible": True, **schema.get("x-guidance", {})}}
+    return ('start: fenced | body\nfenced: "```json\\n" body "\\n```"\n'
+            f"body: %json {json.dumps(schema)}\n")
 
 
 def _llguidance():
@@ -114,7 +138,9 @@ class GrammarCompiler:
             return None
         llg = _llguidance()
         try:
-            if fmt.kind == "json_schema":
+            if fmt.kind == "json_schema" and fmt.layout == "model":
+                grammar = llg.grammar_from("lark", model_layout_grammar(fmt.text))
+            elif fmt.kind == "json_schema":
                 grammar = llg.LLMatcher.grammar_from_json_schema(fmt.text, defaults=JSON_DEFAULTS)
             elif fmt.kind == "regex":
                 grammar = llg.LLMatcher.grammar_from_regex(fmt.text)
