@@ -11,6 +11,7 @@ import pytest
 from edgeroute.errors import InputError
 from edgeroute.quality import sandbox
 from edgeroute.quality.assertions import ASSERTION_TYPES, Assertion, Verdict, check, check_all, parse_assertion
+from edgeroute.quality.sandbox import SandboxLimits
 
 requires_node = pytest.mark.skipif(shutil.which("node") is None,
                                    reason="node is not installed: JavaScript assertions cannot be tested here")
@@ -175,3 +176,17 @@ def test_parse_errors_say_where():
 def test_check_refuses_an_assertion_built_without_parsing():
     with pytest.raises(InputError, match="unknown"):
         check(Assertion("contain", "x"), "x")
+
+
+@pytest.mark.parametrize("kind", ["python", "javascript"])
+def test_a_negated_check_that_errors_or_times_out_still_fails(kind):
+    if kind == "javascript" and shutil.which("node") is None:
+        pytest.skip("node is not installed")
+    raising = "throw new Error('boom')" if kind == "javascript" else "1 / 0"
+    verdict = check(parse_assertion({"type": f"not-{kind}", "value": raising}), "anything")
+    assert verdict.passed is False and ("boom" in verdict.reason or "ZeroDivisionError" in verdict.reason)
+    looping = "while (true) {}" if kind == "javascript" else "while True:\n    pass"
+    verdict = check(parse_assertion({"type": f"not-{kind}", "value": looping}), "x", SandboxLimits(seconds=1.5))
+    assert verdict.passed is False and "timed out" in verdict.reason
+    falsy = "false" if kind == "javascript" else "False"
+    assert check(parse_assertion({"type": f"not-{kind}", "value": falsy}), "x").passed is True

@@ -203,3 +203,20 @@ def test_summaries_leave_unjudged_prompts_out_of_the_pass_rate():
     assert figures["judged"] == 3 and figures["task_pass"] == pytest.approx(2 / 3) and figures["lost"] == 1
     assert figures["gained"] == 1 and figures["speed_vs_full"] == pytest.approx(2.0)
     assert not eligibility("route/slm", figures)[0]
+
+
+def test_calibrate_judges_a_users_task_file_beside_the_built_in_held_out_set(tiny_slm_bundle, tmp_path):
+    from edgeroute.calibration.calibrate import CalibrateOptions, CalibrationRun
+    from edgeroute.errors import InputError
+
+    tasks = tmp_path / "mine.jsonl"
+    tasks.write_text('{"id": "mine-1", "task": "facts", "prompt": "Capital of Portugal?", '
+                     '"assert": [{"type": "icontains", "value": "Lisbon"}]}\n')
+    run = CalibrationRun.start(tiny_slm_bundle, CalibrateOptions(eval_cases=tasks, validation_prompts_per_task=2), None)
+    assert len(run.held_out) == 2 * len(TASKS) + 1 and run.held_out[-1].task == "facts"
+    assert not run.held_out[-1].verdict("Madrid").passed
+    tasks.write_text('{"id": "heldout-voice-000", "prompt": "x", "assert": [{"type": "regex", "value": "."}]}\n')
+    with pytest.raises(InputError, match="ids must be unique"):
+        CalibrationRun.start(tiny_slm_bundle, CalibrateOptions(eval_cases=tasks, validation_prompts_per_task=2), None)
+    with pytest.raises(InputError, match="task loss"):
+        CalibrateOptions(task_loss=1.5).validate()

@@ -19,7 +19,14 @@ from jsonschema.exceptions import SchemaError, best_match
 from jsonschema.validators import validator_for
 
 from edgeroute.errors import InputError
-from edgeroute.quality.sandbox import SandboxLimits, compile_python_check, first_json, run_javascript, run_python
+from edgeroute.quality.sandbox import (
+    SandboxLimits,
+    SandboxResult,
+    compile_python_check,
+    first_json,
+    run_javascript,
+    run_python,
+)
 
 ASSERTION_TYPES = ("equals", "contains", "icontains", "contains-all", "icontains-all", "contains-any", "icontains-any",
                    "starts-with", "regex", "is-json", "contains-json", "json-schema", "python", "javascript")
@@ -116,7 +123,7 @@ def check(assertion: Assertion, output: str, limits: SandboxLimits | None = None
     if not isinstance(output, str):
         raise InputError(f"the output to check must be a string (got {type(output).__name__})")
     found, observation = _OBSERVERS[assertion.base_type](assertion.value, output, limits or SandboxLimits())
-    passed = None if found is None else found != assertion.negated
+    passed = None if found is None else False if found is FAILED_TO_RUN else found != assertion.negated
     shown = "" if assertion.value is None else f" {_short(assertion.value)}"
     return Verdict(passed, f"{assertion.type}{shown}: {observation}")
 
@@ -144,7 +151,8 @@ def check_all(assertions: Sequence[Assertion], output: str, limits: SandboxLimit
 
 # Each observer says whether the assertion's condition holds (None: could not tell) and what it
 # saw: the same words serve a pass, a failure and a negated assertion's failure.
-Observation = tuple[bool | None, str]
+Observation = tuple[Any, str]  # True | False | None (could not tell) | FAILED_TO_RUN
+FAILED_TO_RUN = object()  # a sandboxed check that errored: a failure even under "not-"
 
 
 def _equals(value: str, output: str, limits: SandboxLimits) -> Observation:
@@ -232,14 +240,17 @@ def _matches(data: Any, schema: dict | None, seen: str) -> Observation:
     return False, f"{seen} does not match the schema: {error.message}{where}"
 
 
+def _sandboxed(result: SandboxResult) -> Observation:
+    # a check that raised, timed out or hit a limit said nothing about the output: no negation passes it
+    return (result.ok if result.returned or result.ok is None else FAILED_TO_RUN), result.reason
+
+
 def _python(body: str, output: str, limits: SandboxLimits) -> Observation:
-    result = run_python(body, output, limits)
-    return result.ok, result.reason
+    return _sandboxed(run_python(body, output, limits))
 
 
 def _javascript(body: str, output: str, limits: SandboxLimits) -> Observation:
-    result = run_javascript(body, output, limits)
-    return result.ok, result.reason
+    return _sandboxed(run_javascript(body, output, limits))
 
 
 _OBSERVERS: dict[str, Callable[[Any, str, SandboxLimits], Observation]] = {

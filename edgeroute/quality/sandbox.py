@@ -65,6 +65,7 @@ class SandboxResult:
     ok: bool | None  # True: ran and the value was truthy; False: falsy, raised, timed out, hit a limit; None: could not run
     value: object  # the check's value (JSON-able) when it ran, else None
     reason: str  # short and human: "returned False", "AssertionError (line 3: ...)", "timed out after 5.0 s"
+    returned: bool = False  # the check ran to a value (not an error, a limit, a refusal): what negation may flip
 
 
 # code_block, first_json and compile_python_check run in the parent (assertions) and, as source
@@ -189,8 +190,8 @@ def sandbox_main():
     marker, body, output, limits = request["marker"], request["code"], request["output"], request["limits"]
     sys.stdout = sys.stderr = Discard()
 
-    def report(ok, value, reason):
-        line = dumps({"ok": ok, "value": jsonable(value, dumps), "reason": reason})
+    def report(ok, value, reason, returned=False):
+        line = dumps({"ok": ok, "value": jsonable(value, dumps), "reason": reason, "returned": returned})
         write(1, f"\n{marker}{line}\n".encode())
         exit_now(0)  # threads or atexit handlers the check left behind do not get to run on
 
@@ -212,12 +213,12 @@ def sandbox_main():
     try:
         exec(code, namespace)
         value = namespace["_check"](output)
-        ok, reason = judge(value)
+        (ok, reason), returned = judge(value), True
     except BaseException as error:  # SystemExit and KeyboardInterrupt are a failed check too
-        ok, value, reason = False, None, describe(error, body.splitlines(), limits)
+        ok, value, reason, returned = False, None, describe(error, body.splitlines(), limits), False
     if violations:  # even when the check caught the refusal: what it did was not what it meant to do
-        ok, reason = False, violations[0]
-    report(ok, value, reason)
+        ok, reason, returned = False, violations[0], False
+    report(ok, value, reason, returned)
 
 
 sandbox_main()
@@ -401,10 +402,10 @@ function describe(error) {
 }
 
 let reported = false;
-function report(ok, value, reason) {
+function report(ok, value, reason, returned = false) {
   if (reported) return;
   reported = true;
-  writeSync(1, `\n${request.marker}${stringify({ ok, value: jsonable(value), reason })}\n`);
+  writeSync(1, `\n${request.marker}${stringify({ ok, value: jsonable(value), reason, returned })}\n`);
   exitNow(0);  // timers the check left behind do not keep it running
 }
 process.on("exit", () => {
@@ -422,14 +423,16 @@ process.on("exit", () => {
   let ok = false;
   let value = null;
   let reason;
+  let returned = false;
   try {
     value = await check(request.output, require, codeBlock, firstJson);
     [ok, reason] = judge(value);
+    returned = true;
   } catch (error) {
     [ok, value, reason] = [false, null, describe(error)];
   }
-  if (violations.length) [ok, reason] = [false, violations[0]];
-  report(ok, value, reason);
+  if (violations.length) [ok, reason, returned] = [false, violations[0], false];
+  report(ok, value, reason, returned);
 })();
 '''
 
@@ -522,7 +525,7 @@ def _interpret(out: str, err: str, returncode: int, timed_out: bool, marker: str
     if lines:
         try:
             data = json.loads(lines[0])
-            return SandboxResult(bool(data["ok"]), data.get("value"), str(data["reason"]))
+            return SandboxResult(bool(data["ok"]), data.get("value"), str(data["reason"]), data.get("returned") is True)
         except (ValueError, KeyError, TypeError):
             return SandboxResult(False, None, "the check's result line was cut off (it wrote past the file size limit?)")
     if timed_out:
