@@ -225,7 +225,7 @@ def test_response_format_parses_openai_and_short_forms():
 
 def test_json_profile_constrains_to_a_json_object(tiny_slm_bundle):
     decoding = load_profile("json").decoding
-    assert ResponseFormat.parse(decoding["response_format"]) == ResponseFormat.json_schema({"type": "object"})
+    assert ResponseFormat.parse(decoding["response_format"]) == ResponseFormat.json_schema({"type": "object"}, "model")
 
 
 runner = CliRunner()

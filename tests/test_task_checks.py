@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 import shutil
+import warnings
+from collections import Counter
 
 import pytest
 
@@ -17,6 +19,7 @@ from edgeroute.calibration.prompts import (
     TASKS,
     builtin_prompts,
     held_out_prompts,
+    numbers_in,
 )
 from edgeroute.quality.bounds import compare_paired, interval, lower_bound, upper_bound
 from edgeroute.quality.runs import RunConfig, eligibility, summarize
@@ -38,8 +41,8 @@ def wrong_answers(right: str, changed: str, prompt_id: str) -> dict[str, str]:
 CASES = {
     "heldout-voice-000": ("Navigating to the closest gas station in Nantes, avoiding tolls.",
                           "Navigating to the closest gas station in Verona, avoiding tolls."),
-    "heldout-voice-001": ("Setting the temperature to 16 degrees and turning on the seat heating.",
-                          "Setting the temperature to 18 degrees and turning on the seat heating."),
+    "heldout-voice-001": ("Setting the temperature to 14 degrees and turning on the seat heating.",
+                          "Setting the temperature to 15 degrees and turning on the seat heating."),
     "heldout-voice-002": ("Playing blues and lowering the volume a little.",
                           "Playing opera and lowering the volume a little."),
     "heldout-voice-003": ("Calling Felix to tell them you arrive at 9:55.",
@@ -48,8 +51,13 @@ CASES = {
                               "Head to Maple Drive, Nantes: you arrive at 6:20 after 4.6 km with 19% battery left."),
     "heldout-json-000": ('{"intent": "navigate", "street": "Maple Drive", "city": "Nantes"}',
                          '{"intent": "navigate", "street": "Maple Drive", "city": "Verona"}'),
+    "heldout-json-002": ('{"intent": "call", "contact": "Olga"}', '{"intent": "call", "contact": "Hugo"}'),
     "heldout-grounded-000": ("The Cliffs of Moher are 214 meters high.", "The Cliffs of Moher are 241 meters high."),
-    "heldout-grounded-005": ("It is in Ireland.", "It is in Iceland."),
+    "heldout-grounded-005": ("It is in Ireland.", "It is in Northern Ireland."),
+    "heldout-grounded-010": ("Each year the Cliffs of Moher draw about 1.5 million visitors.",
+                             "Each year the Cliffs of Moher draw about 2.5 million visitors."),
+    "heldout-grounded-015": ("Each spring visitors come to the Cliffs of Moher, 214 meters high, in Ireland.",
+                             "Each spring visitors come to the Cliffs of Moher, 214 meters high, in Iceland."),
     "heldout-code-000": ("```python\ndef larger(a, b):\n    return a if a > b else b\n```",
                          "```python\ndef larger(a, b):\n    return a if a < b else b\n```"),
 }
@@ -71,6 +79,26 @@ def test_a_json_answer_may_keep_the_models_own_layout_but_not_other_values():
     assert task_verdict(prompt, f'{{"intent": "climate", "temperature": "{degrees}"}}').passed
     assert not task_verdict(prompt, f'{{"intent": ["climate"], "temperature": {degrees}}}').passed
     assert not task_verdict(prompt, f'{{"intent": null, "temperature": {degrees}}}').passed
+
+
+def test_a_voice_confirmation_may_say_a_time_the_12_hour_way_but_not_the_opposite_action():
+    call = next(p for p in HELD_OUT.values() if p.task == "voice-command" and "arrive at 13:45" in p.content)
+    name = call.content.split()[1]
+    assert task_verdict(call, f"Calling {name} to say you arrive at 1:45 PM.").passed
+    assert task_verdict(call, f"Calling {name} to say you arrive at 13:45.").passed
+    assert not task_verdict(call, f"Calling {name} to say you arrive at 1:45.").passed  # am or pm: not said
+    early = next(p for p in HELD_OUT.values() if p.task == "voice-command" and "arrive at 9:55" in p.content)
+    assert task_verdict(early, f"Calling {early.content.split()[1]}: you arrive at 09:55.").passed
+    heating = HELD_OUT["heldout-voice-001"]
+    assert not task_verdict(heating, "Setting 14 degrees and turning off the seat heating.").passed
+    volume = HELD_OUT["heldout-voice-002"]
+    assert not task_verdict(volume, "Playing blues and raising the volume a little.").passed
+
+
+def test_a_json_intent_with_a_key_it_was_not_asked_for_fails():
+    climate = next(p for p in HELD_OUT.values() if p.task == "json" and "climate" in p.content)
+    degrees = climate.content.split("cabin to ")[1].split()[0]
+    assert not task_verdict(climate, f'{{"intent": "climate", "temperature": {degrees}, "unit": "F"}}').passed
 
 
 def test_a_voice_confirmation_with_an_invented_number_fails():
@@ -110,6 +138,10 @@ def test_the_held_out_set_is_large_and_shares_no_slot_value_with_calibration_pro
               *(key for _, key in HELD_OUT_VALUES.places), *(name for _, name, _ in HELD_OUT_VALUES.functions),
               *(fact[0] for fact in HELD_OUT_VALUES.facts), *HELD_OUT_VALUES.times]
     assert [v for v in values if v in calibration] == []
+    calibration_numbers = {n for p in builtin_prompts() for n in numbers_in(p.content)}
+    assert {n for p in HELD_OUT.values() for n in numbers_in(p.content)} & calibration_numbers == set()
+    kinds = Counter(p.content.split()[0] for p in by_task["voice-command"])
+    assert min(kinds.values()) >= 8, kinds  # every kind of command, not only the easy ones
     assert all(p.assertions for task in TASKS if task != "dialogue" for p in by_task[task])
 
 
@@ -177,14 +209,28 @@ def test_a_lossy_mode_is_chosen_only_on_enough_held_out_prompts_without_a_loss()
         assert profile["quality"]["why"].startswith("lossless" if chosen == "speculate/slm" else "lost 0 of 60")
 
 
-def test_a_task_without_a_check_gets_only_lossless_modes():
+def test_a_task_without_a_check_gets_a_lossy_mode_only_where_its_text_rarely_differs():
     runs = {"full": _rows("dialogue", 60, 1.0, None), "speculate/slm": _rows("dialogue", 60, 0.8, None),
-            "route/slm": _rows("dialogue", 60, 0.4, None, same=False)}
+            "route/slm": _rows("dialogue", 60, 0.4, None, same=lambda i: i % 10 != 0)}  # 6 of 60 differ
     profiles = choose_profiles(runs, CONFIGS)
     assert profiles["dialogue"]["config"] == "speculate/slm"
     assert "no check" in profiles["dialogue"]["eligible"]["route/slm"]["why"]
     runs["speculate/slm"] = _rows("dialogue", 60, 0.8, None, same=lambda i: i != 3)  # one answer differs
     assert choose_profiles(runs, CONFIGS)["dialogue"]["config"] == "full"
+    runs["route/slm"] = _rows("dialogue", 60, 0.4, None)  # the same text on all 60: differences bounded at 4.9%
+    assert choose_profiles(runs, CONFIGS)["dialogue"]["config"] == "route/slm"
+
+
+def test_picking_among_several_lossy_candidates_tightens_each_bound():
+    configs = [*CONFIGS, RunConfig("route/ngram", {"mode": "route", "light": "ngram"})]
+    runs = {"full": _rows("templated", 60, 1.0, True), "speculate/slm": _rows("templated", 60, 0.7, True),
+            "route/slm": _rows("templated", 60, 0.5, True, same=False),
+            "route/ngram": _rows("templated", 60, 0.6, True, same=False)}
+    profile = choose_profiles(runs, configs)["templated"]
+    assert profile["quality"]["candidates"] == 2 and profile["quality"]["confidence_each"] == pytest.approx(0.975)
+    assert profile["config"] == "speculate/slm"  # 0 losses in 60 bound the loss at 6.0% at 97.5%: not enough
+    more = {name: rows * 2 for name, rows in runs.items()}  # 120 prompts without a loss: 3.0%
+    assert choose_profiles(more, configs)["templated"]["config"] == "route/slm"
 
 
 def test_the_default_profile_pools_tasks_and_an_unjudged_task_keeps_lossy_modes_out():
@@ -220,3 +266,16 @@ def test_calibrate_judges_a_users_task_file_beside_the_built_in_held_out_set(tin
         CalibrationRun.start(tiny_slm_bundle, CalibrateOptions(eval_cases=tasks, validation_prompts_per_task=2), None)
     with pytest.raises(InputError, match="task loss"):
         CalibrateOptions(task_loss=1.5).validate()
+
+
+def test_uncalibrated_skipping_is_conservative_and_says_its_quality_is_unmeasured(tiny_engine):
+    from edgeroute.errors import UnmeasuredQualityWarning
+    from edgeroute.skip_options import UNCALIBRATED_FREE_LAYERS, SkipOptions
+
+    assert UNCALIBRATED_FREE_LAYERS <= 2 and SkipOptions().free_layers(28) == UNCALIBRATED_FREE_LAYERS
+    assert SkipOptions().skip_ratio <= 0.1 and SkipOptions().protected_first >= 1 and SkipOptions().protected_last >= 1
+    with pytest.warns(UnmeasuredQualityWarning, match="quality is unmeasured"):
+        tiny_engine.resolve(tiny_engine.options.updated(mode="skip"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnmeasuredQualityWarning)
+        tiny_engine.resolve(tiny_engine.options.updated(mode="speculate"))

@@ -13,6 +13,7 @@ import hashlib
 import json
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -64,13 +65,14 @@ from edgeroute.calibration.skipping import (
 from edgeroute.calibration.thresholds import BOUNDS, BudgetUnreachable, Choice, choose_threshold, share_at_agreement, tradeoff
 from edgeroute.calibration.train import TrainSettings, roc_auc, router_onnx, train_router
 from edgeroute.cpu import cpu_signature
-from edgeroute.errors import InputError
+from edgeroute.errors import InputError, UnmeasuredQualityWarning
 from edgeroute.quality.cases import TaskCase, load_cases
 from edgeroute.quality.runs import (
     DEFAULT_CONFIDENCE,
     DEFAULT_TOLERANCE,
     RunConfig,
     eligibility,
+    is_lossless,
     run_cases,
     summarize,
 )
@@ -297,18 +299,22 @@ def run_configs(routers: dict[str, RouterResult], loaded: dict[str, Any]) -> lis
 def choose_profiles(runs: dict[str, list[dict[str, Any]]], configs: list[RunConfig],
                     tolerance: float = DEFAULT_TOLERANCE, confidence: float = DEFAULT_CONFIDENCE,
                     ) -> dict[str, dict[str, Any]]:
-    """Per task (and ``default`` over all): the fastest eligible configuration (lossless: the same
-    text as full on every held-out prompt; lossy: a loss bound within ``tolerance``, on prompts
-    that all have a check), full when none is at least MIN_SPEEDUP faster. Each profile records
-    every configuration's figures, why it was or was not eligible, and the chosen one's quality."""
+    """Per task (and ``default`` over all): the fastest eligible configuration (see
+    :func:`edgeroute.quality.runs.eligibility`), full when none is at least MIN_SPEEDUP faster.
+    Picking the fastest of k lossy candidates is k tests: each is bounded at confidence
+    ``1 - (1 - confidence) / k`` (Bonferroni), so the choice holds at ``confidence``. Each profile
+    records every configuration's figures, why it was or was not eligible, and the chosen one's
+    quality."""
     profiles = {}
     found = {r["task"] for r in runs["full"]}
     tasks = [t for t in TASKS if t in found] + sorted(found - set(TASKS))
     for task in [*tasks, "default"]:
         pick = [i for i, r in enumerate(runs["full"]) if task in ("default", r["task"])]
-        figures = {c.name: summarize([runs[c.name][i] for i in pick], [runs["full"][i] for i in pick], confidence)
+        lossy = [c for c in configs if not is_lossless(c, task)]
+        each = 1.0 - (1.0 - confidence) / max(len(lossy), 1)
+        figures = {c.name: summarize([runs[c.name][i] for i in pick], [runs["full"][i] for i in pick], each)
                    for c in configs}
-        verdicts = {c.name: eligibility(c.name, figures[c.name], tolerance) for c in configs}
+        verdicts = {c.name: eligibility(c.name, figures[c.name], tolerance, is_lossless(c, task)) for c in configs}
         qualified = [c for c in configs if verdicts[c.name][0]]
         best = max(qualified, key=lambda c: (figures[c.name]["speed_vs_full"] if c.name != "full" else 1.0))
         if best.name != "full" and figures[best.name]["speed_vs_full"] < MIN_SPEEDUP:
@@ -322,7 +328,8 @@ def choose_profiles(runs: dict[str, list[dict[str, Any]]], configs: list[RunConf
                           "quality": {"task_pass": chosen["task_pass"], "full_task_pass": chosen["full_task_pass"],
                                       "judged": chosen["judged"], "prompts": chosen["prompts"],
                                       "loss_bound": chosen["loss_bound"], "confidence": confidence,
-                                      "tolerance": tolerance, "why": verdicts[best.name][1]}}
+                                      "confidence_each": each, "candidates": len(lossy), "tolerance": tolerance,
+                                      "why": verdicts[best.name][1]}}
     return profiles
 
 
@@ -573,7 +580,8 @@ class CalibrationRun:
 
     def confirm(self) -> None:
         """Every candidate run through the runtime on held-out prompts: what becomes a default."""
-        with self.timed("runtime runs"):
+        with self.timed("runtime runs"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", UnmeasuredQualityWarning)  # measuring it is what these runs do
             self.runs = run_cases(self.engine, self.held_out, self.configs, self.options.labels.max_answer_tokens,
                                   self.progress)
         if self.fitted_drafts is not None:
@@ -601,16 +609,20 @@ class CalibrationRun:
                                  f"runtime runs ({fitted['tok_s']:.1f} vs {plain['tok_s']:.1f} tok/s): defaults kept")
 
     def _confirm_skipping(self) -> None:
-        """A skip setting becomes the skip modes' default only where it ran faster than full and
-        is eligible over all held-out prompts (a bound on its loss, every prompt judged)."""
+        """A skip setting becomes the skip modes' default only where it ran faster than full on
+        every held-out prompt and, on those with a check, the bound on its loss meets the budget
+        (each setting bounded at the Bonferroni share of the confidence)."""
         options = self.options
-        for verdict in self.skipping:
-            if verdict.options is None:
-                continue
+        candidates = [v for v in self.skipping if v.options is not None]
+        each = 1.0 - (1.0 - options.confidence) / max(len(candidates), 1)
+        judged = [i for i, r in enumerate(self.runs["full"]) if r["pass"] is not None]
+        for verdict in candidates:
             name = f"skip/{verdict.granularity}"
             figures = summarize(self.runs[name], self.runs["full"], options.confidence)
             verdict.figures["runtime"] = figures
-            eligible, why = eligibility(name, figures, options.task_loss)
+            eligible, why = eligibility(name, summarize([self.runs[name][i] for i in judged],
+                                                        [self.runs["full"][i] for i in judged], each),
+                                        options.task_loss)
             if figures["speed_vs_full"] >= MIN_SPEEDUP and eligible:
                 if figures["speed_vs_full"] > self.decoding.get("skip", {}).get("speed_vs_full", 0.0):
                     self.decoding["skip"] = {**verdict.options, "speed_vs_full": figures["speed_vs_full"]}
@@ -664,8 +676,10 @@ class CalibrationRun:
             light = "slm" if engine.slm is not None else "ngram"
             routing = next((c.options for c in self.configs if c.name == f"route/{light}"),
                            {"mode": "route", "light": light})
-            plot_sample_answer(engine, sample, routing, options.labels.max_answer_tokens,
-                               self.work / "token-layers.png")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UnmeasuredQualityWarning)  # a picture, not a default
+                plot_sample_answer(engine, sample, routing, options.labels.max_answer_tokens,
+                                   self.work / "token-layers.png")
         return CalibrateReport(self.bundle.path, calibration, self.messages, self.seconds, report)
 
 

@@ -13,9 +13,11 @@ from __future__ import annotations
 import json
 import re
 
-from edgeroute.calibration.prompts import ECHO_WORDS, CalibrationPrompt
+from edgeroute.calibration.prompts import ANSWER_TOKENS, ECHO_WORDS, CalibrationPrompt
+from edgeroute.errors import InputError
 from edgeroute.quality.assertions import Verdict, parse_assertion
 from edgeroute.quality.cases import TaskCase
+from edgeroute.runtime.profiles import load_profile
 
 _WORD = re.compile(r"[A-Za-z0-9]+(?:[.,:][0-9]+)*")  # numbers keep their separators: 14:35, 21.5
 
@@ -45,10 +47,21 @@ def parse_json_object(text: str) -> dict | None:
     return value if isinstance(value, dict) else None
 
 
+def task_response_format(task: str) -> dict | None:
+    """The response_format the task's own profile runs with (the json profile constrains to a
+    JSON object), so that a task's cases are judged as ``--profile TASK`` runs them."""
+    try:
+        return load_profile(task).decoding.get("response_format")
+    except InputError:  # a user's task: no profile of that name
+        return None
+
+
 def prompt_case(prompt: CalibrationPrompt) -> TaskCase:
-    """A built-in (or user) calibration prompt as a task case: one user turn and its assertions."""
+    """A built-in (or user) calibration prompt as a task case: one user turn, its assertions, the
+    task profile's response_format and the answer length a right answer needs."""
     return TaskCase(prompt.id, prompt.task, [{"role": "user", "content": prompt.content}],
-                    tuple(parse_assertion(a, prompt.id) for a in prompt.assertions))
+                    tuple(parse_assertion(a, prompt.id) for a in prompt.assertions),
+                    task_response_format(prompt.task), ANSWER_TOKENS.get(prompt.task))
 
 
 def task_verdict(prompt: CalibrationPrompt, answer: str) -> Verdict:

@@ -78,8 +78,9 @@ def parse_case(data: Any, where: str) -> TaskCase:
     if response_format is not None and not isinstance(response_format, dict):
         raise InputError(f"{where}: \"response_format\" must be an object as `edgeroute run` takes it")
     task = data.get("task", "custom")
-    if not isinstance(task, str) or not task.strip():
-        raise InputError(f"{where}: \"task\" must be a non-empty string (got {task!r})")
+    if not isinstance(task, str) or not task.strip() or task == "default":
+        raise InputError(f"{where}: \"task\" must be a non-empty string other than \"default\" (the profile over "
+                         f"every task) (got {task!r})")
     return TaskCase(str(data.get("id", where)), task, _messages(data, where),
                     tuple(parse_assertion(a, f"{where}: assert[{i}]") for i, a in enumerate(assertions)),
                     response_format, max_tokens)

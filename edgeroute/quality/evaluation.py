@@ -26,6 +26,7 @@ from edgeroute.quality.runs import (
     Progress,
     RunConfig,
     eligibility,
+    is_lossless,
     run_cases,
     summarize,
 )
@@ -131,6 +132,8 @@ def evaluate(engine, cases: Sequence[TaskCase], modes: str | Sequence[RunConfig]
     if max_tokens < 1:
         raise InputError(f"max_tokens must be at least 1 (got {max_tokens})")
     configs = parse_modes(modes) if isinstance(modes, str) else list(modes)
+    if not configs or configs[0].name != "full":  # every other mode is judged against full's answers
+        configs = [RunConfig("full", {"mode": "full"}), *(c for c in configs if c.name != "full")]
     configs = [_auto_config(engine, cases) if c.name == "auto" else c for c in configs]
     runs = run_cases(engine, cases, configs, max_tokens, progress, keep_text=True)
     notes = []
@@ -151,10 +154,11 @@ def evaluate(engine, cases: Sequence[TaskCase], modes: str | Sequence[RunConfig]
     per_task = {task: {name: summarize([r for r in runs[name] if r["task"] == task],
                                        [r for r in runs["full"] if r["task"] == task], confidence) for name in names}
                 for task in tasks}
-    for task_figures in (overall, *per_task.values()):
+    by_name = {c.name: c for c in configs}
+    for task, task_figures in (("default", overall), *per_task.items()):
         for name, figures in task_figures.items():
-            figures["eligible"], figures["why"] = eligibility(name, figures, tolerance) if name != LLAMA_CPP else \
-                (False, "another runtime: compared for speed and pass rate only")
+            figures["eligible"], figures["why"] = (False, "another runtime: compared for speed and pass rate only") \
+                if name == LLAMA_CPP else eligibility(name, figures, tolerance, is_lossless(by_name[name], task))
     return EvalReport(str(engine.bundle.path), cpu_signature(), engine.llm.flavour, max_tokens, confidence, tolerance,
                       len(cases), names, overall, per_task, runs, notes)
 

@@ -42,6 +42,7 @@ from edgeroute.runtime.model import KVCache
 from edgeroute.runtime.options import EngineOptions
 from edgeroute.runtime.routers import TrainedRouter
 from edgeroute.runtime.text_stream import IncrementalDetokenizer, StopFilter
+from edgeroute.skip_options import SkipOptions
 
 Messages = Sequence[dict[str, str]]
 
@@ -162,9 +163,13 @@ class Engine:
     def resolve(self, options: DecodeOptions) -> DecodeOptions:
         """The options a generation runs with: mode auto and unset router choices taken from
         the bundle's calibration, format-critical tokens listed when the profile protects them."""
-        options = calibrated_options(options, self.bundle.calibration, self._trained_router)
         calibration = self.bundle.calibration
-        if "skip" in options.mode and not (calibration is not None and calibration.decoding.get("skip")):
+        # auto's choice was judged on held-out tasks, and so was a calibrated skip setting, which a
+        # skip mode takes when its own skip options are left at their defaults
+        unmeasured = "skip" in options.mode and not (calibration is not None and calibration.decoding.get("skip")
+                                                     and options.skip == SkipOptions())
+        options = calibrated_options(options, calibration, self._trained_router)
+        if unmeasured:
             warnings.warn(f"{self.bundle.path}: mode {options.mode} skips layers with uncalibrated settings (at most "
                           f"{options.skip.free_layers(self.llm.num_layers)} layers a decision, skip_ratio "
                           f"{options.skip.skip_ratio}): its quality is unmeasured until `edgeroute calibrate` keeps a "
