@@ -91,6 +91,8 @@ def test_shard_ids_are_stable_and_change_with_the_settings(tiny_engine):
     assert first == [s.id for s in plan_shards(tiny_engine, prompts, SMALL)]
     other = LabelSettings(max_answer_tokens=9, shard_size=4)
     assert not set(first) & {s.id for s in plan_shards(tiny_engine, prompts, other)}
+    rechecked = [dataclasses.replace(p, assertions=({"type": "regex", "value": "."},)) for p in prompts]
+    assert [s.id for s in plan_shards(tiny_engine, rechecked, SMALL)] == first  # checks do not change labels
 
 
 def test_path_following_rejoin_is_bounded_by_the_shift():

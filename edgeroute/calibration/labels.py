@@ -83,7 +83,9 @@ def plan_shards(engine: Engine, prompts: list[CalibrationPrompt], settings: Labe
     shards = []
     for start in range(0, len(prompts), settings.shard_size):
         chunk = tuple(prompts[start:start + settings.shard_size])
-        key = json.dumps([identity, asdict(settings), [asdict(p) for p in chunk]], sort_keys=True)
+        # what the labels depend on: a prompt's checks (its assertions) judge answers, never label them
+        labelled = [{"id": p.id, "task": p.task, "content": p.content} for p in chunk]
+        key = json.dumps([identity, asdict(settings), labelled], sort_keys=True)
         shards.append(Shard(hashlib.sha256(key.encode()).hexdigest()[:16], chunk))
     return shards
 
