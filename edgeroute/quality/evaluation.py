@@ -144,6 +144,8 @@ def evaluate(engine, cases: Sequence[TaskCase], modes: str | Sequence[RunConfig]
             import llama_cpp as _  # noqa: F401 - only whether it is installed
 
             runs[LLAMA_CPP] = _llama_rows(engine, cases, max_tokens, threads)
+            for row, reference in zip(runs[LLAMA_CPP], runs["full"], strict=True):
+                row["same_as_full"] = row.get("text") == reference["text"]
         except ImportError:
             notes.append("llama.cpp: llama-cpp-python is not installed (pip install 'edgeroute[bench]'): no row")
         except (InputError, Unavailable) as err:
