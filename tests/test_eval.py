@@ -122,3 +122,10 @@ def test_eval_on_the_demo_model_passes_a_fact_it_knows_and_fails_a_wrong_one(smo
     report = evaluate(Engine(bundle), load_cases(tasks), "full,speculate/ngram", max_tokens=24)
     passed = {r["case"]: r["pass"] for r in report.runs["full"]}
     assert passed == {"paris": True, "wrong": False}, report.runs["full"]
+
+
+def test_eval_says_why_there_is_no_llama_cpp_row_where_it_cannot_run_the_same_model(tiny_slm_bundle, tmp_path):
+    tasks = write_cases(tmp_path / "t.jsonl", [{"prompt": "one", "assert": [{"type": "regex", "value": "."}]}])
+    report = evaluate(Engine(tiny_slm_bundle), load_cases(tasks), "full", max_tokens=4, llama_cpp=True)
+    assert "llama.cpp" not in report.runs and len(report.notes) == 1
+    assert "not a GGUF" in report.notes[0] or "not installed" in report.notes[0]
