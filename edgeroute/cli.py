@@ -252,17 +252,22 @@ def _print_calibration(b) -> None:
                       shown(f.get("validation_tf_agreement"), ".2%"), shown(f.get("validation_llm_share"), ".0%"))
     console.print(table)
     table = Table(title="task profiles (mode auto), judged on held-out prompts")
-    for column in ("task", "configuration", "x full", "LLM share", "task pass (full)", "n", "loss bound", "why"):
-        table.add_column(column, overflow="fold")  # names differ in their ends: never cut
+    for column in ("task", "configuration", "x full", "pass (full)", "n", "loss bound"):
+        table.add_column(column, overflow="fold", no_wrap=column == "configuration")  # names differ in their ends
+    reasons = []
     for task, profile in c.profiles.items():
         f = profile["figures"][profile["config"]]
         quality = profile.get("quality", {})
         passed = "no check" if f.get("task_pass") is None else \
             f"{f['task_pass']:.0%} ({f.get('full_task_pass', profile['figures']['full']['task_pass']):.0%})"
         bound = f"{quality['loss_bound']:.1%}" if quality.get("judged") else "-"
-        table.add_row(task, profile["config"], f"{f['speed_vs_full']:.2f}x", f"{f['llm_share']:.0%}", passed,
-                      str(f.get("judged", f.get("prompts", "-"))), bound, quality.get("why", "-"))
+        table.add_row(task, profile["config"], f"{f['speed_vs_full']:.2f}x", passed,
+                      str(f.get("judged", f.get("prompts", "-"))), bound)
+        if quality.get("why"):
+            reasons.append(f"{task}: {profile['config']}, {quality['why']}")
     console.print(table)
+    for reason in reasons:
+        console.print(reason)
 
 
 def _open_trace(path: Path):
@@ -409,9 +414,9 @@ def calibrate(
     answer_tokens: int = typer.Option(None, help="longest answer labelled (default 40)"),
     path_checks: int = typer.Option(None, help="path checks per prompt (default 3)"),
     validation_prompts: int = typer.Option(None, help="held-out prompts per task (default 60)"),
-    task_loss: float = typer.Option(0.05, help="share of full's passes a lossy mode may lose"),
-    confidence: float = typer.Option(0.95, help="confidence of the bound on that loss"),
-    eval_file: Path = typer.Option(None, "--eval", help="your task file (edgeroute eval's JSONL), judged too"),
+    task_loss: float = typer.Option(0.05, help="allowed loss vs full's passes"),
+    confidence: float = typer.Option(0.95, help="of the loss bound"),
+    eval_file: Path = typer.Option(None, "--eval", help="your task file (JSONL), judged too"),
     skip_prompts: int = typer.Option(None, help="answers for skipping (default 48, 0: off)"),
     executor: str = typer.Option("local", help="label shards on: local | ray"),
     address: str = typer.Option(None, help="ray: cluster (RAY_ADDRESS, else local)"),
@@ -555,8 +560,9 @@ def bench(
 @app.command("eval")
 def eval_tasks(
     bundle: Path = typer.Argument(..., help="bundle directory"),
-    tasks: str = typer.Option(..., help="task file (JSONL: prompt + promptfoo-style assert) | builtin"),
-    modes: str = typer.Option("full,speculate/ngram,speculate/slm,route/slm", help="modes to judge, full first"),
+    tasks: str = typer.Option(..., help="task file (JSONL, see the guide) | builtin"),
+    modes: str = typer.Option("full,speculate/ngram,speculate/slm,route/slm", show_default=False,
+                              help="full,MODE[/LIGHT],... (full,speculate/ngram,..)"),
     per_task: int = typer.Option(12, help="builtin: held-out prompts per task"),
     max_tokens: int = typer.Option(64, help="maximum new tokens per answer"),
     confidence: float = typer.Option(0.95, help="of the intervals and the loss bound"),
@@ -568,7 +574,9 @@ def eval_tasks(
     as_json: Path = typer.Option(None, "--json", help="write the report (every answer) as JSON"),
     plot: Path = typer.Option(None, help="PNG: pass rate against tok/s"),
 ) -> None:
-    """Judge modes of a bundle on task cases: pass rates with bounds, speed. Guide: docs/guide/eval.md."""
+    """Judge modes on your task cases: pass rates, bounds, speed.
+
+    Guide: docs/guide/eval.md."""
     import json
 
     from edgeroute.quality.cases import load_cases
