@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -23,13 +24,23 @@ console = Console()
 err_console = Console(stderr=True)
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """The runtime's warnings (a calibration taken on another CPU, unmeasured skipping) as one
+    line on stderr, as the CLI's errors are, not as a Python source location."""
+    err_console.print(f"[bold yellow]warning:[/] {escape(str(message))}")
+
+
 @contextmanager
 def _clear_errors():
+    shown = warnings.showwarning
+    warnings.showwarning = _show_warning
     try:
         yield
     except EdgerouteError as err:
         err_console.print(f"[bold red]error:[/] {escape(str(err))}")  # an error's [brackets] are text
         raise typer.Exit(2) from None
+    finally:
+        warnings.showwarning = shown
 
 
 @contextmanager
