@@ -423,7 +423,7 @@ def calibrate(
     delta: float = typer.Option(0.1, help="ltt's failure probability"),
     prompts_per_task: int = typer.Option(None, help="built-in prompts per task (default 40)"),
     answer_tokens: int = typer.Option(None, help="longest answer labelled (default 40)"),
-    path_checks: int = typer.Option(None, help="path checks per prompt (default 3)"),
+    path_checks: int = typer.Option(None, help="differing SLM positions path-checked per prompt (default 8)"),
     validation_prompts: int = typer.Option(None, help="held-out prompts per task (default 60)"),
     task_loss: float = typer.Option(0.05, help="allowed loss vs full's passes"),
     confidence: float = typer.Option(0.95, help="of the loss bound"),

@@ -20,6 +20,7 @@ from edgeroute.calibration.calibrate import (
     calibrate,
     choose_profiles,
     confirm_task_drafts,
+    light_data,
     lookup_then_slm,
 )
 from edgeroute.calibration.checks import echoes_instructions, task_verdict
@@ -32,7 +33,17 @@ from edgeroute.calibration.drafting import (
     replay,
     runtime_default,
 )
-from edgeroute.calibration.labels import LabelSettings, label_prompts, plan_shards, rejoins
+from edgeroute.calibration.labels import (
+    DIVERGENT,
+    NEUTRAL,
+    UNCHECKED,
+    Labels,
+    LabelSettings,
+    label_prompt,
+    label_prompts,
+    plan_shards,
+    rejoins,
+)
 from edgeroute.calibration.prompts import TASKS, builtin_prompts
 from edgeroute.calibration.thresholds import BudgetUnreachable, choose_threshold, prompt_risks
 from edgeroute.calibration.train import TrainSettings, router_onnx, train_router
@@ -42,7 +53,13 @@ from edgeroute.errors import BundleError, CalibrationDeviceWarning, InputError
 from edgeroute.runtime import Engine
 from edgeroute.runtime.calibrated import format_token_ids
 from edgeroute.runtime.drafters import Proposal
-from edgeroute.runtime.routers import NGRAM_FEATURES, SLM_FEATURES, TrainedRouter, ngram_features
+from edgeroute.runtime.routers import (
+    NGRAM_FEATURES,
+    SLM_FEATURES,
+    TrainedRouter,
+    ngram_features,
+    proposal_features,
+)
 
 runner = CliRunner()
 SMALL = LabelSettings(max_answer_tokens=8, shard_size=4, path_window=4, path_checks=2)
@@ -93,6 +110,54 @@ def test_shard_ids_are_stable_and_change_with_the_settings(tiny_engine):
     assert not set(first) & {s.id for s in plan_shards(tiny_engine, prompts, other)}
     rechecked = [dataclasses.replace(p, assertions=({"type": "regex", "value": "."},)) for p in prompts]
     assert [s.id for s in plan_shards(tiny_engine, rechecked, SMALL)] == first  # checks do not change labels
+
+
+def test_constrained_labels_give_the_router_what_the_constrained_decoder_shows_it(tiny_engine):
+    """A json prompt is labelled under its profile's grammar: the answer is the constrained
+    one, the grammar's forced positions are not free, and each free position's SLM features
+    are those a route session under the same grammar hands its router (the masked
+    distribution), position for position."""
+    from edgeroute.calibration.checks import task_response_format
+
+    prompt = next(p for p in builtin_prompts(2) if p.task == "json")
+    settings = LabelSettings(max_answer_tokens=12, path_window=4, path_checks=2)
+    labels = label_prompt(tiny_engine, prompt, settings)
+    seen: dict[int, np.ndarray] = {}
+
+    def recording_router(proposal, i):
+        seen[proposal.answer_position] = proposal_features(SLM_FEATURES, proposal, i)
+        return 1.0  # always the LLM: the answer stays full's
+
+    generation = tiny_engine.generate([{"role": "user", "content": prompt.content}], mode="route", light="slm",
+                                      router=recording_router, fallback=None, max_new_tokens=12,
+                                      response_format=task_response_format("json"))
+    assert generation.tokens == labels["llm_token"].tolist()
+    free = labels["free"]
+    assert not free.all(), "the grammar forced nothing: the test would not tell forced positions apart"
+    assert sorted(seen) == np.flatnonzero(free).tolist()
+    for j, features in seen.items():
+        np.testing.assert_allclose(labels["slm_features"][j].astype(np.float32), features, rtol=2e-2, atol=2e-2)
+    assert (labels["slm_token"][~free] == labels["llm_token"][~free]).all()  # forced: no light token to differ
+
+
+def test_the_slm_router_must_catch_divergent_differences_only_and_forced_positions_drop_out():
+    """R2R's target: a difference whose path check rejoined (neutral) may stay with the SLM, a
+    divergent one and an unchecked one may not (unchecked: the bound stays conservative);
+    training rows are the labelled ones; grammar-forced positions are nobody's decision."""
+    llm = np.array([1, 2, 3, 4, 5, 6])
+    slm = np.array([1, 9, 9, 9, 5, 7])
+    path = np.array([UNCHECKED, NEUTRAL, DIVERGENT, UNCHECKED, UNCHECKED, UNCHECKED], np.int8)
+    free = np.array([True, True, True, True, True, False])
+    features = np.zeros((6, 4 + 11), np.float16)
+    labels = Labels({"llm_token": llm, "slm_token": slm, "slm_path": path, "free": free,
+                     "slm_features": features, "prompt": np.zeros(6, np.int32), "task": np.zeros(6, np.int8),
+                     "position": np.arange(6, dtype=np.int32), "ngram_token": np.full(6, -1),
+                     "ngram_length": np.zeros(6, np.int32), "ngram_count": np.zeros(6, np.int32)}, ["p0"])
+    data = light_data(labels, "slm", np.full(6, "train"))
+    assert data.differ.tolist() == [False, True, True, True, False]
+    assert data.harmful.tolist() == [False, False, True, True, False]
+    assert data.known.tolist() == [True, True, True, False, True]
+    assert len(data.scores["entropy"]) == 5
 
 
 def test_path_following_rejoin_is_bounded_by_the_shift():

@@ -233,6 +233,20 @@ def test_picking_among_several_lossy_candidates_tightens_each_bound():
     assert choose_profiles(more, configs)["templated"]["config"] == "route/slm"
 
 
+def test_a_lossy_mode_slower_than_the_best_lossless_one_is_no_candidate_and_costs_no_confidence():
+    configs = [*CONFIGS, RunConfig("route/ngram", {"mode": "route", "light": "ngram"})]
+    runs = {"full": _rows("templated", 60, 1.0, True), "speculate/slm": _rows("templated", 60, 0.7, True),
+            "route/slm": _rows("templated", 60, 0.5, True, same=False),
+            "route/ngram": _rows("templated", 60, 0.8, True, same=False)}  # 1.25x: slower than speculation
+    profile = choose_profiles(runs, configs)["templated"]
+    assert profile["quality"]["candidates"] == 1 and profile["quality"]["confidence_each"] == pytest.approx(0.95)
+    assert profile["config"] == "route/slm"
+    assert "not a candidate" in profile["eligible"]["route/ngram"]["why"]
+    runs["route/slm"] = _rows("templated", 60, 0.75, True, same=False)  # now slower than speculation too
+    profile = choose_profiles(runs, configs)["templated"]
+    assert profile["config"] == "speculate/slm" and profile["quality"]["candidates"] == 0
+
+
 def test_the_default_profile_pools_tasks_and_an_unjudged_task_keeps_lossy_modes_out():
     runs = {name: _rows("json", 60, seconds, True, same=name != "route/slm") + _rows("dialogue", 60, seconds, None,
                                                                                     same=name != "route/slm")

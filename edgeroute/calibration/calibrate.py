@@ -16,7 +16,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,7 @@ from edgeroute.calibration.drafting import (
 from edgeroute.calibration.labels import (
     DIVERGENT,
     NEUTRAL,
+    UNCHECKED,
     Labels,
     LabelSettings,
     LocalExecutor,
@@ -162,15 +163,22 @@ def split_of(prompt_id: str) -> str:
 
 @dataclass
 class LightData:
-    """One light path's positions: scores of every candidate router, and the labels."""
+    """One light path's positions where a router decides (the grammar forces none of them):
+    scores of every candidate router, and the labels."""
 
     differ: np.ndarray  # light token != LLM token
+    harmful: np.ndarray  # what the router must send to the LLM (SLM: a divergent or unchecked difference)
+    known: np.ndarray  # positions whose harm is labelled (SLM: agreeing, or path-checked): router training rows
     forced: np.ndarray  # no light token: the LLM runs
     prompt: np.ndarray
     split: np.ndarray
     task: np.ndarray
     features: np.ndarray
     scores: dict[str, np.ndarray]
+
+    def only(self, keep: np.ndarray) -> LightData:
+        return LightData(*(getattr(self, f.name)[keep] for f in fields(self) if f.name != "scores"),
+                         {name: score[keep] for name, score in self.scores.items()})
 
 
 def _slm_stats_start(features: np.ndarray) -> int:
@@ -180,21 +188,28 @@ def _slm_stats_start(features: np.ndarray) -> int:
 
 
 def light_data(labels: Labels, light: str, splits: np.ndarray) -> LightData:
+    """The SLM path's harm is R2R's divergence: a difference the path-following check found
+    neutral (the LLM's continuation rejoins its own answer) may stay, a divergent one and an
+    unchecked one (counted as divergent: the bound stays conservative) may not; routers train
+    on the labelled positions. The n-gram path has no path check: every difference counts."""
     llm = labels["llm_token"]
+    free = labels.arrays.get("free", np.ones(len(llm), bool)).astype(bool)  # shards from before grammar-aware labels
     if light == "slm":
         features = labels["slm_features"].astype(np.float32)
         hidden = _slm_stats_start(features)
         scores = {name: features[:, hidden + column] for name, column in SLM_BASELINES.items()}
-        forced = np.zeros(len(llm), bool)
-        return LightData(labels["slm_token"] != llm, forced, labels["prompt"], splits, labels["task"],
-                         features, scores)
+        differ, path = labels["slm_token"] != llm, labels["slm_path"]
+        data = LightData(differ, differ & (path != NEUTRAL), ~differ | (path != UNCHECKED), np.zeros(len(llm), bool),
+                         labels["prompt"], splits, labels["task"], features, scores)
+        return data.only(free)
     token, length, count = labels["ngram_token"], labels["ngram_length"], labels["ngram_count"]
     features = np.stack([ngram_features(int(n), int(c), 0, int(p))
                          for n, c, p in zip(length, count, labels["position"], strict=True)])
     baseline = np.asarray([ngram_router(Proposal([int(t)], [None], int(n), int(c)), 0) if t >= 0 else 1.0
                            for t, n, c in zip(token, length, count, strict=True)])
-    return LightData((token != llm) & (token >= 0), token < 0, labels["prompt"], splits, labels["task"],
-                     features, {"ngram": baseline})
+    differ = (token != llm) & (token >= 0)
+    return LightData(differ, differ, np.ones(len(llm), bool), token < 0, labels["prompt"], splits, labels["task"],
+                     features, {"ngram": baseline}).only(free)
 
 
 @dataclass
@@ -216,23 +231,23 @@ def _inner_split(prompt: np.ndarray, prompt_ids: list[str]) -> np.ndarray:
 
 
 def calibrate_router(data: LightData, light: str, prompt_ids: list[str], options: CalibrateOptions) -> RouterResult:
-    train = (data.split == "train") & ~data.forced
+    train = (data.split == "train") & ~data.forced & data.known
     early = _inner_split(data.prompt, prompt_ids)
     settings = options.slm_router if light == "slm" else options.ngram_router
-    net, early_auc = train_router(data.features[train & ~early], data.differ[train & ~early],
-                                  data.features[train & early], data.differ[train & early], settings)
+    net, early_auc = train_router(data.features[train & ~early], data.harmful[train & ~early],
+                                  data.features[train & early], data.harmful[train & early], settings)
     scores = {**data.scores, "trained": net.probability(data.features)}
     scores["trained"][data.forced] = 1.0
     figures: dict[str, Any] = {"positions": {s: int((data.split == s).sum()) for s in SPLITS},
                                "early_stopping_auc": early_auc or None, "candidates": {}}
     for split in ("calibration", "validation"):
         part = data.split == split
-        scoreable = part & ~data.forced
+        scoreable = part & ~data.forced & data.known
         for name, score in scores.items():
             entry = figures["candidates"].setdefault(name, {})
-            auc = roc_auc(score[scoreable], data.differ[scoreable])
+            auc = roc_auc(score[scoreable], data.harmful[scoreable])
             entry[f"{split}_auc"] = None if np.isnan(auc) else auc  # None: one class only (JSON has no NaN)
-            entry[f"{split}_llm_share_at_budget"] = share_at_agreement(score[part], data.differ[part],
+            entry[f"{split}_llm_share_at_budget"] = share_at_agreement(score[part], data.harmful[part],
                                                                        data.forced[part], options.budget)
     calibration_share = {name: c["calibration_llm_share_at_budget"] for name, c in figures["candidates"].items()}
     best_baseline = min((n for n in calibration_share if n != "trained"), key=calibration_share.get)
@@ -244,19 +259,20 @@ def calibrate_router(data: LightData, light: str, prompt_ids: list[str], options
     part = data.split == "calibration"
     choice, unreachable = None, None
     try:
-        choice = choose_threshold(scores[chosen][part], data.differ[part], data.forced[part], data.prompt[part],
+        choice = choose_threshold(scores[chosen][part], data.harmful[part], data.forced[part], data.prompt[part],
                                   options.budget, options.bound, options.delta)
     except BudgetUnreachable as err:
         unreachable = f"route/{light}: {err}"
     held = data.split == "validation"
     if choice is not None and held.any():
         kept = (scores[chosen][held] <= choice.threshold) & ~data.forced[held]
-        figures["validation_tf_agreement"] = float(1.0 - (kept & data.differ[held]).mean())
+        figures["validation_tf_agreement"] = float(1.0 - (kept & data.harmful[held]).mean())
+        figures["validation_token_agreement"] = float(1.0 - (kept & data.differ[held]).mean())
         figures["validation_llm_share"] = float(1.0 - kept.mean())
         figures["per_task_validation_tf_agreement"] = {
-            TASKS[t]: float(1.0 - (kept & data.differ[held])[data.task[held] == t].mean())
+            TASKS[t]: float(1.0 - (kept & data.harmful[held])[data.task[held] == t].mean())
             for t in np.unique(data.task[held])}
-    curves = {name: tradeoff(score[held], data.differ[held], data.forced[held])
+    curves = {name: tradeoff(score[held], data.harmful[held], data.forced[held])
               for name, score in scores.items()} if held.any() else {}
     return RouterResult(light, chosen, router_onnx(net) if chosen == "trained" else None, choice, unreachable,
                         figures, curves)
@@ -301,23 +317,38 @@ def choose_profiles(runs: dict[str, list[dict[str, Any]]], configs: list[RunConf
                     ) -> dict[str, dict[str, Any]]:
     """Per task (and ``default`` over all): the fastest eligible configuration (see
     :func:`edgeroute.quality.runs.eligibility`), full when none is at least MIN_SPEEDUP faster.
-    Picking the fastest of k lossy candidates is k tests: each is bounded at confidence
-    ``1 - (1 - confidence) / k`` (Bonferroni), so the choice holds at ``confidence``. Each profile
-    records every configuration's figures, why it was or was not eligible, and the chosen one's
-    quality."""
+    A lossy candidate can only be chosen where it runs faster than every eligible lossless one
+    and at least MIN_SPEEDUP faster than full; picking among the k that do is k tests, so each
+    is bounded at confidence ``1 - (1 - confidence) / k`` (Bonferroni) and the choice holds at
+    ``confidence``. Candidates are admitted on speed alone, never on their pass counts, so the
+    admission does not bias the test. Each profile records every configuration's figures, why
+    it was or was not eligible, and the chosen one's quality."""
     profiles = {}
     found = {r["task"] for r in runs["full"]}
     tasks = [t for t in TASKS if t in found] + sorted(found - set(TASKS))
     for task in [*tasks, "default"]:
         pick = [i for i, r in enumerate(runs["full"]) if task in ("default", r["task"])]
-        lossy = [c for c in configs if not is_lossless(c, task)]
-        each = 1.0 - (1.0 - confidence) / max(len(lossy), 1)
-        figures = {c.name: summarize([runs[c.name][i] for i in pick], [runs["full"][i] for i in pick], each)
+        rows = {c.name: ([runs[c.name][i] for i in pick]) for c in configs}
+        full_rows = rows["full"]
+        speed = {c.name: summarize(rows[c.name], full_rows)["speed_vs_full"] if c.name != "full" else 1.0
+                 for c in configs}
+        lossless = [c for c in configs if is_lossless(c, task)]
+        lossless_ok = {c.name: eligibility(c.name, summarize(rows[c.name], full_rows, confidence), tolerance, True)
+                       for c in lossless}
+        floor = max([MIN_SPEEDUP] + [speed[name] for name, (ok, _) in lossless_ok.items() if ok and name != "full"])
+        contenders = [c for c in configs if not is_lossless(c, task) and speed[c.name] > floor]
+        each = 1.0 - (1.0 - confidence) / max(len(contenders), 1)
+        figures = {c.name: summarize(rows[c.name], full_rows, confidence if is_lossless(c, task) else each)
                    for c in configs}
         verdicts = {c.name: eligibility(c.name, figures[c.name], tolerance, is_lossless(c, task)) for c in configs}
+        for c in configs:
+            if not is_lossless(c, task) and c not in contenders:
+                verdicts[c.name] = (False, f"{speed[c.name]:.2f}x full, not faster than the best eligible "
+                                           f"lossless configuration ({floor:.2f}x) or {MIN_SPEEDUP}x full: not a "
+                                           f"candidate ({verdicts[c.name][1]})")
         qualified = [c for c in configs if verdicts[c.name][0]]
-        best = max(qualified, key=lambda c: (figures[c.name]["speed_vs_full"] if c.name != "full" else 1.0))
-        if best.name != "full" and figures[best.name]["speed_vs_full"] < MIN_SPEEDUP:
+        best = max(qualified, key=lambda c: speed[c.name])
+        if best.name != "full" and speed[best.name] < MIN_SPEEDUP:
             best = configs[0]
         options = {k: v for k, v in best.options_for(task).items() if k in (*AUTO_KEYS, *SKIP_KEYS)}
         if task == "json" and options["mode"] == "route":
@@ -328,7 +359,7 @@ def choose_profiles(runs: dict[str, list[dict[str, Any]]], configs: list[RunConf
                           "quality": {"task_pass": chosen["task_pass"], "full_task_pass": chosen["full_task_pass"],
                                       "judged": chosen["judged"], "prompts": chosen["prompts"],
                                       "loss_bound": chosen["loss_bound"], "confidence": confidence,
-                                      "confidence_each": each, "candidates": len(lossy), "tolerance": tolerance,
+                                      "confidence_each": each, "candidates": len(contenders), "tolerance": tolerance,
                                       "why": verdicts[best.name][1]}}
     return profiles
 

@@ -8,10 +8,17 @@ up every answer prefix; each answer position keeps the light paths' tokens and f
 two labels per light path:
 
 - ``token``: the light token differs from the LLM's;
-- ``path`` (SLM, on a sample of divergent positions): R2R's refinement. The LLM continues
-  from the light token for ``path_window`` tokens; if that continuation rejoins its own answer
-  (``rejoin`` consecutive tokens equal, at most ``max_shift`` positions apart) the difference
-  is neutral (a synonym, a reordering), otherwise divergent.
+- ``path`` (SLM, on up to ``path_checks`` differing positions per prompt): R2R's refinement.
+  The LLM continues from the light token for ``path_window`` tokens; if that continuation
+  rejoins its own answer (``rejoin`` consecutive tokens equal, at most ``max_shift`` positions
+  apart) the difference is neutral (a synonym, a reordering), otherwise divergent. The SLM
+  router learns these: only a divergent difference needs the LLM.
+
+A prompt whose task profile constrains its output (the json task's ``response_format``) is
+labelled as that profile runs it: the LLM's answer under the grammar, the SLM's distribution
+masked to the tokens the grammar allows (what ``Constraint.constrain`` hands a router at run
+time), the path continuations under the grammar too, and ``free`` False where the grammar
+forces the token (no model and no router runs there).
 
 Shards are independent units of work with stable ids (the hash of the bundle's weights, the
 settings and the shard's prompts): one ``.npz`` per shard, written to a temporary name and
@@ -35,8 +42,10 @@ from typing import Protocol
 import numpy as np
 
 from edgeroute.bundle import CALIBRATION_DIR, Bundle
+from edgeroute.calibration.checks import task_response_format
 from edgeroute.calibration.prompts import TASKS, CalibrationPrompt
 from edgeroute.runtime.attention import KVCache
+from edgeroute.runtime.constraints import Constraint, apply_mask
 from edgeroute.runtime.drafters import NgramDrafter
 from edgeroute.runtime.engine import Engine
 from edgeroute.runtime.model import OrtModel
@@ -54,7 +63,9 @@ class LabelSettings:
     path_window: int = 8
     rejoin: int = 3
     max_shift: int = 2
-    path_checks: int = 3  # divergent SLM positions per prompt that get the path-following check
+    # differing SLM positions per prompt that get the path-following check: the pair's SLM differs
+    # on ~5 of 40 answer tokens, so 8 checks most of them (an unchecked one counts as divergent)
+    path_checks: int = 8
 
 
 @dataclass(frozen=True)
@@ -84,22 +95,24 @@ def plan_shards(engine: Engine, prompts: list[CalibrationPrompt], settings: Labe
     for start in range(0, len(prompts), settings.shard_size):
         chunk = tuple(prompts[start:start + settings.shard_size])
         # what the labels depend on: a prompt's checks (its assertions) judge answers, never label them
-        labelled = [{"id": p.id, "task": p.task, "content": p.content} for p in chunk]
+        labelled = [{"id": p.id, "task": p.task, "content": p.content,
+                     "response_format": task_response_format(p.task)} for p in chunk]
         key = json.dumps([identity, asdict(settings), labelled], sort_keys=True)
         shards.append(Shard(hashlib.sha256(key.encode()).hexdigest()[:16], chunk))
     return shards
 
 
-def greedy_answer(engine: Engine, prompt: CalibrationPrompt, limit: int) -> tuple[list[int], list[int], KVCache]:
-    """The prompt's ids, the LLM's greedy answer and the LLM cache holding their rows, from a
-    speculative session (the SLM drafts, the LLM verifies: the tokens of ``full`` with exact
-    steps). The engine's LLM runs exact steps meanwhile, so a step the speculation takes
-    alone rounds like its verification passes too."""
+def greedy_answer(engine: Engine, prompt: CalibrationPrompt, limit: int,
+                  response_format: dict | None = None) -> tuple[list[int], list[int], KVCache]:
+    """The prompt's ids, the LLM's greedy answer (under ``response_format``) and the LLM cache
+    holding their rows, from a speculative session (the SLM drafts, the LLM verifies: the
+    tokens of ``full`` with exact steps). The engine's LLM runs exact steps meanwhile, so a
+    step the speculation takes alone rounds like its verification passes too."""
     messages = [{"role": "user", "content": prompt.content}]
     exact, engine.llm.exact_steps = engine.llm.exact_steps, True
     try:
         session = engine.session(mode="speculate", light="slm" if engine.slm is not None else "ngram",
-                                 temperature=0.0, max_new_tokens=limit)
+                                 temperature=0.0, max_new_tokens=limit, response_format=response_format)
         answer = session.generate(messages).tokens
     finally:
         engine.llm.exact_steps = exact
@@ -119,14 +132,24 @@ def rejoins(alternative: list[int], reference: list[int], rejoin: int, max_shift
     return False
 
 
-def follow_path(llm: OrtModel, cache, start: int, light_token: int, window: int, eos: set[int]) -> list[int]:
+def follow_path(llm: OrtModel, cache, start: int, light_token: int, window: int, eos: set[int],
+                constraint: Constraint | None = None) -> list[int]:
     """The LLM's greedy continuation after ``light_token`` placed at ``start`` (the cache keeps
-    every row before ``start``; rows from it on are overwritten)."""
+    every row before ``start``; rows from it on are overwritten). ``constraint``: the grammar's
+    state after the light token; the continuation takes the tokens it forces and is masked by
+    it elsewhere, as a constrained generation would be."""
     cache.truncate(start)
     logits = llm.forward(cache, [light_token])
     tokens = []
     while len(tokens) < window:
-        token = int(np.argmax(logits))
+        if constraint is None:
+            token = int(np.argmax(logits))
+        else:
+            forced = constraint.forced()
+            if forced == constraint.eos_id:
+                break
+            token = forced if forced is not None else int(np.argmax(apply_mask(logits, constraint.allowed())))
+            constraint.advance(token)
         tokens.append(token)
         if token in eos or len(tokens) == window:
             break
@@ -134,23 +157,56 @@ def follow_path(llm: OrtModel, cache, start: int, light_token: int, window: int,
     return tokens
 
 
+def grammar_walk(constraint: Constraint | None, answer: list[int],
+                 probabilities: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Along the answer under ``constraint``: which positions are free (the grammar forces no
+    token there) and the SLM's probabilities as a router sees them at run time (masked to the
+    allowed tokens and renormalised, :meth:`Constraint.constrain`; unchanged where forced or
+    unconstrained)."""
+    free = np.ones(len(answer), bool)
+    if constraint is None:
+        return free, probabilities
+    masked = probabilities.copy()
+    for j, token in enumerate(answer):
+        if constraint.forced() is not None:
+            free[j] = False
+        else:
+            kept = np.where(constraint.allowed(), probabilities[j], 0.0)
+            if kept.sum() > 0.0:
+                masked[j] = kept / kept.sum()
+        constraint.advance(token)
+    return free, masked
+
+
+def _constraint_at(engine: Engine, response_format: dict | None, prefix: list[int]) -> Constraint | None:
+    """A fresh grammar state after ``prefix`` (None without a format)."""
+    constraint = engine.grammars.compile(response_format)
+    if constraint is not None:
+        for token in prefix:
+            constraint.advance(token)
+    return constraint
+
+
 def label_prompt(engine: Engine, prompt: CalibrationPrompt, settings: LabelSettings) -> dict[str, np.ndarray]:
-    ids, answer, cache = greedy_answer(engine, prompt, settings.max_answer_tokens)
+    response_format = task_response_format(prompt.task)
+    ids, answer, cache = greedy_answer(engine, prompt, settings.max_answer_tokens, response_format)
     n, p = len(answer), len(ids)
     sequence = ids + answer
     slm = engine.slm
     hidden = slm.hidden_states(slm.new_cache(p + n), sequence[:-1])[p - 1:]
-    probabilities = softmax(slm.head(hidden))
-    slm_tokens = probabilities.argmax(-1)
+    free, probabilities = grammar_walk(_constraint_at(engine, response_format, []), answer,
+                                       softmax(slm.head(hidden)))
+    slm_tokens = np.where(free, probabilities.argmax(-1), np.asarray(answer))  # forced: no light token to differ
     drafter = NgramDrafter()
     ngram = [drafter.propose(sequence[:p + j], 1) for j in range(n)]
     path = np.full(n, UNCHECKED, np.int8)
     divergent = np.flatnonzero(slm_tokens != np.asarray(answer))
-    if divergent.size:
+    if divergent.size and settings.path_checks:
         sample = divergent[np.unique(np.linspace(0, divergent.size - 1, settings.path_checks).astype(int))]
         for j in sorted(sample.tolist(), reverse=True):  # later positions first: earlier cache rows stay valid
-            alternative = follow_path(engine.llm, cache, p + j, int(slm_tokens[j]), settings.path_window,
-                                      engine.eos_ids)
+            light = int(slm_tokens[j])
+            alternative = follow_path(engine.llm, cache, p + j, light, settings.path_window, engine.eos_ids,
+                                      _constraint_at(engine, response_format, [*answer[:j], light]))
             reference = answer[j + 1:j + 1 + settings.path_window + settings.max_shift]
             path[j] = NEUTRAL if rejoins(alternative, reference, settings.rejoin, settings.max_shift) else DIVERGENT
     return {
@@ -161,6 +217,7 @@ def label_prompt(engine: Engine, prompt: CalibrationPrompt, settings: LabelSetti
         "slm_features": np.stack([slm_features(h, q) for h, q in zip(hidden, probabilities, strict=True)]
                                  ).astype(np.float16),
         "slm_path": path,
+        "free": free,
         "ngram_token": np.asarray([d.tokens[0] if d.tokens else -1 for d in ngram], np.int64),
         "ngram_length": np.asarray([d.match_length for d in ngram], np.int32),
         "ngram_count": np.asarray([d.match_count for d in ngram], np.int32),

@@ -13,13 +13,33 @@ def _pct(value, digits: int = 1) -> str:
     return "-" if value is None else f"{value:.{digits}%}"
 
 
+def _routing_beside_speculation(profiles: dict) -> list[str]:
+    """Per task, each route configuration next to the fastest lossless one: what routing buys
+    (or costs) at the task pass it keeps."""
+    lines = ["", "Routing beside lossless speculation (same held-out prompts):", "",
+             "| task | route | speed vs full | LLM share | task pass (full's) | lost / gained | best lossless |",
+             "|---|---|---|---|---|---|---|"]
+    found = False
+    for task, profile in profiles.items():
+        figures = profile["figures"]
+        lossless = [n for n in figures if n == "full" or n.startswith("speculate")]
+        best = max(lossless, key=lambda n: figures[n]["speed_vs_full"])
+        for name in (n for n in figures if n.startswith("route")):
+            f, found = figures[name], True
+            lines.append(f"| {task} | {name} | {f['speed_vs_full']:.2f}x | {_pct(f['llm_share'], 0)} | "
+                         f"{_pct(f['task_pass'], 0)} ({_pct(f.get('full_task_pass'), 0)}) | "
+                         f"{f.get('lost', '-')} / {f.get('gained', '-')} | {best} {figures[best]['speed_vs_full']:.2f}x |")
+    return lines if found else []
+
+
 def render(calibration: Calibration, bundle: Path, messages: list[str]) -> str:
     c = calibration
     labels = c.figures["labels"]
     slm, ngram = labels["slm"], labels["ngram"]
     lines = [f"# Calibration of `{bundle}`", "",
              f"{c.created}, edgeroute {c.edgeroute_version}, data sha256 `{c.data_sha256[:16]}`. Budget: "
-             f"teacher-forced agreement with full >= {c.budget['tf_agreement']:.1%} ({c.budget['bound']} bound"
+             f"teacher-forced agreement with full >= {c.budget['tf_agreement']:.1%} (the SLM router: no divergent "
+             f"difference kept; {c.budget['bound']} bound"
              + (f", delta {c.budget['delta']}" if c.budget.get("delta") else "") + ") for the routers' thresholds; "
              f"a task profile's loss against full's task pass at most {c.budget.get('task_loss', 0):.0%} "
              f"({c.budget.get('confidence', 0):.0%} bound on held-out prompts).", "", "## Labels", "",
@@ -71,6 +91,7 @@ def render(calibration: Calibration, bundle: Path, messages: list[str]) -> str:
                          f"{_pct(f.get('full_task_pass'), 0)} | {f.get('lost', '-')} / {f.get('gained', '-')} | "
                          f"{_pct(f.get('loss_bound'))} | {_pct(f['same_as_full'], 0)} | "
                          f"{'yes' if eligible.get('eligible') else 'no'}: {eligible.get('why', '-')} |")
+    lines += _routing_beside_speculation(c.profiles)
     drafting = c.figures.get("drafting")
     if drafting:
         costs = drafting["costs"]
