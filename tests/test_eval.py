@@ -129,3 +129,14 @@ def test_eval_says_why_there_is_no_llama_cpp_row_where_it_cannot_run_the_same_mo
     report = evaluate(Engine(tiny_slm_bundle), load_cases(tasks), "full", max_tokens=4, llama_cpp=True)
     assert "llama.cpp" not in report.runs and len(report.notes) == 1
     assert "not a GGUF" in report.notes[0] or "not installed" in report.notes[0]
+
+
+def test_auto_counts_as_lossless_only_where_every_task_it_covers_runs_a_lossless_mode():
+    from types import SimpleNamespace
+
+    from edgeroute.quality.evaluation import _auto_lossless
+
+    profiles = {"json": {"mode": "speculate"}, "code": {"mode": "route"}, "default": {"mode": "speculate"}}
+    engine = SimpleNamespace(bundle=SimpleNamespace(calibration=SimpleNamespace(profiles=profiles)))
+    assert _auto_lossless(engine, ["json"]) and _auto_lossless(engine, ["facts"])  # an uncalibrated task: default's
+    assert not _auto_lossless(engine, ["code"]) and not _auto_lossless(engine, ["json", "code"])

@@ -23,6 +23,7 @@ from edgeroute.quality.cases import TaskCase
 from edgeroute.quality.runs import (
     DEFAULT_CONFIDENCE,
     DEFAULT_TOLERANCE,
+    LOSSLESS_MODES,
     Progress,
     RunConfig,
     eligibility,
@@ -83,6 +84,12 @@ def _auto_config(engine, cases: Sequence[TaskCase]) -> RunConfig:
     tasks = {c.task for c in cases}
     return RunConfig("auto", {"mode": "auto", "task": "default"},
                      {t: {"task": t if t in profiles else "default"} for t in tasks})
+
+
+def _auto_lossless(engine, tasks: Sequence[str]) -> bool:
+    """Does auto run a lossless mode on every one of ``tasks`` (their profiles' chosen modes)?"""
+    profiles = engine.bundle.calibration.profiles
+    return all(profiles.get(t, profiles["default"]).get("mode") in LOSSLESS_MODES for t in tasks)
 
 
 def _llama_rows(engine, cases: Sequence[TaskCase], max_tokens: int, threads: int | None) -> list[dict[str, Any]]:
@@ -159,8 +166,10 @@ def evaluate(engine, cases: Sequence[TaskCase], modes: str | Sequence[RunConfig]
     by_name = {c.name: c for c in configs}
     for task, task_figures in (("default", overall), *per_task.items()):
         for name, figures in task_figures.items():
+            lossless = _auto_lossless(engine, tasks if task == "default" else [task]) if name == "auto" \
+                else name != LLAMA_CPP and is_lossless(by_name[name], task)
             figures["eligible"], figures["why"] = (False, "another runtime: compared for speed and pass rate only") \
-                if name == LLAMA_CPP else eligibility(name, figures, tolerance, is_lossless(by_name[name], task))
+                if name == LLAMA_CPP else eligibility(name, figures, tolerance, lossless)
     return EvalReport(str(engine.bundle.path), cpu_signature(), engine.llm.flavour, max_tokens, confidence, tolerance,
                       len(cases), names, overall, per_task, runs, notes)
 
