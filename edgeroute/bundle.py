@@ -91,7 +91,8 @@ def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
 class RouterCalibration:
     """How one light path (``ngram`` or ``slm``) is routed on this bundle: a baseline router
     by name, or a trained one (``file``: an ONNX graph, features -> probability of divergence),
-    and the threshold fitted against the budget."""
+    and the threshold fitted against the budget. A calibration keys them by light path, and
+    verified routing's (``route_check="verified"``) as ``slm:verified``."""
 
     light: str
     router: str  # a baseline's name (entropy, top1, margin, ngram) or "trained"
@@ -132,10 +133,11 @@ class Calibration:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Calibration:
         routers = {light: RouterCalibration(**entry) for light, entry in data["routers"].items()}
-        for light, router in routers.items():
+        for key, router in routers.items():
             router.check()
-            if light != router.light:
-                raise ValueError(f"router entry {light!r} is for light path {router.light!r}")
+            if key.partition(":")[0] != router.light or key.partition(":")[2] not in ("", "verified"):
+                raise ValueError(f"router entry {key!r} is for light path {router.light!r} (entries: the light path, "
+                                 "or LIGHT:verified for verified routing)")
         profiles = data["profiles"]
         if not isinstance(profiles, dict) or not all(isinstance(p, dict) and "mode" in p for p in profiles.values()):
             raise ValueError("every task profile needs a 'mode'")

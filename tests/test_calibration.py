@@ -140,6 +140,51 @@ def test_constrained_labels_give_the_router_what_the_constrained_decoder_shows_i
     assert (labels["slm_token"][~free] == labels["llm_token"][~free]).all()  # forced: no light token to differ
 
 
+@pytest.mark.parametrize("task", ["voice-command", "json"])
+def test_verified_routing_judges_each_difference_with_the_features_it_was_labelled_with(tiny_engine, task):
+    """Verified routing that never keeps a difference decodes full's answer and judges exactly
+    the positions where the labels' SLM token differs, reading the features stored there (the
+    LLM's pass masked by the grammar as the labels' teacher-forced logits are)."""
+    from edgeroute.calibration.checks import task_response_format
+    from edgeroute.runtime.routers import verify_features
+
+    prompt = next(p for p in builtin_prompts(2) if p.task == task)
+    labels = label_prompt(tiny_engine, prompt, LabelSettings(max_answer_tokens=12, path_window=4, path_checks=0))
+    seen: dict[int, np.ndarray] = {}
+
+    class RecordingJudge:
+        def difference(self, logits, p, token, position):
+            seen[position] = verify_features(logits, p, token, position)
+            return 1.0
+
+    generation = tiny_engine.generate([{"role": "user", "content": prompt.content}], mode="route", light="slm",
+                                      route_check="verified", router=RecordingJudge(), max_new_tokens=12,
+                                      response_format=task_response_format(task))
+    assert generation.tokens == labels["llm_token"].tolist() and generation.stats.kept_differences == 0
+    differ = np.flatnonzero(labels["slm_token"] != labels["llm_token"])
+    assert differ.size, "the SLM agrees everywhere: nothing to judge"
+    assert sorted(seen) == differ.tolist()
+    for j, features in seen.items():
+        np.testing.assert_allclose(labels["verify_features"][j].astype(np.float32), features, rtol=2e-2, atol=5e-2)
+
+
+def test_verified_routing_is_full_at_threshold_zero_and_keeps_the_slms_tokens_at_one(tiny_engine):
+    messages = [{"role": "user", "content": "Navigate to 12 Baker Street in London."}]
+    full = tiny_engine.generate(messages, mode="full", max_new_tokens=16)
+    strict = tiny_engine.generate(messages, mode="route", light="slm", route_check="verified", route_threshold=0.0,
+                                  max_new_tokens=16)
+    assert strict.tokens == full.tokens and strict.stats.kept_differences == 0
+    loose = tiny_engine.generate(messages, mode="route", light="slm", route_check="verified", route_threshold=1.0,
+                                 max_new_tokens=16)
+    slm = tiny_engine.generate(messages, mode="slm", max_new_tokens=16)
+    assert loose.stats.kept_differences > 0 and loose.stats.llm_tokens < full.stats.llm_tokens
+    assert loose.tokens[:4] == slm.tokens[:4]  # every draft token stays: the SLM's answer leads
+    with pytest.raises(InputError, match="verified routing"):
+        tiny_engine.generate(messages, mode="route", light="ngram", route_check="verified")
+    with pytest.raises(InputError, match="does not score"):
+        tiny_engine.generate(messages, mode="route", light="slm", router="entropy", route_check="verified")
+
+
 def test_the_slm_router_must_catch_divergent_differences_only_and_forced_positions_drop_out():
     """R2R's target: a difference whose path check rejoined (neutral) may stay with the SLM, a
     divergent one and an unchecked one may not (unchecked: the bound stays conservative);
@@ -531,6 +576,12 @@ def test_calibrate_end_to_end_writes_a_section_the_runtime_reads(slm_bundle_copy
     assert calibration.budget["held_out"]["prompts"] == len(TASKS)  # one held-out prompt per task
     for router in calibration.routers.values():
         assert router.figures["bound"]["bound"] <= 1 - 0.8 + 1e-9
+    verified = calibration.routers["slm:verified"]  # verified routing's own router, and the runtime reads it
+    assert verified.light == "slm" and "route/slm+verified" in calibration.profiles["default"]["figures"]
+    engine = Engine(slm_bundle_copy)
+    resolved = engine.resolve(engine.options.updated(mode="route", light="slm", route_check="verified"))
+    assert resolved.route_threshold == verified.threshold
+    assert (verified.file is None) == isinstance(resolved.router, str)
     drafting = calibration.figures["drafting"]
     assert set(drafting["curve"]) >= {"0.0/8", "0.5/2"} and drafting["costs"]["slm_step"] > 0
     assert "## How the SLM drafts" in report.report.read_text() and "| 0.5 | " in report.report.read_text()

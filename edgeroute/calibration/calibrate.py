@@ -16,7 +16,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -77,11 +77,19 @@ from edgeroute.quality.runs import (
     run_cases,
     summarize,
 )
-from edgeroute.runtime.calibrated import AUTO_KEYS, SKIP_KEYS
+from edgeroute.runtime.calibrated import AUTO_KEYS, SKIP_KEYS, router_key
+from edgeroute.runtime.decoding import VERIFIED_BASELINE
 from edgeroute.runtime.drafters import Proposal
 from edgeroute.runtime.engine import Engine
 from edgeroute.runtime.policies import ngram_router
-from edgeroute.runtime.routers import NGRAM_FEATURES, SLM_FEATURES, TOP_K, TrainedRouter, ngram_features
+from edgeroute.runtime.routers import (
+    NGRAM_FEATURES,
+    SLM_FEATURES,
+    TOP_K,
+    VERIFY_FEATURES,
+    TrainedRouter,
+    ngram_features,
+)
 from edgeroute.runtime.sampling import softmax
 from edgeroute.skip_options import SkipOptions
 
@@ -94,6 +102,14 @@ LOOKUP_THEN_SLM = "speculate/ngram+slm"  # prompt lookup where its match is long
 MIN_SPEEDUP = 1.05  # below this a configuration's gain over full is within the timing noise of a shared machine
 EXECUTORS = ("local", "ray")
 SLM_BASELINES = {"entropy": TOP_K, "top1": TOP_K + 1, "margin": TOP_K + 2}  # column after the hidden state
+VERIFIED = router_key("slm", "verified")  # verified routing's router among the calibration's routers
+ROUTER_FEATURES = {"slm": SLM_FEATURES, "ngram": NGRAM_FEATURES, VERIFIED: VERIFY_FEATURES}
+VERIFY_GAP = 2  # verify_features' column: LLM log p(draft token) - log p(its choice)
+MAX_ROUTED_SHARE = 0.8
+
+
+def file_name(router: str) -> str:
+    return router.replace(":", "-")
 
 
 @dataclass
@@ -233,7 +249,7 @@ def _inner_split(prompt: np.ndarray, prompt_ids: list[str]) -> np.ndarray:
 def calibrate_router(data: LightData, light: str, prompt_ids: list[str], options: CalibrateOptions) -> RouterResult:
     train = (data.split == "train") & ~data.forced & data.known
     early = _inner_split(data.prompt, prompt_ids)
-    settings = options.slm_router if light == "slm" else options.ngram_router
+    settings = options.slm_router if light.startswith("slm") else options.ngram_router
     net, early_auc = train_router(data.features[train & ~early], data.harmful[train & ~early],
                                   data.features[train & early], data.harmful[train & early], settings)
     scores = {**data.scores, "trained": net.probability(data.features)}
@@ -302,14 +318,38 @@ def router_cost(engine: Engine, router: TrainedRouter, repeats: int = 48) -> dic
 # -- runtime confirmation --------------------------------------------------------------------------
 
 
-def run_configs(routers: dict[str, RouterResult], loaded: dict[str, Any]) -> list[RunConfig]:
+def run_configs(routers: dict[str, RouterResult], loaded: dict[str, Any]) -> tuple[list[RunConfig], list[str]]:
+    """The runtime runs' configurations, and why a router's route was left out: routing ahead
+    that calls the LLM for MAX_ROUTED_SHARE of held-out positions or more costs an SLM step on
+    top of nearly every LLM step, so it cannot beat full (the pair's n-gram router: 94%)."""
     configs = [RunConfig("full", {"mode": "full"}), RunConfig("speculate/ngram", {"mode": "speculate", "light": "ngram"}),
                RunConfig("speculate/slm", {"mode": "speculate", "light": "slm"})]
-    for light, result in routers.items():
-        if result.choice is not None:
-            configs.append(RunConfig(f"route/{light}", {"mode": "route", "light": light, "router": loaded[light],
-                                                        "route_threshold": result.choice.threshold}))
-    return configs
+    left_out = []
+    for key, result in routers.items():
+        if result.choice is None:
+            continue
+        light, _, check = key.partition(":")
+        share = result.figures.get("validation_llm_share")
+        if not check and share is not None and share >= MAX_ROUTED_SHARE:
+            left_out.append(f"route/{key}: the LLM writes {share:.0%} of held-out positions at the fitted threshold: "
+                            f"routing ahead cannot beat full there, not run")
+            continue
+        options = {"mode": "route", "light": light, "router": loaded[key], "route_threshold": result.choice.threshold}
+        configs.append(RunConfig(f"route/{light}" + (f"+{check}" if check else ""),
+                                 {**options, "route_check": check} if check else options))
+    return configs, left_out
+
+
+def verified_data(labels: Labels, splits: np.ndarray) -> LightData:
+    """Verified routing's decisions: at each SLM draft token the LLM would not pick (after its
+    pass), keep it (a neutral difference) or take the LLM's. Positions where both agree need no
+    decision (``forced`` here: never kept against the LLM, never harmful); the harm is the SLM
+    path's (divergent or unchecked). Baseline: the LLM's own probability ratio (``llm-ratio``)."""
+    slm = light_data(labels, "slm", splits)
+    free = labels.arrays.get("free", np.ones(len(labels), bool)).astype(bool)
+    features = labels["verify_features"].astype(np.float32)[free]
+    ratio = 1.0 - np.exp(np.minimum(features[:, VERIFY_GAP], 0.0))
+    return replace(slm, forced=~slm.differ, features=features, scores={VERIFIED_BASELINE: ratio})
 
 
 def choose_profiles(runs: dict[str, list[dict[str, Any]]], configs: list[RunConfig],
@@ -576,18 +616,21 @@ class CalibrationRun:
         splits = np.asarray([split_of(labels.prompt_ids[i]) for i in labels["prompt"]])
         with self.timed("routers"):
             self.data = {light: light_data(labels, light, splits) for light in ("slm", "ngram")}
+            if "verify_features" in labels.arrays:
+                self.data[VERIFIED] = verified_data(labels, splits)
             self.routers = {light: calibrate_router(self.data[light], light, labels.prompt_ids, self.options)
                             for light in self.data}
         for result in self.routers.values():
             self.messages.append(f"route/{result.light}: {result.figures['why']}")
             if result.unreachable:
                 self.messages.append(result.unreachable)
-        loaded = {light: TrainedRouter(r.onnx, SLM_FEATURES if light == "slm" else NGRAM_FEATURES)
-                  if r.onnx is not None else r.router for light, r in self.routers.items()}
+        loaded = {light: TrainedRouter(r.onnx, ROUTER_FEATURES[light]) if r.onnx is not None else r.router
+                  for light, r in self.routers.items()}
         for light, router in loaded.items():
-            if isinstance(router, TrainedRouter):
+            if isinstance(router, TrainedRouter) and light != VERIFIED:  # its cost is a row of the LLM's pass
                 self.routers[light].figures["cost"] = router_cost(self.engine, router)
-        self.configs = run_configs(self.routers, loaded)
+        self.configs, left_out = run_configs(self.routers, loaded)
+        self.messages.extend(left_out)
 
     def fit(self) -> None:
         """How the SLM drafts, and whether skipping pays: the candidates the runtime runs confirm."""
@@ -669,10 +712,10 @@ class CalibrationRun:
                 continue
             file = None
             if result.onnx is not None:
-                file = f"calibration/router-{light}-{hashlib.sha256(result.onnx).hexdigest()[:12]}.onnx"
+                file = f"calibration/router-{file_name(light)}-{hashlib.sha256(result.onnx).hexdigest()[:12]}.onnx"
                 files[file] = result.onnx
-            entries[light] = RouterCalibration(light, result.router, result.choice.threshold, file,
-                                               (SLM_FEATURES if light == "slm" else NGRAM_FEATURES) if file else None,
+            entries[light] = RouterCalibration(light.partition(":")[0], result.router, result.choice.threshold, file,
+                                               ROUTER_FEATURES[light] if file else None,
                                                {**result.figures, "bound": result.choice.to_dict()})
         self.seconds["total"] = sum(self.seconds.values())
         options, engine = self.options, self.engine
@@ -700,7 +743,7 @@ class CalibrationRun:
         report.write_text(render(calibration, self.bundle.path, self.messages))
         for light, result in self.routers.items():
             if result.curves:
-                plot_tradeoff(result, self.work / f"tradeoff-{light}.png")
+                plot_tradeoff(result, self.work / f"tradeoff-{file_name(light)}.png")
         if self.held_out:
             # a grounded answer mixes copied values (light path) and new wording (LLM): the telling picture
             sample = next((c for c in self.held_out if c.task == "grounded"), self.held_out[0])

@@ -7,7 +7,8 @@ prefill speed, the SLM runs teacher-forced over prompt + answer and the n-gram d
 up every answer prefix; each answer position keeps the light paths' tokens and features and
 two labels per light path:
 
-- ``token``: the light token differs from the LLM's;
+- ``token``: the light token differs from the LLM's (and there, the features verified routing
+  reads after an LLM pass: both models' distributions at the difference);
 - ``path`` (SLM, on up to ``path_checks`` differing positions per prompt): R2R's refinement.
   The LLM continues from the light token for ``path_window`` tokens; if that continuation
   rejoins its own answer (``rejoin`` consecutive tokens equal, at most ``max_shift`` positions
@@ -49,11 +50,12 @@ from edgeroute.runtime.constraints import Constraint, apply_mask
 from edgeroute.runtime.drafters import NgramDrafter
 from edgeroute.runtime.engine import Engine
 from edgeroute.runtime.model import OrtModel
-from edgeroute.runtime.routers import slm_features
+from edgeroute.runtime.routers import VERIFY_WIDTH, slm_features, verify_features
 from edgeroute.runtime.sampling import softmax
 
 Progress = Callable[[str, int, int], None]
 UNCHECKED, NEUTRAL, DIVERGENT = -1, 0, 1
+LABELS_VERSION = 2  # the arrays a shard holds (2: grammar-aware, with verified routing's features)
 
 
 @dataclass(frozen=True)
@@ -97,7 +99,7 @@ def plan_shards(engine: Engine, prompts: list[CalibrationPrompt], settings: Labe
         # what the labels depend on: a prompt's checks (its assertions) judge answers, never label them
         labelled = [{"id": p.id, "task": p.task, "content": p.content,
                      "response_format": task_response_format(p.task)} for p in chunk]
-        key = json.dumps([identity, asdict(settings), labelled], sort_keys=True)
+        key = json.dumps([identity, LABELS_VERSION, asdict(settings), labelled], sort_keys=True)
         shards.append(Shard(hashlib.sha256(key.encode()).hexdigest()[:16], chunk))
     return shards
 
@@ -158,24 +160,36 @@ def follow_path(llm: OrtModel, cache, start: int, light_token: int, window: int,
 
 
 def grammar_walk(constraint: Constraint | None, answer: list[int],
-                 probabilities: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                 probabilities: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[np.ndarray | None]]:
     """Along the answer under ``constraint``: which positions are free (the grammar forces no
-    token there) and the SLM's probabilities as a router sees them at run time (masked to the
+    token there), the SLM's probabilities as a router sees them at run time (masked to the
     allowed tokens and renormalised, :meth:`Constraint.constrain`; unchanged where forced or
-    unconstrained)."""
+    unconstrained) and the allowed tokens at each free position (None: anything)."""
     free = np.ones(len(answer), bool)
+    allowed: list[np.ndarray | None] = [None] * len(answer)
     if constraint is None:
-        return free, probabilities
+        return free, probabilities, allowed
     masked = probabilities.copy()
     for j, token in enumerate(answer):
         if constraint.forced() is not None:
             free[j] = False
         else:
-            kept = np.where(constraint.allowed(), probabilities[j], 0.0)
+            allowed[j] = constraint.allowed().copy()
+            kept = np.where(allowed[j], probabilities[j], 0.0)
             if kept.sum() > 0.0:
                 masked[j] = kept / kept.sum()
         constraint.advance(token)
-    return free, masked
+    return free, masked, allowed
+
+
+def difference_features(llm_logits: np.ndarray, slm_probabilities: np.ndarray, slm_tokens: np.ndarray,
+                        answer: list[int], allowed: list[np.ndarray | None]) -> np.ndarray:
+    """Verified routing's features (``verify_features``) where the SLM's token differs from the
+    LLM's, from the LLM's teacher-forced logits masked as the decoder masks them; zeros elsewhere."""
+    rows = np.zeros((len(answer), VERIFY_WIDTH), np.float32)
+    for j in np.flatnonzero(slm_tokens != np.asarray(answer)):
+        rows[j] = verify_features(apply_mask(llm_logits[j], allowed[j]), slm_probabilities[j], int(slm_tokens[j]), int(j))
+    return rows
 
 
 def _constraint_at(engine: Engine, response_format: dict | None, prefix: list[int]) -> Constraint | None:
@@ -194,9 +208,12 @@ def label_prompt(engine: Engine, prompt: CalibrationPrompt, settings: LabelSetti
     sequence = ids + answer
     slm = engine.slm
     hidden = slm.hidden_states(slm.new_cache(p + n), sequence[:-1])[p - 1:]
-    free, probabilities = grammar_walk(_constraint_at(engine, response_format, []), answer,
-                                       softmax(slm.head(hidden)))
+    free, probabilities, allowed = grammar_walk(_constraint_at(engine, response_format, []), answer,
+                                                softmax(slm.head(hidden)))
     slm_tokens = np.where(free, probabilities.argmax(-1), np.asarray(answer))  # forced: no light token to differ
+    cache.truncate(p - 1)  # the LLM teacher-forced over the answer: what a verification pass shows
+    differences = difference_features(engine.llm.forward(cache, [ids[-1], *answer[:-1]], all_logits=True),
+                                      probabilities, slm_tokens, answer, allowed)
     drafter = NgramDrafter()
     ngram = [drafter.propose(sequence[:p + j], 1) for j in range(n)]
     path = np.full(n, UNCHECKED, np.int8)
@@ -218,6 +235,7 @@ def label_prompt(engine: Engine, prompt: CalibrationPrompt, settings: LabelSetti
                                  ).astype(np.float16),
         "slm_path": path,
         "free": free,
+        "verify_features": differences.astype(np.float16),
         "ngram_token": np.asarray([d.tokens[0] if d.tokens else -1 for d in ngram], np.int64),
         "ngram_length": np.asarray([d.match_length for d in ngram], np.int32),
         "ngram_count": np.asarray([d.match_count for d in ngram], np.int32),

@@ -3,8 +3,8 @@
 - ``--mode auto`` takes the mode and light path calibrated for the task profile (the fastest
   configuration that met the quality budget on held-out prompts), with exactly the options it
   ran with there (the defaults below apply to explicit modes).
-- ``route`` without an explicit router takes the bundle's router for its light path (a
-  trained graph or a baseline) and its fitted threshold.
+- ``route`` without an explicit router takes the bundle's router for its light path and
+  route check (a trained graph or a baseline; ``router_key``) and its fitted threshold.
 - ``speculate`` without an explicit ``draft_confidence`` takes the fitted one, and with its
   draft lengths left at their defaults the fitted ones (``draft_tokens``, ``max_draft_tokens``).
 - a skip mode whose skip options are all left at their defaults takes the calibrated ones,
@@ -25,8 +25,8 @@ from edgeroute.skip_options import SkipOptions
 
 # characters whose token a JSON answer cannot get wrong and still parse
 FORMAT_CHARACTERS = frozenset('{}[]":,')
-AUTO_KEYS = ("mode", "light", "draft_tokens", "max_draft_tokens", "draft_confidence", "lookup_min_match", "lookup_tokens",
-             "protect_format")
+AUTO_KEYS = ("mode", "light", "route_check", "draft_tokens", "max_draft_tokens", "draft_confidence", "lookup_min_match",
+             "lookup_tokens", "protect_format")
 # skip options a calibrated profile or ``decoding["skip"]`` may set (flat SkipOptions fields)
 SKIP_KEYS = ("granularity", "scorer", "importance_threshold", "max_free_layers", "skip_ratio")
 DEFAULT_DRAFT_LENGTHS = (DecodeOptions.draft_tokens, DecodeOptions.max_draft_tokens)
@@ -61,12 +61,17 @@ def calibrated_options(options: DecodeOptions, calibration: Calibration | None,
     skip = fitted.get("skip")
     if skip is not None and "skip" in options.mode and options.skip == SkipOptions():
         options = options.updated(**{k: skip[k] for k in SKIP_KEYS if k in skip})
-    entry = calibration.routers.get(options.light) if calibration is not None else None
+    entry = calibration.routers.get(router_key(options.light, options.route_check)) if calibration is not None else None
     if entry is None or options.router not in (None, entry.router):
         return options
     threshold = entry.threshold if options.route_threshold is None else options.route_threshold
     router = load_router(entry) if entry.router == "trained" else entry.router
     return dataclasses.replace(options, router=router, route_threshold=threshold)
+
+
+def router_key(light: str, route_check: str = "ahead") -> str:
+    """A calibration's routers by light path, ``slm:verified`` for verified routing's."""
+    return light if route_check == "ahead" else f"{light}:{route_check}"
 
 
 def format_token_ids(vocabulary: dict[str, int]) -> frozenset[int]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -156,17 +156,21 @@ class GrammarCompiler:
 
 @dataclass
 class Draft:
-    """Tokens proposed ahead of the LLM, where each came from, and the grammar's allowed
-    tokens at every position from the first draft token to the one after the last (None
-    where nothing constrains)."""
+    """Tokens proposed ahead of the LLM, where each came from, the light path's distribution
+    each was taken from (masked by the grammar; None for a lookup's or a forced token), and the
+    grammar's allowed tokens at every position from the first draft token to the one after the
+    last (None where nothing constrains)."""
 
     tokens: list[int]
     sources: list[str]
     masks: list[np.ndarray | None]
+    probabilities: list[np.ndarray | None] = field(default_factory=list)
 
     @classmethod
-    def unconstrained(cls, tokens: list[int], source: str) -> Draft:
-        return cls(tokens, [source] * len(tokens), [None] * (len(tokens) + 1))
+    def unconstrained(cls, proposal: Proposal, source: str) -> Draft:
+        tokens = proposal.tokens
+        return cls(tokens, [source] * len(tokens), [None] * (len(tokens) + 1),
+                   list(proposal.probabilities[:len(tokens)]))
 
 
 def apply_mask(logits: np.ndarray, allowed: np.ndarray | None) -> np.ndarray:
@@ -257,17 +261,18 @@ class Constraint:
                 if forced == self.eos_id:  # the LLM's own token after the draft is the end (the mask allows only it)
                     break
                 if forced is not None:
-                    token, origin = forced, "grammar"
+                    token, origin, p = forced, "grammar", None
                 else:
                     proposal = self.constrain(light.propose(sequence, 1)) if light_tokens > 0 else Proposal([], [])
                     if not proposal.tokens:
                         break
-                    token, origin = proposal.tokens[0], draft_source(proposal, light)
+                    token, origin, p = proposal.tokens[0], draft_source(proposal, light), proposal.probabilities[0]
                     light_tokens -= 1
                 self.advance(token)
                 sequence.append(token)
                 draft.tokens.append(token)
                 draft.sources.append(origin)
+                draft.probabilities.append(p)
         finally:
             self.rollback(len(draft.tokens))
         return draft

@@ -17,7 +17,7 @@ import math
 import numbers
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,10 +47,15 @@ from edgeroute.runtime.policies import (
     SkipController,
     SkipOptions,
 )
+from edgeroute.runtime.routers import llm_ratio_score
 from edgeroute.runtime.sampling import Sampler, top1_probability
 
 DEFAULT_ROUTE_THRESHOLD = 0.5
 MODES = ("full", "slm", "route", "speculate", "skip", "route+skip", "speculate+skip")
+# route's decisions: "ahead" (R2R) before the LLM runs, from the light path's state; "verified"
+# after an LLM pass over the SLM's draft, at each draft token the LLM would not pick
+ROUTE_CHECKS = ("ahead", "verified")
+VERIFIED_BASELINE = "llm-ratio"  # verified routing's uncalibrated router (routers.llm_ratio_score)
 LIGHT_PATHS = ("ngram", "slm", "ngram+slm")  # ngram+slm: speculation only (drafters.LookupThenSlmDrafter)
 SLM_LIGHT_PATHS = ("slm", "ngram+slm")
 
@@ -79,6 +84,7 @@ class DecodeOptions:
     # path, else "ngram" for the n-gram path and "entropy" for the SLM
     router: str | Router | None = None
     route_threshold: float | None = None  # call the LLM above this score; None: calibrated, else 0.5
+    route_check: str = "ahead"  # one of ROUTE_CHECKS
     task: str | None = None  # the task profile (voice-command, templated, json, ...): what mode auto reads
     protect_format: bool = False  # never route a format-critical token (JSON brackets, quotes, ...)
     protected_tokens: frozenset[int] = frozenset()  # filled by the engine from its tokenizer
@@ -129,14 +135,23 @@ class DecodeOptions:
         base = self.mode.split("+")[0]
         if (self.mode == "slm" or (self.light in SLM_LIGHT_PATHS and base in ("route", "speculate"))) and not has_slm:
             raise InputError("this bundle has no SLM: use --light ngram, or export with --slm")
+        if self.route_check not in ROUTE_CHECKS:
+            raise InputError(f"route_check {self.route_check!r} is not one of {', '.join(ROUTE_CHECKS)}")
+        if self.route_check == "verified" and base == "route" and self.light != "slm":
+            raise InputError("verified routing judges the SLM's drafts against the LLM's pass: use --light slm "
+                             f"(got {self.light})")
         if self.light == "ngram+slm" and base == "route":
             raise InputError("light path ngram+slm drafts for speculate only: route scores one light path with "
                              "that path's router (use --light slm or --light ngram)")
         if self.lookup_min_match < 1 or self.lookup_tokens < 1:
             raise InputError(f"lookup_min_match and lookup_tokens must be >= 1 "
                              f"(got {self.lookup_min_match}, {self.lookup_tokens})")
-        if isinstance(self.router, str) and self.router not in ROUTERS:
-            raise InputError(f"router {self.router!r} is not one of {', '.join(ROUTERS)}")
+        if isinstance(self.router, str) and self.router not in (*ROUTERS, VERIFIED_BASELINE):
+            raise InputError(f"router {self.router!r} is not one of {', '.join(ROUTERS)}, {VERIFIED_BASELINE}")
+        if base == "route" and isinstance(self.router, str) and \
+                (self.router == VERIFIED_BASELINE) != (self.route_check == "verified"):
+            raise InputError(f"router {self.router!r} does not score {self.route_check} routing: "
+                             f"{VERIFIED_BASELINE} scores verified routing, {', '.join(ROUTERS)} routing ahead")
         if self.route_threshold is not None and not 0.0 <= self.route_threshold <= 1.0:
             raise InputError(f"route_threshold must be within [0, 1] (got {self.route_threshold})")
         check_sampling(self.temperature, self.top_p)
@@ -191,6 +206,7 @@ class GenerationStats:
     accepted: int = 0
     fallbacks: int = 0
     forced: int = 0  # tokens the response_format's grammar forced (no model step)
+    kept_differences: int = 0  # verified routing: SLM tokens kept where the LLM would have chosen another
     grammar_seconds: float = 0.0  # time in the grammar: masks, forced tokens, checking drafts
 
     @property
@@ -245,6 +261,22 @@ class SequenceState:
         return self.llm_cache.capacity
 
 
+Judge = Callable[[np.ndarray, np.ndarray, int, int], float]  # (LLM logits, SLM p, token, position) -> score
+
+
+def verified_judge(router: str | Router | None) -> Judge:
+    """The score verified routing gives a draft token the LLM does not pick: a calibrated
+    ``verify-v1`` graph, or uncalibrated (None / "llm-ratio") 1 - p_LLM(token) / p_LLM(choice)."""
+    if router is None or router == VERIFIED_BASELINE:
+        return lambda logits, p, token, position: llm_ratio_score(logits, token)
+    difference = getattr(router, "difference", None)
+    if difference is None:
+        raise InputError(f"verified routing scores differences with both models' distributions: router "
+                         f"{getattr(router, 'name', router)!r} reads the light path alone (use {VERIFIED_BASELINE} or "
+                         "a calibrated verified router)")
+    return difference
+
+
 class Decoder:
     """One generation over a :class:`SequenceState`."""
 
@@ -258,10 +290,12 @@ class Decoder:
         base, _, extra = options.mode.partition("+")
         self.base_mode = base
         self.skipper = SkipController(options.skip, self.llm.num_layers) if "skip" in (base, extra) else None
-        risky = base == "route" or self.skipper is not None  # speculation is lossless: nothing to guard
+        self.verified = base == "route" and options.route_check == "verified"
+        # speculation is lossless, and verified routing has the LLM's pass on every token: nothing to guard
+        risky = (base == "route" and not self.verified) or self.skipper is not None
         self.monitor = FallbackMonitor(options.fallback) if options.fallback and risky else None
         slm = state.slm_drafter
-        if slm is not None and base == "speculate" and options.draft_confidence:
+        if slm is not None and (base == "speculate" or self.verified) and options.draft_confidence:
             slm = ConfidentSlmDrafts(slm, options.draft_confidence)
         light = {"slm": slm, "ngram": state.ngram_drafter}.get(options.light)
         if options.light == "ngram+slm":
@@ -271,7 +305,10 @@ class Decoder:
         # have their own length)
         self.adaptive_source = f"draft:{getattr(self.light, 'adaptive_source', None) or self.light.name}"
         router = options.router or ("entropy" if options.light == "slm" else "ngram")
-        self.router: Router = ROUTERS[router] if isinstance(router, str) else router
+        if self.verified:
+            self.judge = verified_judge(options.router)
+        else:
+            self.router: Router = ROUTERS[router] if isinstance(router, str) else router
         self.route_threshold = DEFAULT_ROUTE_THRESHOLD if options.route_threshold is None else options.route_threshold
         first, longest = draft_lengths(options.draft_tokens, options.max_draft_tokens, self.llm.pass_rows)
         self.draft_length = DraftLength(first, longest, options.adaptive_draft)
@@ -316,7 +353,7 @@ class Decoder:
         the grammar forces in between."""
         if self.constraint is None:
             proposal = self.light.propose(self.state.tokens, self.draft_length.current)
-            return Draft.unconstrained(proposal.tokens, draft_source(proposal, self.light))
+            return Draft.unconstrained(proposal, draft_source(proposal, self.light))
         return self.constraint.draft(self.light, self.state.tokens, self.draft_length.current,
                                      self.draft_length.longest)
 
@@ -360,6 +397,16 @@ class Decoder:
         return traces
 
     def step_speculate(self) -> list[TokenTrace]:
+        return self._verify_draft()
+
+    def step_route_verified(self) -> list[TokenTrace]:
+        return self._verify_draft(self.judge)
+
+    def _verify_draft(self, judge: Judge | None = None) -> list[TokenTrace]:
+        """Draft, one LLM pass over the draft, keep its tokens up to the first the LLM rejects
+        (exact speculation). With ``judge`` (verified routing) a rejected SLM token stays where
+        the judge scores the difference at or below the route threshold (neutral), and the walk
+        goes on; a format-critical token is never kept against the LLM."""
         draft = self._draft()
         if not draft.tokens:
             return self.step_llm()
@@ -368,10 +415,17 @@ class Decoder:
         logits, trace = self._llm_pass(draft.tokens)
         traces = []
         for i, token in enumerate(draft.tokens):
-            accepted, chosen = self.sampler.verify_draft(apply_mask(logits[i], draft.masks[i]), token)
+            masked = apply_mask(logits[i], draft.masks[i])
+            accepted, chosen = self.sampler.verify_draft(masked, token)
             if not accepted:
-                break
-            traces.append(TokenTrace(-1, token, draft.sources[i], 0.0))
+                p = draft.probabilities[i] if i < len(draft.probabilities) else None
+                if judge is None or p is None or token in self.options.protected_tokens:
+                    break
+                score = judge(masked, p, token, self.stats.new_tokens + i)
+                if score > self.route_threshold:
+                    break
+                self.stats.kept_differences += 1
+            traces.append(TokenTrace(-1, token, draft.sources[i], 0.0, router_score=None if accepted else score))
         else:
             chosen = self.sampler.sample(apply_mask(logits[len(draft.tokens)], draft.masks[-1]))
         n = len(traces)
@@ -395,7 +449,8 @@ class Decoder:
         state.tokens.extend(new_tokens)
         self.stats.prompt_tokens = len(new_tokens)
         step = {"full": self.step_llm, "skip": self.step_llm, "slm": self.step_slm,
-                "route": self.step_route, "speculate": self.step_speculate}[self.base_mode]
+                "route": self.step_route_verified if self.verified else self.step_route,
+                "speculate": self.step_speculate}[self.base_mode]
         try:
             yield from self._loop(step, budget, eos_ids)
         finally:  # drafts verified past a stop (eos, budget, cancel) must not stay cached
