@@ -63,7 +63,15 @@ from edgeroute.calibration.skipping import (
     judge_skipping,
     observe_skips,
 )
-from edgeroute.calibration.thresholds import BOUNDS, BudgetUnreachable, Choice, choose_threshold, share_at_agreement, tradeoff
+from edgeroute.calibration.thresholds import (
+    BOUNDS,
+    BudgetUnreachable,
+    Choice,
+    choose_threshold,
+    per_prompt_means,
+    share_at_agreement,
+    tradeoff,
+)
 from edgeroute.calibration.train import TrainSettings, roc_auc, router_onnx, train_router
 from edgeroute.cpu import cpu_signature
 from edgeroute.errors import InputError, UnmeasuredQualityWarning
@@ -274,14 +282,22 @@ def calibrate_router(data: LightData, light: str, prompt_ids: list[str], options
                       f"{best_baseline}: {'kept' if chosen == 'trained' else 'the baseline is kept'}")
     part = data.split == "calibration"
     choice, unreachable = None, None
+    # the SLM's labels say which differences change the answer: its routers are bounded on the share
+    # of answers that keep one (the task loss the held-out checks then judge); the n-gram router on
+    # teacher-forced agreement (--budget), as every difference counts there
+    per_answer = light.startswith("slm")
     try:
         choice = choose_threshold(scores[chosen][part], data.harmful[part], data.forced[part], data.prompt[part],
-                                  options.budget, options.bound, options.delta)
+                                  1.0 - options.task_loss if per_answer else options.budget, options.bound,
+                                  options.delta, per_answer)
     except BudgetUnreachable as err:
         unreachable = f"route/{light}: {err}"
+    figures["bound_unit"] = "answers" if per_answer else "tokens"
     held = data.split == "validation"
     if choice is not None and held.any():
         kept = (scores[chosen][held] <= choice.threshold) & ~data.forced[held]
+        answers = per_prompt_means((kept & data.harmful[held])[None].astype(float), data.prompt[held])[0]
+        figures["validation_answers_keeping_divergence"] = float((answers > 0).mean())
         figures["validation_tf_agreement"] = float(1.0 - (kept & data.harmful[held]).mean())
         figures["validation_token_agreement"] = float(1.0 - (kept & data.differ[held]).mean())
         figures["validation_llm_share"] = float(1.0 - kept.mean())

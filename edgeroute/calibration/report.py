@@ -60,12 +60,13 @@ def render(calibration: Calibration, bundle: Path, messages: list[str]) -> str:
                          f"{_pct(entry['calibration_llm_share_at_budget'])} | "
                          f"{_pct(entry['validation_llm_share_at_budget'])} |")
     lines += ["", *[f"- {m}" for m in messages], "", "## Chosen routers", "",
-              "| light path | router | threshold | guaranteed agreement | held-out TF agreement | held-out LLM share |"
+              "| light path | router | threshold | guaranteed | held-out TF agreement | held-out LLM share |"
               " cost per token |", "|---|---|---|---|---|---|---|"]
     for light, r in c.routers.items():
         f = r.figures
         cost = f.get("cost")
-        lines.append(f"| {light} | {r.router} | {r.threshold:.3f} | {_pct(1 - f['bound']['bound'], 2)} | "
+        lines.append(f"| {light} | {r.router} | {r.threshold:.3f} | {_pct(1 - f['bound']['bound'], 2)} of "
+                     f"{f.get('bound_unit', 'tokens')} | "
                      f"{_pct(f.get('validation_tf_agreement'), 2)} | {_pct(f.get('validation_llm_share'), 0)} | "
                      + (f"{cost['router_ms']:.3f} ms ({cost['router_ms'] / cost['slm_step_ms']:.2%} of an SLM step)"
                         if cost else "-") + " |")

@@ -2,8 +2,10 @@
 
 The risk of a threshold t is, per prompt, the share of its answer positions where the light
 token is kept (score <= t) although it differs from the LLM's: 1 - teacher-forced agreement
-with ``full``. It only grows with t, and prompts (not positions, which depend on each other
-within an answer) are the exchangeable units.
+with ``full``; or, per answer (the SLM routers, whose labels say which differences are
+divergent), 1 if any kept token changes the answer, so that the budget is a share of answers,
+the unit the task checks judge. It only grows with t, and prompts (not positions, which depend
+on each other within an answer) are the exchangeable units.
 
 - Conformal risk control (Angelopoulos et al., 2022): the largest t with
   n/(n+1) * mean risk + 1/(n+1) <= alpha; then E[risk of a new prompt] <= alpha.
@@ -52,11 +54,14 @@ def per_prompt_means(values: np.ndarray, prompt: np.ndarray) -> np.ndarray:
 
 
 def prompt_risks(scores: np.ndarray, differ: np.ndarray, forced: np.ndarray, prompt: np.ndarray,
-                 thresholds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                 thresholds: np.ndarray, per_answer: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """[thresholds, prompts] risks and [thresholds] LLM shares. ``forced``: positions where the
-    LLM runs whatever the score (no light token, e.g. no n-gram match)."""
+    LLM runs whatever the score (no light token, e.g. no n-gram match). ``per_answer``: a
+    prompt's risk is 1 if any of its positions keeps a harmful token (an answer changed), else
+    the share of its positions that do."""
     kept = (scores[None, :] <= thresholds[:, None]) & ~forced[None, :]
-    return per_prompt_means(kept & differ[None, :].astype(bool), prompt), 1.0 - kept.mean(axis=1)
+    harmful = per_prompt_means(kept & differ[None, :].astype(bool), prompt)
+    return (harmful > 0).astype(float) if per_answer else harmful, 1.0 - kept.mean(axis=1)
 
 
 def candidate_thresholds(scores: np.ndarray, steps: int = 200) -> np.ndarray:
@@ -64,12 +69,14 @@ def candidate_thresholds(scores: np.ndarray, steps: int = 200) -> np.ndarray:
 
 
 def choose_threshold(scores: np.ndarray, differ: np.ndarray, forced: np.ndarray, prompt: np.ndarray,
-                     budget: float, method: str = "crc", delta: float = 0.1) -> Choice:
-    """The most permissive threshold whose bound keeps agreement >= ``budget``; raises
-    :class:`BudgetUnreachable` naming the best achievable figures otherwise."""
+                     budget: float, method: str = "crc", delta: float = 0.1, per_answer: bool = False) -> Choice:
+    """The most permissive threshold whose bound keeps agreement >= ``budget`` (``per_answer``:
+    the share of answers without a harmful token kept); raises :class:`BudgetUnreachable`
+    naming the best achievable figures otherwise."""
     thresholds = candidate_thresholds(scores)
-    risks, shares = prompt_risks(scores, differ, forced, prompt, thresholds)
-    return bounded_choice(thresholds, risks, shares, budget, method, delta)
+    risks, shares = prompt_risks(scores, differ, forced, prompt, thresholds, per_answer)
+    return bounded_choice(thresholds, risks, shares, budget, method, delta,
+                          what="routing (answers without a divergent token kept)" if per_answer else "routing")
 
 
 def bounded_choice(thresholds: np.ndarray, risks: np.ndarray, shares: np.ndarray, budget: float,
