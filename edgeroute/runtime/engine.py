@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +25,7 @@ from edgeroute.chat_format import format_messages
 from edgeroute.cpu import cpu_signature, signature_difference
 from edgeroute.errors import CalibrationDeviceWarning, InputError, SessionBusy, UnmeasuredQualityWarning
 from edgeroute.kv_formats import INT8_GROUP, KV_DTYPE_CHOICES, check_kv_dtype, kv_row_bytes
+from edgeroute.runtime.aio import iterate_in_thread
 from edgeroute.runtime.backend import ModelBackend, backend_for, open_model, resolve_kv_dtype
 from edgeroute.runtime.calibrated import calibrated_options, format_token_ids
 from edgeroute.runtime.constraints import Constraint, GrammarCompiler
@@ -264,6 +265,13 @@ class Engine:
 
     def stream(self, prompt: str | Messages, **options: Any) -> Iterator[str]:
         return self.session(**options).stream(prompt)
+
+    async def agenerate(self, prompt: str | Messages, **options: Any) -> Generation:
+        """``generate`` awaited on an event loop (a fresh session; see :meth:`Session.astream`)."""
+        return await self.session(**options).agenerate(prompt)
+
+    def astream(self, prompt: str | Messages, **options: Any) -> AsyncIterator[str]:
+        return self.session(**options).astream(prompt)
 
 
 CONTEXT_POLICIES = ("error", "drop_oldest")
@@ -509,5 +517,21 @@ class Session:
 
     def generate(self, prompt: str | Messages, **overrides: Any) -> Generation:
         for _ in self.stream(prompt, **overrides):
+            pass
+        return self.last
+
+    # -- asyncio --------------------------------------------------------------------------------
+
+    async def astream(self, prompt: str | Messages, on_token: Callable[[TokenTrace], None] | None = None,
+                      **overrides: Any) -> AsyncIterator[str]:
+        """``stream`` for an event loop: the decode runs on a worker thread and its pieces are
+        awaited here. Cancelling the awaiting task, or leaving the loop early, stops the decode
+        within one token (see :mod:`edgeroute.runtime.aio`); ``on_token`` runs on the worker."""
+        async for piece in iterate_in_thread(lambda: self.stream(prompt, on_token, **overrides), self.cancel):
+            yield piece
+
+    async def agenerate(self, prompt: str | Messages, **overrides: Any) -> Generation:
+        """``generate`` for an event loop (see :meth:`astream`)."""
+        async for _ in self.astream(prompt, **overrides):
             pass
         return self.last

@@ -1,0 +1,51 @@
+"""The runtime on an asyncio event loop: a generation's text pieces as an async iterator, the
+decode on a worker thread, so a voice pipeline built on asyncio awaits tokens without a
+thread of its own and without blocking its loop (audio in and out keeps flowing).
+
+Cancelling the task that awaits the pieces (a barge-in), or leaving the ``async for`` early,
+stops the decode within one token: the session's ``cancel()`` is called and the worker is
+awaited, so the session is idle (and its cache consistent) when the cancellation completes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import TypeVar
+
+T = TypeVar("T")
+_PIECE, _END, _ERROR = range(3)
+
+
+async def iterate_in_thread(make: Callable[[], Iterator[T]], cancel: Callable[[], None]) -> AsyncIterator[T]:
+    """The items of ``make()``, iterated on a worker thread, delivered on the running loop.
+    ``cancel``: stops the iteration in progress within one item (``Session.cancel``)."""
+    loop = asyncio.get_running_loop()
+    items: asyncio.Queue = asyncio.Queue()
+    stop = threading.Event()  # a stop before the worker began: its first item ends it
+
+    def produce() -> None:
+        try:
+            for item in make():
+                loop.call_soon_threadsafe(items.put_nowait, (_PIECE, item))
+                if stop.is_set():
+                    break
+        except BaseException as err:  # noqa: BLE001 - handed to the awaiting task as it is
+            loop.call_soon_threadsafe(items.put_nowait, (_ERROR, err))
+        else:
+            loop.call_soon_threadsafe(items.put_nowait, (_END, None))
+
+    worker = loop.run_in_executor(None, produce)
+    try:
+        while True:
+            kind, value = await items.get()
+            if kind == _END:
+                return
+            if kind == _ERROR:
+                raise value
+            yield value
+    finally:
+        stop.set()
+        cancel()
+        await asyncio.shield(worker)  # the decode has stopped (within one token) when this returns

@@ -1,0 +1,70 @@
+"""The runtime on an asyncio event loop: the same text as the sync API, a cancelled task stops
+the decode within one token and leaves the session usable, errors reach the awaiting task."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from edgeroute.errors import InputError
+
+PROMPT = "Navigate to 12 Baker Street in London."
+
+
+def test_astream_gives_the_text_the_sync_stream_gives(tiny_engine):
+    want = "".join(tiny_engine.stream(PROMPT, max_new_tokens=12))
+
+    async def collect():
+        return [piece async for piece in tiny_engine.astream(PROMPT, max_new_tokens=12)]
+
+    pieces = asyncio.run(collect())
+    assert len(pieces) > 1 and "".join(pieces) == want
+    assert asyncio.run(tiny_engine.agenerate(PROMPT, max_new_tokens=12)).text == want
+
+
+def test_cancelling_the_awaiting_task_stops_the_decode_within_a_token_and_the_chat_goes_on(tiny_engine):
+    chat = tiny_engine.chat(max_new_tokens=400)
+    seen: list[str] = []
+
+    async def barge_in():
+        async def speak():
+            async for piece in chat.astream(PROMPT, temperature=0.0):
+                seen.append(piece)
+                if len(seen) == 3:
+                    await asyncio.sleep(10)  # still speaking when the driver cuts in
+
+        task = asyncio.create_task(speak())
+        while len(seen) < 3:
+            await asyncio.sleep(0.001)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(barge_in())
+    cut = chat.last
+    assert cut.finish_reason == "cancelled" and len(cut.tokens) <= len(seen) + 2 < 400
+    assert not chat._busy  # idle when the cancellation completed: the next turn runs now
+    assert chat.generate("And then?", max_new_tokens=4).finish_reason in ("length", "eos")
+
+
+def test_leaving_the_async_loop_early_stops_the_decode(tiny_engine):
+    session = tiny_engine.session(max_new_tokens=400)
+
+    async def first_two():
+        stream = session.astream(PROMPT)
+        pieces = [await anext(stream), await anext(stream)]
+        await stream.aclose()
+        return pieces
+
+    assert len(asyncio.run(first_two())) == 2
+    assert session.last.finish_reason == "cancelled" and len(session.last.tokens) < 400
+
+
+def test_a_bad_option_raises_in_the_awaiting_task(tiny_engine):
+    async def bad():
+        async for _ in tiny_engine.session().astream(PROMPT, temperature=float("nan")):
+            pass
+
+    with pytest.raises(InputError, match="temperature"):
+        asyncio.run(bad())
