@@ -160,7 +160,7 @@ def test_the_aarch64_wheel_installs_into_the_emulated_arm64_python_and_runs_the_
               "run_name='__main__')")
     command = module.command(root, "neoverse-n1", ["-c", script],
                              env={"PYTHONPATH": f"{site}:{root / 'site'}", "PATH": str(tmp_path / "no-tools")})
-    done = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=900)  # not the checkout
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     package, libgomp, ran, decoded = done.stdout.splitlines()[-4:]
     assert package == f"package {site / 'edgeroute' / '__init__.py'}"
