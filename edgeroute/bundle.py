@@ -21,7 +21,9 @@ FORMAT_NAME = "edgeroute-bundle"
 # the optional calibration section; a version-1 bundle is a version-2 bundle with portable
 # graphs only and no calibration. 3 added ``target`` (what the graphs were written for: a
 # runtime that predates it would look for graphs a tensorrt bundle does not have); a version-2
-# bundle reads as a version-3 bundle of target "onnxruntime"
+# bundle reads as a version-3 bundle of target "onnxruntime". Target "native" (no graphs, every
+# model's native weights) needed no new version: a runtime that predates it refuses the target
+# by name ("upgrade edgeroute or re-export")
 FORMAT_VERSION = 3
 OLDEST_FORMAT_VERSION = 1
 PORTABLE = "portable"
@@ -186,6 +188,9 @@ class Target:
     # whether int4 blocks quantized by the export (of float or dequantized weights) get a per-block
     # offset: min..max on the grid, an offset term beside a still symmetric DequantizeLinear
     offsets: bool
+    # whether the bundle holds ONNX graphs; without them every model has native weights and only
+    # the native backend runs it
+    graphs: bool = True
 
     @property
     def kv_dtypes(self) -> tuple[str, ...]:
@@ -200,6 +205,10 @@ TARGETS = {
     "tensorrt": Target("tensorrt", "TensorRT 10 engines: int4 weight-only DequantizeLinear (symmetric, block 64 or "
                        "128), fp16 activations and KV cache, standard ops only; ONNX Runtime runs it too",
                        ((PORTABLE, "float16"),), "float16", (64, 128), False, True),
+    # what a board that runs the native backend needs: the GGUF's blocks, the tokenizer and the
+    # manifest (the pair: 1.0x its GGUFs, against 2.2x with the graphs beside them)
+    "native": Target("native", "edgeroute's native backend only: the GGUF sources' blocks as stored, no ONNX graphs",
+                     (), "float32", (32,), True, False, graphs=False),
 }
 DEFAULT_TARGET = "onnxruntime"
 
@@ -319,6 +328,9 @@ class Bundle:
         for role, entry in manifest["models"].items():
             graphs = {g["name"]: GraphEntry(**g) for g in entry["graphs"]}
             native = NativeWeights.from_dict(entry["native"], manifest["files"]) if "native" in entry else None
+            if native is None and not self.target.graphs:
+                raise BundleError(f"the {role} model of {path} has neither ONNX graphs nor native weights "
+                                  f"(target {self.target.name}): the bundle is damaged, export again")
             self.models[role] = ModelEntry(role, ArchConfig.from_dict(entry["arch"]), graphs,
                                            entry["quantization"], entry["source"], native, self.target)
         self.calibration = self._read_calibration(manifest.get("calibration"))

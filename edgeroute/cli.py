@@ -109,7 +109,7 @@ def export(
     slm_layers: int = typer.Option(None, help="keep the SLM's first N layers"),
     quant: str = typer.Option("int4-gptq", show_default=False, help="int4-gptq (default)|int4-rtn|fp16|fp32"),
     slm_quant: str = typer.Option(None, help="the SLM's --quant (default: the LLM's)"),
-    target: str = typer.Option("onnxruntime", show_default=False, help="onnxruntime (default)|tensorrt"),
+    target: str = typer.Option("onnxruntime", show_default=False, help="onnxruntime (default)|tensorrt|native"),
     block_size: int = typer.Option(None, help="int4 block: 32|64|128 (tensorrt: 64|128)"),
     head: str = typer.Option(None, help="LM head: int8|int4|fp16|fp32; tensorrt fp16|int4"),
     slm_vocab: int = typer.Option(None, help="SLM head over the N most frequent ids"),

@@ -33,7 +33,7 @@ QUANT_METHODS = ("int4-gptq", "int4-rtn", "fp16", "fp32")
 HEAD_FORMATS = ("int8", "int4", "fp16", "fp32")
 # per target: the head formats its graphs may hold, the first the default (TensorRT has no
 # blocked int8 and gathers no quantized codes: see edgeroute/tensorrt/lint.py)
-TARGET_HEADS = {"onnxruntime": HEAD_FORMATS, "tensorrt": ("fp16", "int4")}
+TARGET_HEADS = {"onnxruntime": HEAD_FORMATS, "tensorrt": ("fp16", "int4"), "native": HEAD_FORMATS}
 DEFAULT_OUT = Path("bundles/smollm2-demo")
 PARITY_CHUNK = 32  # tokens per ONNX Runtime call in the parity check
 DEFAULT_SLM_LAYERS = 12  # an SLM cut from the LLM itself (the offline demo): first 12 layers
@@ -58,7 +58,8 @@ class ExportOptions:
     calibration_tokens: int = 2048
     parity_tokens: int = 256
     # GGUF sources: also copy the blocks as stored into a native weight file (the native
-    # backend's; see edgeroute/export/native_weights.py). Costs the GGUF's size again on disk.
+    # backend's; see edgeroute/export/native_weights.py). Costs the GGUF's size again on disk;
+    # target "native" writes that file alone (no graphs)
     native: bool = True
     out: Path = DEFAULT_OUT
     force: bool = False
@@ -91,6 +92,22 @@ class ExportOptions:
             raise EdgerouteError("--slm-vocab needs an SLM: drop --no-slm or the --slm-vocab option")
         if self.context_length < 16:
             raise EdgerouteError(f"--context-length {self.context_length} is too small (minimum 16)")
+        if not target.graphs:
+            self._validate_native_only()
+
+    def _validate_native_only(self) -> None:
+        """--target native: the GGUF blocks as stored are the whole bundle; what would change them,
+        or run beside them on ONNX Runtime, is refused by name."""
+        floats = [f"--{n.replace('_', '-')} {v}" for n, v in (("quant", self.quant), ("slm_quant", self.slm_quant))
+                  if v in ("fp16", "fp32")]
+        if floats:
+            raise EdgerouteError(f"{floats[0]} re-quantizes, and --target native carries the GGUF's blocks over as "
+                                 "stored: drop it, or export without --target native")
+        if self.slm_vocab is not None:
+            raise EdgerouteError("--slm-vocab makes a reduced head that runs on ONNX Runtime: export without "
+                                 "--target native")
+        if not self.native:
+            raise EdgerouteError("--no-native with --target native leaves the bundle nothing to run")
 
 
 @dataclass
@@ -258,8 +275,9 @@ def parity(bundle_path: Path, role: str, source: SourceModel, weights: ModelWeig
     from edgeroute.runtime.backend import open_model
     from edgeroute.runtime.options import EngineOptions
 
-    model, _ = open_model(Bundle.open(bundle_path, verify=False), role,
-                          EngineOptions(backend="onnxruntime"))  # the target's cache
+    bundle = Bundle.open(bundle_path, verify=False)
+    # the target's cache; a bundle without graphs: the native kernels, an int8-activation model
+    model, _ = open_model(bundle, role, EngineOptions(backend="onnxruntime" if bundle.target.graphs else "native"))
     cache = model.new_cache()
     # in chunks: each session's arena keeps what its largest call needed (measured on the
     # 1.5B: +1.8 GB after one 256-token pass), and the reference runs after the sessions go
@@ -297,6 +315,31 @@ def _head_vocabulary(source: SourceModel, size: int, writer: BundleWriter) -> di
             "chosen_from": "calibration text frequency + special and chat-template tokens", "ids": ids}
 
 
+def _native_only(role: str, source: SourceModel, weights: ModelWeights, method: str, context: int,
+                 writer: BundleWriter, report: ExportReport) -> tuple[dict[str, Any], ModelReport]:
+    """--target native: the model's GGUF blocks as the native weight file, its only file; its
+    manifest entry (no graphs) and report. Refused, saying why, where the native backend cannot
+    run the model."""
+    arch = dataclasses.replace(source.arch, num_layers=len(weights.layers))
+    rel = f"{role}/native.bin"
+    with _stage(report, "native weights"):
+        written = write_native_weights(source, arch, writer.path(rel), rel, context)
+    if not isinstance(written, NativeWeights):
+        raise EdgerouteError(f"--target native: the native backend cannot run the {role} model {source.name} "
+                             f"({written}): export it without --target native")
+    writer.record(rel)
+    formats = dict(Counter(t.format for t in written.tensors.values()))
+    head = written.tensors.get("output.weight", written.tensors["token_embd.weight"]).format
+    report.notes.append(f"{role}: {source.name}'s blocks carried over as stored, for the native backend only")
+    section = model_section(
+        arch,
+        source={"name": source.name, "path": str(source.path), "format": source.format, "sha256": source.sha256,
+                "layers_used": len(weights.layers), "notes": [*source.notes, *weights.notes]},
+        quantization={"method": method, "block_size": None, "head": head, "carried_over": True, "formats": formats},
+        graphs=[], native=written)
+    return section, ModelReport(role, source.name, len(weights.layers), writer.files[rel]["bytes"], formats)
+
+
 @contextmanager
 def _stage(report: ExportReport, name: str) -> Iterator[None]:
     start = time.perf_counter()
@@ -319,7 +362,7 @@ def export_bundle(options: ExportOptions, progress: Progress | None = None) -> E
     if slm is not None and slm_layers and not 0 < slm_layers <= slm.arch.num_layers:
         raise EdgerouteError(f"--slm-layers {slm_layers} must be between 1 and {slm.arch.num_layers}")
     calibration = None
-    if "int4-gptq" in (options.quant, options.slm_quant):
+    if "int4-gptq" in (options.quant, options.slm_quant) and target.graphs:
         from edgeroute.texts import calibration_text
 
         calibration = _tokenize(llm.tokenizer, calibration_text(), options.calibration_tokens)
@@ -334,6 +377,13 @@ def export_bundle(options: ExportOptions, progress: Progress | None = None) -> E
         manifest_models: dict[str, Any] = {}
         exported: dict[str, ModelWeights] = {}
         for role, source, weights, method in plans:
+            if not target.graphs:
+                manifest_models[role], model_report = _native_only(role, source, weights, method, context, writer,
+                                                                   report)
+                exported[role] = weights
+                report.models.append(model_report)
+                progress(f"{role}: native weights", 1, 1)
+                continue
             carried_over = source.quantized and method.startswith("int4") and target.carries_over
             if carried_over:
                 report.notes.append(f"{role}: {source.name} is already quantized; its blocks are carried over exactly")

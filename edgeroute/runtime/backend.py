@@ -25,7 +25,7 @@ from edgeroute.arch import ArchConfig
 from edgeroute.bundle import Bundle, ModelEntry
 from edgeroute.errors import InputError, NativeBackendUnavailable
 from edgeroute.kv_formats import GRAPH_KV_DTYPES, KV_DTYPE_CHOICES, auto_kv_dtype, check_kv_dtype
-from edgeroute.runtime.model import LayerPlan
+from edgeroute.runtime.model import LayerPlan, no_graphs
 from edgeroute.runtime.vocab import HeadVocabulary
 
 if TYPE_CHECKING:
@@ -86,6 +86,7 @@ class ModelBackend(Protocol):
 
 
 BACKENDS = ("auto", "onnxruntime", "onnxruntime-cuda", "native", "tensorrt")
+GRAPH_BACKENDS = ("onnxruntime", "onnxruntime-cuda", "tensorrt")  # what runs a bundle's ONNX graphs
 GPU_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider")  # the order onnxruntime-cuda tries them
 
 
@@ -147,6 +148,8 @@ def backend_for(entry: ModelEntry, options: EngineOptions) -> tuple[str, str | N
     backend = options.backend
     if backend not in BACKENDS:
         raise InputError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
+    if backend in GRAPH_BACKENDS and not entry.target.graphs:
+        raise no_graphs(entry, backend)
     if backend in ("onnxruntime", "onnxruntime-cuda"):
         return "onnxruntime", None
     if backend == "tensorrt":
@@ -165,6 +168,10 @@ def backend_for(entry: ModelEntry, options: EngineOptions) -> tuple[str, str | N
         return "native", None
     if backend == "native":
         raise NativeBackendUnavailable(f"backend='native' cannot run here: {why_not}")
+    if not entry.target.graphs:  # nothing to fall back on
+        raise NativeBackendUnavailable(f"the native backend cannot run here ({why_not}), and the bundle was exported "
+                                       f"with --target {entry.target.name}: no ONNX graphs for ONNX Runtime; export "
+                                       "again without --target (both, the default)")
     return "onnxruntime", why_not
 
 
@@ -193,6 +200,8 @@ def open_model(bundle: Bundle, role: str, options: EngineOptions,
     check_kv_dtype(options.kv_dtype, KV_DTYPE_CHOICES)  # a wrong name fails before anything is chosen or loaded
     if role not in bundle.models:
         raise InputError(f"bundle {bundle.path} has no {role!r} model (it has: {', '.join(bundle.models)})")
+    if options.backend in GRAPH_BACKENDS and not bundle.target.graphs:  # before what the backend needs installed
+        raise no_graphs(bundle.models[role], options.backend)
     if options.backend == "onnxruntime-cuda" and not options.providers:
         options = dataclasses.replace(options, providers=tuple(cuda_providers()))
     chosen, why_not = backend_for(bundle.models[role], options)

@@ -293,6 +293,10 @@ def _bench_model(bundle: Bundle, role: str, options: BenchOptions, threads: int,
     """Every backend of ``options`` on one model, interleaved; records and skips go into ``report``."""
     cases: dict[str, DecodeCase] = {}
     for backend in options.backends:
+        if backend.startswith("onnxruntime") and not bundle.target.graphs:
+            report.skipped.append(Skipped(str(bundle.path), role, backend, f"the bundle was exported with --target "
+                                          f"{bundle.target.name}: no ONNX graphs"))
+            continue
         try:
             cases[backend] = _open_case(bundle, role, backend, options, threads)
         except (Unavailable, NativeBackendUnavailable) as err:

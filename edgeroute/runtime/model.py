@@ -144,6 +144,13 @@ def plan_action(plan: Sequence[bool] | LayerPlan | None, layer: int, hidden: np.
     return RUN if plan[layer] else SKIP
 
 
+def no_graphs(entry: ModelEntry, backend: str) -> InputError:
+    """The error for ONNX Runtime or TensorRT asked to run a model of a bundle without graphs."""
+    return InputError(f"backend={backend!r} runs ONNX graphs, and this bundle was exported with --target "
+                      f"{entry.target.name}: the GGUF blocks for the native backend only, no graphs; use "
+                      "backend='native' (or 'auto'), or export again without --target (both, the default)")
+
+
 def choose_flavour(entry: ModelEntry, requested: str = "auto", kv_dtype: str = "float32") -> str:
     """The attention flavour to run. ``auto`` is ``portable``: on the CPU provider ONNX
     Runtime's GroupQueryAttention kernel (the ort flavour) measured no faster than the
@@ -158,6 +165,8 @@ def choose_flavour(entry: ModelEntry, requested: str = "auto", kv_dtype: str = "
                          "backend='native' on a model with native weights, or kv_dtype='float16'")
     flavour = "portable" if requested == "auto" else requested
     target = entry.target
+    if not target.graphs:
+        raise no_graphs(entry, "onnxruntime")
     if (flavour, kv_dtype) not in target.attention_variants and target.attention_variants != ATTENTION_VARIANTS:
         kept = ", ".join(f"{f} attention with a {d} KV cache" for f, d in target.attention_variants)
         raise InputError(f"the bundle was exported for --target {target.name}, whose graphs keep {kept} only "

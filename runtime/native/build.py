@@ -8,6 +8,14 @@ source compiled with its own instruction-set flags, and picks among them at run 
 aarch64 CPU.
 
     python runtime/native/build.py OUT.so [--cc CC] [--arch x86_64|aarch64] [--sanitize]
+    python runtime/native/build.py OUT.so --arch aarch64 --cc aarch64-linux-gnu-gcc --glibc 2.28 --openmp LIBGOMP
+
+With ``--glibc``, the build of a manylinux wheel (``make wheels``, tools/wheels.py): the sources
+are compiled as always (GCC: its OpenMP calls are libgomp's), then linked by zig's clang (PyPI
+``ziglang``) against the symbol stubs of that glibc, so the library asks for no symbol version
+newer than it, and against ``--openmp``, a libgomp built for an older glibc, copied beside the
+library and found there (runpath ``$ORIGIN``) under its own name: a board image without
+libgomp1 loads it, and another libgomp already in the process is not taken for it.
 """
 
 from __future__ import annotations
@@ -58,6 +66,18 @@ def find_compiler(cc: str | None = None) -> str:
     return compiler
 
 
+def zig_cc() -> list[str]:
+    """zig's C compiler: PyPI ``ziglang`` (the dev extra) in this Python, else ``zig`` on PATH."""
+    try:
+        import ziglang  # noqa: F401
+    except ImportError:
+        zig = shutil.which("zig")
+        if zig is None:
+            raise SystemExit("a --glibc build links with zig: pip install ziglang (the dev extra)") from None
+        return [zig, "cc"]
+    return [sys.executable, "-m", "ziglang", "cc"]
+
+
 def compile_units(arch: str) -> list[tuple[Path, list[str]]]:
     if arch not in KERNEL_SETS:
         raise SystemExit(f"libedgeroute builds for {', '.join(KERNEL_SETS)}, not {arch}")
@@ -66,9 +86,14 @@ def compile_units(arch: str) -> list[tuple[Path, list[str]]]:
 
 
 def build(out: Path, cc: str | None = None, arch: str | None = None, sanitize: bool = False,
-          extra: list[str] | None = None, quiet: bool = False) -> Path:
-    """Compiles and links the library to ``out``; returns it."""
+          extra: list[str] | None = None, quiet: bool = False, glibc: str | None = None,
+          openmp: Path | None = None) -> Path:
+    """Compiles and links the library to ``out``; returns it. ``glibc`` (e.g. "2.28", with
+    ``openmp``: a libgomp whose file name is its soname): linked for that glibc, the libgomp copied
+    beside ``out`` (see the module's docstring)."""
     compiler, arch = find_compiler(cc), arch or host_arch()
+    if (glibc is None) != (openmp is None):
+        raise SystemExit("--glibc and --openmp go together: the OpenMP runtime a portable library carries")
     flags = COMMON + (SANITIZE if sanitize else []) + (extra or [])
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -78,7 +103,12 @@ def build(out: Path, cc: str | None = None, arch: str | None = None, sanitize: b
             run([*shlex.split(compiler), *flags, *own, "-c", str(source), "-o", str(obj)], quiet)
             objects.append(str(obj))
         staged = Path(tmp) / LIBRARY_NAME
-        run([*shlex.split(compiler), *flags, "-shared", *objects, "-o", str(staged), "-lm"], quiet)
+        if glibc is None:
+            run([*shlex.split(compiler), *flags, "-shared", *objects, "-o", str(staged), "-lm"], quiet)
+        else:  # -z defs: a symbol this glibc lacks fails the link instead of the load on the board
+            run([*zig_cc(), "-target", f"{arch}-linux-gnu.{glibc}", "-shared", *objects, str(openmp), "-o", str(staged),
+                 "-lm", "-Wl,-z,defs", "-Wl,-rpath,$ORIGIN"], quiet)
+            shutil.copyfile(openmp, out.parent / openmp.name)
         os.replace(staged, out) if out.parent.stat().st_dev == staged.parent.stat().st_dev else shutil.move(staged, out)
     return out
 
@@ -97,8 +127,10 @@ def main() -> None:
     parser.add_argument("--cc")
     parser.add_argument("--arch", choices=sorted(KERNEL_SETS))
     parser.add_argument("--sanitize", action="store_true", help="AddressSanitizer + UBSan (tests)")
+    parser.add_argument("--glibc", help="link for this glibc with zig (a manylinux wheel's library), e.g. 2.28")
+    parser.add_argument("--openmp", type=Path, help="with --glibc: the libgomp to carry (its file name its soname)")
     args = parser.parse_args()
-    print(build(args.out, args.cc, args.arch, args.sanitize, quiet=True))
+    print(build(args.out, args.cc, args.arch, args.sanitize, quiet=True, glibc=args.glibc, openmp=args.openmp))
 
 
 if __name__ == "__main__":
