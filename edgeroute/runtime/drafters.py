@@ -173,6 +173,10 @@ class SlmDrafter:
             self.seen.extend(new)
         return self.last_logits
 
+    def prefill(self, tokens: list[int]) -> None:
+        """Catch the cache up on ``tokens`` now (listen-ahead), keeping what it shares with them."""
+        self._head_logits(tokens)
+
     def next_logits(self, tokens: list[int]) -> np.ndarray:
         """Logits over the full vocabulary (-inf for tokens outside a reduced head)."""
         logits = self._head_logits(tokens)

@@ -322,6 +322,8 @@ class Session:
         self._busy = False
         self.last: Generation | None = None
         self._constraint: Constraint | None = None  # the running generation's response_format
+        self._held: list[int] | None = None  # what the LLM cache's rows hold after a listen(), beyond self.state
+        self._turn_start = self._answer_start = 0  # where the last turn's message and its answer begin
 
     # -- one call at a time ---------------------------------------------------------------------
 
@@ -352,6 +354,67 @@ class Session:
         with self._exclusive():
             self.state.reset()
             self.messages = list(self._opening)
+
+    # -- voice: listen ahead, barge in ------------------------------------------------------------
+
+    def _cached_tokens(self) -> list[int]:
+        """The tokens whose rows the LLM cache holds."""
+        return (self.state.tokens if self._held is None else self._held)[:self.state.llm_cache.length]
+
+    def listen(self, partial: str) -> int:
+        """Listen ahead: prefill a partial transcript of the user's next message while they are
+        still speaking (the ASR's partial results, each call with the whole message so far).
+        The cache keeps what it shares with the last call and computes the rest; when the final
+        transcript comes (``generate`` / ``stream`` with it), only its tokens after the prefix
+        shared with what was prefilled are computed, so a partial that changed earlier words
+        costs a recomputation from there, never a wrong answer: the answer is the one a cold
+        prefill of the final text gives. The SLM is prefilled too where the session drafts with
+        it. Returns the tokens computed by this call (0 for a message too long to hold)."""
+        with self._exclusive():
+            state = self.state
+            turn = self._next_turn(partial)
+            sequence = state.tokens[:turn.keep] + turn.new
+            if len(sequence) >= state.capacity:
+                return 0  # the final message will not fit either: generate says so then
+            common = _common_prefix(self._cached_tokens(), sequence)
+            state.llm_cache.truncate(common)
+            if state.llm_cache.length == 0:
+                self.engine._copy_shared_prefix(sequence, state.llm_cache)
+            computed = sequence[state.llm_cache.length:]
+            if computed:
+                self.engine.llm.forward(state.llm_cache, computed)
+            self._held = sequence
+            if state.slm_drafter is None and (self.options.mode == "slm" or self.options.light in SLM_LIGHT_PATHS):
+                state.attach_slm(self.engine.slm)
+            if state.slm_drafter is not None:
+                state.slm_drafter.prefill(sequence)
+            return len(computed)
+
+    def barge_in(self, spoken: str | None = None) -> None:
+        """The user spoke while the last answer was being said (its generation cancelled, or
+        finished but not yet all spoken): keep the answer as far as ``spoken`` (the start of its
+        text that was said) or, with None, forget the whole exchange (the user's message too).
+        History and cache then hold exactly what a chat whose answer ended there (or that never
+        had the exchange) holds, so the next turn gives the same tokens."""
+        with self._exclusive():
+            last, state = self.last, self.state
+            if last is None or not self.messages or self.messages[-1]["role"] != "assistant":
+                raise InputError("barge_in cuts the chat's last answer, and this session has none")
+            if spoken is None:
+                del state.tokens[self._turn_start:]
+                del self.messages[-2:]
+            else:
+                if not last.text.startswith(spoken):
+                    raise InputError(f"spoken must be the start of the last answer's text (got {spoken[:40]!r}, "
+                                     f"the answer begins {last.text[:40]!r})")
+                kept = 0
+                while kept < len(last.tokens) and spoken.startswith(self.engine.decode(last.tokens[:kept + 1])) \
+                        and last.tokens[kept] not in self.engine.eos_ids:
+                    kept += 1
+                del state.tokens[self._answer_start + kept:]
+                self.messages[-1] = {"role": "assistant", "content": self.engine.decode(last.tokens[:kept])}
+            state.llm_cache.truncate(min(state.llm_cache.length, len(state.tokens)))
+            self._held = None
 
     # -- turns ----------------------------------------------------------------------------------
 
@@ -427,11 +490,18 @@ class Session:
         budget = min(wanted, room - len(turn.new))
         if budget < 1:
             raise InputError("no room left in the context for new tokens: reset() the session")
-        del state.tokens[turn.keep:]
-        # a previous answer's end-of-turn marker (or turns the policy dropped) may be cached: forget them
-        state.llm_cache.truncate(min(state.llm_cache.length, turn.keep))
+        sequence = state.tokens[:turn.keep] + turn.new
+        # the cache keeps what it shares with the turn's sequence: everything before the turn, and
+        # what listen() prefilled of the message; a previous answer's end-of-turn marker (or turns the
+        # policy dropped) is forgotten. One token at least is left to run, for the first logits.
+        common = min(_common_prefix(self._cached_tokens(), sequence), len(sequence) - 1)
+        start = max(turn.keep, common)
+        state.tokens[:] = sequence[:start]
+        state.llm_cache.truncate(min(state.llm_cache.length, common))
+        self._held = None
+        self._turn_start, self._answer_start = turn.keep, len(sequence)
         if state.llm_cache.length == 0:
-            self.engine._copy_shared_prefix(state.tokens + turn.new, state.llm_cache)
+            self.engine._copy_shared_prefix(sequence, state.llm_cache)
         self.messages = turn.messages
         if (options.mode == "slm" or options.light in SLM_LIGHT_PATHS) and state.slm_drafter is None:
             state.attach_slm(self.engine.slm)
@@ -442,7 +512,7 @@ class Session:
         decoder = Decoder(state, options, self._cancel, constraint)
         self._constraint = constraint
         self.last = Generation("", [], decoder.stats)
-        return self.last, decoder.run(turn.new, budget, self.engine.eos_ids)
+        return self.last, decoder.run(sequence[start:], budget, self.engine.eos_ids)
 
     def _finish(self, generation: Generation, text: str, finish: str) -> None:
         generation.text = text
