@@ -7,7 +7,7 @@ source compiled with its own instruction-set flags, and picks among them at run 
 (``src/dispatch.c``), so one x86-64 binary runs on any x86-64 CPU and one aarch64 binary on any
 aarch64 CPU.
 
-    python runtime/native/build.py OUT.so [--cc CC] [--arch x86_64|aarch64] [--sanitize]
+    python runtime/native/build.py OUT.so [--cc CC] [--arch x86_64|aarch64] [--sanitize[=address|thread]]
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 INCLUDE = HERE / "include"
 SOURCES = ["src/errors.c", "src/dispatch.c", "src/formats.c", "src/pack.c", "src/layer.c", "src/gguf.c",
-           "src/model.c", "src/standalone.c", "src/kernels/generic/kernels.c"]
+           "src/model.c", "src/standalone.c", "src/digest.c", "src/kernels/generic/kernels.c"]
 # per kernel set: its sources and the instruction sets they are compiled for
 KERNEL_SETS = {
     "x86_64": {"src/kernels/x86/avx2.c": ["-march=x86-64-v3", "-mtune=generic"],
@@ -43,6 +43,8 @@ KERNEL_SETS = {
 COMMON = ["-std=gnu11", "-O3", "-fPIC", "-fopenmp", "-fvisibility=hidden", "-ffp-contract=off", "-fno-trapping-math",
           "-Wall", "-Wno-unused-function", f"-I{INCLUDE}", f"-I{HERE / 'src'}"]
 SANITIZE = ["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"]
+# ThreadSanitizer (the sessions-in-parallel test): it cannot be combined with AddressSanitizer
+SANITIZE_THREAD = ["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=thread"]
 LIBRARY_NAME = "libedgeroute.so"
 
 
@@ -65,11 +67,13 @@ def compile_units(arch: str) -> list[tuple[Path, list[str]]]:
     return units + [(HERE / source, flags) for source, flags in KERNEL_SETS[arch].items()]
 
 
-def build(out: Path, cc: str | None = None, arch: str | None = None, sanitize: bool = False,
+def build(out: Path, cc: str | None = None, arch: str | None = None, sanitize: bool | str = False,
           extra: list[str] | None = None, quiet: bool = False) -> Path:
-    """Compiles and links the library to ``out``; returns it."""
+    """Compiles and links the library to ``out``; returns it. ``sanitize``: True or "address"
+    (AddressSanitizer + UBSan), "thread" (ThreadSanitizer)."""
     compiler, arch = find_compiler(cc), arch or host_arch()
-    flags = COMMON + (SANITIZE if sanitize else []) + (extra or [])
+    sanitizers = {False: [], True: SANITIZE, "address": SANITIZE, "thread": SANITIZE_THREAD}[sanitize]
+    flags = COMMON + sanitizers + (extra or [])
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         objects = []
@@ -96,9 +100,10 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--cc")
     parser.add_argument("--arch", choices=sorted(KERNEL_SETS))
-    parser.add_argument("--sanitize", action="store_true", help="AddressSanitizer + UBSan (tests)")
+    parser.add_argument("--sanitize", nargs="?", const="address", choices=("address", "thread"),
+                        help="address: AddressSanitizer + UBSan (the default); thread: ThreadSanitizer (tests)")
     args = parser.parse_args()
-    print(build(args.out, args.cc, args.arch, args.sanitize, quiet=True))
+    print(build(args.out, args.cc, args.arch, args.sanitize or False, quiet=True))
 
 
 if __name__ == "__main__":

@@ -102,6 +102,10 @@ static int read_metadata(reader *r, gguf_file *f, const char *key, uint64_t len,
         if (p) memcpy(&f->rms_eps, p, 4);
         return p != NULL;
     }
+    if (key_is(key, len, "edgeroute.data_digest")) {
+        f->has_digest = type == V_U64 && take_u64(r, &f->data_digest);
+        return f->has_digest;
+    }
     if (key_is(key, len, "edgeroute.rope.inv_freq")) {
         uint32_t inner;
         uint64_t count;
@@ -187,6 +191,9 @@ er_status gguf_parse(const uint8_t *file, size_t bytes, gguf_file *out) {
                              (unsigned long long)t->dims[0], (unsigned long long)(t->n_dims > 1 ? t->dims[1] : 1));
     }
     const uint64_t data_start = status == ER_OK ? (r.at + alignment - 1) / alignment * alignment : 0;
+    if (status == ER_OK && data_start > bytes)
+        status = er_fail(ER_ERR_FORMAT, "the tensor data would start at %llu, past the file's %zu bytes: truncated or "
+                         "damaged", (unsigned long long)data_start, bytes);
     for (uint64_t i = 0; i < out->tensor_count && status == ER_OK; i++) {
         gguf_tensor *t = &out->tensors[i];
         if (offsets[i] % alignment || data_start > bytes || offsets[i] > bytes - data_start ||
@@ -197,6 +204,7 @@ er_status gguf_parse(const uint8_t *file, size_t bytes, gguf_file *out) {
         else t->data = file + data_start + offsets[i];
     }
     free(offsets);
+    out->data_start = data_start;
     if (status != ER_OK) gguf_free(out);
     out->file = file;
     out->file_bytes = bytes;
