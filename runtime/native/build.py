@@ -7,7 +7,7 @@ source compiled with its own instruction-set flags, and picks among them at run 
 (``src/dispatch.c``), so one x86-64 binary runs on any x86-64 CPU and one aarch64 binary on any
 aarch64 CPU.
 
-    python runtime/native/build.py OUT.so [--cc CC] [--arch x86_64|aarch64] [--sanitize[=address|thread]]
+    python runtime/native/build.py OUT.so [--cc CC] [--arch x86_64|aarch64] [--sanitize[=address|thread]] [--fuzzer]
 """
 
 from __future__ import annotations
@@ -102,8 +102,10 @@ def main() -> None:
     parser.add_argument("--arch", choices=sorted(KERNEL_SETS))
     parser.add_argument("--sanitize", nargs="?", const="address", choices=("address", "thread"),
                         help="address: AddressSanitizer + UBSan (the default); thread: ThreadSanitizer (tests)")
+    parser.add_argument("--fuzzer", action="store_true", help="clang's libFuzzer coverage (make fuzz-native)")
     args = parser.parse_args()
-    print(build(args.out, args.cc, args.arch, args.sanitize or False, quiet=True))
+    extra = ["-fsanitize=fuzzer-no-link"] if args.fuzzer else None
+    print(build(args.out, args.cc, args.arch, args.sanitize or False, extra, quiet=True))
 
 
 if __name__ == "__main__":
