@@ -40,7 +40,7 @@ FUZZ_CC ?= clang
 
 fuzz-native: build-native/fuzz/fuzz_native_file
 	mkdir -p build-native/fuzz/corpus
-	cd build-native/fuzz && ./fuzz_native_file -max_total_time=$(FUZZ_SECONDS) -timeout=10 -rss_limit_mb=4096 \
+	cd build-native/fuzz && ./fuzz_native_file -max_total_time=$(FUZZ_SECONDS) -timeout=10 -rss_limit_mb=4096 -max_len=2048 \
 		-print_final_stats=1 corpus
 
 build-native/fuzz/fuzz_native_file: tests/native/fuzz_native_file.c tests/native/native_file_gen.h $(NATIVE_SOURCES)

@@ -89,6 +89,28 @@ def test_a_structure_aware_fuzz_of_the_native_file_finds_no_crash_and_every_refu
     assert 0.02 * FUZZ_CASES < opened < 0.5 * FUZZ_CASES, f"{counts}: the generator should leave some files valid"
 
 
+@needs_compiler
+@pytest.mark.parametrize("sanitizer", ["thread", "address"])
+def test_sessions_of_one_model_in_parallel_threads_give_the_serial_logits_and_no_sanitizer_report(
+        tmp_path, tmp_path_factory, request, sanitizer):
+    """tests/native/test_sessions_threads.c: four workers, each two sessions of one model (the
+    three KV formats), forwards, truncations and copies in a random order checked bit for bit
+    against the same scripts run serially, while the model's handle is freed mid-run; under
+    ThreadSanitizer (races) and AddressSanitizer + UBSan (the model's memory outliving its
+    handle)."""
+    flags = {"thread": ["-fsanitize=thread"], "address": ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"]}
+    library = request.getfixturevalue("asan_library") if sanitizer == "address" else \
+        _build_script().build(tmp_path_factory.mktemp(sanitizer) / "libedgeroute.so", sanitize=sanitizer, quiet=True)
+    program = _program(REPO / "tests" / "native" / "test_sessions_threads.c", tmp_path / "threads", library,
+                       [*flags[sanitizer], "-Wall", "-Werror", "-lpthread"])
+    env = {**os.environ, "TSAN_OPTIONS": "halt_on_error=1 exitcode=66"}
+    done = subprocess.run([str(program), str(tmp_path), "4", "200"], capture_output=True, text=True, timeout=300, env=env)
+    print(done.stdout)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    assert done.stdout.strip().splitlines()[-1] == "800 passed, 0 failed"
+    assert "ThreadSanitizer" not in done.stderr and "AddressSanitizer" not in done.stderr, done.stderr[-6000:]
+
+
 QEMU_X86 = shutil.which("qemu-x86_64")
 
 

@@ -347,6 +347,13 @@ class NativeModel(LayerwiseModel):
             _check(self.lib, self.lib.er_model_set_key_scales(handle, _address(self.key_scales), self.key_scales.size))
 
     def __del__(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Drops the model's handle now (otherwise when the model is collected). The library's
+        model is reference-counted: caches that live keep it and keep working (forwards,
+        truncations, copies), and its memory goes with the last of them; the model makes no new
+        cache once closed. Any thread may close it while others run its caches."""
         if getattr(self, "handle", None):
             self.lib.er_model_free(self.handle)
             self.handle = None
@@ -404,6 +411,8 @@ class NativeModel(LayerwiseModel):
         capacity = capacity or self.capacity
         if capacity > self.capacity:
             raise InputError(f"a cache of {capacity} positions exceeds the bundle's context of {self.capacity}")
+        if not self.handle:
+            raise InputError("the native model was closed: its caches still run, new ones need the model opened again")
         return NativeCache(self, capacity)
 
     def _check_cache(self, cache: NativeCache) -> None:

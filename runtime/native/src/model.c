@@ -158,7 +158,7 @@ static er_status pack_matrices(er_model *m) {
         if (!bytes) continue;
         if (!(m->packed[i] = er_alloc_streamed(bytes)))
             return er_fail(ER_ERR_MEMORY, "no memory for a packed matrix of %zu bytes", bytes);
-        x->packed_rows = er_pack(x, m->packed[i]);
+        x->packed_rows = er_pack(x, m->packed[i], m->dims.threads);
         x->packed = m->packed[i];
         const size_t start = (size_t)(x->data - m->map), end = start + (size_t)x->packed_rows * row_bytes(x);
         const size_t first = (start + page - 1) / page * page, last = end / page * page;
