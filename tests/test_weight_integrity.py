@@ -168,3 +168,17 @@ def test_a_native_file_without_a_digest_opens_with_a_warning_and_is_refused_wher
     path = old.file(old.llm.native.file)
     status = lib.er_model_open(str(path).encode(), native.ctypes.byref(params), native.ctypes.byref(handle))
     assert status == constants["ER_ERR_FORMAT"] and b"no edgeroute.data_digest" in lib.er_last_error()
+
+
+def test_the_bench_command_refuses_a_damaged_bundle_with_exit_2_unless_told_no_verify(demo, tmp_path):
+    from typer.testing import CliRunner
+
+    from edgeroute.cli import app
+
+    damaged = _damaged_copy(demo, tmp_path)
+    args = ["bench", str(damaged), "--contexts", "4", "--steps", "2", "--repeats", "1", "--threads", "1",
+            "--backends", "native", "--roles", "slm"]
+    refused = CliRunner().invoke(app, args)
+    assert refused.exit_code == 2 and "sha256" in refused.output, refused.output
+    measured = CliRunner().invoke(app, [*args, "--no-verify"])
+    assert measured.exit_code == 0, measured.output
