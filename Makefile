@@ -12,7 +12,7 @@ PAIR_PROMPT ?= Confirm this navigation request to the driver in one sentence.\ni
 NATIVE_SOURCES := $(shell find runtime/native -name '*.c' -o -name '*.h') runtime/native/build.py
 NATIVE_LIB := edgeroute/libedgeroute.so
 
-.PHONY: setup native native-aarch64 wheels c-test example pair demo demo-pair test lint bench-export clean
+.PHONY: setup native native-aarch64 wheels c-test fuzz-native example pair demo demo-pair test lint bench-export clean
 
 setup: $(VENV)/.installed $(NATIVE_LIB)
 
@@ -39,6 +39,22 @@ wheels: $(VENV)/.installed
 # the C tests under AddressSanitizer + UBSan, and the C example against the built library
 c-test: $(VENV)/.installed
 	$(BIN)/python -m pytest -q tests/test_c_library.py
+
+# libFuzzer on the native weight file, for runs longer than CI's (clang and libomp-dev; Debian:
+# apt-get install clang libomp-dev): the structure-aware generator of the C tests' fuzz, driven
+# by coverage. Inputs that fail are written to build-native/fuzz/ (crash-*), the corpus kept.
+FUZZ_SECONDS ?= 600
+FUZZ_CC ?= clang
+
+fuzz-native: build-native/fuzz/fuzz_native_file
+	mkdir -p build-native/fuzz/corpus
+	cd build-native/fuzz && ./fuzz_native_file -max_total_time=$(FUZZ_SECONDS) -timeout=10 -rss_limit_mb=4096 -max_len=2048 \
+		-print_final_stats=1 corpus
+
+build-native/fuzz/fuzz_native_file: tests/native/fuzz_native_file.c tests/native/native_file_gen.h $(NATIVE_SOURCES)
+	$(PYTHON) runtime/native/build.py build-native/fuzz/libedgeroute.so --cc $(FUZZ_CC) --sanitize --fuzzer
+	$(FUZZ_CC) -g -O1 -fsanitize=fuzzer,address,undefined -Iruntime/native/include $< -o $@ \
+		-Lbuild-native/fuzz -ledgeroute -Wl,-rpath,'$$ORIGIN' -lm
 
 example: build-native/generate
 

@@ -323,6 +323,9 @@ class Bundle:
     def __init__(self, path: Path, manifest: dict[str, Any]) -> None:
         self.path = path
         self.manifest = manifest
+        # whether the files are checked: their sha256 at open (Bundle.open), the native weights'
+        # digest when the native backend opens them (libedgeroute); False only where asked
+        self.verify = True
         self.models: dict[str, ModelEntry] = {}
         self.target = bundle_target(manifest.get("target", DEFAULT_TARGET))
         for role, entry in manifest["models"].items():
@@ -351,6 +354,9 @@ class Bundle:
 
     @classmethod
     def open(cls, path: str | Path, verify: bool = True) -> Bundle:
+        """The bundle at ``path``, its manifest checked and (``verify``, the default) every file's
+        sha256; ``verify=False`` (the opt-out: e.g. ``--no-verify``) checks sizes only, and the
+        native backend then skips the weights' digest too."""
         path = Path(path)
         if not path.exists():
             raise BundleError(f"bundle {path} does not exist: create one with `edgeroute export --out {path}`")
@@ -376,6 +382,7 @@ class Bundle:
                               f"-{FORMAT_VERSION}): re-export it")
         try:
             bundle = cls(path, manifest)
+            bundle.verify = verify
             bundle.check_files(hashes=verify)
         except BundleError:
             raise

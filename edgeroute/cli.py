@@ -550,6 +550,7 @@ def bench(
     roles: str = typer.Option(None, help="models: llm,slm (default: each one)"),
     kernels: str = typer.Option("auto", help="native kernel set"),
     clock: str = typer.Option("wall", help="wall|cpu (the process's CPU time)"),
+    no_verify: bool = typer.Option(False, "--no-verify", help="skip the files' and weights' checks"),
     as_json: Path = typer.Option(None, "--json", help="write the records to this JSON file"),
 ) -> None:
     """Decode speed per backend and context vs memory bandwidth. Guide: docs/guide/bench.md."""
@@ -561,7 +562,7 @@ def bench(
     with _clear_errors():
         options = BenchOptions(contexts=_numbers(contexts, "contexts"), steps=steps, repeats=repeats, threads=threads,
                                clock=clock, profile=profile, backends=_names(backends) or (), roles=_names(roles),
-                               kernels=kernels)
+                               kernels=kernels, verify=not no_verify)
         report = run_bench(bundles, options, lambda line: err_console.print(Text(line, style="dim")))
     _print_bench(report)
     if as_json is not None:

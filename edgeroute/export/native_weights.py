@@ -8,7 +8,9 @@ the graphs' weights are, see ``gguf_source``) and a float16 vector is widened to
 
 The file is itself a GGUF (version 3): its header names every tensor (type, shape, offset)
 and carries the dimensions the C library needs (``edgeroute.*`` keys, docs/guide/native.md),
-so libedgeroute opens it without the bundle's manifest and any GGUF tool can read it.
+so libedgeroute opens it without the bundle's manifest and any GGUF tool can read it. The
+header also carries a digest of the tensor data (``edgeroute.data_digest``, ``digest.py``),
+which the library checks when it opens the file: weights damaged in place are refused.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import numpy as np
 
 from edgeroute.arch import ArchConfig
 from edgeroute.bundle import NATIVE_ALIGNMENT, NATIVE_FORMATS, NativeTensor, NativeWeights
+from edgeroute.export.digest import Digest
 from edgeroute.export.gguf_source import _unpermute_rows
 from edgeroute.export.source_model import RawTensor, SourceModel
 from edgeroute.rope import inverse_frequencies
@@ -31,7 +34,7 @@ LAYER_VECTORS = ("attn_norm.weight", "ffn_norm.weight")
 BIASES = ("attn_q.bias", "attn_k.bias", "attn_v.bias")
 NATIVE_FILE_VERSION = 1  # edgeroute.native.version: what runtime/native/src/gguf.c reads
 GGML_TYPE_IDS = {"F32": 0, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
-_U32, _F32, _STRING, _ARRAY, _F64 = 4, 6, 8, 9, 12  # GGUF metadata value types
+_U32, _F32, _STRING, _ARRAY, _U64, _F64 = 4, 6, 8, 9, 10, 12  # GGUF metadata value types
 
 
 def _tensors(arch: ArchConfig, head_rows: bool) -> Iterator[str]:
@@ -90,7 +93,7 @@ def _string(text: str) -> bytes:
     return struct.pack("<Q", len(data)) + data
 
 
-def _metadata(arch: ArchConfig, context_length: int) -> list[bytes]:
+def _metadata(arch: ArchConfig, context_length: int, data_digest: int) -> list[bytes]:
     """The GGUF key-value pairs the library reads (and the architecture's name)."""
     sizes = {"layers": arch.num_layers, "hidden": arch.hidden_size, "heads": arch.num_heads,
              "kv_heads": arch.num_kv_heads, "head_dim": arch.head_dim, "ffn": arch.intermediate_size,
@@ -101,7 +104,8 @@ def _metadata(arch: ArchConfig, context_length: int) -> list[bytes]:
             _string("edgeroute.native.version") + struct.pack("<II", _U32, NATIVE_FILE_VERSION),
             *(_string(f"edgeroute.{key}") + struct.pack("<II", _U32, value) for key, value in sizes.items()),
             _string("edgeroute.rms_eps") + struct.pack("<If", _F32, arch.rms_norm_eps),
-            _string("edgeroute.rope.inv_freq") + struct.pack("<IIQ", _ARRAY, _F64, inv.size) + inv.tobytes()]
+            _string("edgeroute.rope.inv_freq") + struct.pack("<IIQ", _ARRAY, _F64, inv.size) + inv.tobytes(),
+            _string("edgeroute.data_digest") + struct.pack("<IQ", _U64, data_digest)]
 
 
 def write_native_weights(source: SourceModel, arch: ArchConfig, path: Path, rel: str, context_length: int,
@@ -120,13 +124,15 @@ def write_native_weights(source: SourceModel, arch: ArchConfig, path: Path, rel:
             tensors.append((name, *_native_bytes(source.raw_tensor(name), _rows_to_keep(name, arch))))
         except ValueError as err:
             return f"tensor {name} in {err}"
-    metadata = _metadata(arch, context_length)
-    infos, offset = [], 0
+    infos, offset, digest = [], 0, Digest()  # the digest of the data section, laid out as written below
     for name, fmt, shape, data in tensors:
+        digest.update(bytes(-offset % NATIVE_ALIGNMENT))
         offset += -offset % NATIVE_ALIGNMENT
         dims = tuple(reversed(shape))  # GGUF lists the innermost dimension first
         infos.append(_string(name) + struct.pack(f"<I{len(dims)}QIQ", len(dims), *dims, GGML_TYPE_IDS[fmt], offset))
+        digest.update(np.ascontiguousarray(data))
         offset += data.size
+    metadata = _metadata(arch, context_length, digest.value())
     header = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(metadata)) + b"".join(metadata) + b"".join(infos)
     data_start = len(header) + -len(header) % NATIVE_ALIGNMENT
     entries: dict[str, NativeTensor] = {}

@@ -209,7 +209,8 @@ def open_model(bundle: Bundle, role: str, options: EngineOptions,
     if chosen == "tensorrt":
         return open_tensorrt(bundle, role, options, cache), None
     if chosen == "native":
-        return NativeModel(bundle, role, threads=options.model_threads(), kv_dtype=cache, kernels=options.kernels), None
+        return NativeModel(bundle, role, threads=options.model_threads(), kv_dtype=cache, kernels=options.kernels,
+                           verify=bundle.verify), None
     if cache not in GRAPH_KV_DTYPES:
         raise InputError(f"a {cache} KV cache runs on the native backend only, which does not take the {role} "
                          f"model here: {why_not}")

@@ -69,8 +69,8 @@ class EdgerouteCase:
     attention graphs ("auto", "portable", "ort"); one cache of the bundle's capacity."""
 
     def __init__(self, bundle: Bundle | str | Path, flavour: str, kv_dtype: str = "auto", role: str = "llm",
-                 threads: int | None = None, kernels: str = "auto") -> None:
-        opened = bundle if isinstance(bundle, Bundle) else Bundle.open(bundle, verify=False)
+                 threads: int | None = None, kernels: str = "auto", verify: bool = True) -> None:
+        opened = bundle if isinstance(bundle, Bundle) else Bundle.open(bundle, verify=verify)
         if flavour == "native":
             options = EngineOptions(backend="native", kv_dtype=kv_dtype, threads=threads, kernels=kernels)
         else:
@@ -162,6 +162,7 @@ class BenchOptions:
     backends: tuple[str, ...] = BACKENDS
     roles: tuple[str, ...] | None = None  # None: every model of each bundle
     kernels: str = "auto"  # the native kernel set (native.KERNELS)
+    verify: bool = True  # check each bundle's files (sha256) and native weights (digest) first: --no-verify skips
 
 
 @dataclass(frozen=True)
@@ -233,7 +234,7 @@ def _check(options: BenchOptions) -> None:
 
 def _open_bundle(path: str | Path, options: BenchOptions) -> tuple[Bundle, list[str]]:
     """The bundle and the roles to measure, checked against the contexts before anything loads."""
-    bundle = Bundle.open(path, verify=False)
+    bundle = Bundle.open(path, verify=options.verify)
     capacity = int(bundle.generation["context_length"])
     longest = max(options.contexts)
     if longest + options.steps > capacity:

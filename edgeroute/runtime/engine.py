@@ -23,7 +23,7 @@ from tokenizers import Tokenizer
 from edgeroute.bundle import Bundle, RouterCalibration
 from edgeroute.chat_format import format_messages
 from edgeroute.cpu import cpu_signature, signature_difference
-from edgeroute.errors import CalibrationDeviceWarning, InputError, SessionBusy, UnmeasuredQualityWarning
+from edgeroute.errors import BundleError, CalibrationDeviceWarning, InputError, SessionBusy, UnmeasuredQualityWarning
 from edgeroute.kv_formats import INT8_GROUP, KV_DTYPE_CHOICES, check_kv_dtype, kv_row_bytes
 from edgeroute.runtime.aio import iterate_in_thread
 from edgeroute.runtime.backend import ModelBackend, backend_for, open_model, resolve_kv_dtype
@@ -46,6 +46,17 @@ from edgeroute.runtime.text_stream import IncrementalDetokenizer, StopFilter
 from edgeroute.skip_options import SkipOptions
 
 Messages = Sequence[dict[str, str]]
+
+
+def open_tokenizer(bundle: Bundle) -> Tokenizer:
+    """The bundle's tokenizer; a file the tokenizers library cannot read (damaged, and opened
+    with ``verify=False``, which skips its sha256) is a BundleError naming it."""
+    path = bundle.file(bundle.tokenizer["file"])
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as err:  # the tokenizers library raises plain Exception with its parser's message
+        raise BundleError(f"{path} is not a tokenizer this runtime reads ({str(err)[:200]}): the bundle is damaged, "
+                          "export again") from err
 
 
 @dataclass
@@ -92,7 +103,7 @@ class Engine:
                                        self.bundle.models[role], options.kernels) for role in roles]
             check_fit(self.bundle, self.context_length, options.memory_budget,
                       max(caches, key=lambda c: kv_row_bytes(INT8_GROUP, c)), slm=self.use_slm)
-        self.tokenizer = Tokenizer.from_file(str(self.bundle.file(self.bundle.tokenizer["file"])))
+        self.tokenizer = open_tokenizer(self.bundle)
         self.backend_notes: dict[str, str] = {}  # role -> why backend "auto" runs it on ONNX Runtime
         self.llm = self._open("llm", options.exact_steps)
         if self.context_length > self.llm.capacity:  # TensorRT engines are built for a context of their own

@@ -32,6 +32,7 @@ import re
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from importlib import resources
 from pathlib import Path
@@ -81,14 +82,14 @@ def header_constants() -> dict[str, int]:
 
 class _ModelParams(ctypes.Structure):
     _fields_ = [("struct_size", ctypes.c_uint32), ("kernels", ctypes.c_int32), ("threads", ctypes.c_int32),
-                ("max_pass", ctypes.c_int32)]
+                ("max_pass", ctypes.c_int32), ("verify", ctypes.c_int32)]
 
 
 class _ModelInfo(ctypes.Structure):
     _fields_ = [("struct_size", ctypes.c_uint32),
                 *((name, ctypes.c_int32) for name in ("layers", "hidden", "heads", "kv_heads", "head_dim", "ffn",
                                                        "vocab", "context_length", "kernels", "threads",
-                                                       "pass_rows"))]
+                                                       "pass_rows", "verified"))]
 
 
 class _SessionParams(ctypes.Structure):
@@ -143,6 +144,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         "er_matmul": ([ctypes.c_int, ctypes.c_int, p, size, i32, i32, p, i32, p, i32], status),
         "er_dequantize_rows": ([ctypes.c_int, p, size, i32, i32, p, i32, p], status),
         "er_attention": ([ctypes.c_int, ctypes.c_int, i32, i32, i32, i32, p, p, p, p, i32, i32, p, i32], status),
+        "er_data_digest": ([p, size, i32], ctypes.c_uint64),
     }
     for name, (args, result) in signatures.items():
         function = getattr(lib, name)
@@ -294,12 +296,15 @@ class NativeModel(LayerwiseModel):
     exact_steps = True  # every row is computed alike whatever the pass's length: steps are always exact
 
     def __init__(self, bundle: Bundle, role: str = "llm", threads: int | None = None,
-                 kv_dtype: str = "float16", kernels: str = "auto") -> None:
+                 kv_dtype: str = "float16", kernels: str = "auto", verify: bool | None = None) -> None:
         """``kv_dtype``: the cache's element type, "float16" (half the bytes that attention reads
         per position), "float32" or "int8" (codes per 32 values and their float32 scales: 0.28x;
         keys scaled per channel, ``key_scales``); the kernels compute in float32 either way
         (``kv_formats.AUTO_KV_DTYPES``: what ``kv_dtype="auto"`` picks per kernel set). ``kernels``:
-        see :func:`native_library`."""
+        see :func:`native_library`. ``verify`` (None: the bundle's ``verify``, True unless it was
+        opened with ``verify=False``): the library checks the weights against the digest export
+        wrote into the file (damaged weights: BundleError); a file without one (exported before
+        it) is run with a warning that its bytes were not checked."""
         if role not in bundle.models:
             raise InputError(f"bundle {bundle.path} has no {role!r} model (it has: {', '.join(bundle.models)})")
         entry = bundle.models[role]
@@ -316,7 +321,9 @@ class NativeModel(LayerwiseModel):
         self.arch = entry.arch
         self.capacity = int(bundle.generation["context_length"])
         threads = thread_count(threads)
-        params = _sized(_ModelParams, kernels=_resolve(self.lib, kernels), threads=threads, max_pass=PREFILL_CHUNK)
+        verify = bundle.verify if verify is None else verify
+        params = _sized(_ModelParams, kernels=_resolve(self.lib, kernels), threads=threads, max_pass=PREFILL_CHUNK,
+                        verify=header_constants()["ER_VERIFY_DIGEST" if verify else "ER_VERIFY_NONE"])
         handle = ctypes.c_void_p()
         path = bundle.file(entry.native.file)
         _check(self.lib, self.lib.er_model_open(str(path).encode(), ctypes.byref(params), ctypes.byref(handle)))
@@ -327,6 +334,10 @@ class NativeModel(LayerwiseModel):
         if (info.layers, info.hidden, info.heads, info.kv_heads, info.head_dim, info.vocab, info.context_length) != (
                 a.num_layers, a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim, a.vocab_size, self.capacity):
             raise BundleError(f"{path} does not describe the manifest's {role} model: export the bundle again")
+        self.verified = bool(info.verified)  # the weights matched their digest at open
+        if verify and not self.verified:
+            warnings.warn(f"{path} carries no digest of its weights (exported before edgeroute wrote one): they were "
+                          "not checked when opened; export the bundle again to have them checked", stacklevel=2)
         self.kernels = self.lib.er_kernels_name(info.kernels).decode()
         self.threads = info.threads
         self.pass_rows = info.pass_rows
@@ -336,6 +347,13 @@ class NativeModel(LayerwiseModel):
             _check(self.lib, self.lib.er_model_set_key_scales(handle, _address(self.key_scales), self.key_scales.size))
 
     def __del__(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Drops the model's handle now (otherwise when the model is collected). The library's
+        model is reference-counted: caches that live keep it and keep working (forwards,
+        truncations, copies), and its memory goes with the last of them; the model makes no new
+        cache once closed. Any thread may close it while others run its caches."""
         if getattr(self, "handle", None):
             self.lib.er_model_free(self.handle)
             self.handle = None
@@ -393,6 +411,8 @@ class NativeModel(LayerwiseModel):
         capacity = capacity or self.capacity
         if capacity > self.capacity:
             raise InputError(f"a cache of {capacity} positions exceeds the bundle's context of {self.capacity}")
+        if not self.handle:
+            raise InputError("the native model was closed: its caches still run, new ones need the model opened again")
         return NativeCache(self, capacity)
 
     def _check_cache(self, cache: NativeCache) -> None:

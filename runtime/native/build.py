@@ -7,7 +7,7 @@ source compiled with its own instruction-set flags, and picks among them at run 
 (``src/dispatch.c``), so one x86-64 binary runs on any x86-64 CPU and one aarch64 binary on any
 aarch64 CPU.
 
-    python runtime/native/build.py OUT.so [--cc CC] [--arch x86_64|aarch64] [--sanitize]
+    python runtime/native/build.py OUT.so [--cc CC] [--arch x86_64|aarch64] [--sanitize[=address|thread]] [--fuzzer]
     python runtime/native/build.py OUT.so --arch aarch64 --cc aarch64-linux-gnu-gcc --glibc 2.28 --openmp LIBGOMP
 
 With ``--glibc``, the build of a manylinux wheel (``make wheels``, tools/wheels.py): the sources
@@ -33,7 +33,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 INCLUDE = HERE / "include"
 SOURCES = ["src/errors.c", "src/dispatch.c", "src/formats.c", "src/pack.c", "src/layer.c", "src/gguf.c",
-           "src/model.c", "src/standalone.c", "src/kernels/generic/kernels.c"]
+           "src/model.c", "src/standalone.c", "src/digest.c", "src/kernels/generic/kernels.c"]
 # per kernel set: its sources and the instruction sets they are compiled for
 KERNEL_SETS = {
     "x86_64": {"src/kernels/x86/avx2.c": ["-march=x86-64-v3", "-mtune=generic"],
@@ -51,6 +51,8 @@ KERNEL_SETS = {
 COMMON = ["-std=gnu11", "-O3", "-fPIC", "-fopenmp", "-fvisibility=hidden", "-ffp-contract=off", "-fno-trapping-math",
           "-Wall", "-Wno-unused-function", f"-I{INCLUDE}", f"-I{HERE / 'src'}"]
 SANITIZE = ["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"]
+# ThreadSanitizer (the sessions-in-parallel test): it cannot be combined with AddressSanitizer
+SANITIZE_THREAD = ["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=thread"]
 LIBRARY_NAME = "libedgeroute.so"
 
 
@@ -85,22 +87,28 @@ def compile_units(arch: str) -> list[tuple[Path, list[str]]]:
     return units + [(HERE / source, flags) for source, flags in KERNEL_SETS[arch].items()]
 
 
-def build(out: Path, cc: str | None = None, arch: str | None = None, sanitize: bool = False,
+def build(out: Path, cc: str | None = None, arch: str | None = None, sanitize: bool | str = False,
           extra: list[str] | None = None, quiet: bool = False, glibc: str | None = None,
-          openmp: Path | None = None) -> Path:
-    """Compiles and links the library to ``out``; returns it. ``glibc`` (e.g. "2.28", with
+          openmp: Path | None = None, plain_kernel_sets: bool = False) -> Path:
+    """Compiles and links the library to ``out``; returns it. ``sanitize``: True or "address"
+    (AddressSanitizer + UBSan), "thread" (ThreadSanitizer). ``glibc`` (e.g. "2.28", with
     ``openmp``: a libgomp whose file name is its soname): linked for that glibc, the libgomp copied
-    beside ``out`` (see the module's docstring)."""
+    beside ``out`` (see the module's docstring). ``plain_kernel_sets``: the SIMD kernel sets
+    without the sanitizers and ``extra`` (the fuzzer's build: clang takes over 15 minutes and 5 GB
+    on the AVX-512 set under them, and the fuzzer is after the file reader)."""
     compiler, arch = find_compiler(cc), arch or host_arch()
     if (glibc is None) != (openmp is None):
         raise SystemExit("--glibc and --openmp go together: the OpenMP runtime a portable library carries")
-    flags = COMMON + (SANITIZE if sanitize else []) + (extra or [])
+    sanitizers = {False: [], True: SANITIZE, "address": SANITIZE, "thread": SANITIZE_THREAD}[sanitize]
+    flags = COMMON + sanitizers + (extra or [])
+    simd_sources = {HERE / source for source in KERNEL_SETS.get(arch, {})}
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         objects = []
         for i, (source, own) in enumerate(compile_units(arch)):
             obj = Path(tmp) / f"{i}-{source.stem}.o"
-            run([*shlex.split(compiler), *flags, *own, "-c", str(source), "-o", str(obj)], quiet)
+            unit = COMMON if plain_kernel_sets and source in simd_sources else flags
+            run([*shlex.split(compiler), *unit, *own, "-c", str(source), "-o", str(obj)], quiet)
             objects.append(str(obj))
         staged = Path(tmp) / LIBRARY_NAME
         if glibc is None:
@@ -126,11 +134,15 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--cc")
     parser.add_argument("--arch", choices=sorted(KERNEL_SETS))
-    parser.add_argument("--sanitize", action="store_true", help="AddressSanitizer + UBSan (tests)")
+    parser.add_argument("--sanitize", nargs="?", const="address", choices=("address", "thread"),
+                        help="address: AddressSanitizer + UBSan (the default); thread: ThreadSanitizer (tests)")
+    parser.add_argument("--fuzzer", action="store_true", help="clang's libFuzzer coverage (make fuzz-native)")
     parser.add_argument("--glibc", help="link for this glibc with zig (a manylinux wheel's library), e.g. 2.28")
     parser.add_argument("--openmp", type=Path, help="with --glibc: the libgomp to carry (its file name its soname)")
     args = parser.parse_args()
-    print(build(args.out, args.cc, args.arch, args.sanitize, quiet=True, glibc=args.glibc, openmp=args.openmp))
+    extra = ["-fsanitize=fuzzer-no-link"] if args.fuzzer else None
+    print(build(args.out, args.cc, args.arch, args.sanitize or False, extra, quiet=True, glibc=args.glibc,
+                openmp=args.openmp, plain_kernel_sets=args.fuzzer))
 
 
 if __name__ == "__main__":

@@ -221,8 +221,9 @@ typedef struct {
     int rows, cols, type; /* type 0: F32 vector of cols */
 } tensor_spec;
 
-/* a GGUF v3 file: header, then the tensors at 64-byte offsets; returns the header's length */
-static size_t tiny_model(buffer *out, uint32_t gguf_version, uint32_t native_version) {
+/* a GGUF v3 file: header, then the tensors at 64-byte offsets; returns the header's length.
+ * `digest`: whether the header carries edgeroute.data_digest (files exported before it do not). */
+static size_t tiny_model_file(buffer *out, uint32_t gguf_version, uint32_t native_version, int digest) {
     tensor_spec specs[64];
     int n = 0;
     specs[n++] = (tensor_spec){"token_embd.weight", VOCAB, HIDDEN, ER_Q8_0};
@@ -242,7 +243,7 @@ static size_t tiny_model(buffer *out, uint32_t gguf_version, uint32_t native_ver
     put(&h, "GGUF", 4);
     put_u32(&h, gguf_version);
     put_u64(&h, (uint64_t)n);
-    put_u64(&h, 13);
+    put_u64(&h, 13 + (digest != 0));
     put_str(&h, "general.architecture"), put_u32(&h, 8), put_str(&h, "llama");
     put_key_u32(&h, "general.alignment", 64);
     put_key_u32(&h, "edgeroute.native.version", native_version);
@@ -262,16 +263,16 @@ static size_t tiny_model(buffer *out, uint32_t gguf_version, uint32_t native_ver
         const double inv = pow(10000.0, -2.0 * j / HEAD_DIM);
         put(&h, &inv, 8);
     }
-    buffer data = {0};
+    buffer data = {0}, table = {0};
     for (int i = 0; i < n; i++) {
         while (data.n % 64) put(&data, "", 1);
-        put_str(&h, specs[i].name);
+        put_str(&table, specs[i].name);
         const int dims = specs[i].type == 0 ? 1 : 2;
-        put_u32(&h, (uint32_t)dims);
-        put_u64(&h, (uint64_t)specs[i].cols);
-        if (dims == 2) put_u64(&h, (uint64_t)specs[i].rows);
-        put_u32(&h, (uint32_t)specs[i].type);
-        put_u64(&h, data.n);
+        put_u32(&table, (uint32_t)dims);
+        put_u64(&table, (uint64_t)specs[i].cols);
+        if (dims == 2) put_u64(&table, (uint64_t)specs[i].rows);
+        put_u32(&table, (uint32_t)specs[i].type);
+        put_u64(&table, data.n);
         if (specs[i].type == 0) {
             for (int c = 0; c < specs[i].cols; c++) {
                 const float w = 0.8f + 0.4f * uniform();
@@ -285,6 +286,11 @@ static size_t tiny_model(buffer *out, uint32_t gguf_version, uint32_t native_ver
             free(raw);
         }
     }
+    if (digest) { /* the last metadata key: the data's digest, known once the data is */
+        put_str(&h, "edgeroute.data_digest"), put_u32(&h, 10);
+        put_u64(&h, er_data_digest(data.p, data.n, 1));
+    }
+    put(&h, table.p, table.n);
     const size_t header = h.n;
     while (h.n % 64) put(&h, "", 1);
     out->n = 0;
@@ -292,7 +298,12 @@ static size_t tiny_model(buffer *out, uint32_t gguf_version, uint32_t native_ver
     put(out, data.p, data.n);
     free(h.p);
     free(data.p);
+    free(table.p);
     return header;
+}
+
+static size_t tiny_model(buffer *out, uint32_t gguf_version, uint32_t native_version) {
+    return tiny_model_file(out, gguf_version, native_version, 1);
 }
 
 static void write_file(const char *path, const uint8_t *p, size_t n) {
@@ -464,6 +475,60 @@ static void test_refusals(const char *dir, const buffer *file) {
     er_session_free(NULL);
 }
 
+/* the data digest: checked by default, a damaged byte refused, the opt-out and the strict mode;
+ * a file shorter than its tensors refused whatever verify says */
+static void test_weight_integrity(const char *dir, const buffer *file, size_t header) {
+    char path[1024];
+    snprintf(path, sizeof path, "%s/integrity.bin", dir);
+    er_model *model = NULL;
+    er_model_params mp = er_model_default_params();
+    check(mp.verify == ER_VERIFY_DIGEST, "the digest is checked by default");
+    mp.threads = 1;
+    er_model_info info = {sizeof info};
+    write_file(path, file->p, file->n);
+    check(er_model_open(path, &mp, &model) == ER_OK && er_model_get_info(model, &info) == ER_OK && info.verified == 1,
+          "an intact file opens verified");
+    er_model_free(model);
+    check(er_data_digest("", 0, 1) != er_data_digest("\0", 1, 1) &&
+          er_data_digest(file->p, file->n, 1) == er_data_digest(file->p, file->n, 3), "the digest of lengths and threads");
+    uint8_t *damaged = malloc(file->n);
+    const size_t spots[3] = {(header + 63) / 64 * 64, (header + file->n) / 2, file->n - 1}; /* first, middle, last byte */
+    for (int i = 0; i < 3; i++) {
+        memcpy(damaged, file->p, file->n);
+        damaged[spots[i]] ^= 0x10;
+        write_file(path, damaged, file->n);
+        model = NULL;
+        check(er_model_open(path, &mp, &model) == ER_ERR_FORMAT && model == NULL && strstr(er_last_error(), "digest") &&
+              strstr(er_last_error(), "export the bundle again"), "a flipped data byte at %zu is refused", spots[i]);
+        mp.verify = ER_VERIFY_NONE;
+        info.verified = -1;
+        check(er_model_open(path, &mp, &model) == ER_OK && er_model_get_info(model, &info) == ER_OK && info.verified == 0,
+              "verify none opens it, unverified");
+        er_model_free(model);
+        mp.verify = ER_VERIFY_DIGEST;
+    }
+    for (int verify = ER_VERIFY_NONE; verify <= ER_VERIFY_REQUIRED; verify++) { /* one byte short: the last tensor's */
+        write_file(path, file->p, file->n - 1);
+        mp.verify = verify;
+        check(er_model_open(path, &mp, &model) == ER_ERR_FORMAT && strstr(er_last_error(), "outside the file"),
+              "a file one byte shorter than its tensors (verify %d)", verify);
+    }
+    buffer old = {0};
+    tiny_model_file(&old, 3, 1, 0);
+    write_file(path, old.p, old.n);
+    mp.verify = ER_VERIFY_DIGEST;
+    check(er_model_open(path, &mp, &model) == ER_OK && er_model_get_info(model, &info) == ER_OK && info.verified == 0,
+          "a file without a digest opens unverified");
+    er_model_free(model);
+    mp.verify = ER_VERIFY_REQUIRED;
+    check(er_model_open(path, &mp, &model) == ER_ERR_FORMAT && strstr(er_last_error(), "no edgeroute.data_digest"),
+          "a file without a digest under ER_VERIFY_REQUIRED");
+    mp.verify = 3;
+    check(er_model_open(path, &mp, &model) == ER_ERR_ARGUMENT && strstr(er_last_error(), "verify 3"), "verify 3");
+    free(old.p);
+    free(damaged);
+}
+
 static void on_alarm(int signal_number) {
     (void)signal_number;
     static const char message[] = "FAILED: er_model_open blocked on a FIFO for 10 s\n";
@@ -567,6 +632,7 @@ int main(int argc, char **argv) {
     test_model(argv[1], &file);
     test_refusals(argv[1], &file);
     test_files_that_are_not_regular(argv[1]);
+    test_weight_integrity(argv[1], &file, header);
     test_damaged_files(argv[1], &file, header, iterations);
     free(file.p);
     printf("%d passed, %d failed\n", passed, failed);

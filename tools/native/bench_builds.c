@@ -22,12 +22,19 @@
 #define MAX_BUILDS 16
 #define MAX_LIST 16
 
+/* er_model_params before ABI 8 (no `verify`): the struct older builds return and check */
+typedef struct {
+    uint32_t struct_size;
+    int32_t kernels, threads, max_pass;
+} model_params_abi7;
+
 typedef struct build {
     const char *path;
     void *handle;
+    int abi;
     const char *(*last_error)(void);
     const char *(*kernels_name)(int);
-    er_model_params (*model_default_params)(void);
+    void *model_default_params; /* returns er_model_params, or model_params_abi7 where abi < 8 */
     er_status (*model_open)(const char *, const er_model_params *, er_model **);
     er_session_params (*session_default_params)(void);
     er_status (*session_create)(er_model *, const er_session_params *, er_session **);
@@ -76,6 +83,7 @@ static void load(build *b, const char *path) {
         fprintf(stderr, "bench_builds: %s\n", dlerror());
         exit(1);
     }
+    b->abi = ((int (*)(void))symbol(b, "er_abi_version"))();
     b->last_error = symbol(b, "er_last_error");
     b->kernels_name = symbol(b, "er_kernels_name");
     b->model_default_params = symbol(b, "er_model_default_params");
@@ -115,13 +123,22 @@ int main(int argc, char **argv) {
     for (int i = 0; i < n; i++) {
         build *b = &builds[i];
         load(b, argv[9 + i]);
-        er_model_params mp = b->model_default_params();
-        if ((mp.kernels = kernels_named(b, argv[3])) < 0) {
+        const int kernels = kernels_named(b, argv[3]);
+        if (kernels < 0) {
             fprintf(stderr, "bench_builds: %s has no kernel set named %s\n", b->path, argv[3]);
             return 1;
         }
-        mp.threads = threads;
-        check(b, b->model_open(argv[1], &mp, &b->model), "opening the model");
+        if (b->abi >= 8) {
+            er_model_params mp = ((er_model_params(*)(void))b->model_default_params)();
+            mp.kernels = kernels;
+            mp.threads = threads;
+            check(b, b->model_open(argv[1], &mp, &b->model), "opening the model");
+        } else { /* a build from before ABI 8: its own, smaller params struct */
+            model_params_abi7 mp = ((model_params_abi7(*)(void))b->model_default_params)();
+            mp.kernels = kernels;
+            mp.threads = threads;
+            check(b, b->model_open(argv[1], (const er_model_params *)(const void *)&mp, &b->model), "opening the model");
+        }
         er_session_params sp = b->session_default_params();
         sp.capacity = capacity;
         check(b, b->session_create(b->model, &sp, &b->session), "creating a session");

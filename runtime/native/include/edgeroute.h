@@ -19,15 +19,26 @@
  * failure on the calling thread is er_last_error() (thread-local: there is no other mutable
  * global state). A failed call changes nothing it was handed.
  *
- * Ownership: an object made by er_X_open / er_X_create is the caller's until er_X_free; a
- * session must be freed before its model. Pointers the library returns (er_last_error,
+ * Ownership: an object made by er_X_open / er_X_create is the caller's until er_X_free. A model
+ * is reference-counted: its handle and each of its sessions hold it, so freeing the model while
+ * sessions live is allowed (from any thread) and only drops the handle: the sessions keep working,
+ * and the memory goes with the last of them. Pointers the library returns (er_last_error,
  * er_kernels_name) are its own and stay valid as documented at each function.
+ *
+ * Integrity: export writes a digest of the file's tensor data into its GGUF metadata
+ * (edgeroute.data_digest, er_data_digest below); er_model_open checks it by default
+ * (er_model_params.verify) and refuses a file whose bytes changed with ER_ERR_FORMAT. A file
+ * shorter than its tensor table says is refused at open, whatever `verify` is.
  *
  * Threads: a model may be used from several threads at once. Forwards on sessions of one
  * model run one at a time (they share the model's working memory, sized at open for the
  * longest pass, and each already uses all the model's threads through OpenMP); forwards on
  * sessions of different models run in parallel. One session must not be used by two threads
- * at the same time.
+ * at the same time (er_session_copy uses both of its sessions). Creating, copying, truncating
+ * and freeing sessions of one model from several threads at once is safe, and so is freeing
+ * the model's handle meanwhile (tests/native/test_sessions_threads.c, under ThreadSanitizer).
+ *
+ * ABI history: 8 added er_model_params.verify, er_model_info.verified and er_data_digest.
  */
 #ifndef EDGEROUTE_H
 #define EDGEROUTE_H
@@ -46,7 +57,7 @@ extern "C" {
 #endif
 
 /* Bumped on any change a caller compiled against an older header could not survive. */
-#define ER_ABI_VERSION 7
+#define ER_ABI_VERSION 8
 
 /* ---- errors ------------------------------------------------------------------------------ */
 
@@ -116,13 +127,30 @@ typedef struct er_model_params {
     int32_t threads;      /* OpenMP threads per forward; 0 (default): the CPU's count. At most the
                              CPUs online (sysconf(_SC_NPROCESSORS_ONLN)): more is ER_ERR_ARGUMENT */
     int32_t max_pass;     /* most tokens one internal pass runs (longer forwards run in passes): 256 */
+    int32_t verify;       /* an er_verify value; ER_VERIFY_DIGEST by default */
 } er_model_params;
+
+/* What er_model_open checks of the tensor data beyond the header (which is always checked). */
+typedef enum er_verify {
+    ER_VERIFY_NONE = 0,     /* nothing: the bytes are trusted */
+    ER_VERIFY_DIGEST = 1,   /* the data's digest where the file carries one (er_model_info.verified says
+                               whether it did): a mismatch is ER_ERR_FORMAT. Costs one read of the file,
+                               on the model's threads: docs/guide/reliability.md has the figures */
+    ER_VERIFY_REQUIRED = 2, /* as ER_VERIFY_DIGEST, and a file without a digest is ER_ERR_FORMAT */
+} er_verify;
 
 ER_API er_model_params er_model_default_params(void);
 
 /* Opens a native weight file (mapped read-only; packed copies of its matrices are made for
- * kernels that want them). The file must stay unchanged while the model is open. A path that
- * is not a regular file (a FIFO, a directory, a device) is ER_ERR_IO, without blocking. */
+ * kernels that want them). A path that is not a regular file (a FIFO, a directory, a device) is
+ * ER_ERR_IO, without blocking; a file shorter than its tensors, or (params.verify) whose data no
+ * longer matches its digest, is ER_ERR_FORMAT.
+ * The file must stay unchanged while the model is open: the library reads from the mapping, and
+ * a file truncated in place after open makes the next read of a page past the new end raise
+ * SIGBUS (the kernel's rule for a mapping; what is read from the file after open: the rows the
+ * kernel set did not pack, the norms, biases and embedding rows). Replacing the file (write a new
+ * one, then rename over it, as `edgeroute export` does) is safe: the open model keeps the old
+ * one. */
 ER_API er_status er_model_open(const char *path, const er_model_params *params, er_model **model);
 
 /* Frees the model (NULL: nothing). Sessions still open keep it: its memory goes with the last
@@ -139,6 +167,8 @@ typedef struct er_model_info {
                                reads each weight once, a longer one re-reads them per this many (from cache
                                where a row group fits it) and costs about as much more arithmetic. The
                                longest speculative verification that stays one pass is this many tokens. */
+    int32_t verified;       /* 1: the tensor data matched the file's digest at open; 0: not checked
+                               (verify ER_VERIFY_NONE, or a file without a digest: exported before it) */
 } er_model_info;
 
 ER_API er_status er_model_get_info(const er_model *model, er_model_info *info);
@@ -225,6 +255,19 @@ ER_API er_status er_session_run_layers(er_session *session, float *hidden, int32
                                        int32_t last, const uint8_t *plan, double *layer_seconds);
 ER_API er_status er_session_advance(er_session *session, int32_t n);
 ER_API er_status er_model_head(er_model *model, const float *hidden, int32_t n, float *logits);
+
+/* ---- the tensor data's digest ------------------------------------------------------------ */
+
+/* The digest export writes (edgeroute.data_digest, a uint64) of the bytes from the start of the
+ * tensor data (the header's end, rounded up to general.alignment) to the end of the file:
+ *   w[i] = the data's i-th 8 bytes, little-endian (the last word zero-padded)
+ *   mix(x) = x ^= x >> 32, x *= 0xD6E8FEB86659FD93, x ^= x >> 32, x *= 0xD6E8FEB86659FD93, x ^= x >> 32
+ *   digest = mix(bytes + sum over i of mix(w[i] + i * 0x9E3779B97F4A7C15))   (all mod 2^64)
+ * mix is a bijection, so a change within any one word always changes the digest; the sum makes it
+ * parallel (and numpy computes it alike: edgeroute/export/digest.py). It finds damage, not
+ * tampering: the manifest's sha256 of every file is the cryptographic check. `threads`: OpenMP
+ * threads (< 1: the CPU's count). */
+ER_API uint64_t er_data_digest(const void *data, size_t bytes, int32_t threads);
 
 /* ---- kernels on their own (tests and benchmarks) ----------------------------------------- */
 

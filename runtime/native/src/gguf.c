@@ -102,6 +102,10 @@ static int read_metadata(reader *r, gguf_file *f, const char *key, uint64_t len,
         if (p) memcpy(&f->rms_eps, p, 4);
         return p != NULL;
     }
+    if (key_is(key, len, "edgeroute.data_digest")) {
+        f->has_digest = type == V_U64 && take_u64(r, &f->data_digest);
+        return f->has_digest;
+    }
     if (key_is(key, len, "edgeroute.rope.inv_freq")) {
         uint32_t inner;
         uint64_t count;
@@ -115,17 +119,24 @@ static int read_metadata(reader *r, gguf_file *f, const char *key, uint64_t len,
     return skip_value(r, type, 0);
 }
 
-static uint64_t tensor_bytes(const gguf_tensor *t) {
+/* The tensor's bytes; 0 where it has none: a shape no tensor has (*status ER_ERR_FORMAT:
+ * damage: a dimension of 0 or past 2^31, more than 2^40 values, rows cut inside a block), or
+ * a type the kernels do not read (ER_ERR_UNSUPPORTED: a GGUF may hold it). */
+static uint64_t tensor_bytes(const gguf_tensor *t, er_status *status) {
+    *status = ER_ERR_FORMAT;
     uint64_t values = 1;
     for (uint32_t d = 0; d < t->n_dims; d++) {
-        if (t->dims[d] == 0 || t->dims[d] > (1ull << 32) || values > (1ull << 40) / t->dims[d]) return 0;
+        if (t->dims[d] == 0 || t->dims[d] >= (1ull << 31) || values > (1ull << 40) / t->dims[d]) return 0;
         values *= t->dims[d];
     }
     if (t->type == 0) return values * 4; /* F32 */
+    const er_matrix probe = {NULL, NULL, (int32_t)(t->type & 0x7fffffff), 1, 256, 0};
+    *status = ER_ERR_UNSUPPORTED;
+    if (t->type > 255 || row_bytes(&probe) == 0) return 0;
+    *status = ER_ERR_FORMAT;
+    if (t->dims[0] % (uint64_t)block_values((int)t->type)) return 0;
     const er_matrix m = {NULL, NULL, (int32_t)t->type, 1, (int32_t)t->dims[0], 0};
-    if (t->type > 255 || t->dims[0] % (uint64_t)block_values((int)t->type)) return 0;
-    const size_t rb = row_bytes(&m);
-    return rb ? values / t->dims[0] * rb : 0;
+    return values / t->dims[0] * row_bytes(&m);
 }
 
 er_status gguf_parse(const uint8_t *file, size_t bytes, gguf_file *out) {
@@ -170,6 +181,7 @@ er_status gguf_parse(const uint8_t *file, size_t bytes, gguf_file *out) {
         return er_fail(ER_ERR_MEMORY, "no memory for the tensor table");
     }
     er_status status = ER_OK;
+    const gguf_tensor *unsupported = NULL; /* the first tensor of a type the kernels do not read */
     for (uint64_t i = 0; i < out->tensor_count && status == ER_OK; i++) {
         gguf_tensor *t = &out->tensors[i];
         if (!take_string(&r, &t->name, &t->name_len) || !take_u32(&r, &t->n_dims) || t->n_dims < 1 ||
@@ -181,12 +193,21 @@ er_status gguf_parse(const uint8_t *file, size_t bytes, gguf_file *out) {
             if (!take_u64(&r, &t->dims[d])) status = er_fail(ER_ERR_FORMAT, "tensor entry %llu is truncated", (unsigned long long)i);
         if (status == ER_OK && (!take_u32(&r, &t->type) || !take_u64(&r, &offsets[i])))
             status = er_fail(ER_ERR_FORMAT, "tensor entry %llu is truncated", (unsigned long long)i);
-        if (status == ER_OK && (t->bytes = tensor_bytes(t)) == 0)
-            status = er_fail(ER_ERR_UNSUPPORTED, "tensor %.*s: type %u of shape %llu x %llu is not a format the kernels read",
-                             (int)(t->name_len < 64 ? t->name_len : 64), t->name, t->type,
-                             (unsigned long long)t->dims[0], (unsigned long long)(t->n_dims > 1 ? t->dims[1] : 1));
+        er_status why = ER_OK;
+        if (status == ER_OK && (t->bytes = tensor_bytes(t, &why)) == 0) {
+            if (why == ER_ERR_UNSUPPORTED) { /* said once the rest of the table is known sound: else it is damage */
+                if (!unsupported) unsupported = t;
+            } else {
+                status = er_fail(ER_ERR_FORMAT, "tensor %.*s: type %u cannot have the shape %llu x %llu: damaged",
+                                 (int)(t->name_len < 64 ? t->name_len : 64), t->name, t->type,
+                                 (unsigned long long)t->dims[0], (unsigned long long)(t->n_dims > 1 ? t->dims[1] : 1));
+            }
+        }
     }
     const uint64_t data_start = status == ER_OK ? (r.at + alignment - 1) / alignment * alignment : 0;
+    if (status == ER_OK && data_start > bytes)
+        status = er_fail(ER_ERR_FORMAT, "the tensor data would start at %llu, past the file's %zu bytes: truncated or "
+                         "damaged", (unsigned long long)data_start, bytes);
     for (uint64_t i = 0; i < out->tensor_count && status == ER_OK; i++) {
         gguf_tensor *t = &out->tensors[i];
         if (offsets[i] % alignment || data_start > bytes || offsets[i] > bytes - data_start ||
@@ -196,7 +217,13 @@ er_status gguf_parse(const uint8_t *file, size_t bytes, gguf_file *out) {
                              (unsigned long long)offsets[i], (unsigned long long)t->bytes, bytes);
         else t->data = file + data_start + offsets[i];
     }
+    if (status == ER_OK && unsupported)
+        status = er_fail(ER_ERR_UNSUPPORTED, "tensor %.*s: type %u (shape %llu x %llu) is not a format the kernels read",
+                         (int)(unsupported->name_len < 64 ? unsupported->name_len : 64), unsupported->name,
+                         unsupported->type, (unsigned long long)unsupported->dims[0],
+                         (unsigned long long)(unsupported->n_dims > 1 ? unsupported->dims[1] : 1));
     free(offsets);
+    out->data_start = data_start;
     if (status != ER_OK) gguf_free(out);
     out->file = file;
     out->file_bytes = bytes;

@@ -30,6 +30,9 @@ typedef struct {
     float rms_eps;
     const uint8_t *inv_freq; /* edgeroute.rope.inv_freq: head_dim / 2 float64, little-endian */
     uint64_t inv_freq_count;
+    uint64_t data_start;     /* where the tensor data begins: the header's end, aligned */
+    uint64_t data_digest;    /* edgeroute.data_digest (er_data_digest of [data_start, file end)) */
+    int has_digest;          /* whether the file carries one (files exported before it do not) */
 } gguf_file;
 
 /* Parses the header of a mapped file; on failure records why (er_fail) and frees what it made. */

@@ -112,8 +112,9 @@ size_t er_pack_bytes(const er_matrix *m);
 /* memory a step streams through (packed weights, KV caches), on huge pages where it is large
  * (free()); NULL when there is none */
 void *er_alloc_streamed(size_t bytes);
-/* interleave the first rows / 16 * 16 rows of m into `out` (er_pack_bytes); returns the rows packed */
-int er_pack(const er_matrix *m, uint8_t *out);
+/* interleave the first rows / 16 * 16 rows of m into `out` (er_pack_bytes) on `threads` OpenMP threads (the
+ * model's: a model opened on one thread packs on one); returns the rows packed */
+int er_pack(const er_matrix *m, uint8_t *out, int threads);
 
 /* ---- the decoder (layer.c) ---------------------------------------------------------------- */
 

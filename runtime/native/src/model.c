@@ -39,6 +39,7 @@ struct er_model {
     /* the caller's handle plus one per session: the memory goes with the last of them, so a
      * session freed after its model (a garbage collector's order) still finds it */
     int holders;
+    int verified; /* the tensor data matched the file's digest at open */
 };
 
 struct er_session {
@@ -50,7 +51,7 @@ struct er_session {
 };
 
 er_model_params er_model_default_params(void) {
-    return (er_model_params){sizeof(er_model_params), ER_KERNELS_AUTO, 0, 256};
+    return (er_model_params){sizeof(er_model_params), ER_KERNELS_AUTO, 0, 256, ER_VERIFY_DIGEST};
 }
 
 er_session_params er_session_default_params(void) {
@@ -157,7 +158,7 @@ static er_status pack_matrices(er_model *m) {
         if (!bytes) continue;
         if (!(m->packed[i] = er_alloc_streamed(bytes)))
             return er_fail(ER_ERR_MEMORY, "no memory for a packed matrix of %zu bytes", bytes);
-        x->packed_rows = er_pack(x, m->packed[i]);
+        x->packed_rows = er_pack(x, m->packed[i], m->dims.threads);
         x->packed = m->packed[i];
         const size_t start = (size_t)(x->data - m->map), end = start + (size_t)x->packed_rows * row_bytes(x);
         const size_t first = (start + page - 1) / page * page, last = end / page * page;
@@ -201,6 +202,27 @@ static er_status check_dims(const gguf_file *f) {
     return ER_OK;
 }
 
+/* The tensor data against the file's digest (before anything is packed from it). The pages are
+ * read once here; the packing that follows reads them again from the page cache. */
+static er_status verify_data(er_model *m, const char *path, int verify, int threads) {
+    const gguf_file *f = &m->file;
+    if (verify == ER_VERIFY_NONE) return ER_OK;
+    if (!f->has_digest) {
+        if (verify == ER_VERIFY_DIGEST) return ER_OK;
+        return er_fail(ER_ERR_FORMAT, "%s carries no edgeroute.data_digest (exported before edgeroute wrote one): "
+                       "re-export the bundle, or open it with verify ER_VERIFY_DIGEST or ER_VERIFY_NONE", path);
+    }
+    madvise(m->map + f->data_start / 4096 * 4096, m->map_bytes - f->data_start / 4096 * 4096, MADV_SEQUENTIAL);
+    const uint64_t got = er_data_digest(m->map + f->data_start, m->map_bytes - f->data_start, threads);
+    madvise(m->map, m->map_bytes, MADV_NORMAL);
+    if (got != f->data_digest)
+        return er_fail(ER_ERR_FORMAT, "%s: the tensor data's digest is %016llx, the file says %016llx: the weights "
+                       "are damaged (changed after export): export the bundle again", path, (unsigned long long)got,
+                       (unsigned long long)f->data_digest);
+    m->verified = 1;
+    return ER_OK;
+}
+
 er_status er_model_open(const char *path, const er_model_params *params, er_model **model) {
     if (!path || !model) return er_fail(ER_ERR_ARGUMENT, "er_model_open: path and model are required");
     *model = NULL;
@@ -216,6 +238,8 @@ er_status er_model_open(const char *path, const er_model_params *params, er_mode
                        "of them", p.threads, online, online);
     if (p.max_pass < 1 || p.max_pass > 65536)
         return er_fail(ER_ERR_ARGUMENT, "max_pass %d is outside 1..65536", p.max_pass);
+    if (p.verify < ER_VERIFY_NONE || p.verify > ER_VERIFY_REQUIRED)
+        return er_fail(ER_ERR_ARGUMENT, "verify %d is not an er_verify value (0 none, 1 digest, 2 required)", p.verify);
     const er_kernel_table *K = er_kernel_table_for(p.kernels);
     if (!K)
         return er_fail(ER_ERR_UNSUPPORTED, "kernels %s do not run on this CPU (or this library lacks them)",
@@ -254,6 +278,7 @@ er_status er_model_open(const char *path, const er_model_params *params, er_mode
     pthread_mutex_init(&m->lock, NULL);
     s = gguf_parse(m->map, m->map_bytes, &m->file);
     if (s == ER_OK) s = check_dims(&m->file);
+    if (s == ER_OK) s = verify_data(m, path, p.verify, p.threads ? p.threads : omp_get_num_procs());
     if (s == ER_OK) {
         const gguf_file *f = &m->file;
         m->layers = (int32_t)f->layers;
@@ -317,7 +342,8 @@ er_status er_model_get_info(const er_model *m, er_model_info *info) {
     er_status s = check_size(info->struct_size, sizeof(er_model_info), "er_model_info");
     if (s != ER_OK) return s;
     *info = (er_model_info){sizeof(er_model_info), m->layers, m->dims.hidden, m->dims.heads, m->dims.kv_heads,
-                            m->dims.head_dim, m->dims.ffn, m->vocab, m->context_length, m->K->id, m->dims.threads, m->K->pass_rows};
+                            m->dims.head_dim, m->dims.ffn, m->vocab, m->context_length, m->K->id, m->dims.threads, m->K->pass_rows,
+                            m->verified};
     return ER_OK;
 }
 

@@ -1,4 +1,5 @@
 /* Matrices interleaved by 16 rows at load, the layout the x86 kernels read (formats.h). */
+#include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 
@@ -47,12 +48,13 @@ static void pack_block32(int type, const uint8_t *w, int r, uint8_t *o) {
     if (type == T_Q4_1) memcpy(o + d_at + 32 + 2 * r, w + 2, 2);
 }
 
-/* interleave the first rows / 16 * 16 rows of m into `out` (er_pack_bytes); returns the rows packed */
-int er_pack(const er_matrix *m, uint8_t *out) {
+/* interleave the first rows / 16 * 16 rows of m into `out` (er_pack_bytes) on `threads` OpenMP threads (the
+ * model's: a model opened on one thread packs on one); returns the rows packed */
+int er_pack(const er_matrix *m, uint8_t *out, int threads) {
     if (!packable(m)) return 0;
     const int groups = m->rows / PACK_ROWS, nsb = m->cols / block_values(m->type), type = m->type;
     const size_t rb = row_bytes(m), bytes = pack_block_bytes(type), block_bytes = rb / nsb;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(threads)
     for (int g = 0; g < groups; g++)
         for (int sb = 0; sb < nsb; sb++) {
             uint8_t *o = out + ((size_t)g * nsb + sb) * bytes;

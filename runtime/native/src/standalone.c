@@ -30,7 +30,7 @@ er_status er_matmul(int kernels, int format, const void *blocks, size_t bytes, i
     const size_t pack = K->packs ? er_pack_bytes(&m) : 0;
     void *scratch = malloc(er_matmul_scratch_bytes(M, cols));
     if (pack && (packed = er_alloc_streamed(pack))) {
-        m.packed_rows = er_pack(&m, packed);
+        m.packed_rows = er_pack(&m, packed, threads);
         m.packed = packed;
     }
     if (!scratch || (pack && !packed)) status = er_fail(ER_ERR_MEMORY, "er_matmul: out of memory");
