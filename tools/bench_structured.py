@@ -56,6 +56,8 @@ EDGEROUTE_CONFIGS = {
     "speculate-slm+schema": dict(mode="speculate", light="slm", constrained=True),
     "route-ngram+schema": dict(mode="route", light="ngram", constrained=True),
     "route-slm+schema": dict(mode="route", light="slm", constrained=True),
+    "route-slm-verified+schema": dict(mode="route", light="slm", route_check="verified", constrained=True),
+    "auto+schema": dict(mode="auto", task="json", constrained=True),  # the json task profile's calibrated choice
 }
 LLAMA_CONFIGS = {"llama.cpp": False, "llama.cpp+gbnf": True}
 
@@ -80,14 +82,17 @@ def _decode_span(seconds: list[float], needed_model: list[bool]) -> tuple[int, f
 
 
 class EdgerouteRunner:
-    def __init__(self, engine, budget: int, draft_tokens: int, max_draft_tokens: int) -> None:
-        self.engine, self.budget = engine, budget
+    def __init__(self, engine, budget: int, draft_tokens: int, max_draft_tokens: int, layout: str = "model") -> None:
+        self.engine, self.budget, self.layout = engine, budget, layout
         self.draft = dict(draft_tokens=draft_tokens, max_draft_tokens=max_draft_tokens)
 
     def answer(self, prompt: dict, config: dict, budget: int | None = None) -> Answer:
         options = {k: v for k, v in config.items() if k != "constrained"}
         if config.get("constrained"):
-            options["response_format"] = {"type": "json_schema", "json_schema": {"schema": prompt["schema"]}}
+            options["response_format"] = {"type": "json_schema", "json_schema": {"schema": prompt["schema"]},
+                                          "layout": self.layout}
+            if options["mode"] in ("route", "auto"):
+                options["protect_format"] = True  # as the json task profile routes: structure never from the SLM
         session = self.engine.session(max_new_tokens=budget or self.budget, **options, **self.draft)
         start = time.perf_counter()
         text = "".join(session.stream(prompt["messages"]))
@@ -264,6 +269,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--workload", type=Path, default=REPO / "tools" / "workloads" / "intents.json")
     parser.add_argument("--limit", type=int, default=None, help="first N prompts only")
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--layout", choices=("model", "compact"), default="model",
+                        help="JSON layout of the constrained runs (model: the json task profile's)")
     parser.add_argument("--draft-tokens", type=int, default=6)
     parser.add_argument("--max-draft-tokens", type=int, default=24)
     parser.add_argument("--configs", default=",".join([*EDGEROUTE_CONFIGS, *LLAMA_CONFIGS]))
@@ -302,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = Engine(args.bundle, verify=False)
     if engine.bundle.slm is None:
         configs = [c for c in configs if "slm" not in c]
-    runner = EdgerouteRunner(engine, args.max_new_tokens, args.draft_tokens, args.max_draft_tokens)
+    runner = EdgerouteRunner(engine, args.max_new_tokens, args.draft_tokens, args.max_draft_tokens, args.layout)
     llama = None
     if args.gguf is not None and any(c in LLAMA_CONFIGS for c in configs):
         llama = LlamaRunner(args.gguf, args.threads, int(engine.bundle.generation["context_length"]),
@@ -333,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     title = f"json workload, {len(prompts)} prompts, {args.bundle.name}, {args.threads} threads (shared machine)"
     print_table(summary, title, console)
     result = {"bundle": str(args.bundle), "gguf": str(args.gguf) if args.gguf else None, "prompts": len(prompts),
+              "layout": args.layout,
               "max_new_tokens": args.max_new_tokens, "threads": args.threads, "machine": platform.platform(),
               "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "summary": summary, "grammar": costs,
               "records": records}

@@ -300,7 +300,9 @@ def calibrate_router(data: LightData, light: str, prompt_ids: list[str], options
         figures["validation_answers_keeping_divergence"] = float((answers > 0).mean())
         figures["validation_tf_agreement"] = float(1.0 - (kept & data.harmful[held]).mean())
         figures["validation_token_agreement"] = float(1.0 - (kept & data.differ[held]).mean())
-        figures["validation_llm_share"] = float(1.0 - kept.mean())
+        # verified routing runs the LLM over every token: what it saves is the differences it keeps
+        figures["validation_llm_share"] = None if light == VERIFIED else float(1.0 - kept.mean())
+        figures["validation_kept_differences"] = float(kept.sum() / max(int(data.differ[held].sum()), 1))
         figures["per_task_validation_tf_agreement"] = {
             TASKS[t]: float(1.0 - (kept & data.harmful[held])[data.task[held] == t].mean())
             for t in np.unique(data.task[held])}
