@@ -46,24 +46,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     er_model *model = NULL;
     const er_status status = er_model_open(path, &mp, &model);
     if (status == ER_OK) {
-        er_session_params sp = er_session_default_params();
-        sp.capacity = 8;
-        er_session *s;
-        if (er_session_create(model, &sp, &s) == ER_OK) {
-            er_model_info info = {sizeof info};
-            er_model_get_info(model, &info);
-            float *logits = malloc(sizeof(float) * 3 * (size_t)info.vocab);
-            er_forward_params fp = er_forward_default_params();
-            fp.logits_rows = 3;
-            fp.logits = logits;
-            const int32_t ids[3] = {0, info.vocab - 1, info.vocab / 2};
-            er_session_forward(s, ids, 3, &fp);
-            er_session_truncate(s, 1);
-            fp.logits_rows = 1;
-            er_session_forward(s, ids + 1, 1, &fp);
-            free(logits);
-            er_session_free(s);
-        }
+        run_model(model);
         er_model_free(model);
         return 0;
     }

@@ -373,4 +373,25 @@ static void gen_case(gen_source *s, int mutations, gen_buffer *out, int *kinds) 
     free(f.data);
 }
 
+/* What both fuzzers do with a file that opened: a session, a 3-row pass, a truncation, a 1-row pass. */
+static void run_model(er_model *model) {
+    er_session_params sp = er_session_default_params();
+    sp.capacity = 8;
+    er_session *s;
+    if (er_session_create(model, &sp, &s) != ER_OK) return;
+    er_model_info info = {sizeof info};
+    er_model_get_info(model, &info);
+    float *logits = malloc(sizeof(float) * 3 * (size_t)info.vocab);
+    er_forward_params fp = er_forward_default_params();
+    fp.logits_rows = 3;
+    fp.logits = logits;
+    const int32_t ids[3] = {0, info.vocab - 1, info.vocab / 2};
+    er_session_forward(s, ids, 3, &fp);
+    er_session_truncate(s, 1);
+    fp.logits_rows = 1;
+    er_session_forward(s, ids + 1, 1, &fp);
+    free(logits);
+    er_session_free(s);
+}
+
 #endif
