@@ -253,10 +253,12 @@ class NativeTensor:
     def check(self, name: str, file_bytes: int) -> None:
         if self.format not in NATIVE_FORMATS:
             raise ValueError(f"native tensor {name} has format {self.format!r}, not one of {', '.join(NATIVE_FORMATS)}")
+        if len(self.shape) not in (1, 2) or min(self.shape) <= 0:
+            raise ValueError(f"native tensor {name} has shape {list(self.shape)}: a vector or a matrix of positive sizes")
         values, block_bytes = NATIVE_FORMATS[self.format]
         cols = self.shape[-1]
         rows = self.shape[0] if len(self.shape) == 2 else 1
-        if len(self.shape) not in (1, 2) or cols % values or self.bytes != rows * cols // values * block_bytes:
+        if cols % values or self.bytes != rows * cols // values * block_bytes:
             raise ValueError(f"native tensor {name}: {self.bytes} bytes do not hold a {self.format} {self.shape}")
         if self.offset % NATIVE_ALIGNMENT or self.offset < 0 or self.offset + self.bytes > file_bytes:
             raise ValueError(f"native tensor {name} lies outside its file or is misaligned (offset {self.offset})")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,9 @@ from edgeroute.arch import ArchConfig  # noqa: E402
 from edgeroute.bundle import MANIFEST, Bundle, NativeTensor, NativeWeights, build_manifest, model_section  # noqa: E402
 from edgeroute.errors import BundleError  # noqa: E402
 
-FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# HYPOTHESIS_EXAMPLES=5000 for a longer hunt than the suite's
+FAST = settings(max_examples=int(os.environ.get("HYPOTHESIS_EXAMPLES", 150)), deadline=None,
+                suppress_health_check=[HealthCheck.function_scoped_fixture])
 TOKENIZER = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
              "pre_tokenizer": {"type": "Whitespace"}, "post_processor": None, "decoder": None,
              "model": {"type": "WordLevel", "vocab": {"[UNK]": 0, "hello": 1, "world": 2}, "unk_token": "[UNK]"}}
@@ -142,3 +145,17 @@ def tokenizer_variants(draw) -> str:
         parent = parent[key]
     parent[path[-1]] = draw(JSON)
     return json.dumps(variant)
+
+
+@pytest.mark.parametrize("shape", [[], [0, 32], [4, 32, 1], [-32]])
+def test_a_native_tensor_of_no_or_empty_shape_is_a_bundle_error(small_bundle, shape):
+    root, base = small_bundle
+    manifest = copy.deepcopy(base)
+    tensors = manifest["models"]["llm"]["native"]["tensors"]
+    next(iter(tensors.values()))["shape"] = shape
+    (root / MANIFEST).write_text(json.dumps(manifest))
+    try:
+        with pytest.raises(BundleError, match="shape"):
+            Bundle.open(root, verify=False)
+    finally:
+        (root / MANIFEST).write_text(json.dumps(base))

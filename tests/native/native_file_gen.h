@@ -374,7 +374,7 @@ static void gen_case(gen_source *s, int mutations, gen_buffer *out, int *kinds) 
 }
 
 /* What both fuzzers do with a file that opened: a session, a 3-row pass, a truncation, a 1-row pass. */
-static void run_model(er_model *model) {
+static inline void run_model(er_model *model) {
     er_session_params sp = er_session_default_params();
     sp.capacity = 8;
     er_session *s;
