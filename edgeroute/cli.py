@@ -37,7 +37,7 @@ def _clear_errors():
     try:
         yield
     except EdgerouteError as err:
-        err_console.print(f"[bold red]error:[/] {escape(str(err))}")  # an error's [brackets] are text
+        err_console.print(f"[bold red]error:[/] {escape(str(err))}", soft_wrap=True)  # [brackets] are text; a path unbroken
         raise typer.Exit(2) from None
     finally:
         warnings.showwarning = shown
@@ -189,7 +189,7 @@ def inspect(
 def _native_here() -> str:
     """Which native kernels a bundle's native weights would run on here, or why none."""
     from edgeroute.errors import NativeBackendUnavailable
-    from edgeroute.runtime.native import native_kernels
+    from edgeroute.runtime.backends.native import native_kernels
 
     try:
         return f"the {native_kernels()} kernels"

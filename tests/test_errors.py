@@ -514,7 +514,7 @@ def test_the_native_library_refuses_a_fifo_or_a_folder_without_blocking(tmp_path
 
     from edgeroute.errors import NativeBackendUnavailable
 
-    native = pytest.importorskip("edgeroute.runtime.native")
+    native = pytest.importorskip("edgeroute.runtime.backends.native")
     try:
         lib = native.native_library()
     except NativeBackendUnavailable as err:

@@ -145,7 +145,7 @@ def test_profiles_load_from_an_installed_wheel(installed_wheel, tmp_path):
 
     script = textwrap.dedent("""
         import json, edgeroute
-        from edgeroute.runtime.native import library_path, native_header
+        from edgeroute.runtime.backends.native import library_path, native_header
         from edgeroute.runtime.profiles import known_profiles, load_profile
         profile = load_profile("jetson-orin-nano-8gb,templated")
         print(json.dumps({"package": edgeroute.__file__, "files": sorted(str(f) for f in known_profiles().values()),

@@ -94,7 +94,7 @@ def demo(smollm2_bundles) -> Bundle:
     return Bundle.open(smollm2_bundles["int4"][0])
 
 
-_LIBGOMP_MAPPED = ("import re, edgeroute.runtime.native as n; n.native_library(); "
+_LIBGOMP_MAPPED = ("import re, edgeroute.runtime.backends.native as n; n.native_library(); "
                    "print('libgomp from', *sorted({m for m in re.findall(r'\\S*libgomp\\S*', open('/proc/self/maps').read())}))")
 
 

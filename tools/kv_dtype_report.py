@@ -61,7 +61,7 @@ def teacher_forced_figures(bundle: Bundle, role: str, tokens: int, window: int, 
                                                                                       kv_dtype=kv_dtype))[0]
               for kv_dtype in ("float32", *NARROW[backend])}
     if floor_kernels:
-        from edgeroute.runtime.native import NativeModel
+        from edgeroute.runtime.backends.native import NativeModel
 
         models[f"float32@{floor_kernels}"] = lambda: NativeModel(bundle, role, kv_dtype="float32", kernels=floor_kernels)
     runs = {}

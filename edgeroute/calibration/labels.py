@@ -46,10 +46,10 @@ from edgeroute.bundle import CALIBRATION_DIR, Bundle
 from edgeroute.calibration.checks import task_response_format
 from edgeroute.calibration.prompts import TASKS, CalibrationPrompt
 from edgeroute.runtime.attention import KVCache
+from edgeroute.runtime.backends.onnxruntime import OrtModel
 from edgeroute.runtime.constraints import Constraint, apply_mask
 from edgeroute.runtime.drafters import NgramDrafter
 from edgeroute.runtime.engine import Engine
-from edgeroute.runtime.model import OrtModel
 from edgeroute.runtime.routers import VERIFY_WIDTH, slm_features, verify_features
 from edgeroute.runtime.sampling import softmax
 

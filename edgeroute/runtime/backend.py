@@ -3,11 +3,11 @@
 ``decoding.py`` and the drafters need only what :class:`ModelBackend` declares: forward T
 tokens over a sequence's cache with a per-layer plan, caches that can be created,
 truncated (rejected drafts) and copied (shared prompt prefixes), and the LM head.
-:class:`edgeroute.runtime.model.OrtModel` implements it on ONNX Runtime with the bundle's
+:class:`edgeroute.runtime.backends.onnxruntime.OrtModel` implements it on ONNX Runtime with the bundle's
 attention flavours (portable standard ops, or the ort flavour's in-place
-GroupQueryAttention), :class:`edgeroute.runtime.native.NativeModel` on edgeroute's own CPU
+GroupQueryAttention), :class:`edgeroute.runtime.backends.native.NativeModel` on edgeroute's own CPU
 kernels over the bundle's GGUF blocks (``open_model`` chooses); ``onnxruntime-cuda`` is
-OrtModel on ONNX Runtime's GPU providers; :class:`edgeroute.runtime.trt.TrtModel` runs the
+OrtModel on ONNX Runtime's GPU providers; :class:`edgeroute.runtime.backends.tensorrt.TrtModel` runs the
 engines of ``edgeroute build-engines`` with a KV cache on the GPU behind the same
 :class:`Cache` methods (not yet verified on hardware: docs/guide/gpu.md).
 """
@@ -25,7 +25,7 @@ from edgeroute.arch import ArchConfig
 from edgeroute.bundle import Bundle, ModelEntry
 from edgeroute.errors import InputError, NativeBackendUnavailable
 from edgeroute.kv_formats import GRAPH_KV_DTYPES, KV_DTYPE_CHOICES, auto_kv_dtype, check_kv_dtype
-from edgeroute.runtime.model import LayerPlan, no_graphs
+from edgeroute.runtime.layers import LayerPlan, no_graphs
 from edgeroute.runtime.vocab import HeadVocabulary
 
 if TYPE_CHECKING:
@@ -127,7 +127,7 @@ def resolve_kv_dtype(kv_dtype: str, backend: str, entry: ModelEntry, kernels: st
     if backend == "tensorrt":
         return entry.target.kv_dtypes[0]
     if backend == "native":
-        from edgeroute.runtime.native import native_kernels
+        from edgeroute.runtime.backends.native import native_kernels
 
         return auto_kv_dtype(backend, native_kernels(kernels), entry.arch.head_dim)
     cache = auto_kv_dtype(backend, None, entry.arch.head_dim)
@@ -143,7 +143,7 @@ def backend_for(entry: ModelEntry, options: EngineOptions) -> tuple[str, str | N
     generic ones: an x86 set (AVX2, AVX-512 VNNI) or an Arm set (NEON, dotprod, i8mm, held to
     the generic kernels under qemu in the C tests); the generic kernels only when named.
     Otherwise ONNX Runtime."""
-    from edgeroute.runtime.native import native_kernels
+    from edgeroute.runtime.backends.native import native_kernels
 
     backend = options.backend
     if backend not in BACKENDS:
@@ -178,7 +178,7 @@ def backend_for(entry: ModelEntry, options: EngineOptions) -> tuple[str, str | N
 def open_tensorrt(bundle: Bundle, role: str, options: EngineOptions, kv_dtype: str) -> ModelBackend:
     """The model on its TensorRT engines; settings of the other backends are refused, naming them
     (ONNX Runtime's providers, which device profiles set, do not apply and are left alone)."""
-    from edgeroute.runtime.trt import TrtModel
+    from edgeroute.runtime.backends.tensorrt import TrtModel
 
     others = {"attention": None if options.attention == "auto" else options.attention,
               "activations": None if options.activations == "int8" else options.activations,
@@ -194,8 +194,8 @@ def open_model(bundle: Bundle, role: str, options: EngineOptions,
     """The model of ``role`` on the backend :func:`backend_for` picks, and why ``auto`` did
     not take the native backend (None where it did, or where a backend was named).
     ``exact_steps``: None takes ``options.exact_steps`` (the engine asks it for the LLM only)."""
-    from edgeroute.runtime.model import OrtModel
-    from edgeroute.runtime.native import NativeModel
+    from edgeroute.runtime.backends.native import NativeModel
+    from edgeroute.runtime.backends.onnxruntime import OrtModel
 
     check_kv_dtype(options.kv_dtype, KV_DTYPE_CHOICES)  # a wrong name fails before anything is chosen or loaded
     if role not in bundle.models:

@@ -348,7 +348,7 @@ def _versions() -> dict[str, str]:
 
 
 def _native_kernels(kernels: str) -> str:
-    from edgeroute.runtime.native import native_kernels
+    from edgeroute.runtime.backends.native import native_kernels
 
     try:
         chosen = native_kernels(kernels)

@@ -37,7 +37,7 @@ from edgeroute.runtime.drafters import (
     draft_lengths,
     draft_source,
 )
-from edgeroute.runtime.model import RUN
+from edgeroute.runtime.layers import RUN
 from edgeroute.runtime.policies import (
     LAYER_LETTERS,
     ROUTERS,

@@ -12,7 +12,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from edgeroute.bundle import Bundle
-from edgeroute.runtime import native
+from edgeroute.runtime.backends import native
 from edgeroute.texts import evaluation_text
 
 bundle = Bundle.open(sys.argv[1])

@@ -44,8 +44,8 @@ from edgeroute.cpu import thread_count
 from edgeroute.errors import BundleError, InputError, NativeBackendUnavailable
 from edgeroute.kv_formats import check_int8_head_dim, check_kv_dtype
 from edgeroute.runtime.evaluate import tokenize_text
+from edgeroute.runtime.layers import DROP, RUN, SKIP, SKIP_MLP, LayerPlan, LayerwiseModel, plan_action
 from edgeroute.runtime.memory import PREFILL_CHUNK
-from edgeroute.runtime.model import DROP, RUN, SKIP, SKIP_MLP, LayerPlan, LayerwiseModel, plan_action
 from edgeroute.texts import calibration_text
 
 LIBRARY_NAME = "libedgeroute.so"
@@ -66,7 +66,7 @@ def native_header() -> Path:
     packaged = resources.files("edgeroute") / "native" / "include" / "edgeroute.h"
     if packaged.is_file():
         return Path(str(packaged))
-    return Path(__file__).resolve().parents[2] / "runtime" / "native" / "include" / "edgeroute.h"
+    return Path(__file__).resolve().parents[3] / "runtime" / "native" / "include" / "edgeroute.h"
 
 
 @functools.cache
@@ -111,7 +111,7 @@ def _sized(struct: type[ctypes.Structure], **fields) -> ctypes.Structure:
 def library_path() -> Path:
     """``EDGEROUTE_NATIVE_LIB``, else the library built into the package."""
     named = os.environ.get("EDGEROUTE_NATIVE_LIB")
-    return Path(named) if named else Path(__file__).resolve().parents[1] / LIBRARY_NAME
+    return Path(named) if named else Path(__file__).resolve().parents[2] / LIBRARY_NAME
 
 
 _library: ctypes.CDLL | NativeBackendUnavailable | None = None

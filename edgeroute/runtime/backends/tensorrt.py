@@ -1,7 +1,7 @@
 """The TensorRT backend: the engines of ``edgeroute build-engines`` run by edgeroute itself.
 
 :class:`TrtModel` implements :class:`edgeroute.runtime.backend.ModelBackend` like
-:class:`edgeroute.runtime.model.OrtModel`, over the same graphs of a bundle of the tensorrt
+:class:`edgeroute.runtime.backends.onnxruntime.OrtModel`, over the same graphs of a bundle of the tensorrt
 target, each built into an engine (``edgeroute/tensorrt/engines.py``): a pass runs ``embed``,
 then per layer ``layer_i`` (attention + MLP), ``attn_i`` (an MLP skip) or ``kv_i`` (a skipped
 layer's K/V, CALM-style), then ``head``. The ``mlp_i`` engines are not needed (as on ONNX
@@ -44,9 +44,7 @@ from edgeroute.bundle import Bundle, GraphEntry
 from edgeroute.errors import EdgerouteError, InputError
 from edgeroute.rope import rope_tables
 from edgeroute.runtime.attention import CacheBook, PortableAttention
-from edgeroute.runtime.model import RUN, SKIP, SKIP_MLP, LayerPlan, LayerwiseModel, plan_action
-from edgeroute.runtime.vocab import HeadVocabulary
-from edgeroute.tensorrt.engines import (
+from edgeroute.runtime.backends.tensorrt_engines import (
     PROFILES,
     EngineCache,
     build_command,
@@ -55,6 +53,8 @@ from edgeroute.tensorrt.engines import (
     find_engines,
     gpu_identity,
 )
+from edgeroute.runtime.layers import RUN, SKIP, SKIP_MLP, LayerPlan, LayerwiseModel, plan_action
+from edgeroute.runtime.vocab import HeadVocabulary
 
 # TensorRT asks for 256-byte aligned scratch memory (set_device_memory); I/O addresses are kept
 # to the same rule: every buffer is a cudaMalloc (aligned more), each layer's cache region starts
