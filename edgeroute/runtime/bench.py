@@ -35,9 +35,10 @@ from typing import Any
 
 import numpy as np
 
+from edgeroute import llamacpp
 from edgeroute.bundle import Bundle
 from edgeroute.cpu import describe_cpu, thread_count
-from edgeroute.errors import EdgerouteError, InputError, NativeBackendUnavailable
+from edgeroute.errors import InputError, NativeBackendUnavailable
 from edgeroute.runtime.backend import open_model
 from edgeroute.runtime.evaluate import tokenize_text
 from edgeroute.runtime.options import EngineOptions
@@ -49,7 +50,7 @@ BACKENDS = ("native", "onnxruntime", "llama.cpp")
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
-class Unavailable(EdgerouteError):
+class Unavailable(llamacpp.Unavailable):
     """A backend that cannot run a model here; the bench skips it and says why."""
 
 
@@ -98,11 +99,8 @@ class LlamaCppCase:
     argmax of its logits."""
 
     def __init__(self, gguf: Path, threads: int, n_ctx: int) -> None:
-        from llama_cpp import Llama
-
         self.gguf = gguf
-        self.llm = Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx,
-                         verbose=False, logits_all=False)
+        self.llm = llamacpp.open_llama(gguf, threads, n_ctx, logits_all=False)
 
     def describe(self) -> str:
         import llama_cpp
@@ -135,15 +133,12 @@ DecodeCase = EdgerouteCase | LlamaCppCase  # prefill, one greedy step, truncate;
 
 
 def source_gguf(bundle: Bundle, role: str) -> Path:
-    """The GGUF the model was exported from, where export recorded it and it is on this machine."""
-    source = bundle.models[role].source
-    if source.get("format") != "gguf":
-        raise Unavailable(f"the {role} model was exported from a {source.get('format')} source, not a GGUF")
-    path = Path(source.get("path", ""))
-    if not source.get("path") or not path.is_file():
-        raise Unavailable(f"the {role} model's source GGUF {source.get('path')} (recorded at export) is not on "
-                          "this machine")
-    return path
+    """The GGUF the model was exported from, where export recorded it and it is on this machine
+    (:func:`edgeroute.llamacpp.source_gguf`)."""
+    try:
+        return llamacpp.source_gguf(bundle, role)
+    except llamacpp.Unavailable as err:
+        raise Unavailable(str(err)) from None
 
 
 # -- the results ----------------------------------------------------------------------------------
