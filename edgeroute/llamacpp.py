@@ -33,7 +33,7 @@ def source_gguf(bundle: Bundle | str | Path, role: str = "llm", given: str | Pat
     recorded, where it is on this machine. With ``given``: that file, once its sha256 is the one
     export recorded for the source; anything else (another model, another quantization, a
     bundle that recorded no digest) raises :class:`NotTheSource` instead of timing another model."""
-    opened = bundle if isinstance(bundle, Bundle) else Bundle.open(bundle, verify=False)
+    opened = Bundle.open(bundle, verify=False) if isinstance(bundle, (str, Path)) else bundle
     if role not in opened.models:
         raise Unavailable(f"bundle {opened.path} has no {role!r} model")
     source = opened.models[role].source

@@ -675,8 +675,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="llama.cpp's model: the LLM's source GGUF (default: the path the bundle recorded at "
                              "export; a file given here must be that source, checked by sha256)")
     parser.add_argument("--slm-gguf", type=Path, default=None,
-                        help="the SLM's source GGUF (checked like --gguf): adds llama.cpp on it alone and as "
-                             "llama.cpp's draft model")
+                        help="the SLM's source GGUF (checked like --gguf; 'source': the path the bundle recorded): "
+                             "adds llama.cpp on it alone and as llama.cpp's draft model")
     parser.add_argument("--draft-tokens", type=int, default=4, help="llama.cpp draft model: tokens per draft")
     parser.add_argument("--slm-bundle", type=Path, default=None,
                         help="a second bundle whose SLM (e.g. a reduced-vocabulary head) runs the SLM modes again")
@@ -825,9 +825,9 @@ def main(argv: list[str] | None = None) -> int:
     workloads = load_workloads(args.workload_dir, names, args.prompts)
     configs = select_configs(args)
     if any(c.runtime == "llama" for c in configs):  # the bundle's own sources, or refuse (never another model)
-        args.gguf = checked_gguf(args.bundle, "llm", args.gguf)
+        args.gguf = checked_gguf(args.bundle, "llm", None if str(args.gguf) in ("None", "source") else args.gguf)
         if args.slm_gguf is not None:
-            args.slm_gguf = checked_gguf(args.bundle, "slm", args.slm_gguf)
+            args.slm_gguf = checked_gguf(args.bundle, "slm", None if str(args.slm_gguf) == "source" else args.slm_gguf)
     info = machine_info()
     console.print(f"edgeroute bench_run: {len(configs)} configurations x {sum(map(len, workloads.values()))} prompts, "
                   f"<= {args.max_new_tokens} new tokens, {info['cpu_count']} CPUs, load average "
