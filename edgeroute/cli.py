@@ -531,19 +531,22 @@ def _print_bench(report) -> None:
     for (bundle, role), records in models.items():
         table = Table(title=f"{bundle}: {role}", title_justify="left", box=None, padding=(0, 1))
         for column in ("backend", "ctx", "tok/s", "TTFT s", "prefill t/s", "MB/tok", "GB/s", *(["BW"] if share else []),
-                       *(["floor GB/s", "of floor"] if floor else [])):
+                       *(["floor"] if floor else [])):
             table.add_column(column, justify="left" if column == "backend" else "right", no_wrap=True)
         for r in records:
             known = r.step_bytes is not None
             table.add_row(r.backend, str(r.context), f"{r.decode_tok_s:.1f}", f"{r.ttft_s:.3f}", f"{r.prefill_tok_s:.0f}",
                           f"{r.step_bytes / 1e6:.0f}" if known else "-", f"{r.gb_s:.1f}" if known else "-",
                           *([f"{r.bandwidth_share:.0%}" if known else "-"] if share else []),
-                          *([f"{r.floor_gb_s:.1f}" if r.floor_gb_s else "-",
-                             f"{r.floor_share:.0%}" if r.floor_share is not None else "-"] if floor else []))
+                          *([f"{r.floor_share:.0%}" if r.floor_share is not None else "-"] if floor else []))
         console.print()
         console.print(table)
         for backend, runs_on in {r.backend: r.runs_on for r in records}.items():
             console.print(Text(f"  {backend}: {runs_on}", style="dim"))
+        floors = {r.context: r.floor_gb_s for r in records if r.floor_gb_s}
+        if floors:
+            console.print(Text("  floor read: " + ", ".join(f"{gb_s:.1f} GB/s at ctx {context}" for context, gb_s in
+                                                          floors.items()) + " (median of its rounds)", style="dim"))
     skipped: dict[tuple[str, str], list[str]] = {}
     for skip in report.skipped:
         skipped.setdefault((skip.backend, skip.reason), []).append(f"{skip.bundle} {skip.role}")
