@@ -141,3 +141,16 @@ def test_the_bench_tools_stop_instead_of_timing_another_model(tmp_path):
     other.write_bytes(b"another model")
     with pytest.raises(SystemExit, match="refusing to time llama.cpp"):
         checked_gguf(bundle, "llm", other)
+
+
+def test_running_a_record_fills_the_machine_commit_and_samples(tmp_path):
+    path = tmp_path / "listing.json"
+    pending = {key: None for key in records.REQUIRED}
+    path.write_text(json.dumps({**pending, "figure": "the records listed", "docs": [], "status": "pending",
+                                "command": ["PYTHONHASHSEED=0 python -m tools.records list"], "make": "records"}))
+    record = records.run_record(path)  # times nothing: the listing's stdout is the sample
+    assert records.check_record(path) == []
+    assert record["status"] == "measured" and record["commit"] and record["machine"]["cpu"]
+    assert "pair-workloads" in next(iter(record["samples"].values()))["stdout_tail"]
+    assert records.split_env("A=1 B=x python -m tools.x --out {out}", "o.json") == (
+        {"A": "1", "B": "x"}, ["python", "-m", "tools.x", "--out", "o.json"])

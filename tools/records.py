@@ -257,11 +257,18 @@ def _dry_cli(argv: list[str]):
         raise CommandError(f"edgeroute {' '.join(argv)} exits (code {err.exit_code}) instead of parsing") from None
 
 
-def split(command: str, out: str = "record-out.json") -> list[str]:
+def split_env(command: str, out: str = "record-out.json") -> tuple[dict[str, str], list[str]]:
+    """(the VAR=value assignments before the command, its argv), ``{out}`` replaced by ``out``."""
     argv = shlex.split(command.replace("{out}", out))
-    while argv and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", argv[0]):  # VAR=value before the command
-        argv.pop(0)
-    return argv
+    env = {}
+    while argv and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", argv[0]):
+        name, value = argv.pop(0).split("=", 1)
+        env[name] = value
+    return env, argv
+
+
+def split(command: str, out: str = "record-out.json") -> list[str]:
+    return split_env(command, out)[1]
 
 
 def parse_command(command: str):
@@ -337,15 +344,15 @@ def run_record(path: Path) -> dict:
     with tempfile.TemporaryDirectory(prefix=f"record-{path.stem}-") as tmp:
         for i, command in enumerate(record["command"]):
             out = Path(tmp) / f"out{i}"
-            if "{out}" in command and "sessions" in command:
+            if "{out}" in command and "tools.bench_sessions" in command:  # it writes a folder of JSON
                 out.mkdir()
-            argv = split(command, str(out))
+            env, argv = split_env(command, str(out))
             if argv[0] in ("python", "python3"):
                 argv[0] = sys.executable
             elif argv[0] == "edgeroute":
                 argv = [str(Path(sys.executable).parent / "edgeroute"), *argv[1:]]
             print(f"[{path.stem}] {command}", flush=True)
-            done = subprocess.run(argv, cwd=REPO, stdout=subprocess.PIPE, text=True)
+            done = subprocess.run(argv, cwd=REPO, stdout=subprocess.PIPE, text=True, env={**os.environ, **env})
             if done.returncode != 0:
                 raise SystemExit(f"{path.stem}: {command!r} failed (exit {done.returncode})")
             result = _output(out, done.stdout)
