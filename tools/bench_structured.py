@@ -48,6 +48,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from edgeroute.files import atomic_write  # noqa: E402
+from edgeroute.llamacpp import Unavailable, source_gguf  # noqa: E402
 from tools.benchlib.llama import checked_gguf, greedy_tokens, open_llama  # noqa: E402
 
 EDGEROUTE_CONFIGS = {
@@ -265,8 +266,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--bundle", type=Path, default=REPO / "bundles" / "smollm2-demo")
     parser.add_argument("--gguf", type=Path, default=None,
-                        help="the LLM's source GGUF for the llama.cpp rows (default: the path the bundle recorded; "
-                             "a file given here must be that source, checked by sha256)")
+                        help="the LLM's source GGUF for the llama.cpp rows (default: the path the bundle recorded, "
+                             "if it is on this machine; a file given here must be that source, checked by sha256)")
     parser.add_argument("--no-llama", action="store_true", help="leave the llama.cpp rows out")
     parser.add_argument("--workload", type=Path, default=REPO / "tools" / "workloads" / "intents.json")
     parser.add_argument("--limit", type=int, default=None, help="first N prompts only")
@@ -314,7 +315,14 @@ def main(argv: list[str] | None = None) -> int:
     runner = EdgerouteRunner(engine, args.max_new_tokens, args.draft_tokens, args.max_draft_tokens, args.layout)
     llama = None
     if not args.no_llama and any(c in LLAMA_CONFIGS for c in configs):
-        args.gguf = checked_gguf(engine.bundle, "llm", args.gguf)
+        if args.gguf is None:  # the bundle's recorded source, where it is on this machine; else no llama.cpp rows
+            try:
+                args.gguf = source_gguf(engine.bundle, "llm")
+            except Unavailable as err:
+                console.print(f"[yellow]no llama.cpp rows: {err}[/]")
+        else:  # a file given must be that source
+            args.gguf = checked_gguf(engine.bundle, "llm", args.gguf)
+    if args.gguf is not None and not args.no_llama and any(c in LLAMA_CONFIGS for c in configs):
         llama = LlamaRunner(args.gguf, args.threads, int(engine.bundle.generation["context_length"]),
                             args.max_new_tokens)
     configs = [c for c in configs if c in EDGEROUTE_CONFIGS or llama is not None]
