@@ -160,6 +160,15 @@ def load(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
+def dump(record: dict) -> str:
+    """A record as text: one field a line, the samples on one compact line at the end (raw
+    samples are many numbers; a line each would make the folder long for nothing)."""
+    head = {k: v for k, v in record.items() if k != "samples"}
+    text = json.dumps(head, indent=1)
+    samples = json.dumps(record.get("samples"), separators=(",", ":"))
+    return text[:-2] + f',\n "samples": {samples}\n}}\n'
+
+
 def check_record(path: Path, label: str | None = None) -> list[str]:
     """What is wrong with one record (and the text of a link to it)."""
     if not path.is_file():
@@ -362,7 +371,7 @@ def run_record(path: Path) -> dict:
     record.update(status="measured", date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), machine=machine(),
                   cpu_flags=cpu_flags(), commit=commit(), samples=samples, summary=summary or samples,
                   source={"tool_output": "samples", "wall_seconds": round(time.time() - started, 1)})
-    atomic_write(path, json.dumps(record, indent=1) + "\n")
+    atomic_write(path, dump(record))
     return record
 
 
