@@ -130,7 +130,7 @@ bench-pair: setup $(PAIR_BUNDLE)/manifest.json
 
 # on an AVX2-only CPU, with llama.cpp's AVX2 build (docs/benchmarks.md)
 bench-avx2: setup $(BUNDLE)/manifest.json $(PAIR_BUNDLE)/manifest.json
-	$(RECORD) avx2-decode avx2-speculation avx2-smollm2
+	$(RECORD) avx2-decode avx2-speculation avx2-smollm2 avx2-llama-passes
 
 bench-structured: setup $(PAIR_BUNDLE)/manifest.json
 	$(RECORD) pair-intents structured
