@@ -83,6 +83,8 @@ def test_a_missing_record_or_an_unmarked_pending_one_fails(tmp_path):
     pending = next(p for p in ALL if records.load(p)["status"] == "pending")
     assert records.check_doc(doc, f"2.0x ([record](records/{pending.name}))\n")
     assert records.check_doc(doc, f"2.0x ([record: pending](records/{pending.name}))\n") == []
+    measured = next(p for p in ALL if records.load(p)["status"] == "measured")
+    assert records.check_doc(doc, f"2.0x ([record: pending](records/{measured.name}))\n")  # measured: restate
 
 
 def test_an_incomplete_record_fails(tmp_path):

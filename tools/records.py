@@ -24,7 +24,9 @@ What counts as a figure (:data:`FIGURE`): a number followed by a unit (``x``, ``
 ``s``, ``tok/s``, ``t/s``, ``GB/s``, ``MB``, ``MiB``, ``GB``, ``GiB``), in the prose and tables
 of the two files, outside fenced code blocks and inline code. Each paragraph or table row that
 holds one must link a record (a table's rows may share the link of the paragraph right above
-the table). A link to a pending record must say so in its text (``[record: pending](...)``).
+the table). A link to a pending record must say so in its text (``[record: pending](...)``),
+and a link to a measured one must not (once ``run`` has measured a record, the figures beside
+its links are restated from its summary).
 """
 
 from __future__ import annotations
@@ -191,6 +193,9 @@ def check_record(path: Path, label: str | None = None) -> list[str]:
                 problems.append(f"record {name} stands on {raw}, which is not in the tree")
     if label is not None and record["status"] == "pending" and "pending" not in label:
         problems.append(f"the link to pending record {name} does not say 'pending' ({label!r})")
+    if label is not None and record["status"] == "measured" and "pending" in label:
+        problems.append(f"record {name} is measured now: restate the figures beside it from its summary and drop "
+                        f"'pending' from the link ({label!r})")
     if not isinstance(record["command"], list) or not record["command"]:
         problems.append(f"record {name}: command is not a list of commands")
     return problems
@@ -366,11 +371,12 @@ def run_record(path: Path) -> dict:
                 raise SystemExit(f"{path.stem}: {command!r} failed (exit {done.returncode})")
             result = _output(out, done.stdout)
             samples[command] = result
-            if isinstance(result, dict) and "summary" in result:
-                summary[command] = result["summary"]
+            summary[command] = (result["summary"] if isinstance(result, dict) and "summary" in result else
+                                "the tool writes no summary section: its figures are in the samples")
     record.update(status="measured", date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), machine=machine(),
-                  cpu_flags=cpu_flags(), commit=commit(), samples=samples, summary=summary or samples,
-                  source={"tool_output": "samples", "wall_seconds": round(time.time() - started, 1)})
+                  cpu_flags=cpu_flags(), commit=commit(), samples=samples, summary=summary,
+                  source={"tool_output": "samples", "wall_seconds": round(time.time() - started, 1),
+                          "before": record.get("source")})
     atomic_write(path, dump(record))
     return record
 
