@@ -22,18 +22,16 @@ verification pass reproduces one-token steps bit for bit.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
 import hashlib
 import json
 import os
 import re
-import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 
@@ -42,6 +40,7 @@ import numpy as np
 from edgeroute.bundle import Bundle
 from edgeroute.cpu import thread_count
 from edgeroute.errors import BundleError, InputError, NativeBackendUnavailable
+from edgeroute.files import atomic_path, cache_dir
 from edgeroute.kv_formats import check_int8_head_dim, check_kv_dtype
 from edgeroute.runtime.evaluate import tokenize_text
 from edgeroute.runtime.layers import DROP, RUN, SKIP, SKIP_MLP, LayerPlan, LayerwiseModel, plan_action
@@ -369,7 +368,7 @@ class NativeModel(LayerwiseModel):
             return self._key_channel_peaks(bundle)
         abi = header_constants()["ER_ABI_VERSION"]
         key = hashlib.sha256(json.dumps([*identity, self.kernels, abi, KEY_SCALE_TOKENS]).encode())
-        path = _cache_dir() / "key-scales" / f"{key.hexdigest()[:32]}.npy"
+        path = cache_dir() / "key-scales" / f"{key.hexdigest()[:32]}.npy"
         a = self.arch
         try:
             kept = np.load(path)
@@ -380,8 +379,8 @@ class NativeModel(LayerwiseModel):
             pass
         peaks = self._key_channel_peaks(bundle)
         try:
-            with written_atomically(path) as staged:
-                np.save(staged, peaks)
+            with atomic_path(path) as staged, open(staged, "wb") as out:
+                np.save(out, peaks)
         except OSError:
             pass
         return peaks
@@ -535,23 +534,6 @@ class NativeModel(LayerwiseModel):
             self._run_layers(cache, hidden, start, layer, layer + 1, [action])
         _check(self.lib, self.lib.er_session_advance(cache.handle, t))
         return hidden
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("EDGEROUTE_CACHE")
-    return Path(root) if root else Path.home() / ".cache" / "edgeroute"
-
-
-@contextlib.contextmanager
-def written_atomically(target: Path) -> Iterator[Path]:
-    """A path to write ``target``'s new contents to, in the same directory: it replaces
-    ``target`` in one step when the block ends, and is removed if the block raises, so a crash
-    or a concurrent writer never leaves half a file in the cache directory."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        staged = Path(tmp) / target.name
-        yield staged
-        os.replace(staged, target)
 
 
 # -- the kernels on their own (tests, kernel benchmarks) ------------------------------------------

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import subprocess
 import time
 from dataclasses import asdict, dataclass
@@ -18,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from edgeroute.bundle import Bundle, GraphEntry, attention_graph_name, sha256_file
 from edgeroute.errors import EdgerouteError, InputError
+from edgeroute.files import atomic_write
 from edgeroute.runtime.memory import PREFILL_CHUNK
 
 if TYPE_CHECKING:
@@ -193,11 +193,7 @@ class EngineCache:
         return [d for d in bundle_entries(self.root, self.bundle_path) if d != self.directory]
 
     def write_engine(self, graph: str, data: bytes) -> None:
-        self.directory.mkdir(parents=True, exist_ok=True)
-        path = self.engine_path(graph)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
+        atomic_write(self.engine_path(graph), data)
 
     def commit(self, graphs: list[str]) -> None:
         """Record ``graphs`` (just written) beside the intact engines the entry already holds."""
@@ -205,9 +201,7 @@ class EngineCache:
         meta = {"key": self.key.to_dict(), "bundle_path": self.bundle_path,
                 "engines": {**kept, **{g: sha256_file(self.engine_path(g)) for g in graphs}},
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-        tmp = self.directory / f".{META}.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps(meta, indent=1))
-        os.replace(tmp, self.directory / META)
+        atomic_write(self.directory / META, json.dumps(meta, indent=1))
 
 
 def _record(entry: Path) -> dict[str, Any]:
