@@ -340,7 +340,7 @@ def run(
     context_length: int = typer.Option(None, help="KV capacity per session"),
     no_slm: bool = typer.Option(False, "--no-slm", help="never load the SLM (less memory)"),
     exact_steps: bool = typer.Option(False, "--exact-steps", help="ONNX Runtime: full == speculate exactly"),
-    max_tokens: int = typer.Option(None, help="maximum new tokens"),
+    max_new_tokens: int = typer.Option(None, help="maximum new tokens"),
     temperature: float = typer.Option(None, help="sampling temperature (0: greedy)"),
     top_p: float = typer.Option(None, help="nucleus sampling mass"),
     seed: int = typer.Option(None, help="sampling seed"),
@@ -374,7 +374,7 @@ def run(
         if not prompt and not chat:
             raise EdgerouteError("give --prompt 'What is the capital of France?' or --chat")
         decoding = {k: v for k, v in dict(
-            mode=mode, light=light, max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
+            mode=mode, light=light, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
             stop=tuple(stop) if stop else None, router=router, route_threshold=route_threshold,
             route_check=route_check, draft_tokens=draft_tokens, draft_confidence=draft_confidence,
             lookup_min_match=lookup_min_match, lookup_tokens=lookup_tokens, importance_threshold=importance_threshold,
@@ -419,7 +419,7 @@ def run(
             if session.last.finish_reason == "incomplete":
                 incomplete.append(session.last)
                 err_console.print("[bold red]error:[/] the answer is incomplete: it ended before the response format's "
-                                  "structure was complete, so it is not valid output; raise --max-tokens")
+                                  "structure was complete, so it is not valid output; raise --max-new-tokens")
 
         incomplete = []
         try:
@@ -628,11 +628,11 @@ def bench(
 @app.command("eval")
 def eval_tasks(
     bundle: Path = typer.Argument(..., help="bundle directory"),
-    tasks: str = typer.Option(..., help="task file (JSONL, see the guide) | builtin"),
+    tasks: str = typer.Option(..., help="task file (JSONL) | builtin"),
     modes: str = typer.Option("full,speculate/ngram,speculate/slm,route/slm", show_default=False,
                               help="full,MODE[/LIGHT],... (full,speculate/ngram,..)"),
     per_task: int = typer.Option(12, help="builtin: held-out prompts per task"),
-    max_tokens: int = typer.Option(64, help="maximum new tokens per answer"),
+    max_new_tokens: int = typer.Option(64, help="maximum new tokens per answer"),
     confidence: float = typer.Option(0.95, help="of the intervals and the loss bound"),
     task_loss: float = typer.Option(0.05, help="loss bound a lossy mode may show"),
     profile: str = typer.Option(None, help="device profile: NAME or FILE"),
@@ -666,7 +666,7 @@ def eval_tasks(
         engine = Engine(bundle, EngineOptions.from_profile(profile.split(",") if profile else None, backend=backend,
                                                            threads=threads))
         with _progress_bars() as update:
-            report = evaluate(engine, cases, modes, max_tokens, confidence, task_loss, llama_cpp, threads, update)
+            report = evaluate(engine, cases, modes, max_new_tokens, confidence, task_loss, llama_cpp, threads, update)
     print_report(report, console)
     if as_json is not None:
         as_json.parent.mkdir(parents=True, exist_ok=True)

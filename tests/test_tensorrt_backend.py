@@ -447,6 +447,6 @@ def test_edgeroute_run_takes_the_tensorrt_backend_and_its_engine_cache(trt_bundl
 
     result = CliRunner().invoke(app, ["run", str(trt_bundle.path), "--backend", "tensorrt", "--engine-cache",
                                       str(fake_gpu.root), "--raw", "--prompt", "The capital of France is",
-                                      "--max-tokens", "4", "--mode", "speculate", "--light", "ngram+slm"])
+                                      "--max-new-tokens", "4", "--mode", "speculate", "--light", "ngram+slm"])
     assert result.exit_code == 0, result.output
     assert "tensorrt, float16 KV cache" in result.output

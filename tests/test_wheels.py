@@ -119,7 +119,7 @@ def test_the_x86_64_wheel_installs_into_a_fresh_venv_and_runs_the_demo_on_native
     assert mapped.stdout.split()[2:] == [str(site / "edgeroute" / n) for n in os.listdir(site / "edgeroute")
                                          if n.startswith("libgomp-")], mapped.stdout
     done = subprocess.run([str(fresh / "bin" / "edgeroute"), "run", str(demo.path), "--backend", "auto", "--mode", "full",
-                           "--max-tokens", "8", "--prompt", PROMPT], cwd=tmp_path, env=env, capture_output=True,
+                           "--max-new-tokens", "8", "--prompt", PROMPT], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert re.search(r"\(native (avx2|avx512-vnni) kernels", done.stderr), done.stderr[-2000:]

@@ -459,7 +459,7 @@ def export_bundle(options: ExportOptions, progress: Progress | None = None) -> E
                           "chat_format": derive_chat_format(tok.chat_template),
                           "bos_token_id": tok.bos_token_id, "eos_token_ids": tok.eos_token_ids,
                           "add_bos_token": tok.add_bos_token},
-            "generation": {"context_length": context, "max_new_tokens": 128, "temperature": 0.0, "top_p": 1.0},
+            "generation": {"context_length": context, "max_new_tokens": 128},
             "models": manifest_models,
         })
 
