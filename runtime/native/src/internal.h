@@ -73,9 +73,11 @@ typedef struct {
     void (*quantize)(const float *x, int M, int n, er_q8 *q, int forms);
     /* y[M, rows] = x[M, cols] @ m^T (+ bias) */
     void (*matmul)(const er_matrix *m, const er_q8 *x, int M, float *y, const float *bias);
-    /* attention of M rows at positions pos0.. (see kernels/loops.h) */
+    /* attention of M rows at positions pos0.. (see kernels/loops.h); hidden: NULL, or a tree's
+     * [M][M] mask (er_tree) */
     void (*attention)(const void *kcache, const void *vcache, const float *q, const uint8_t *masked,
-                      const er_dims *D, int M, int pos0, float *scores, float *partials, float *out);
+                      const uint8_t *hidden, const er_dims *D, int M, int pos0, float *scores, float *partials,
+                      float *out);
     /* one row of hd values into a cache at row `row` */
     void (*kv_store)(void *cache, size_t row, const float *x, int hd, int format);
 } er_kernel_table;
@@ -91,6 +93,13 @@ extern const er_kernel_table er_neon_kernels, er_dotprod_kernels, er_i8mm_kernel
 /* The table of `kernels` (an er_kernels value, ER_KERNELS_AUTO resolved), or NULL where this
  * library or CPU lacks it. */
 const er_kernel_table *er_kernel_table_for(int kernels);
+
+/* The rows of a tree pass (er_session_forward_tree): row i is cached at row pos0 + i, but rotated
+ * for position pos0 + depth[i] and attends to the cache before pos0 plus its own ancestors only. */
+typedef struct {
+    const int32_t *depth;  /* [M]: 0 for a child of the cache's last position */
+    const uint8_t *hidden; /* [M][M]: 1 where row j (j <= i) is not row i or one of its ancestors */
+} er_tree;
 
 /* ---- attention's work split (kernels/loops.h and the scratch sizes in layer.c) ------------ */
 
@@ -119,10 +128,11 @@ int er_pack(const er_matrix *m, uint8_t *out, int threads);
 /* ---- the decoder (layer.c) ---------------------------------------------------------------- */
 
 /* One decoder layer over M rows at positions pos0.. (mode: an er_layer_action other than
- * DROP); cache: this layer's heads-first [kv_heads, capacity, row] keys and values. */
+ * DROP); cache: this layer's heads-first [kv_heads, capacity, row] keys and values; tree: NULL
+ * (causal rows), or the rows' tree. */
 int er_layer_forward(const er_kernel_table *K, const er_layer *L, const er_dims *D, float *x, int M, int pos0,
                      const float *cos_t, const float *sin_t, void *kcache, void *vcache, const uint8_t *masked,
-                     int mode, void *scratch);
+                     const er_tree *tree, int mode, void *scratch);
 size_t er_layer_scratch_bytes(const er_dims *D, int M);
 /* logits [M, rows] = rms_norm(x) @ head^T */
 int er_head_forward(const er_kernel_table *K, const er_matrix *head, const float *norm, const er_dims *D,

@@ -167,9 +167,12 @@ static int work_units(int items, int threads) {
  * sharing it. An item leaves, per head, its softmax max, its sum of exponentials and its
  * unnormalized output; a second loop merges the segments (flash-decoding). Segments depend on
  * positions only, so every (row, head) is computed alike whatever M is and whichever thread
- * runs it. Rows run in blocks (attention_rows) so the partial results stay small. */
+ * runs it. Rows run in blocks (attention_rows) so the partial results stay small. A tree pass
+ * (`hidden`, er_tree) masks each row's scores over the pass's rows to its ancestors: hidden rows
+ * score -inf, as dropped positions do. */
 INLINE void attention_of(const void *kcache, const void *vcache, const float *q, const uint8_t *masked,
-                         const er_dims *D, int M, int pos0, float *scores, float *partials, float *out, int format) {
+                         const uint8_t *hidden, const er_dims *D, int M, int pos0, float *scores, float *partials,
+                         float *out, int format) {
     const int H = D->heads, KV = D->kv_heads, hd = D->head_dim, cap = D->capacity, G = H / KV;
     const int S = segments(cap), R = attention_rows(D), stride = hd + 2; /* outputs, max, sum */
     const size_t bytes = er_kv_row_bytes(format, hd), sc_stride = SEGMENT + 8;
@@ -197,9 +200,12 @@ INLINE void attention_of(const void *kcache, const void *vcache, const float *q,
                 if (masked)
                     for (int t = 0; t < len; t++)
                         if (masked[first + t]) sv[t] = -INFINITY; /* positions this layer dropped */
+                if (hidden) /* a tree's rows: the pass's rows that are not this row's ancestors */
+                    for (int t = first > pos0 ? 0 : pos0 - first; t < len; t++)
+                        if (hidden[(size_t)i * M + first + t - pos0]) sv[t] = -INFINITY;
                 ph[hd] = exp_segment(sv, len, ph + hd + 1);
             }
-            if (part[hd + 1] == 0.0f) { /* every position of the segment was dropped (alike for the group) */
+            if (part[hd + 1] == 0.0f) { /* every position of the segment was dropped or hidden (alike for the group) */
                 for (int h = 0; h < G; h++) memset(part + (size_t)h * stride, 0, (size_t)hd * sizeof(float));
                 continue;
             }
@@ -230,11 +236,14 @@ INLINE void attention_of(const void *kcache, const void *vcache, const float *q,
 }
 
 static void attention(const void *kcache, const void *vcache, const float *q, const uint8_t *masked,
-                      const er_dims *D, int M, int pos0, float *scores, float *partials, float *out) {
+                      const uint8_t *hidden, const er_dims *D, int M, int pos0, float *scores, float *partials,
+                      float *out) {
     /* one copy of the loop per format: the conversion inlines into it */
-    if (D->kv_format == KV_INT8) attention_of(kcache, vcache, q, masked, D, M, pos0, scores, partials, out, KV_INT8);
-    else if (D->kv_format == KV_F16) attention_of(kcache, vcache, q, masked, D, M, pos0, scores, partials, out, KV_F16);
-    else attention_of(kcache, vcache, q, masked, D, M, pos0, scores, partials, out, KV_F32);
+    if (D->kv_format == KV_INT8)
+        attention_of(kcache, vcache, q, masked, hidden, D, M, pos0, scores, partials, out, KV_INT8);
+    else if (D->kv_format == KV_F16)
+        attention_of(kcache, vcache, q, masked, hidden, D, M, pos0, scores, partials, out, KV_F16);
+    else attention_of(kcache, vcache, q, masked, hidden, D, M, pos0, scores, partials, out, KV_F32);
 }
 
 #if TIER_PACKS
