@@ -61,6 +61,14 @@ typedef struct {
 
 enum { FORM_32 = 1, FORM_256 = 2 };
 
+/* The rows of a tree pass (er_session_forward_tree): row i is cached at row pos0 + i, but runs as
+ * its path run linearly would: at position pos0 + depth[i], attending to the cache before pos0
+ * and then to its path's rows, in the path's order (kernels/loops.h gathers them). */
+typedef struct {
+    const int32_t *depth;     /* [M]: 0 for a child of the cache's last position */
+    const int32_t *ancestors; /* [M][M]: row i's path, root first: depth[i] + 1 rows, i the last */
+} er_tree;
+
 /* ---- the kernel table -------------------------------------------------------------------
  * One per kernel set (kernels/generic, kernels/x86): the layer code calls the kernels through
  * it, chosen once per model (dispatch.c). The first three run inside an OpenMP parallel region
@@ -73,11 +81,11 @@ typedef struct {
     void (*quantize)(const float *x, int M, int n, er_q8 *q, int forms);
     /* y[M, rows] = x[M, cols] @ m^T (+ bias) */
     void (*matmul)(const er_matrix *m, const er_q8 *x, int M, float *y, const float *bias);
-    /* attention of M rows at positions pos0.. (see kernels/loops.h); hidden: NULL, or a tree's
-     * [M][M] mask (er_tree) */
+    /* attention of M rows at positions pos0.. (see kernels/loops.h); tree: NULL, or the rows' tree
+     * (gather: its scratch, gather_bytes) */
     void (*attention)(const void *kcache, const void *vcache, const float *q, const uint8_t *masked,
-                      const uint8_t *hidden, const er_dims *D, int M, int pos0, float *scores, float *partials,
-                      float *out);
+                      const er_tree *tree, const er_dims *D, int M, int pos0, float *scores, float *partials,
+                      uint8_t *gather, float *out);
     /* one row of hd values into a cache at row `row` */
     void (*kv_store)(void *cache, size_t row, const float *x, int hd, int format);
 } er_kernel_table;
@@ -94,19 +102,15 @@ extern const er_kernel_table er_neon_kernels, er_dotprod_kernels, er_i8mm_kernel
  * library or CPU lacks it. */
 const er_kernel_table *er_kernel_table_for(int kernels);
 
-/* The rows of a tree pass (er_session_forward_tree): row i is cached at row pos0 + i, but rotated
- * for position pos0 + depth[i] and attends to the cache before pos0 plus its own ancestors only. */
-typedef struct {
-    const int32_t *depth;  /* [M]: 0 for a child of the cache's last position */
-    const uint8_t *hidden; /* [M][M]: 1 where row j (j <= i) is not row i or one of its ancestors */
-} er_tree;
-
 /* ---- attention's work split (kernels/loops.h and the scratch sizes in layer.c) ------------ */
 
 #define SEGMENT 256               /* positions per attention work item */
 #define PARTIALS_BYTES (4u << 20) /* attention's per-segment results of a block of rows, at most */
 
 static inline int segments(int positions) { return (positions + SEGMENT - 1) / SEGMENT; }
+
+/* a thread's copy of one segment's keys and values for a tree's row (rows of up to float32 width) */
+static inline size_t gather_bytes(const er_dims *D) { return (size_t)2 * SEGMENT * D->head_dim * sizeof(float); }
 
 /* rows per attention block: their per-segment results fit PARTIALS_BYTES (one row at least) */
 static inline int attention_rows(const er_dims *D) {

@@ -113,6 +113,7 @@ static er_q8 *take_q8(carver *c, int M, int cols) {
 
 typedef struct {
     float *h, *q, *k, *v, *attn, *gate, *up, *scores, *partials;
+    uint8_t *gather;
     er_q8 *xq;
 } layer_scratch;
 
@@ -130,6 +131,7 @@ static layer_scratch carve_layer(carver *c, const er_dims *D, int M) {
     s.scores = take(c, (size_t)D->threads * (D->heads / D->kv_heads) * (SEGMENT + 8) * 4);
     const int rows = M < attention_rows(D) ? M : attention_rows(D);
     s.partials = take(c, (size_t)rows * D->heads * segments(D->capacity) * (D->head_dim + 2) * 4);
+    s.gather = take(c, (size_t)D->threads * gather_bytes(D));
     s.xq = take_q8(c, M, (int)widest);
     return s;
 }
@@ -204,8 +206,7 @@ int er_layer_forward(const er_kernel_table *K, const er_layer *L, const er_dims 
             }
         }
         if (mode != 2) {
-            K->attention(kcache, vcache, s.q, masked, tree ? tree->hidden : NULL, D, M, pos0, s.scores, s.partials,
-                         s.attn);
+            K->attention(kcache, vcache, s.q, masked, tree, D, M, pos0, s.scores, s.partials, s.gather, s.attn);
             K->quantize(s.attn, M, H * hd, s.xq, forms_for(&L->o, NULL, NULL));
             K->matmul(&L->o, s.xq, M, s.h, NULL);
             add_into(x, s.h, (size_t)M * d);
@@ -278,5 +279,5 @@ void er_attention_forward(const er_kernel_table *K, const er_dims *D, const floa
     carver c = {(char *)scratch_memory, 0};
     const layer_scratch s = carve_layer(&c, D, M);
 #pragma omp parallel num_threads(D->threads)
-    K->attention(kcache, vcache, q, masked, NULL, D, M, pos0, s.scores, s.partials, out);
+    K->attention(kcache, vcache, q, masked, NULL, D, M, pos0, s.scores, s.partials, s.gather, out);
 }

@@ -601,19 +601,13 @@ static er_status check_parents(const int32_t *parents, int32_t n) {
     return ER_OK;
 }
 
-/* each token's depth, and which of the tree's tokens it must not see: all but itself and its
- * ancestors (a child's row is its parent's, parents coming first, plus itself) */
-static void tree_masks(const int32_t *parents, int32_t n, int32_t *depth, uint8_t *hidden) {
+/* each token's depth and path (er_tree): its parent's path (parents come first), then itself */
+static void tree_paths(const int32_t *parents, int32_t n, int32_t *depth, int32_t *ancestors) {
     for (int32_t i = 0; i < n; i++) {
-        uint8_t *row = hidden + (size_t)i * n;
-        if (parents[i] < 0) {
-            memset(row, 1, (size_t)n);
-            depth[i] = 0;
-        } else {
-            memcpy(row, hidden + (size_t)parents[i] * n, (size_t)n);
-            depth[i] = depth[parents[i]] + 1;
-        }
-        row[i] = 0;
+        int32_t *path = ancestors + (size_t)i * n;
+        depth[i] = parents[i] < 0 ? 0 : depth[parents[i]] + 1;
+        if (depth[i]) memcpy(path, ancestors + (size_t)parents[i] * n, (size_t)depth[i] * sizeof *path);
+        path[depth[i]] = i;
     }
 }
 
@@ -624,23 +618,23 @@ er_status er_session_forward_tree(er_session *q, const int32_t *ids, const int32
     const er_forward_params p = params ? *params : er_forward_default_params();
     er_status s = check_forward(q, ids, n, &p);
     if (s != ER_OK) return s;
-    if (n > m->max_pass) /* the mask spans the whole tree: it runs as one pass */
+    if (n > m->max_pass) /* a row's path may reach back to the tree's first row: one pass */
         return er_fail(ER_ERR_CAPACITY, "a tree of %d tokens: a tree forward is one pass, of at most the model's "
                        "max_pass (%d)", n, m->max_pass);
     if ((s = check_parents(parents, n)) != ER_OK) return s;
     int32_t *kept = malloc((size_t)n * sizeof *kept), *depth = malloc((size_t)n * sizeof *depth);
-    uint8_t *hidden = malloc((size_t)n * n);
-    if (!kept || !depth || !hidden) s = er_fail(ER_ERR_MEMORY, "no memory for a tree of %d tokens", n);
+    int32_t *ancestors = malloc((size_t)n * n * sizeof *ancestors);
+    if (!kept || !depth || !ancestors) s = er_fail(ER_ERR_MEMORY, "no memory for a tree of %d tokens", n);
     if (s == ER_OK) s = ensure_dropped(q, p.plan, p.plan_layers);
     if (s != ER_OK) {
         free(kept);
         free(depth);
-        free(hidden);
+        free(ancestors);
         return s;
     }
-    tree_masks(parents, n, depth, hidden);
+    tree_paths(parents, n, depth, ancestors);
     memcpy(kept, parents, (size_t)n * sizeof *kept);
-    const er_tree tree = {depth, hidden};
+    const er_tree tree = {depth, ancestors};
     const int32_t start = q->length;
     pthread_mutex_lock(&m->lock);
     embed_rows(m, ids, n, m->hidden);
@@ -653,7 +647,7 @@ er_status er_session_forward_tree(er_session *q, const int32_t *ids, const int32
     q->tree_start = start;
     q->tree_n = n;
     free(depth);
-    free(hidden);
+    free(ancestors);
     return ER_OK;
 }
 
