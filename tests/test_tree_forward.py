@@ -2,7 +2,9 @@
 demo bundle: every token of a tree has its root-to-token path's logits bit for bit on each kernel
 set and cache format, a kept path leaves the cache a linear run's, bad trees and paths are
 InputErrors naming the fault, and a backend without trees says so (``tree_forwards``).
-tests/native/test_tree.c holds the library to the same on every kernel set, emulated CPUs included."""
+tests/native/test_tree.c holds the library to the same on every kernel set, emulated CPUs included.
+Then their first use: prompt-lookup drafts that branch where earlier matches disagree, verified
+greedily in one tree forward, decode ``full``'s tokens."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ import pytest
 
 from edgeroute.bundle import Bundle
 from edgeroute.errors import InputError, NativeBackendUnavailable
+from edgeroute.runtime import Engine
+from edgeroute.runtime.drafters import NgramDrafter
 from edgeroute.runtime.model import OrtModel
 
 native = pytest.importorskip("edgeroute.runtime.native")
@@ -134,3 +138,46 @@ def test_onnx_runtime_runs_no_trees_and_says_so(demo, texts):
     with pytest.raises(InputError, match="runs no tree forwards"):
         model.forward_tree(cache, tree, PARENTS)
     assert cache.length == len(prompt)
+
+
+def test_lookup_drafts_branch_where_earlier_matches_disagree():
+    """The suffix 5 1 2 occurred three times, followed by 3 9 5, 4 8 5 and 3 7 0: three branches,
+    the most recent first, sharing their common first token; with room for two, the two most recent."""
+    tokens = [5, 1, 2, 3, 9, 5, 1, 2, 4, 8, 5, 1, 2, 3, 7, 0, 5, 1, 2]
+    tree = NgramDrafter().propose_tree(tokens, 3, 4)
+    assert (tree.tokens, tree.parents) == ([3, 7, 0, 4, 8, 5, 9, 5], [-1, 0, 1, -1, 3, 4, 0, 6])
+    assert tree.branches == 3 and tree.depth == 3 and tree.source == "ngram"
+    assert NgramDrafter().propose(tokens, 3).tokens == [3, 7, 0]  # the linear draft: the most recent branch
+    two = NgramDrafter().propose_tree(tokens, 3, 2)
+    assert (two.tokens, two.parents, two.branches) == ([3, 7, 0, 4, 8, 5], [-1, 0, 1, -1, 3, 4], 2)
+    assert NgramDrafter().propose_tree([1, 2, 3], 3, 4).tokens == []  # no earlier match
+
+
+# a table that repeats its rows with other values: the lookup's matches disagree on the numbers
+TABLE = "Write the table again.\n| city | temp |\n| Paris | 21 |\n| Rome | 25 |\n| Paris | 19 |\n| Rome | 23 |\nAgain:\n"
+
+
+@pytest.mark.slow
+def test_tree_speculation_decodes_fulls_tokens_in_fewer_passes(demo, monkeypatch):
+    if unavailable("auto"):
+        pytest.skip(f"native kernels unavailable: {unavailable('auto')}")
+    engine = Engine(demo, backend="native")
+    trees = []  # branches of each tree verified
+    forward_tree = engine.llm.forward_tree
+
+    def counting(cache, ids, parents):
+        trees.append(sum(parent == 0 for parent in parents))
+        return forward_tree(cache, ids, parents)
+
+    monkeypatch.setattr(engine.llm, "forward_tree", counting)
+    full = engine.session(mode="full", max_new_tokens=60).generate(TABLE)
+    linear = engine.session(mode="speculate", light="ngram", max_new_tokens=60).generate(TABLE)
+    assert not trees
+    tree = engine.session(mode="speculate", light="ngram", draft_branches=4, max_new_tokens=60).generate(TABLE)
+    assert tree.tokens == linear.tokens == full.tokens
+    assert trees and max(trees) >= 2  # trees verified, some branching at their first token
+    assert tree.stats.llm_calls < linear.stats.llm_calls < full.stats.llm_calls
+    trees.clear()  # sampling keeps linear drafts (its verification of a tree is not built yet)
+    engine.session(mode="speculate", light="ngram", draft_branches=4, temperature=0.7, seed=1,
+                   max_new_tokens=20).generate(TABLE)
+    assert not trees
