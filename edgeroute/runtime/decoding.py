@@ -465,7 +465,7 @@ class Decoder:
         keeps that path. Each token's logits are its path's bit for bit, so the tokens are
         ``full``'s."""
         tree = self.light.propose_tree(self.state.tokens, self.draft_length.current, self.tree_branches)
-        if tree.branches < 2:  # no disagreement: the linear draft (the same tokens, fewer calls)
+        if tree.branches < 2:  # the matches agree (or there is none): the linear draft
             return self._verify_draft()
         cache, tokens = self.state.llm_cache, self.state.tokens
         pending = tokens[cache.length:]
