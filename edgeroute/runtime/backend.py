@@ -61,6 +61,7 @@ class ModelBackend(Protocol):
     flavour: str  # what runs the layers: portable | ort (ONNX Runtime graphs) | native | tensorrt
     head_vocab: HeadVocabulary | None  # a reduced-vocabulary head's token ids (None: the whole vocabulary)
     pass_rows: int | None  # tokens one pass over the weights serves (None: not known for this backend)
+    tree_forwards: bool  # runs forward_tree / keep_path (native); False: drafts are verified as linear chains
 
     @property
     def num_layers(self) -> int: ...
@@ -77,6 +78,15 @@ class ModelBackend(Protocol):
     def hidden_states(self, cache: Cache, ids: Sequence[int] | np.ndarray,
                       plan: Sequence[bool] | LayerPlan | None = None) -> np.ndarray:
         """``forward`` without the LM head: the last layer's hidden states [T, d]."""
+
+    def forward_tree(self, cache: Cache, ids: Sequence[int] | np.ndarray,
+                     parents: Sequence[int] | np.ndarray) -> np.ndarray:
+        """New tokens forming a tree (``parents[i]``: an earlier token, or -1 for the cache's last)
+        in one pass: each token's logits [T, vocab] are its root-to-token path's. Where
+        ``tree_forwards`` only (others raise InputError)."""
+
+    def keep_path(self, cache: Cache, path: Sequence[int] | np.ndarray) -> None:
+        """After ``forward_tree``: keep the tree's tokens ``path`` (root first) as if run linearly."""
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
         """Token ids [T] -> hidden states [T, d]."""

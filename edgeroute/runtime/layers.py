@@ -48,6 +48,8 @@ class LayerwiseModel(ABC):
     # tokens one pass over the weights serves (the native kernels' tile); None: the backend names
     # none (ONNX Runtime, TensorRT), its cost per extra row unknown here
     pass_rows: int | None = None
+    # runs forward_tree / keep_path (the native backend); the others verify drafts as linear chains
+    tree_forwards = False
     # profiling hook: when set, called as timings(kind, seconds) after every graph or kernel
     # call (kind: embed, layer, attn, mlp, kv, head); None costs nothing on the hot path
     timings: Callable[[str, float], None] | None = None
@@ -68,6 +70,16 @@ class LayerwiseModel(ABC):
     @abstractmethod
     def head(self, hidden: np.ndarray) -> np.ndarray:
         """Hidden states [T, d] -> logits [T, vocab]."""
+
+    def forward_tree(self, cache: KVCache, ids: Sequence[int] | np.ndarray,
+                     parents: Sequence[int] | np.ndarray) -> np.ndarray:
+        """A tree of new tokens in one pass (see ``NativeModel.forward_tree``): only where ``tree_forwards``."""
+        raise InputError(f"the {self.flavour} backend runs no tree forwards (tree_forwards is False): verify drafts "
+                         "as linear chains")
+
+    def keep_path(self, cache: KVCache, path: Sequence[int] | np.ndarray) -> None:
+        """Keeps one path of a tree forward (see ``NativeModel.keep_path``): only where ``tree_forwards``."""
+        raise InputError(f"the {self.flavour} backend runs no tree forwards (tree_forwards is False)")
 
     @abstractmethod
     def _pass(self, cache: KVCache, ids: np.ndarray, plan: Sequence[bool] | LayerPlan | None) -> np.ndarray:

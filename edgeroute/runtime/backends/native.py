@@ -137,6 +137,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         "er_session_kv": ([p, ctypes.POINTER(p), ctypes.POINTER(p), ctypes.POINTER(size)], status),
         "er_session_dropped": ([p], ctypes.POINTER(ctypes.c_uint8)),
         "er_session_forward": ([p, p, i32, ctypes.POINTER(_ForwardParams)], status),
+        "er_session_forward_tree": ([p, p, p, i32, ctypes.POINTER(_ForwardParams)], status),
+        "er_session_keep_path": ([p, p, i32], status),
         "er_model_embed": ([p, p, i32, p], status), "er_model_head": ([p, p, i32, p], status),
         "er_session_run_layers": ([p, p, i32, i32, i32, i32, p, p], status),
         "er_session_advance": ([p, i32], status),
@@ -293,6 +295,7 @@ class NativeModel(LayerwiseModel):
     flavour = "native"
     head_vocab = None  # export writes native weights for full-vocabulary heads only
     exact_steps = True  # every row is computed alike whatever the pass's length: steps are always exact
+    tree_forwards = True  # forward_tree / keep_path: several drafts verified in one pass
 
     def __init__(self, bundle: Bundle, role: str = "llm", threads: int | None = None,
                  kv_dtype: str = "float16", kernels: str = "auto", verify: bool | None = None) -> None:
@@ -473,6 +476,35 @@ class NativeModel(LayerwiseModel):
         t = len(ids)
         logits, _ = self._forward(cache, ids, plan, t if all_logits else min(tail or 1, t), False)
         return logits if all_logits or tail is not None else logits[0]
+
+    def forward_tree(self, cache: NativeCache, ids: Sequence[int] | np.ndarray,
+                     parents: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Runs new tokens that form a tree over the cache as one pass: ``parents[i]`` is token
+        i's parent, an earlier token of the tree, or -1 for the cache's last token. Each token sees
+        the cache and its own ancestors only, at the position of its depth, so its logits (the
+        returned [T, vocab]) are those of its root-to-token path run alone, to float rounding.
+        The cache holds the T tokens' rows until :meth:`keep_path` keeps one path of them."""
+        self._check_cache(cache)
+        ids = self._ids(ids)
+        parents = np.asarray(parents).reshape(-1)
+        if parents.shape != ids.shape or (parents.size and parents.dtype.kind not in "iu"):
+            raise InputError(f"parents {parents.tolist()} for {ids.shape[0]} tokens: one integer per token, an earlier "
+                             "token's index or -1 (the cache's last token)")
+        self.check_room(cache, ids.shape[0])
+        parents = np.ascontiguousarray(parents, np.int32)
+        logits = np.empty((ids.shape[0], self.arch.vocab_size), np.float32)
+        params = _sized(_ForwardParams, logits_rows=ids.shape[0], logits=_address(logits))
+        _check(self.lib, self.lib.er_session_forward_tree(cache.handle, _address(ids), _address(parents), ids.shape[0],
+                                                          ctypes.byref(params)))
+        return logits
+
+    def keep_path(self, cache: NativeCache, path: Sequence[int] | np.ndarray) -> None:
+        """After :meth:`forward_tree` (nothing run on the cache since): keeps the tree's tokens
+        ``path`` (their indices, root first, each the previous one's child; empty: none) and drops
+        the rest, leaving the cache as if the path had been run linearly."""
+        self._check_cache(cache)
+        path = np.ascontiguousarray(np.asarray(path, np.int64).reshape(-1), np.int32)
+        _check(self.lib, self.lib.er_session_keep_path(cache.handle, _address(path), path.shape[0]))
 
     def hidden_states(self, cache: NativeCache, ids: Sequence[int] | np.ndarray,
                       plan: Sequence[bool] | LayerPlan | None = None) -> np.ndarray:
