@@ -18,6 +18,8 @@ from collections.abc import AsyncIterable, AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 WORDS_PER_MINUTE = 150
 
 
@@ -103,7 +105,7 @@ async def wav_chunks(path: str | Path, seconds: float = 0.1, realtime: bool = Tr
     with wave.open(str(path), "rb") as wav:
         if wav.getsampwidth() != 2 or wav.getnchannels() != 1:
             raise ValueError(f"{path}: give 16-bit mono PCM (got {wav.getsampwidth() * 8}-bit, {wav.getnchannels()} "
-                             "channels); e.g. sox IN.wav -b 16 -c 1 -r 16000 OUT.wav")
+                             "channels); e.g. sox IN.wav -b 16 -c 1 OUT.wav")
         frames = max(1, int(wav.getframerate() * seconds))
         start = time.perf_counter()
         sent = 0
@@ -114,6 +116,19 @@ async def wav_chunks(path: str | Path, seconds: float = 0.1, realtime: bool = Tr
                     await asyncio.sleep(delay)
             sent += len(chunk) // 2
             yield chunk
+
+
+MODEL_RATE = 16000  # pocketsphinx's English model
+
+
+def resample(pcm: bytes, rate: int, to: int = MODEL_RATE) -> bytes:
+    """16-bit mono PCM at ``rate`` linearly resampled to ``to`` (espeak-ng writes 22,050 Hz)."""
+    if rate == to or not pcm:
+        return pcm
+    samples = np.frombuffer(pcm, dtype="<i2").astype(np.float32)
+    count = max(1, round(len(samples) * to / rate))
+    positions = np.arange(count) * (rate / to)
+    return np.interp(positions, np.arange(len(samples)), samples).round().astype("<i2").tobytes()
 
 
 def wav_rate(path: str | Path) -> int:
@@ -144,17 +159,18 @@ class PocketsphinxRecognizer(Recognizer):
             self._decoders[rate] = self._pocketsphinx.Decoder(samprate=rate, loglevel="FATAL", **self.decoder_options)
         return self._decoders[rate]
 
+
     async def events(self) -> AsyncIterator[Partial]:
         for number, source in enumerate(self.sources):
             if isinstance(source, (str, Path)):
                 rate, chunks = wav_rate(source), wav_chunks(source, realtime=self.realtime)
             else:
                 rate, chunks = self.sample_rate, source
-            decoder = self._decoder(rate)
+            decoder = self._decoder(MODEL_RATE)
             decoder.start_utt()
             said = ""
             async for chunk in chunks:
-                decoder.process_raw(chunk, False, False)
+                decoder.process_raw(resample(chunk, rate), False, False)
                 hypothesis = decoder.hyp()
                 text = hypothesis.hypstr if hypothesis is not None else ""
                 if text and text != said:

@@ -91,15 +91,17 @@ class VoiceAssistant:
     ``listen_ahead``: partial transcripts are prefilled while the driver speaks
     (``Session.listen``; the latest partial wins when one arrives while another is being
     prefilled). ``keep_interrupted``: a barge-in keeps what was said of the answer (else the
-    exchange is forgotten). ``decoding``: the chat's DecodeOptions fields (mode, light, ...)."""
+    exchange is forgotten). ``clause_chars``, ``max_chars``: how the answer is cut into chunks
+    (:class:`SentenceSplitter`). ``decoding``: the chat's DecodeOptions fields (mode, light, ...)."""
 
     def __init__(self, engine, speaker: Speaker, *, system: str = SYSTEM, tools: list[dict[str, Any]] | None = CAR_TOOLS,
                  car: CarState | None = None, listen_ahead: bool = True, keep_interrupted: bool = True,
-                 tool_choice: Any = "auto", max_tool_rounds: int = 1, clause_chars: int | None = 24,
+                 tool_choice: Any = "auto", max_tool_rounds: int = 1, clause_chars: int | None = 24, max_chars: int | None = 160,
                  max_new_tokens: int = 64, share_prefix: bool = True, **decoding: Any) -> None:
         self.engine, self.speaker, self.car = engine, speaker, car if car is not None else CarState()
         self.tools, self.tool_choice, self.max_tool_rounds = tools, tool_choice, max_tool_rounds
-        self.listen_ahead, self.keep_interrupted, self.clause_chars = listen_ahead, keep_interrupted, clause_chars
+        self.listen_ahead, self.keep_interrupted = listen_ahead, keep_interrupted
+        self.clause_chars, self.max_chars = clause_chars, max_chars  # the SentenceSplitter's
         if share_prefix:
             cache_system_prompt(engine, system, tools)
         extra = {"tools": tools} if tools else {}
@@ -180,7 +182,7 @@ class VoiceAssistant:
                 self._generation += 1
                 number = self._generation
                 self._before[number], self._spoken[number] = self.chat.last, []
-                splitter = SentenceSplitter(self.clause_chars)
+                splitter = SentenceSplitter(self.clause_chars, self.max_chars)
 
                 def first_token(trace, first=round_ == 0) -> None:  # on the decode's worker thread
                     if first and record.first_token_at is None:

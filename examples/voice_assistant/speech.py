@@ -32,12 +32,13 @@ class SentenceSplitter:
     """Cut streamed text into speakable chunks: a sentence ends at . ! ? (or a line break)
     followed by white space, not after a known abbreviation or inside a number ("3.5");
     ``clause_chars``: a chunk also ends at , ; : followed by white space once it holds that
-    many characters, so the first audio does not wait for a long sentence's end (None: never).
-    ``push`` returns the chunks completed by a piece, ``flush`` the rest at the end. The
+    many characters, so the first audio does not wait for a long sentence's end (None: never);
+    ``max_chars``: text without any such mark is cut at the last white space once it is that
+    long (None: never). ``push`` returns the chunks completed by a piece, ``flush`` the rest at the end. The
     white space after a chunk's end begins the next chunk: the chunks concatenate to the input."""
 
-    def __init__(self, clause_chars: int | None = 24) -> None:
-        self.clause_chars = clause_chars
+    def __init__(self, clause_chars: int | None = 24, max_chars: int | None = 160) -> None:
+        self.clause_chars, self.max_chars = clause_chars, max_chars
         self.buffer = ""
 
     def _cut(self) -> int | None:
@@ -55,6 +56,10 @@ class SentenceSplitter:
                 return i + 1
             if char in CLAUSE_MARKS and self.clause_chars is not None and len(text[:i + 1].strip()) >= self.clause_chars:
                 return i + 1
+        if self.max_chars is not None and len(text) > self.max_chars:
+            space = max((i for i, c in enumerate(text[:self.max_chars + 1]) if c.isspace() and text[:i].strip()), default=None)
+            if space is not None:
+                return space
         return None
 
     @staticmethod
