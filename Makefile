@@ -12,7 +12,7 @@ PAIR_PROMPT ?= Confirm this navigation request to the driver in one sentence.\ni
 NATIVE_SOURCES := $(shell find runtime/native -name '*.c' -o -name '*.h') runtime/native/build.py
 NATIVE_LIB := edgeroute/libedgeroute.so
 
-.PHONY: setup native native-aarch64 wheels c-test fuzz-native example pair demo demo-pair test lint bench-export clean
+.PHONY: setup native native-aarch64 wheels c-test fuzz-native example pair demo demo-pair voice-demo voice-demo-pair bench-voice test lint bench-export clean
 
 setup: $(VENV)/.installed $(NATIVE_LIB)
 
@@ -98,11 +98,30 @@ demo: $(BUNDLE)/manifest.json
 	$(BIN)/edgeroute run $(BUNDLE) --backend onnxruntime --prompt "$(PROMPT)"
 	$(BIN)/edgeroute run $(BUNDLE) --backend auto --prompt "$(PROMPT)"
 
+# The in-car voice assistant (examples/voice_assistant): two spoken commands (timed partial transcripts at
+# 150 words a minute, listened ahead), the car's tools, the answers spoken by espeak-ng into a WAV
+# (apt-get install espeak-ng; without it the app prints the text and when its audio would start).
+VOICE_SAY ?= navigate to the airport
+VOICE_SAY2 ?= set the temperature to 21 degrees
+VOICE_ARGS ?=
+
+voice-demo: $(BUNDLE)/manifest.json
+	$(BIN)/python -m examples.voice_assistant --bundle $(BUNDLE) --say "$(VOICE_SAY)" --say "$(VOICE_SAY2)" \
+		--out bench-results/voice-demo.wav $(VOICE_ARGS)
+
+voice-demo-pair: $(PAIR_BUNDLE)/manifest.json
+	$(BIN)/python -m examples.voice_assistant --bundle $(PAIR_BUNDLE) --say "$(VOICE_SAY)" --say "$(VOICE_SAY2)" \
+		--out bench-results/voice-demo-pair.wav $(VOICE_ARGS)
+
+# end of speech to the first audio sample over tools/voice_commands.json (docs/guide/voice.md); alone on the machine
+bench-voice: $(PAIR_BUNDLE)/manifest.json
+	$(BIN)/python -m tools.bench_voice --bundle $(PAIR_BUNDLE)
+
 # with the pair's part wheels: tests/test_pair_export.py exports the shipped pair by name (--target native,
 # 1.0x its GGUFs on disk) and runs it; tests/test_wheels.py builds both wheels (make wheels) and runs them
 test: setup pair
 	$(MAKE) example
-	$(BIN)/ruff check edgeroute tests tools
+	$(BIN)/ruff check edgeroute tests tools examples
 	$(BIN)/python -m pytest
 
 bench-export: setup

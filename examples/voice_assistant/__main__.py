@@ -93,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
           f"playing {car.playing}, reminders {car.reminders}")
     if args.out is not None:
         if isinstance(speaker, EspeakSpeaker):
+            args.out.parent.mkdir(parents=True, exist_ok=True)
             print(f"wrote {speaker.save(args.out)}")
         else:
             print("no audio to write: espeak-ng is not installed", file=sys.stderr)
