@@ -283,3 +283,22 @@ def test_pocketsphinx_hears_a_wav_as_partials_and_a_final(tmp_path):
     events = asyncio.run(hear())
     # what it hears of a synthetic voice is poor (the reason the tests script transcripts); its shape is checked
     assert events[-1].final and all(not e.final for e in events[:-1]) and events[-1].speech_end <= events[-1].at
+
+
+# -- the benchmark, end to end ------------------------------------------------------------------------
+
+def test_the_benchmark_runs_end_to_end_and_writes_json_markdown_and_a_plot(tiny_slm_bundle, tmp_path):
+    from tools.bench_voice import main
+
+    assert main(["--bundle", str(tiny_slm_bundle), "--commands", "2", "--modes", "full,speculate,auto", "--no-tools",
+                 "--speed", "0.05", "--tts", "none", "--max-new-tokens", "6", "--warmup", "0", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "voice.json").read_text())
+    assert result["settings"]["modes"] == ["full", "speculate"]  # auto: the tiny bundle is not calibrated
+    assert any("auto left out" in note for note in result["notes"])
+    assert len(result["samples"]) == 2 * 2 * 2 and result["commit"]["commit"] and result["machine"]["cpu_count"]
+    assert result["summary"]["listen_ahead_same_tokens"] == {"full": {"same": 2, "of": 2}, "speculate": {"same": 2, "of": 2}}
+    on = [s for s in result["samples"] if s["listen_ahead"]]
+    assert all(s["listened"] > 0 and s["seconds"]["total"] is not None for s in on)
+    table = (tmp_path / "voice.md").read_text()
+    assert "| full listen-on | 2 |" in table and "| speculate listen-off | 2 |" in table
+    assert (tmp_path / "voice.png").stat().st_size > 1000
