@@ -300,5 +300,5 @@ def test_the_benchmark_runs_end_to_end_and_writes_json_markdown_and_a_plot(tiny_
     on = [s for s in result["samples"] if s["listen_ahead"]]
     assert all(s["listened"] > 0 and s["seconds"]["total"] is not None for s in on)
     table = (tmp_path / "voice.md").read_text()
-    assert "| full listen-on | 2 |" in table and "| speculate listen-off | 2 |" in table
+    assert "| full listen-on | full | 2 |" in table and "| speculate listen-off | speculate+slm | 2 |" in table
     assert (tmp_path / "voice.png").stat().st_size > 1000

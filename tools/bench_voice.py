@@ -98,12 +98,14 @@ async def one_turn(engine, command: dict[str, Any], mode: str, listen: bool, arg
     speaker = speaker_factory()
     assistant = VoiceAssistant(engine, speaker, tools=None if args.no_tools else CAR_TOOLS, listen_ahead=listen,
                                max_new_tokens=args.max_new_tokens,
-                               mode=mode, light=args.light, share_prefix=True)
+                               mode=mode, share_prefix=True, **({} if mode == "auto" else {"light": args.light}))
     # listen-ahead needs the words spoken in real time; without it nothing happens while they are
     speed = args.speed if listen else 0.0
     [record] = await assistant.run(ScriptedRecognizer([utterance], speed=speed))
     check = check_calls(command["expect"], record.tool_calls, CAR_TOOLS)
+    resolved = assistant.chat.options  # what auto chose
     return {"command": command["text"], "mode": mode, "listen_ahead": listen,
+            "ran": f"{resolved.mode}" + (f"+{resolved.light}" if resolved.mode not in ("full", "slm") else ""),
             "seconds": record.breakdown(), "listened": record.listened, "listen_tokens": record.listen_tokens,
             "listen_seconds": record.listen_seconds, "listen_wait": record.listen_wait,
             "prompt_tokens": record.prompt_tokens, "tokens": record.tokens, "finish_reason": record.finish_reason,
@@ -118,7 +120,7 @@ def summarize(samples: list[dict[str, Any]], modes: list[str], listens: list[boo
             runs = [s for s in samples if s["mode"] == mode and s["listen_ahead"] == listen]
             if not runs:
                 continue
-            row = {"n": len(runs)}
+            row = {"n": len(runs), "ran": sorted({r["ran"] for r in runs})}
             for component in COMPONENTS:
                 row[component] = percentiles([r["seconds"][component] for r in runs])
             row["right_tool"] = sum(r["check"]["right_tool"] for r in runs)
@@ -145,13 +147,13 @@ def markdown(result: dict[str, Any]) -> str:
              f"(`{result['command']}`; commit {(result['commit']['commit'] or '?')[:10]}"
              f"{' dirty' if result['commit']['dirty'] else ''}; {result['machine'].get('cpu')})", "",
              "End of speech to the first audio sample, ms (p50 / p95), and its parts:", "",
-             "| configuration | n | total | asr | first token | (prefill) | tools | first clause | audio | right tool | "
-             "right calls |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| configuration | runs as | n | total | asr | first token | (prefill) | tools | first clause | audio | "
+             "right tool | right calls |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, row in summary["rows"].items():
         total, *parts = [f"{ms(row[c]['p50'])} / {ms(row[c]['p95'])}" for c in ("total", *COMPONENTS[:-1])]
-        lines.append(f"| {name} | {row['n']} | {total} | {' | '.join(parts)} | {row['right_tool']}/{row['n']} | "
-                     f"{row['right_calls']}/{row['n']} |")
+        lines.append(f"| {name} | {', '.join(row['ran'])} | {row['n']} | {total} | {' | '.join(parts)} | "
+                     f"{row['right_tool']}/{row['n']} | {row['right_calls']}/{row['n']} |")
     lines += ["", "Listen-ahead answers equal to the cold prefill's (tokens): " + ", ".join(
         f"{mode} {v['same']}/{v['of']}" for mode, v in summary["listen_ahead_same_tokens"].items())]
     speedups = []
