@@ -140,8 +140,9 @@ class VoiceAssistant:
     # -- answering ---------------------------------------------------------------------------
 
     async def run(self, recognizer: Recognizer) -> list[TurnRecord]:
-        """Answer every utterance the recognizer hears; returns their records."""
-        current = None
+        """Answer every utterance the recognizer hears; returns their records (``self.records``
+        keeps every run's)."""
+        current, first = None, len(self.records)
         async for event in recognizer.events():
             if event.utterance != current:  # the driver speaks: a new utterance begins
                 current = event.utterance
@@ -163,7 +164,7 @@ class VoiceAssistant:
             self._response = asyncio.create_task(self._respond(record))
         if self._response is not None:
             await self._response
-        return self.records
+        return self.records[first:]
 
     async def converse(self, *utterances: str | Utterance, speed: float = 1.0) -> list[TurnRecord]:
         """``run`` on scripted utterances (text spoken at 150 words a minute, or scripts)."""
