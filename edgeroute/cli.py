@@ -281,6 +281,29 @@ def _print_calibration(b) -> None:
         console.print(reason)
 
 
+def _tools(path: Path | None, choice: str | None) -> tuple[list[dict], str | dict | None]:
+    """--tools FILE (a JSON list of OpenAI tools, or {"tools": [...]}) and --tool-choice (a
+    tool's name is the named choice)."""
+    import json
+
+    if path is None:
+        if choice is not None:
+            raise EdgerouteError("--tool-choice needs --tools FILE.json")
+        return [], None
+    try:
+        data = json.loads(path.read_text())
+    except OSError as err:
+        raise EdgerouteError(f"cannot read --tools {path}: {err.strerror}") from None
+    except json.JSONDecodeError as err:
+        raise EdgerouteError(f"--tools {path} is not JSON ({err})") from None
+    tools = data.get("tools") if isinstance(data, dict) else data
+    if not isinstance(tools, list) or not tools:
+        raise EdgerouteError(f'--tools {path} must hold a non-empty JSON list of tools (or {{"tools": [...]}})')
+    if choice in (None, "auto", "required", "none"):
+        return tools, choice
+    return tools, {"type": "function", "function": {"name": choice}}
+
+
 def _open_trace(path: Path):
     """--trace's file, open for writing (closed by the caller). Missing parent folders are
     created, as `mkdir -p` would: a trace is often sent to a fresh runs/DATE/ folder, and
@@ -339,6 +362,8 @@ def run(
     regex: str = typer.Option(None, help="answer matching this regular expression"),
     grammar: Path = typer.Option(None, help="answer in this grammar (Lark or GBNF)"),
     trace: Path = typer.Option(None, help="write one JSON line per token"),
+    tools: Path = typer.Option(None, help="tools the model may call (OpenAI JSON list)"),
+    tool_choice: str = typer.Option(None, help="with --tools: auto|required|none|NAME"),
 ) -> None:
     """Generate text from a bundle, without torch. Every option: docs/guide/run.md."""
     import json
@@ -365,24 +390,29 @@ def run(
         if options.decoding.mode == "auto" and options.decoding.task is None:
             raise EdgerouteError("--mode auto picks the calibrated configuration of a task profile: add "
                                  "--profile TASK (voice-command, templated, json, grounded, dialogue, code)")
+        tool_list, choice = _tools(tools, tool_choice)
         engine = Engine(bundle, options)
         if raw or not engine.bundle.tokenizer.get("chat_format"):
-            if system is not None:
-                raise EdgerouteError("--system needs the bundle's chat template: drop --raw")
+            if system is not None or tool_list:
+                raise EdgerouteError(f"{'--system' if system is not None else '--tools'} needs the bundle's chat "
+                                     "template: drop --raw")
             session = engine.session()
         else:
-            session = engine.chat(system=system, context_policy=context_policy)
+            session = engine.chat(system=system, context_policy=context_policy, tools=tool_list)
         trace_file = _open_trace(trace) if trace else None
 
         def on_token(record) -> None:
             if trace_file is not None:
                 trace_file.write(json.dumps(record.to_dict()) + "\n")
 
-        def turn(text: str) -> None:
-            for piece in session.stream(text, on_token=on_token):
+        def turn(text: str | list[dict]) -> None:
+            for piece in session.stream(text, on_token=on_token, **({"tool_choice": choice} if tool_list else {})):
                 sys.stdout.write(piece)
                 sys.stdout.flush()
             sys.stdout.write("\n")
+            for call in session.last.tool_calls:  # one JSON line each, for scripts
+                sys.stdout.write(json.dumps({"tool_call": {"id": call.id, "name": call.name,
+                                                           "arguments": call.arguments}}) + "\n")
             sys.stdout.flush()  # the answer's end before the stats line on stderr
             err_console.print(f"[dim]{session.last.stats.summary(session.options.mode, engine.llm.num_layers)} "
                               f"({_runs_on(engine.llm)}, {engine.llm.kv_dtype} KV cache)[/]")
@@ -404,6 +434,10 @@ def run(
                     break
                 if text.strip() == "/reset":
                     session.reset()
+                    continue
+                if text.startswith("/result "):  # /result CALL_ID TEXT: a tool's result back to the model
+                    _, call_id, result = (text.split(" ", 2) + [""])[:3]
+                    turn([{"role": "tool", "tool_call_id": call_id, "content": result}])
                     continue
                 if text.strip():
                     turn(text)

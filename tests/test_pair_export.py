@@ -87,3 +87,24 @@ def test_the_pair_passes_the_task_checks_with_speculation_writing_fulls_text(pai
         assert all(r["same_as_full"] for r in rows), (config, [r["case"] for r in rows if not r["same_as_full"]])
     judged = [r for r in report.runs["full"] if r["pass"] is not None]
     assert len(judged) >= len(JUDGED_TASKS) - 1, "the checks judged too few answers to prove anything"
+
+
+@pytest.mark.slow
+def test_the_real_pair_calls_a_car_tool_with_the_right_arguments_in_its_own_format(pair):
+    """Qwen2.5's template has tools: the export takes its format apart, and the 1.5B, asked for a
+    call, picks the right tool with the right arguments; speculation returns the same call."""
+    assert Bundle.open(pair.out).tokenizer["chat_format"]["tools"]["call_open"] == "<tool_call>\n"
+    tools = [{"type": "function", "function": {"name": "navigate", "description": "Start navigation.", "parameters": {
+                 "type": "object", "properties": {"destination": {"type": "string"}}, "required": ["destination"]}}},
+             {"type": "function", "function": {"name": "set_temperature", "description": "Set the cabin temperature.",
+                 "parameters": {"type": "object", "properties": {
+                     "celsius": {"type": "number"}, "zone": {"type": "string", "enum": ["driver", "passenger", "all"]}},
+                     "required": ["celsius"]}}}]
+    engine = Engine(Bundle.open(pair.out))
+    calls = {}
+    for mode in ("full", "speculate"):
+        chat = engine.chat(system="You are an in-car assistant. Use the tools to act.", tools=tools, mode=mode,
+                           light="slm", max_new_tokens=48)
+        calls[mode] = chat.generate("Set the passenger side to 21 degrees please.", tool_choice="required").tool_calls
+    assert [(c.name, c.arguments) for c in calls["full"]] == [("set_temperature", {"celsius": 21, "zone": "passenger"})]
+    assert calls["speculate"] == calls["full"]

@@ -303,9 +303,13 @@ def _head_vocabulary(source: SourceModel, size: int, writer: BundleWriter) -> di
     tok = source.tokenizer
     chat_format = derive_chat_format(tok.chat_template)
     probe = [{"role": "system", "content": "x"}, {"role": "user", "content": "x"},
-             {"role": "assistant", "content": "x"}, {"role": "user", "content": "x"}]
-    # with and without a system turn: a template's default system prompt is tokens of every prompt
-    template_text = "".join(format_messages(chat_format, m) for m in (probe, probe[1:])) if chat_format else ""
+             {"role": "assistant", "content": "x", "tool_calls": [{"function": {"name": "x", "arguments": {}}}]},
+             {"role": "tool", "content": "x"}]
+    tools = [{"type": "function", "function": {"name": "x"}}]
+    # with and without a system turn (a template's default system prompt is tokens of every
+    # prompt), and with tools: the SLM must be able to draft the markup of a call
+    template_text = "".join(format_messages(chat_format, m[:2]) + format_messages(chat_format, m, tools)
+                            for m in (probe, probe[1:])) if chat_format else ""
     required = required_ids(tok.tokenizer_json, template_text, tok.eos_token_ids, tok.bos_token_id)
     ids = select_vocabulary(tok.tokenizer_json, size, calibration_text(), required, source.arch.vocab_size)
     rel = "slm/head_vocab.json"

@@ -5,6 +5,9 @@
 >>> chat = engine.chat(mode="speculate")          # keeps its KV caches across turns
 >>> for piece in chat.stream("Navigate to 12 Baker Street"): print(piece, end="")
 >>> chat.generate("And then home?")                # a follow-up user turn: prefills only its own tokens
+>>> car = engine.chat(tools=[{"type": "function", "function": {"name": "navigate", "parameters": {...}}}])
+>>> car.generate("Take me home").tool_calls        # [ToolCall(id="call_0", name="navigate", arguments={...})]
+>>> car.generate([{"role": "tool", "tool_call_id": "call_0", "content": '{"eta_min": 12}'}])  # the result back
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from edgeroute.bundle import Bundle, RouterCalibration
-from edgeroute.chat_format import format_messages
+from edgeroute.chat_format import ToolFormat, format_messages, tool_format
 from edgeroute.cpu import cpu_signature, signature_difference
 from edgeroute.errors import BundleError, CalibrationDeviceWarning, InputError, SessionBusy, UnmeasuredQualityWarning
 from edgeroute.kv_formats import INT8_GROUP, KV_DTYPE_CHOICES, check_kv_dtype, kv_row_bytes
@@ -43,9 +46,17 @@ from edgeroute.runtime.model import KVCache
 from edgeroute.runtime.options import EngineOptions
 from edgeroute.runtime.routers import TrainedRouter
 from edgeroute.runtime.text_stream import IncrementalDetokenizer, StopFilter
+from edgeroute.runtime.tools import ContentFilter, ToolCall, parse_tool_choice, parse_tools, split_tool_calls, tool_grammar
 from edgeroute.skip_options import SkipOptions
 
-Messages = Sequence[dict[str, str]]
+Messages = Sequence[dict[str, Any]]
+Tools = Sequence[dict[str, Any]]
+ToolChoice = str | dict[str, Any] | None  # "auto" (None) | "required" | "none" | {"type": "function", ...}
+
+
+def _said(message: dict[str, Any]) -> bool:
+    """A message that carries something: text, or tool calls."""
+    return bool((message.get("content") or "").strip() or message.get("tool_calls"))
 
 
 def open_tokenizer(bundle: Bundle) -> Tokenizer:
@@ -66,8 +77,10 @@ class Generation:
     stats: GenerationStats = field(default_factory=GenerationStats)
     trace: list[TokenTrace] = field(default_factory=list)
     # length | eos | stop | cancelled | incomplete (a response_format's structure is unfinished:
-    # the text is not valid output)
+    # the text is not valid output) | tool_calls (the answer ended after calling tools)
     finish_reason: str = "length"
+    # the tools the answer called (chats with tools); ``text`` is then the content before them
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
 
 class Engine:
@@ -204,12 +217,26 @@ class Engine:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
-    def encode_prompt(self, prompt: str | Messages) -> list[int]:
-        text = prompt if isinstance(prompt, str) else format_messages(self.chat_format, list(prompt))
+    @property
+    def tool_format(self) -> ToolFormat:
+        """How this model's prompts list tools and its answers call them (its own template's
+        format, else the documented fallback: see :mod:`edgeroute.chat_format`)."""
+        return tool_format(self.chat_format)
+
+    def markup_token(self, text: str) -> int | None:
+        """The id of the one added token that ``text`` is (Qwen2.5's ``<tool_call>``), else None."""
+        ids = self.encode(text)
+        return ids[0] if len(ids) == 1 and ids[0] in self.tokenizer.get_added_tokens_decoder() else None
+
+    def encode_prompt(self, prompt: str | Messages, tools: Tools | None = None) -> list[int]:
         if isinstance(prompt, str) and not prompt.strip():
             raise InputError("the prompt is empty")
-        if not isinstance(prompt, str) and not any(m.get("content", "").strip() for m in prompt):
+        if not isinstance(prompt, str) and not any(_said(m) for m in prompt):
             raise InputError("the messages are empty")
+        try:
+            text = prompt if isinstance(prompt, str) else format_messages(self.chat_format, list(prompt), list(tools or []))
+        except (ValueError, KeyError, TypeError) as err:
+            raise InputError(f"the messages do not form a chat: {err}") from None
         ids = self.encode(text)
         bos = self.bundle.tokenizer.get("bos_token_id")
         if self.bundle.tokenizer.get("add_bos_token") and bos is not None and ids[:1] != [bos]:
@@ -221,12 +248,13 @@ class Engine:
 
     # -- sessions -------------------------------------------------------------------------------
 
-    def session(self, **options: Any) -> Session:
+    def session(self, tools: Tools | None = None, **options: Any) -> Session:
         """An independent sequence (its own KV caches) on this engine's shared sessions; a
-        string prompt is plain text (a continuation)."""
-        return Session(self, self.resolve(self.options.updated(**options)))
+        string prompt is plain text (a continuation). ``tools``: see :meth:`chat`."""
+        return Session(self, self.resolve(self.options.updated(**options)), tools=tools)
 
-    def chat(self, system: str | None = None, context_policy: str = "error", **options: Any) -> Session:
+    def chat(self, system: str | None = None, context_policy: str = "error", tools: Tools | None = None,
+             **options: Any) -> Session:
         """Like ``session``, but a string prompt is a user turn in the chat template.
 
         ``system`` opens the conversation (it survives ``reset()`` and the context policy);
@@ -234,9 +262,17 @@ class Engine:
         ``context_policy`` says what a turn that does not fit the context does: "error" (the
         default) raises; "drop_oldest" forgets the oldest user/assistant exchanges (down to half
         the context), keeps the system prompt, and recomputes the cache from the first token
-        that changed."""
+        that changed.
+
+        ``tools`` (OpenAI function calling: ``{"type": "function", "function": {"name",
+        "description", "parameters"}}``) are listed in the system prompt, so they stay for the
+        chat's life. Each call may pass ``tool_choice`` ("auto", "required", "none" or
+        ``{"type": "function", "function": {"name": ...}}``); the calls the model makes are
+        grammar-constrained to its tools' parameter schemas and come back as
+        ``Generation.tool_calls``; send their results as ``{"role": "tool", "tool_call_id",
+        "content"}`` messages (the next call's prompt) and the chat goes on."""
         return Session(self, self.resolve(self.options.updated(**options)), chat=True, system=system,
-                       context_policy=context_policy)
+                       context_policy=context_policy, tools=tools)
 
     def share_prefix(self, system: str) -> int:
         """Compute a system prompt's K/V once for this engine: every ``chat(system=...)`` with
@@ -270,19 +306,23 @@ class Engine:
             cache.copy_from(caches[role])
             return len(prefix)
 
-    def generate(self, prompt: str | Messages, **options: Any) -> Generation:
+    def generate(self, prompt: str | Messages, tools: Tools | None = None, tool_choice: ToolChoice = None,
+                 **options: Any) -> Generation:
         """One-shot generation in a fresh session; options override the engine's defaults."""
-        return self.session(**options).generate(prompt)
+        return self.session(tools, **options).generate(prompt, tool_choice=tool_choice)
 
-    def stream(self, prompt: str | Messages, **options: Any) -> Iterator[str]:
-        return self.session(**options).stream(prompt)
+    def stream(self, prompt: str | Messages, tools: Tools | None = None, tool_choice: ToolChoice = None,
+               **options: Any) -> Iterator[str]:
+        return self.session(tools, **options).stream(prompt, tool_choice=tool_choice)
 
-    async def agenerate(self, prompt: str | Messages, **options: Any) -> Generation:
+    async def agenerate(self, prompt: str | Messages, tools: Tools | None = None, tool_choice: ToolChoice = None,
+                        **options: Any) -> Generation:
         """``generate`` awaited on an event loop (a fresh session; see :meth:`Session.astream`)."""
-        return await self.session(**options).agenerate(prompt)
+        return await self.session(tools, **options).agenerate(prompt, tool_choice=tool_choice)
 
-    def astream(self, prompt: str | Messages, **options: Any) -> AsyncIterator[str]:
-        return self.session(**options).astream(prompt)
+    def astream(self, prompt: str | Messages, tools: Tools | None = None, tool_choice: ToolChoice = None,
+                **options: Any) -> AsyncIterator[str]:
+        return self.session(tools, **options).astream(prompt, tool_choice=tool_choice)
 
 
 CONTEXT_POLICIES = ("error", "drop_oldest")
@@ -318,12 +358,14 @@ class Session:
     """
 
     def __init__(self, engine: Engine, options: DecodeOptions, chat: bool = False, system: str | None = None,
-                 context_policy: str = "error") -> None:
+                 context_policy: str = "error", tools: Tools | None = None) -> None:
         if context_policy not in CONTEXT_POLICIES:
             raise InputError(f"context policy {context_policy!r} is not one of {', '.join(CONTEXT_POLICIES)}")
         if system is not None and not system.strip():
             raise InputError("the system prompt is empty: leave system=None for none")
         self.engine, self.options, self.chat, self.context_policy = engine, options, chat, context_policy
+        self.tools = parse_tools(tools)
+        self._calls_made = 0  # tool call ids are call_0, call_1, ... over the session's life
         options.validate(engine.llm.num_layers, engine.use_slm)
         self.state = SequenceState(engine.llm, engine.context_length)  # the SLM joins on the first call that needs it
         self._opening = [{"role": "system", "content": system}] if system is not None else []
@@ -332,7 +374,8 @@ class Session:
         self._guard = threading.Lock()  # guards _busy and the cancel flag
         self._busy = False
         self.last: Generation | None = None
-        self._constraint: Constraint | None = None  # the running generation's response_format
+        self._constraint: Constraint | None = None  # the running generation's response_format or tool grammar
+        self._tool_choice: str | None = None  # the running generation's, None without tools
         self._held: list[int] | None = None  # what the LLM cache's rows hold after a listen(), beyond self.state
         self._turn_start = self._answer_start = 0  # where the last turn's message and its answer begin
 
@@ -434,25 +477,39 @@ class Session:
         leaves no trace."""
         engine, tokens = self.engine, self.state.tokens
         if isinstance(prompt, str) and not (self.chat or self.messages):
+            if self.tools:
+                raise InputError("tools go with chat messages: use engine.chat(tools=...) or pass a list of messages")
             if not tokens:
                 return Turn(0, engine.encode_prompt(prompt), [])
             if not prompt.strip():
                 raise InputError("the prompt is empty")
             return Turn(len(tokens), engine.encode(prompt), [])  # plain-text continuation
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-        if not any(m.get("content", "").strip() for m in messages):
+        if not any(_said(m) for m in messages):
             raise InputError("the messages are empty")
         if not tokens:
             if self._opening and messages[0].get("role") == "system":
                 raise InputError("this chat already has a system prompt (chat(system=...)): send user messages only")
-            return Turn(0, engine.encode_prompt(self.messages + messages), self.messages + messages)
-        # a later chat turn: close the assistant's answer and append only the new message
-        if len(messages) != 1 or messages[0]["role"] != "user" or not messages[0]["content"].strip():
-            raise InputError("a follow-up chat turn takes one non-empty user message")
+            return Turn(0, engine.encode_prompt(self.messages + messages, self.tools), self.messages + messages)
+        # a later chat turn: close the assistant's answer and append only the new message(s)
         drop_eos = tokens[-1] in engine.eos_ids  # the template's text below closes the turn
         fmt = engine.chat_format
-        new = engine.encode(fmt["assistant_to_user"] + messages[0]["content"] + fmt["user_suffix"])
-        return Turn(len(tokens) - drop_eos, new, self.messages + messages)
+        return Turn(len(tokens) - drop_eos, engine.encode(fmt["assistant_to_user"] + self._follow_up(messages) +
+                                                          fmt["user_suffix"]), self.messages + messages)
+
+    def _follow_up(self, messages: list[dict[str, Any]]) -> str:
+        """The text of a later turn: one user message, or the results of the last answer's calls."""
+        if len(messages) == 1 and messages[0].get("role") == "user" and (messages[0].get("content") or "").strip():
+            return messages[0]["content"]
+        called = {c["id"] for c in (self.messages[-1].get("tool_calls") or [])} if self.messages else set()
+        if not called or not all(m.get("role") == "tool" for m in messages):
+            raise InputError("a follow-up chat turn takes one non-empty user message, or (after an answer that "
+                             'called tools) {"role": "tool", "tool_call_id": ..., "content": ...} messages')
+        for m in messages:
+            if not isinstance(m.get("content"), str) or m.get("tool_call_id", next(iter(called))) not in called:
+                raise InputError(f"a tool result needs text content and the id of one of the last answer's calls "
+                                 f"({', '.join(sorted(called))}); got {m!r:.120}")
+        return self.engine.tool_format.results(messages)
 
     def _answer_room(self, options: DecodeOptions) -> tuple[int, int]:
         """(tokens an answer wants, positions kept free for speculative drafts)."""
@@ -474,12 +531,17 @@ class Session:
             raise InputError("the drop_oldest context policy works on chat messages; this session continues plain "
                              "text: use engine.chat(), or reset() the session")
         opening = turn.messages[:1] if turn.messages[0]["role"] == "system" else []
-        exchanges, latest = turn.messages[len(opening):-1], turn.messages[-1:]
-        if not exchanges:
+        new = next(i for i in range(len(turn.messages), 0, -1) if turn.messages[i - 1]["role"] not in ("user", "tool"))
+        exchanges, latest = turn.messages[len(opening):new], turn.messages[new:]
+        # an exchange begins at a user message: its answer, calls and their results go with it;
+        # tool results as the new turn keep the exchange whose answer called them
+        starts = [i for i, m in enumerate(exchanges) if m["role"] == "user" and i > 0]
+        starts += [] if latest[0]["role"] == "tool" else [len(exchanges)]
+        if not starts:
             return turn  # the turn alone does not fit: the usual error follows
-        for dropped in range(2, len(exchanges) + 2, 2):  # one user message and the answer to it at a time
-            messages = opening + exchanges[dropped:] + latest
-            tokens = self.engine.encode_prompt(messages)
+        for start in starts:
+            messages = opening + exchanges[start:] + latest
+            tokens = self.engine.encode_prompt(messages, self.tools)
             if len(tokens) + wanted + reserve <= capacity // 2:
                 break
         if len(tokens) + wanted + reserve > capacity:
@@ -487,9 +549,24 @@ class Session:
         keep = min(_common_prefix(self.state.tokens, tokens), len(tokens) - 1)
         return Turn(keep, tokens[keep:], messages)
 
-    def _begin(self, prompt: str | Messages, options: DecodeOptions) -> tuple[Generation, Iterator[TokenTrace]]:
+    def _constraint_for(self, options: DecodeOptions, tool_choice: ToolChoice) -> Constraint | None:
+        """The request's response_format, or its tools' grammar (once per request)."""
+        choice = parse_tool_choice(tool_choice, self.tools)
+        self._tool_choice = choice
+        if choice is None:
+            return self.engine.grammars.compile(options.response_format)
+        if options.stop:
+            raise InputError("stop strings would cut a tool call where it may be incomplete: drop them with tools")
+        if options.response_format is not None:
+            raise InputError("response_format and tools together are not supported: give one (tool_choice='none' "
+                             "for a plain answer in a chat with tools)")
+        grammar = tool_grammar(self.tools, choice, self.engine.tool_format, self.engine.markup_token)
+        return self.engine.grammars.compile({"type": "grammar", "grammar": grammar})
+
+    def _begin(self, prompt: str | Messages, options: DecodeOptions,
+               tool_choice: ToolChoice = None) -> tuple[Generation, Iterator[TokenTrace]]:
         """Check the turn, then set the sequence up for it: the first point of no return."""
-        constraint = self.engine.grammars.compile(options.response_format)  # once per request
+        constraint = self._constraint_for(options, tool_choice)
         turn = self._drop_oldest(self._next_turn(prompt), options)
         state = self.state
         wanted, reserve = self._answer_room(options)
@@ -526,14 +603,43 @@ class Session:
         return self.last, decoder.run(sequence[start:], budget, self.engine.eos_ids)
 
     def _finish(self, generation: Generation, text: str, finish: str) -> None:
+        if self._tool_choice is not None:
+            text = self._take_calls(generation)
         generation.text = text
         if self._cancel.is_set():
             finish = "cancelled"
         elif self._constraint is not None and not self._constraint.complete:
             finish = "incomplete"
+        elif generation.tool_calls and finish == "eos":
+            finish = "tool_calls"
         generation.finish_reason = finish
         if self.messages:
-            self.messages.append({"role": "assistant", "content": text})
+            answer: dict[str, Any] = {"role": "assistant", "content": text}
+            if generation.tool_calls:
+                answer["tool_calls"] = [call.to_message() for call in generation.tool_calls]
+            self.messages.append(answer)
+
+    def _take_calls(self, generation: Generation) -> str:
+        """The answer's content; its calls go to ``generation.tool_calls``."""
+        tokens = [t for t in generation.tokens if t not in self.engine.eos_ids]
+        raw = self.engine.tokenizer.decode(tokens, skip_special_tokens=False)
+
+        def new_id() -> str:
+            self._calls_made += 1
+            return f"call_{self._calls_made - 1}"
+
+        content, generation.tool_calls = split_tool_calls(raw, self.engine.tool_format, new_id)
+        if generation.tool_calls:
+            # the chat goes on from the calls as the template renders them: blank space the grammar
+            # let the model write after them (and its end-of-turn token) is not history
+            blank = 0
+            for token in reversed(generation.tokens):
+                if token not in self.engine.eos_ids and self.engine.decode([token]).strip():
+                    break
+                blank += 1
+            if blank and self.state.tokens[-blank:] == generation.tokens[-blank:]:
+                del self.state.tokens[-blank:]
+        return content
 
     def _options(self, overrides: dict[str, Any]) -> DecodeOptions:
         options = self.engine.resolve(self.options.updated(**overrides)) if overrides else self.options
@@ -542,12 +648,13 @@ class Session:
 
     # -- generation -----------------------------------------------------------------------------
 
-    def generate_tokens(self, prompt: str | Messages, **overrides: Any) -> Iterator[TokenTrace]:
+    def generate_tokens(self, prompt: str | Messages, tool_choice: ToolChoice = None,
+                        **overrides: Any) -> Iterator[TokenTrace]:
         """The new tokens' traces as they are decoded, with no text (benchmarks, token-level
         apps); ``self.last`` holds the generation."""
         options = self._options(overrides)
         with self._exclusive():
-            generation, traces = self._begin(prompt, options)
+            generation, traces = self._begin(prompt, options, tool_choice)
             try:
                 for trace in traces:
                     generation.tokens.append(trace.token)
@@ -558,14 +665,17 @@ class Session:
                 self._finish(generation, self.engine.decode(generation.tokens), finish)
 
     def stream(self, prompt: str | Messages, on_token: Callable[[TokenTrace], None] | None = None,
-               **overrides: Any) -> Iterator[str]:
+               tool_choice: ToolChoice = None, **overrides: Any) -> Iterator[str]:
         """Text pieces as they are decoded (a voice app speaks while the model writes). Each
         token's text is decoded once, from a short window; a tail that may begin a stop string
-        is held back until it is known not to."""
+        is held back until it is known not to. With tools, only the content is streamed (the
+        calls come in ``self.last.tool_calls`` at the end)."""
         options = self._options(overrides)
         with self._exclusive():
-            generation, traces = self._begin(prompt, options)
+            generation, traces = self._begin(prompt, options, tool_choice)
             detokenizer, stops = IncrementalDetokenizer(self.engine.decode), StopFilter(options.stop)
+            content = None if self._tool_choice is None else \
+                ContentFilter(self.engine.tool_format, self.engine.markup_token(self.engine.tool_format.call_open.strip()))
             shown: list[str] = []
             finish, last_text = "length", None
             try:
@@ -580,7 +690,7 @@ class Session:
                     if ended:
                         finish = "eos"
                         break
-                    if piece := stops.push(trace.text):
+                    if piece := stops.push(trace.text if content is None else content.push(trace.token, trace.text)):
                         shown.append(piece)
                         yield piece
                     if stops.stopped:
@@ -590,29 +700,32 @@ class Session:
                     tail = detokenizer.flush()
                     if last_text is not None:
                         last_text.text += tail
+                    if content is not None:
+                        tail = content.push(-1, tail) + content.flush()
                     if piece := stops.push(tail) + stops.flush():
                         shown.append(piece)
                         yield piece
             finally:
                 self._finish(generation, "".join(shown), finish)
 
-    def generate(self, prompt: str | Messages, **overrides: Any) -> Generation:
-        for _ in self.stream(prompt, **overrides):
+    def generate(self, prompt: str | Messages, tool_choice: ToolChoice = None, **overrides: Any) -> Generation:
+        for _ in self.stream(prompt, tool_choice=tool_choice, **overrides):
             pass
         return self.last
 
     # -- asyncio --------------------------------------------------------------------------------
 
     async def astream(self, prompt: str | Messages, on_token: Callable[[TokenTrace], None] | None = None,
-                      **overrides: Any) -> AsyncIterator[str]:
+                      tool_choice: ToolChoice = None, **overrides: Any) -> AsyncIterator[str]:
         """``stream`` for an event loop: the decode runs on a worker thread and its pieces are
         awaited here. Cancelling the awaiting task, or leaving the loop early, stops the decode
         within one token (see :mod:`edgeroute.runtime.aio`); ``on_token`` runs on the worker."""
-        async for piece in iterate_in_thread(lambda: self.stream(prompt, on_token, **overrides), self.cancel):
+        async for piece in iterate_in_thread(lambda: self.stream(prompt, on_token, tool_choice, **overrides),
+                                             self.cancel):
             yield piece
 
-    async def agenerate(self, prompt: str | Messages, **overrides: Any) -> Generation:
+    async def agenerate(self, prompt: str | Messages, tool_choice: ToolChoice = None, **overrides: Any) -> Generation:
         """``generate`` for an event loop (see :meth:`astream`)."""
-        async for _ in self.astream(prompt, **overrides):
+        async for _ in self.astream(prompt, tool_choice=tool_choice, **overrides):
             pass
         return self.last

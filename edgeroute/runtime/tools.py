@@ -1,0 +1,186 @@
+"""Tool calls (OpenAI function calling): tools in, typed calls out, always parseable.
+
+- :func:`parse_tools` checks tools in the OpenAI shape (``{"type": "function", "function":
+  {"name", "description", "parameters"}}``) and :func:`parse_tool_choice` the choice: "auto",
+  "required", "none" or ``{"type": "function", "function": {"name": ...}}``.
+- :func:`tool_grammar` is the Lark grammar (llguidance) an answer must fit: free text, and
+  wherever the model opens a call, a JSON object ``{"name": ..., "arguments": ...}`` valid
+  against that tool's parameters, written as the chat template writes calls; a call therefore
+  always parses and validates. With special-token markup (Qwen2.5's ``<tool_call>``) free text
+  cannot contain it; with text markup, free text excludes it.
+- :func:`split_tool_calls` turns the answer into its content and :class:`ToolCall` objects;
+  :class:`ContentFilter` lets a stream show the content only (a voice app must not speak JSON).
+
+The constraint is the same object as a ``response_format``'s, so every lossless mode gives the
+calls ``full`` gives.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from edgeroute.chat_format import ToolFormat
+from edgeroute.errors import InputError
+
+TOOL_CHOICES = ("auto", "required", "none")
+NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
+# a call's JSON as templates render it (Python's separators), so the model writes what it saw
+CALL_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: dict[str, Any]
+
+    def to_message(self) -> dict[str, Any]:
+        """The call as an OpenAI assistant message's ``tool_calls`` entry (arguments as JSON text)."""
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": json.dumps(self.arguments, ensure_ascii=False)}}
+
+
+def parse_tools(tools: Sequence[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """The tools, checked; each keeps the caller's dict (the prompt lists it as given)."""
+    if not tools:
+        return []
+    if isinstance(tools, (str, dict)) or not all(isinstance(t, dict) for t in tools):
+        raise InputError('tools must be a list of {"type": "function", "function": {"name": ..., "parameters": {...}}}')
+    names = []
+    for i, tool in enumerate(tools):
+        function = tool.get("function")
+        if tool.get("type") != "function" or not isinstance(function, dict):
+            raise InputError(f'tool {i} is not {{"type": "function", "function": {{...}}}} (got keys {sorted(tool)})')
+        name = function.get("name")
+        if not isinstance(name, str) or not NAME.match(name):
+            raise InputError(f"tool {i} has name {name!r}: 1-64 letters, digits, underscores or dashes")
+        if name in TOOL_CHOICES:  # tool_choice's own words
+            raise InputError(f"tool {i} is named {name!r}, a word tool_choice reserves: rename it")
+        parameters = function.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
+            raise InputError(f"tool {name}: parameters must be a JSON schema of an object (got {parameters!r:.60})")
+        names.append(name)
+    if len(set(names)) != len(names):
+        raise InputError(f"tool names must differ (got {', '.join(names)})")
+    return list(tools)
+
+
+def parse_tool_choice(choice: str | dict[str, Any] | None, tools: list[dict[str, Any]]) -> str | None:
+    """"auto", "required" or "none", or the name of the one tool to call. None: no tools."""
+    if choice is None:
+        choice = "auto"
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        if name is None:
+            raise InputError(f'tool_choice {choice!r} is not {{"type": "function", "function": {{"name": ...}}}}')
+        if name not in {t["function"]["name"] for t in tools}:
+            raise InputError(f"tool_choice names {name!r}, which is not one of the tools")
+        return name
+    if choice not in TOOL_CHOICES:
+        raise InputError(f"tool_choice {choice!r} is not one of {', '.join(TOOL_CHOICES)} or a named function")
+    if not tools:
+        if choice == "required":
+            raise InputError("tool_choice 'required' needs tools: give tools=[...]")
+        return None
+    return choice
+
+
+def _call_schema(tool: dict[str, Any]) -> dict[str, Any]:
+    function = tool["function"]
+    parameters = function.get("parameters", {"type": "object", "properties": {}})
+    return {"type": "object", "properties": {"name": {"const": function["name"]}, "arguments": parameters},
+            "required": ["name", "arguments"], "additionalProperties": False}
+
+
+def _lark_string(text: str) -> str:
+    return json.dumps(text)  # a JSON string literal is a Lark string literal
+
+
+def tool_grammar(tools: list[dict[str, Any]], choice: str, fmt: ToolFormat, special: Callable[[str], int | None]) -> str:
+    """The Lark grammar of an answer under ``choice`` ("auto", "required", "none" or a tool's
+    name). ``special`` gives the id of a markup string that is one special token (None if not)."""
+    chosen = [t for t in tools if t["function"]["name"] == choice] or tools
+    schema = {"anyOf": [_call_schema(t) for t in chosen]} if len(chosen) > 1 else _call_schema(chosen[0])
+    open_text, close_text = fmt.call_open.strip(), fmt.call_close.strip()
+    open_id = special(open_text)
+    rules = [f"call_json: %json {json.dumps({**schema, 'x-guidance': CALL_LAYOUT})}",
+             f"close: {_markup(fmt.call_close, close_text, special(close_text))}",
+             f"open: {_markup(fmt.call_open, open_text, open_id)}",
+             f"separator: {_lark_string(fmt.call_separator)}"]
+    if open_id is not None:  # free text cannot produce the special token that opens a call
+        rules.append("TEXT: /(.|\\n)*/")
+        auto = "TEXT (open call_json close TEXT)*"
+    else:  # free text must not contain the opening markup; the text before a call ends lazily at it
+        rules += [f"TEXT: /(.|\\n)*/ & ~/(.|\\n)*{_regex(open_text)}(.|\\n)*/",
+                  f"pre[lazy]: /(.|\\n)*{_regex(fmt.call_open)}/"]
+        auto = "TEXT | (pre call_json close)+ TEXT"
+    # after the calls, blank space may end the answer as well as the end-of-turn token does (a
+    # model that writes the separator must not be forced into another call), a little of it
+    rules.append("BLANK: /[ \\t\\n]{1,2}/")
+    start = {"none": "TEXT", "auto": auto, "required": "open call_json close (separator open call_json close)* BLANK?"}
+    return "\n".join(["%llguidance {}", f"start: {start.get(choice, 'open call_json close BLANK?')}", *rules]) + "\n"
+
+
+def _regex(text: str) -> str:
+    """A literal in a Lark regex (/.../ on one line: newlines escaped)."""
+    return re.escape(text).replace("\\\n", "\\n").replace("/", "\\/")
+
+
+def _markup(whole: str, text: str, token: int | None) -> str:
+    """A markup piece in Lark: its special token with the whitespace around it as text, or all text."""
+    if token is None:
+        return _lark_string(whole)
+    before, after = whole.split(text, 1)
+    return " ".join([*([_lark_string(before)] if before else []), f"<[{token}]>",
+                     *([_lark_string(after)] if after else [])])
+
+
+def split_tool_calls(text: str, fmt: ToolFormat, new_id: Callable[[], str]) -> tuple[str, list[ToolCall]]:
+    """The answer's content (before its first call) and its calls, from the raw text (markup
+    included). The grammar made every call parse; a call cut short (the token budget ran out)
+    is dropped and ends the content."""
+    open_text, close_text = fmt.call_open.strip(), fmt.call_close.strip()
+    content, *blocks = text.split(open_text)
+    calls = []
+    for block in blocks:
+        body, closed, _ = block.partition(close_text)
+        if not closed:
+            break
+        data = json.loads(body)
+        calls.append(ToolCall(new_id(), data["name"], data["arguments"]))
+    return content.removesuffix(fmt.call_separator).rstrip() if calls or blocks else content, calls
+
+
+class ContentFilter:
+    """What a stream may show of an answer with tools: the text before the first call. Text
+    that may begin a call's opening markup is held back until it is known not to."""
+
+    def __init__(self, fmt: ToolFormat, open_token: int | None) -> None:
+        self.opening, self.open_token = fmt.call_open.strip(), open_token
+        self.pending, self.calling = "", False
+
+    def push(self, token: int, text: str) -> str:
+        if self.calling:
+            return ""
+        if token == self.open_token:
+            self.calling = True
+            self.pending = ""
+            return ""
+        self.pending += text
+        if (at := self.pending.find(self.opening)) >= 0:
+            self.calling = True
+            return self.pending[:at].rstrip()
+        keep = max((k for k in range(len(self.opening) - 1, 0, -1) if self.pending.endswith(self.opening[:k])),
+                   default=0)
+        # a separator before a call is not content either: hold trailing whitespace back too
+        keep = max(keep, len(self.pending) - len(self.pending[:len(self.pending) - keep].rstrip()))
+        released, self.pending = self.pending[:len(self.pending) - keep], self.pending[len(self.pending) - keep:]
+        return released
+
+    def flush(self) -> str:
+        released, self.pending = ("" if self.calling else self.pending), ""
+        return released

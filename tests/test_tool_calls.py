@@ -1,0 +1,282 @@
+"""Tool calls (OpenAI function calling): every call the model makes parses and validates against
+its tool's parameters in every mode, tool_choice means what it says, results go back into the
+chat as the template would render them, streams carry the content only, and bad tools, choices
+and results are refused with the fix."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import llguidance
+import pytest
+from tokenizers import Tokenizer
+
+from edgeroute.chat_format import FALLBACK_TOOL_FORMAT, ToolFormat, format_messages
+from edgeroute.errors import InputError
+from edgeroute.export.chat import derive_chat_format, derive_tool_format, render
+from edgeroute.runtime.tools import ContentFilter, parse_tools, split_tool_calls, tool_grammar
+from tests.conftest import export_tiny
+
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "navigate", "description": "Start navigation to a destination.",
+        "parameters": {"type": "object", "properties": {"destination": {"type": "string", "maxLength": 12}},
+                       "required": ["destination"], "additionalProperties": False}}},
+    {"type": "function", "function": {
+        "name": "set_temperature", "description": "Set the cabin temperature.",
+        "parameters": {"type": "object", "properties": {
+            "celsius": {"type": "integer", "minimum": 16, "maximum": 28},
+            "zone": {"type": "string", "enum": ["driver", "passenger", "all"]}},
+            "required": ["celsius", "zone"], "additionalProperties": False}}},
+]
+SYSTEM = "You are the voice assistant of a car. Use the tools to act."
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+# a Hermes-style template with tools, in the shape of Qwen2.5's (system with a <tools> list,
+# calls in <tool_call> blocks, results as <tool_response> blocks in a user turn)
+HERMES_TEMPLATE = """{%- if tools %}<|im_start|>system
+{% if messages[0].role == 'system' %}{{ messages[0].content }}{% else %}You are helpful.{% endif %}
+
+# Tools
+<tools>{% for tool in tools %}
+{{ tool | tojson }}{% endfor %}
+</tools>
+Call one as <tool_call>
+{"name": ..., "arguments": ...}
+</tool_call><|im_end|>
+{% elif messages[0].role == 'system' %}<|im_start|>system
+{{ messages[0].content }}<|im_end|>
+{% else %}<|im_start|>system
+You are helpful.<|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == 'user' or (message.role == 'assistant' and not message.tool_calls) %}
+{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+{%- elif message.role == 'assistant' %}
+{{- '<|im_start|>assistant' }}{% if message.content %}{{ '\\n' + message.content }}{% endif %}
+{%- for call in message.tool_calls %}{% set call = call.function %}
+{{- '\\n<tool_call>\\n{"name": "' + call.name + '", "arguments": ' + (call.arguments | tojson) + '}\\n</tool_call>' }}
+{%- endfor %}{{ '<|im_end|>\\n' }}
+{%- elif message.role == 'tool' %}
+{%- if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}{{ '<|im_start|>user' }}{% endif %}
+{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}
+{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{ '<|im_end|>\\n' }}{% endif %}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+def _valid(call) -> None:
+    assert call.name in SCHEMAS, call
+    jsonschema.validate(call.arguments, SCHEMAS[call.name])
+
+
+# -- the format, taken apart at export ---------------------------------------------------------------
+
+def test_a_template_with_tools_is_taken_apart_into_pieces_that_reproduce_it():
+    chat_format = derive_chat_format(HERMES_TEMPLATE)
+    tools = ToolFormat.from_dict(chat_format["tools"])
+    assert tools.native and tools.call_open == "<tool_call>\n" and tools.response_open == "<tool_response>\n"
+    conversation = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Warmer please"},
+                    {"role": "assistant", "content": "",
+                     "tool_calls": [{"function": {"name": "set_temperature", "arguments": {"celsius": 23, "zone": "all"}}}]},
+                    {"role": "tool", "content": '{"ok": true}'}]
+    assert format_messages(chat_format, conversation, TOOLS) == render(HERMES_TEMPLATE, conversation, True, TOOLS)
+    # OpenAI messages carry the arguments as JSON text: rendered as the object they hold
+    conversation[2]["tool_calls"][0]["function"]["arguments"] = '{"celsius": 23, "zone": "all"}'
+    assert format_messages(chat_format, conversation, TOOLS) == render(HERMES_TEMPLATE, conversation[:2], False, TOOLS) + \
+        render(HERMES_TEMPLATE, conversation, True, TOOLS).split(render(HERMES_TEMPLATE, conversation[:2], False, TOOLS))[1] \
+        .replace('"{\\"celsius\\": 23, \\"zone\\": \\"all\\"}"', '{"celsius": 23, "zone": "all"}')
+
+
+def test_a_template_without_tools_gets_none_and_the_runtime_uses_the_fallback():
+    template = HERMES_TEMPLATE.replace("{%- if tools %}", "{%- if false %}")
+    chat_format = derive_chat_format(template)
+    assert chat_format is not None and "tools" not in chat_format
+    assert derive_tool_format(template, chat_format) is None
+    text = format_messages(chat_format, [{"role": "user", "content": "Hi"}], TOOLS)
+    assert '"name": "navigate"' in text and text.count("<tools>") == 2  # the fallback lists them in the system turn
+
+
+def test_pieces_that_do_not_reproduce_the_template_are_refused():
+    # a template that sorts the call's keys: the runtime's calls would not match what the model saw
+    template = HERMES_TEMPLATE.replace("(call.arguments | tojson)", "(call.arguments | tojson(sort_keys=true))")
+    chat_format = derive_chat_format(template)
+    assert derive_tool_format(template, {k: v for k, v in chat_format.items() if k != "tools"}) is None
+
+
+# -- grammar, split and stream filter, without a model -------------------------------------------------
+
+@pytest.fixture(scope="module")
+def smollm2_matcher(smollm2_tokenizer_dir):
+    path = smollm2_tokenizer_dir / "tokenizer.json"
+    tokenizer = Tokenizer.from_file(str(path))
+    compiled = llguidance.LLTokenizer(str(path), n_vocab=tokenizer.get_vocab_size(), eos_token=[0])
+
+    def fits(choice: str, text: str) -> bool:
+        grammar = tool_grammar(parse_tools(TOOLS), choice, FALLBACK_TOOL_FORMAT, lambda _: None)
+        matcher = llguidance.LLMatcher(compiled, llguidance.grammar_from("lark", grammar), log_level=0)
+        return all(matcher.consume_token(t) for t in tokenizer.encode(text).ids) and matcher.is_accepting()
+    return fits
+
+
+GOOD = '<tool_call>\n{"name": "set_temperature", "arguments": {"celsius": 21, "zone": "driver"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("wrong", [
+    GOOD.replace("set_temperature", "set_temp"),  # no such tool
+    GOOD.replace("21", "35"),  # out of range
+    GOOD.replace('"driver"', '"rear"'),  # not in the enum
+    GOOD.replace(', "zone": "driver"', ""),  # a required argument missing
+    GOOD.replace('"driver"}', '"driver", "fan": 3}'),  # an argument the tool does not take
+    GOOD.replace("21", '"21"'),  # a string for an integer
+])
+def test_the_grammar_refuses_calls_that_would_not_validate(smollm2_matcher, wrong):
+    assert smollm2_matcher("required", GOOD)
+    assert not smollm2_matcher("required", wrong)
+    assert not smollm2_matcher("auto", "Sure.\n" + wrong)
+
+
+def test_tool_choice_shapes_what_the_grammar_takes(smollm2_matcher):
+    text, two = "Turning it up.", GOOD + "\n" + GOOD.replace("21", "22")
+    assert smollm2_matcher("auto", text) and smollm2_matcher("auto", text + "\n" + GOOD)
+    assert smollm2_matcher("none", text) and not smollm2_matcher("none", GOOD)
+    assert not smollm2_matcher("required", text) and smollm2_matcher("required", two)
+    assert smollm2_matcher("set_temperature", GOOD) and not smollm2_matcher("set_temperature", two)
+    assert not smollm2_matcher("navigate", GOOD)
+
+
+def test_an_answer_splits_into_its_content_and_typed_calls():
+    ids = iter(range(10))
+    content, calls = split_tool_calls("On it.\n" + GOOD + "\n" + GOOD.replace("21", "22"), FALLBACK_TOOL_FORMAT,
+                                      lambda: f"call_{next(ids)}")
+    assert content == "On it."
+    assert [(c.id, c.name, c.arguments["celsius"]) for c in calls] == [("call_0", "set_temperature", 21),
+                                                                       ("call_1", "set_temperature", 22)]
+    assert json.loads(calls[0].to_message()["function"]["arguments"]) == {"celsius": 21, "zone": "driver"}
+    assert split_tool_calls("No call here.", FALLBACK_TOOL_FORMAT, lambda: "x") == ("No call here.", [])
+
+
+def test_a_stream_shows_text_until_a_call_opens_and_holds_back_what_may_open_one():
+    shown = ContentFilter(FALLBACK_TOOL_FORMAT, None)
+    pieces = [shown.push(0, t) for t in ["On it", ". <to", "day> ok", "\n<tool", "_call>\n{", '"name"']]
+    assert "".join(pieces) + shown.flush() == "On it. <today> ok"
+    special = ContentFilter(FALLBACK_TOOL_FORMAT, 7)
+    assert special.push(1, "Sure.") == "Sure." and special.push(7, "") == "" and special.push(2, "{") == ""
+
+
+# -- on a model ---------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tool_engine(tmp_path_factory, tiny_models):
+    """The tiny Llama with its one-layer SLM, exported with room for the tools' prompt."""
+    from edgeroute.runtime import Engine
+
+    src = tiny_models["llama"][0]
+    out = tmp_path_factory.mktemp("tiny-tools") / "llama"
+    export_tiny(src, out, slm=str(src), slm_layers=1, context_length=640)
+    return Engine(out)
+
+
+@pytest.mark.filterwarnings("ignore::edgeroute.errors.UnmeasuredQualityWarning")
+@pytest.mark.parametrize("mode", ["full", "speculate", "route", "skip"])
+def test_required_calls_parse_and_validate_in_every_mode_and_lossless_ones_equal_full(tool_engine, mode):
+    full = tool_engine.chat(system=SYSTEM, tools=TOOLS, max_new_tokens=60).generate(
+        "Set the driver side to 21 degrees.", tool_choice="required")
+    skip = {"protected_first": 1, "protected_last": 1} if mode == "skip" else {}
+    chat = tool_engine.chat(system=SYSTEM, tools=TOOLS, mode=mode, light="slm", max_new_tokens=60, **skip)
+    generation = chat.generate("Set the driver side to 21 degrees.", tool_choice="required")
+    if generation.finish_reason == "incomplete":  # a random model may run out of tokens inside a call
+        pytest.skip("the budget ended inside a call")
+    assert generation.tool_calls and generation.text == ""
+    for call in generation.tool_calls:
+        _valid(call)
+    if mode == "speculate":
+        assert generation.tokens == full.tokens and generation.tool_calls == full.tool_calls
+
+
+def test_a_named_tool_is_called_exactly_once_and_none_calls_nothing(tool_engine):
+    chat = tool_engine.chat(system=SYSTEM, tools=TOOLS, max_new_tokens=60)
+    named = chat.generate("Take me home.", tool_choice={"type": "function", "function": {"name": "navigate"}})
+    assert [c.name for c in named.tool_calls] == ["navigate"] and named.finish_reason == "tool_calls"
+    _valid(named.tool_calls[0])
+    quiet = tool_engine.chat(system=SYSTEM, tools=TOOLS, max_new_tokens=40).generate("Hi", tool_choice="none")
+    assert quiet.tool_calls == [] and "<tool_call>" not in quiet.text
+
+
+def test_an_auto_stream_carries_the_content_only_and_the_calls_come_with_the_generation(tool_engine):
+    chat = tool_engine.chat(system=SYSTEM, tools=TOOLS, max_new_tokens=80)
+    pieces = list(chat.stream("Set the driver side to 21 degrees."))
+    generation = chat.last
+    assert "".join(pieces) == generation.text and "<tool_call>" not in generation.text
+    raw = tool_engine.tokenizer.decode(generation.tokens, skip_special_tokens=False)
+    assert len(generation.tool_calls) == raw.count("</tool_call>")
+    for call in generation.tool_calls:
+        _valid(call)
+
+
+def test_tool_results_continue_the_chat_as_a_cold_prefill_of_the_whole_conversation_would(tool_engine):
+    chat = tool_engine.chat(system=SYSTEM, tools=TOOLS, max_new_tokens=60)
+    called = chat.generate("Take me to the airport.", tool_choice={"type": "function", "function": {"name": "navigate"}})
+    results = [{"role": "tool", "tool_call_id": called.tool_calls[0].id, "content": '{"eta_min": 25}'}]
+    answer = chat.generate(results, tool_choice="none", max_new_tokens=12)
+    assert [m["role"] for m in chat.messages] == ["system", "user", "assistant", "tool", "assistant"]
+    assert chat.messages[2]["tool_calls"][0]["function"]["name"] == "navigate"
+    # the sequence holds the text the template renders for the conversation so far
+    held = tool_engine.tokenizer.decode(chat.state.tokens[:chat._answer_start], skip_special_tokens=False)
+    assert held == format_messages(tool_engine.chat_format, chat.messages[:4], TOOLS)
+    assert answer.tool_calls == [] and chat.messages[4]["content"] == answer.text
+
+
+def test_bad_tools_choices_and_results_are_refused_with_the_fix(tool_engine):
+    with pytest.raises(InputError, match="list of"):
+        tool_engine.chat(tools={"type": "function"})
+    with pytest.raises(InputError, match="name"):
+        tool_engine.chat(tools=[{"type": "function", "function": {"name": "turn left"}}])
+    with pytest.raises(InputError, match="reserves"):
+        tool_engine.chat(tools=[{"type": "function", "function": {"name": "none"}}])
+    with pytest.raises(InputError, match="differ"):
+        tool_engine.chat(tools=TOOLS + TOOLS[:1])
+    with pytest.raises(InputError, match="object"):
+        tool_engine.chat(tools=[{"type": "function", "function": {"name": "x", "parameters": {"type": "array"}}}])
+    chat = tool_engine.chat(system=SYSTEM, tools=TOOLS, max_new_tokens=8)
+    with pytest.raises(InputError, match="tool_choice"):
+        chat.generate("Hi", tool_choice="sometimes")
+    with pytest.raises(InputError, match="not one of the tools"):
+        chat.generate("Hi", tool_choice={"type": "function", "function": {"name": "honk"}})
+    with pytest.raises(InputError, match="stop strings"):
+        chat.generate("Hi", stop=["."])
+    with pytest.raises(InputError, match="response_format and tools"):
+        chat.generate("Hi", response_format={"type": "json_object"})
+    with pytest.raises(InputError, match="needs tools"):
+        tool_engine.chat(max_new_tokens=8).generate("Hi", tool_choice="required")
+    with pytest.raises(InputError, match="chat messages"):
+        tool_engine.session(tools=TOOLS).generate("Hi")
+    chat.generate("Hi", tool_choice="none")
+    with pytest.raises(InputError, match="called tools"):  # the last answer made no call
+        chat.generate([{"role": "tool", "tool_call_id": "call_0", "content": "{}"}])
+    chat.generate("Home", tool_choice={"type": "function", "function": {"name": "navigate"}}, max_new_tokens=60)
+    with pytest.raises(InputError, match="one of the last answer's calls"):
+        chat.generate([{"role": "tool", "tool_call_id": "call_99", "content": "{}"}])
+
+
+def test_run_with_tools_prints_each_call_as_a_json_line(tool_engine, tmp_path):
+    from typer.testing import CliRunner
+
+    from edgeroute.cli import app
+
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps({"tools": TOOLS}))
+    result = CliRunner().invoke(app, ["run", str(tool_engine.bundle.path), "--prompt", "Warmer please", "--tools",
+                                      str(tools), "--tool-choice", "set_temperature", "--max-tokens", "60"])
+    assert result.exit_code == 0, result.output
+    calls = [json.loads(line)["tool_call"] for line in result.stdout.splitlines() if line.startswith('{"tool_call"')]
+    assert [c["name"] for c in calls] == ["set_temperature"]
+    jsonschema.validate(calls[0]["arguments"], SCHEMAS["set_temperature"])
+    missing = CliRunner().invoke(app, ["run", str(tool_engine.bundle.path), "--prompt", "x", "--tool-choice", "none"])
+    assert missing.exit_code == 2 and "--tool-choice needs --tools" in " ".join(missing.output.split())
+    tools.write_text("[")
+    broken = CliRunner().invoke(app, ["run", str(tool_engine.bundle.path), "--prompt", "x", "--tools", str(tools)])
+    assert broken.exit_code == 2 and "is not JSON" in " ".join(broken.output.split())
