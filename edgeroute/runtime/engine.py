@@ -274,13 +274,14 @@ class Engine:
         return Session(self, self.resolve(self.options.updated(**options)), chat=True, system=system,
                        context_policy=context_policy, tools=tools)
 
-    def share_prefix(self, system: str) -> int:
+    def share_prefix(self, system: str, tools: Tools | None = None) -> int:
         """Compute a system prompt's K/V once for this engine: every ``chat(system=...)`` with
-        the same text then starts from a copy instead of prefilling it, so its first turn's
-        time to first token does not pay for the system prompt (the SLM's K/V, when a mode
-        uses it, is computed once too, for the first session that needs it). The K/V stays in
-        memory for the engine's life. Returns the prefix length in tokens."""
-        tokens = tuple(self.encode_prompt([{"role": "system", "content": system}]))
+        the same text (and the same ``tools``: the template lists them in the system message)
+        then starts from a copy instead of prefilling it, so its first turn's time to first
+        token does not pay for the system prompt (the SLM's K/V, when a mode uses it, is
+        computed once too, for the first session that needs it). The K/V stays in memory for
+        the engine's life. Returns the prefix length in tokens."""
+        tokens = tuple(self.encode_prompt([{"role": "system", "content": system}], tools))
         with self._prefix_lock:
             if tokens not in self._prefixes:
                 self._prefixes[tokens] = {"llm": self._prefill(self.llm, tokens)}
