@@ -97,7 +97,7 @@ async def one_turn(engine, command: dict[str, Any], mode: str, listen: bool, arg
                                asr_delay=args.asr_delay)
     speaker = speaker_factory()
     assistant = VoiceAssistant(engine, speaker, tools=None if args.no_tools else CAR_TOOLS, listen_ahead=listen,
-                               max_new_tokens=args.max_new_tokens,
+                               max_new_tokens=args.max_new_tokens, tool_choice=args.tool_choice, confirm=args.confirm,
                                mode=mode, share_prefix=True, **({} if mode == "auto" else {"light": args.light}))
     # listen-ahead needs the words spoken in real time; without it nothing happens while they are
     speed = args.speed if listen else 0.0
@@ -143,7 +143,9 @@ def ms(value: float | None) -> str:
 def markdown(result: dict[str, Any]) -> str:
     summary = result["summary"]
     lines = [f"Voice latency, {result['bundle']}, {result['settings']['commands']} commands, backend "
-             f"{result['backend']}, {result['threads']} threads, TTS {result['tts']}, {result['created']}",
+             f"{result['backend']}, {result['threads']} threads, TTS {result['tts']}, tools "
+             + (f"tool_choice {result['settings']['tool_choice']}, confirm {result['settings']['confirm']}"
+                if result["settings"]["tools"] else "off") + f", {result['created']}",
              f"(`{result['command']}`; commit {(result['commit']['commit'] or '?')[:10]}"
              f"{' dirty' if result['commit']['dirty'] else ''}; {result['machine'].get('cpu')})", "",
              "End of speech to the first audio sample, ms (p50 / p95), and its parts:", "",
@@ -225,6 +227,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--asr-delay", type=float, default=0.0, help="seconds from the end of speech to the final transcript")
     parser.add_argument("--tts", choices=["auto", "espeak", "none"], default="auto")
     parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--tool-choice", default="auto", choices=["auto", "required"],
+                        help="the first generation's tool_choice (required: every command must call a tool)")
+    parser.add_argument("--confirm", choices=["model", "template"], default="model",
+                        help="after a tool ran: the model's words are spoken, or the car's own confirmation at once")
     parser.add_argument("--no-tools", action="store_true", help="chat without the car's tools (latency of words alone)")
     parser.add_argument("--warmup", type=int, default=1, help="commands run first per mode and not counted")
     parser.add_argument("--out", type=Path, default=ROOT / "bench-results" / "voice")
@@ -254,8 +260,10 @@ def main(argv: list[str] | None = None) -> int:
     samples: list[dict[str, Any]] = []
     started = time.perf_counter()
     for mode in modes:
-        for command in commands[:args.warmup]:  # warm the caches and the prefix of this mode's path
+        for command in commands[:args.warmup]:  # warm the caches, the grammars and the prefix of this mode's path
             asyncio.run(one_turn(engine, command, mode, False, args, speaker_factory))
+        if not args.no_tools:
+            VoiceAssistant(engine, NullSpeaker(), tool_choice=args.tool_choice, mode=mode).warm_up()
         for number, command in enumerate(commands, 1):
             for listen in listens:  # interleaved: a busy moment of the machine hits both settings alike
                 sample = asyncio.run(one_turn(engine, command, mode, listen, args, speaker_factory))
@@ -270,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
               "command": " ".join(shlex.quote(a) for a in [sys.executable, "-m", "tools.bench_voice", *(argv or sys.argv[1:])]),
               "commit": commit(), "machine": machine_info(), "notes": notes,
               "settings": {"commands": len(commands), "modes": modes, "light": args.light, "listen": args.listen,
+                           "tools": not args.no_tools, "tool_choice": args.tool_choice, "confirm": args.confirm,
                            "wpm": args.wpm, "speed": args.speed, "asr_delay": args.asr_delay,
                            "max_new_tokens": args.max_new_tokens, "warmup": args.warmup},
               "wall_seconds": time.perf_counter() - started, "samples": samples}

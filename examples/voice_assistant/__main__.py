@@ -35,6 +35,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--light", default=None, help="light path of speculate (default: slm when the bundle has one)")
     parser.add_argument("--no-listen-ahead", action="store_true", help="do not prefill partial transcripts")
     parser.add_argument("--no-tools", action="store_true", help="chat without the car's tools")
+    parser.add_argument("--tool-choice", default="auto",
+                        help="auto, required (every command calls a tool), none, or a tool's name")
+    parser.add_argument("--confirm", choices=["model", "template"], default="model",
+                        help="after a tool ran, speak the model's words (model) or the car's own confirmation at once")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--tts", choices=["auto", "espeak", "none"], default="auto",
                         help="auto: espeak-ng where installed, else no audio (the time the first sample would come)")
@@ -44,6 +48,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not args.say and not args.wav:
         parser.error("give at least one --say TEXT or --wav FILE")
     return args
+
+
+def tool_choice(text: str):
+    """auto, required, none, or a tool's name (a named choice)."""
+    if text in ("auto", "required", "none"):
+        return text
+    return {"type": "function", "function": {"name": text}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,7 +79,9 @@ def main(argv: list[str] | None = None) -> int:
         recognizer = ScriptedRecognizer(utterances)
     assistant = VoiceAssistant(engine, speaker, tools=None if args.no_tools else CAR_TOOLS,
                                listen_ahead=not args.no_listen_ahead, max_new_tokens=args.max_new_tokens,
-                               mode=args.mode, light=light)
+                               tool_choice=tool_choice(args.tool_choice), confirm=args.confirm, mode=args.mode,
+                               **({} if args.mode == "auto" else {"light": light}))
+    assistant.warm_up()
     if args.pause is None and not args.wav:  # one utterance after the other, each answer spoken to its end
         records = []
         for utterance in recognizer.utterances:

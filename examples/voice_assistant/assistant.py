@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from examples.voice_assistant.asr import Partial, Recognizer, ScriptedRecognizer, Utterance
-from examples.voice_assistant.car import CAR_TOOLS, CarState
+from examples.voice_assistant.car import CAR_TOOLS, CarState, confirmation
 from examples.voice_assistant.speech import SentenceSplitter, Speaker, speakable
 
 SYSTEM = ("You are the voice assistant of a car. When the driver asks for something a tool does, call the tool. "
@@ -47,13 +47,13 @@ class TurnRecord:
     listen_tokens: int = 0  # tokens they computed
     listen_seconds: float = 0.0
     listen_wait: float = 0.0  # after the final transcript, waiting for a listen in flight
-    first_token_at: float | None = None  # the first generation's first token (a tool call's too)
+    begin_at: float | None = None  # the first generation asked for (after the listen in flight)
+    first_token_at: float | None = None  # the first generation's first token the model picked (a tool call's too)
     tools_done_at: float | None = None  # tool calls decoded and run
     first_clause_at: float | None = None  # the first speakable chunk of the answer complete
     first_audio_at: float | None = None  # its first audio sample
     done_at: float | None = None
-    prompt_tokens: int = 0  # the first generation's prompt tokens computed after the final transcript
-    prefill_seconds: float = 0.0  # the runtime's time to first token (prefill and the first pick)
+    prompt_tokens: int = 0  # the first generation's prompt tokens after what the chat held (listen-ahead's included)
     tokens: list[int] = field(default_factory=list)  # the first generation's tokens
     finish_reason: str = ""
     tool_calls: list[dict[str, Any]] = field(default_factory=list)  # {"id", "name", "arguments"}
@@ -64,18 +64,19 @@ class TurnRecord:
 
     def breakdown(self) -> dict[str, float | None]:
         """Seconds from the end of the speech: ``asr`` (to the final transcript),
-        ``first_token`` (from it to the first token: a listen in flight, the prefill, the
-        first pick), ``tools`` (from the first token to the calls decoded and run; 0 without),
+        ``first_token`` (from it to the first token the model picks: a listen in flight, the
+        prefill, the first pick; tokens a tool call's grammar forces take no step and do not
+        count), ``tools`` (from the first token to the calls decoded and run; 0 without),
         ``first_clause`` (to the first speakable chunk: the answer's prefill after tool results
         and its decode), ``audio`` (from that chunk to its first audio sample) and ``total``
-        (end of speech to the first audio sample). ``prefill``: the runtime's own part of
-        ``first_token``."""
+        (end of speech to the first audio sample). ``prefill``: the part of ``first_token``
+        after the generation was asked for (the listen in flight is the rest)."""
         def span(a: float | None, b: float | None) -> float | None:
             return b - a if a is not None and b is not None else None
 
         after_token = self.tools_done_at if self.tools_done_at is not None else self.first_token_at
         return {"asr": span(self.speech_end, self.final_at), "first_token": span(self.final_at, self.first_token_at),
-                "prefill": self.prefill_seconds,
+                "prefill": span(self.begin_at, self.first_token_at),
                 "tools": span(self.first_token_at, self.tools_done_at) if self.tool_calls else 0.0,
                 "first_clause": span(after_token, self.first_clause_at),
                 "audio": span(self.first_clause_at, self.first_audio_at),
@@ -91,13 +92,24 @@ class VoiceAssistant:
     ``listen_ahead``: partial transcripts are prefilled while the driver speaks
     (``Session.listen``; the latest partial wins when one arrives while another is being
     prefilled). ``keep_interrupted``: a barge-in keeps what was said of the answer (else the
-    exchange is forgotten). ``clause_chars``, ``max_chars``: how the answer is cut into chunks
-    (:class:`SentenceSplitter`). ``decoding``: the chat's DecodeOptions fields (mode, light, ...)."""
+    exchange is forgotten). ``tool_choice``: the first generation's (auto, required, none or
+    a named tool); after one round of calls (``max_tool_rounds``) the model answers in words.
+    ``confirm``: "model", the model's words after the tool results are spoken; "template",
+    the car's own confirmation (``car.confirmation``) is spoken as soon as the calls ran, and
+    the model's words are kept in the chat unspoken (the first audio does not wait for a
+    second generation). ``context_policy``: the chat's ("drop_oldest": a conversation that
+    fills the context forgets its oldest exchanges; the system prompt stays). ``clause_chars``,
+    ``max_chars``: how the answer is cut into chunks (:class:`SentenceSplitter`).
+    ``decoding``: the chat's DecodeOptions fields (mode, light, ...)."""
 
     def __init__(self, engine, speaker: Speaker, *, system: str = SYSTEM, tools: list[dict[str, Any]] | None = CAR_TOOLS,
                  car: CarState | None = None, listen_ahead: bool = True, keep_interrupted: bool = True,
                  tool_choice: Any = "auto", max_tool_rounds: int = 1, clause_chars: int | None = 24, max_chars: int | None = 160,
-                 max_new_tokens: int = 64, share_prefix: bool = True, **decoding: Any) -> None:
+                 max_new_tokens: int = 64, share_prefix: bool = True, confirm: str = "model", context_policy: str = "drop_oldest",
+                 **decoding: Any) -> None:
+        if confirm not in ("model", "template"):
+            raise ValueError(f"confirm must be model or template (got {confirm!r})")
+        self.confirm, self.system = confirm, system
         self.engine, self.speaker, self.car = engine, speaker, car if car is not None else CarState()
         self.tools, self.tool_choice, self.max_tool_rounds = tools, tool_choice, max_tool_rounds
         self.listen_ahead, self.keep_interrupted = listen_ahead, keep_interrupted
@@ -105,15 +117,27 @@ class VoiceAssistant:
         if share_prefix:
             cache_system_prompt(engine, system, tools)
         extra = {"tools": tools} if tools else {}
-        self.chat = engine.chat(system=system, max_new_tokens=max_new_tokens, **extra, **decoding)
+        self._decoding = decoding
+        self.chat = engine.chat(system=system, context_policy=context_policy, max_new_tokens=max_new_tokens, **extra,
+                                **decoding)
         self.records: list[TurnRecord] = []
         self._response: asyncio.Task | None = None
         self._listener: asyncio.Task | None = None
         self._pending: str | None = None
         self._heard = {"listened": 0, "tokens": 0, "seconds": 0.0}
         self._generation = 0  # numbers the generations; _spoken: each one's chunks said so far
-        self._spoken: dict[int, list[str]] = {}
+        self._spoken: dict[int, list[str]] = {0: []}
         self._before: dict[int, Any] = {}  # chat.last before each generation (it began when that changed)
+
+    def warm_up(self) -> None:
+        """Before the driver speaks: compile the tool-call grammars this assistant uses (the
+        first request of each takes hundreds of milliseconds) in a throwaway chat."""
+        if not self.tools:
+            return
+        chat = self.engine.chat(system=self.system, tools=self.tools, **self._decoding)
+        for choice in [self.tool_choice] + [c for c in ("auto", "none") if c != self.tool_choice]:
+            chat.generate("hello", tool_choice=choice, max_new_tokens=1)
+            chat.reset()
 
     # -- listening ahead ---------------------------------------------------------------------
 
@@ -184,21 +208,25 @@ class VoiceAssistant:
                 number = self._generation
                 self._before[number], self._spoken[number] = self.chat.last, []
                 splitter = SentenceSplitter(self.clause_chars, self.max_chars)
+                silent = round_ > 0 and self.confirm == "template"
 
                 def first_token(trace, first=round_ == 0) -> None:  # on the decode's worker thread
-                    if first and record.first_token_at is None:
+                    # the first token the model picked (tokens a tool call's grammar forces take no step)
+                    if first and record.first_token_at is None and trace.source != "grammar":
                         record.first_token_at = time.perf_counter()
 
+                if round_ == 0:
+                    record.begin_at = time.perf_counter()
+
                 async for piece in self.chat.astream(prompt, on_token=first_token, **options):
-                    for chunk in splitter.push(piece):
+                    for chunk in [] if silent else splitter.push(piece):
                         self._queue(queue, number, chunk, record)
-                for chunk in splitter.flush():
+                for chunk in [] if silent else splitter.flush():
                     self._queue(queue, number, chunk, record)
                 generation = self.chat.last
                 if round_ == 0:
                     record.tokens, record.finish_reason = list(generation.tokens), generation.finish_reason
                     record.prompt_tokens = generation.stats.prompt_tokens
-                    record.prefill_seconds = generation.stats.time_to_first_token
                 record.answer += generation.text
                 calls = list(getattr(generation, "tool_calls", None) or [])
                 if not calls or round_ == self.max_tool_rounds:
@@ -210,6 +238,10 @@ class VoiceAssistant:
                     record.tool_results.append(result)
                     results.append({"role": "tool", "tool_call_id": call.id, "content": json.dumps(result)})
                 record.tools_done_at = time.perf_counter()
+                if self.confirm == "template":
+                    said = " ".join(confirmation(c["name"], c["arguments"], r) for c, r in
+                                    zip(record.tool_calls[-len(calls):], record.tool_results[-len(calls):], strict=True))
+                    self._queue(queue, 0, said + " ", record)  # generation 0: words of no generation
                 prompt = results
             queue.put_nowait(None)
             await speaking

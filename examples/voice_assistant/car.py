@@ -119,3 +119,22 @@ class CarState:
     def _set_reminder(self, text: str, time: str | None = None) -> dict[str, Any]:
         self.reminders.append({"text": text, "time": time})
         return {"ok": True, "reminder": text, "time": time}
+
+
+def confirmation(name: str, arguments: dict[str, Any], result: dict[str, Any]) -> str:
+    """What the car says it did, from the call and its result (the app's ``confirm="template"``:
+    spoken as soon as the call ran, without waiting for the model's own words)."""
+    if not result.get("ok"):
+        return "Sorry, I could not do that."
+    if name == "navigate":
+        return f"Navigating to {arguments['destination']}."
+    if name == "set_temperature":
+        zone = arguments.get("zone", "all")
+        where = "the temperature" if zone == "all" else f"the {zone} side" if zone != "rear" else "the rear"
+        return f"Setting {where} to {arguments['temperature_c']:g} degrees."
+    if name == "call":
+        return f"Calling {arguments['contact']}."
+    if name == "play_media":
+        return f"Playing {arguments['query']}."
+    at = f" at {arguments['time']}" if arguments.get("time") else ""
+    return f"I will remind you to {arguments['text']}{at}."
