@@ -416,3 +416,39 @@ def test_the_benchmark_judges_the_demo_models_tool_calls(smollm2_bundles, tmp_pa
         command = next(c for c in json.loads(COMMANDS_FILE.read_text())["commands"] if c["text"] == sample["command"])
         assert check_calls(command["expect"], sample["tool_calls"], CAR_TOOLS).ok == (
             sample["check"]["right_tool"] and sample["check"]["right_arguments"])
+
+
+# -- the runtime under the app: listen-ahead and the SLM ---------------------------------------------
+
+def count_slm_tokens(engine, monkeypatch) -> list[int]:
+    """The tokens each SLM pass computes."""
+    counts: list[int] = []
+    original = engine.slm.hidden_states
+
+    def hidden_states(cache, ids, *args, **kwargs):
+        counts.append(len(ids))
+        return original(cache, ids, *args, **kwargs)
+
+    monkeypatch.setattr(engine.slm, "hidden_states", hidden_states)
+    return counts
+
+
+def test_listening_ahead_starts_the_slm_from_the_shared_system_prompt(tool_engine, monkeypatch):
+    prefix = tool_engine.share_prefix(SYSTEM, tools=TOOLS)
+    tool_engine.chat(system=SYSTEM, tools=TOOLS, mode="speculate", light="slm").generate("Hi.", max_new_tokens=2)
+    counts = count_slm_tokens(tool_engine, monkeypatch)  # the SLM's copy of the prefix exists now
+    chat = tool_engine.chat(system=SYSTEM, tools=TOOLS, mode="speculate", light="slm", max_new_tokens=40)
+    chat.listen("Navigate to")
+    assert counts and sum(counts) < prefix / 2  # the partial's words, not the system prompt again
+    cold = tool_engine.chat(system=SYSTEM, tools=TOOLS, mode="speculate", light="slm", max_new_tokens=40)
+    assert chat.generate(FINAL, tool_choice="required").tokens == cold.generate(FINAL, tool_choice="required").tokens
+
+
+def test_a_full_chat_never_runs_the_slm_whatever_its_light_path(tool_engine, monkeypatch):
+    counts = count_slm_tokens(tool_engine, monkeypatch)
+    chat = tool_engine.chat(system=SYSTEM, mode="full", light="slm", max_new_tokens=4)
+    chat.listen("Navigate to")
+    chat.generate(FINAL)
+    assert counts == [] and chat.state.slm_drafter is None
+    chat.generate("And back?", mode="speculate")  # a call that drafts with it brings it in
+    assert counts and chat.state.slm_drafter is not None

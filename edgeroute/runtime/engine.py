@@ -33,7 +33,6 @@ from edgeroute.runtime.backend import ModelBackend, backend_for, open_model, res
 from edgeroute.runtime.calibrated import calibrated_options, format_token_ids
 from edgeroute.runtime.constraints import Constraint, GrammarCompiler
 from edgeroute.runtime.decoding import (
-    SLM_LIGHT_PATHS,
     DecodeOptions,
     Decoder,
     GenerationStats,
@@ -439,10 +438,13 @@ class Session:
             if computed:
                 self.engine.llm.forward(state.llm_cache, computed)
             self._held = sequence
-            if state.slm_drafter is None and (self.options.mode == "slm" or self.options.light in SLM_LIGHT_PATHS):
+            if state.slm_drafter is None and self.options.uses_slm:
                 state.attach_slm(self.engine.slm)
-            if state.slm_drafter is not None:
-                state.slm_drafter.prefill(sequence)
+            drafter = state.slm_drafter
+            if drafter is not None:
+                if not drafter.seen:  # from the engine's shared system prompt, as a generation starts
+                    drafter.seen = sequence[:self.engine._copy_shared_prefix(sequence, drafter.cache, "slm")]
+                drafter.prefill(sequence)
             return len(computed)
 
     def barge_in(self, spoken: str | None = None) -> None:
@@ -592,7 +594,7 @@ class Session:
         if state.llm_cache.length == 0:
             self.engine._copy_shared_prefix(sequence, state.llm_cache)
         self.messages = turn.messages
-        if (options.mode == "slm" or options.light in SLM_LIGHT_PATHS) and state.slm_drafter is None:
+        if options.uses_slm and state.slm_drafter is None:
             state.attach_slm(self.engine.slm)
         drafter = state.slm_drafter
         if drafter is not None and not drafter.seen:
