@@ -103,6 +103,8 @@ def test_timed_partials_speak_at_150_words_a_minute_with_the_asrs_revisions():
     utterance = timed_partials("call Anna Schmidt now", revisions=[(2, "call and a")])
     assert utterance.partials == [(0.4, "call"), (0.8, "call and a"), (pytest.approx(1.2), "call Anna Schmidt")]
     assert utterance.end == pytest.approx(1.6) and utterance.final == "call Anna Schmidt now"
+    endpointed = timed_partials("call Anna now", asr_delay=0.3)  # the ASR waits for silence: the whole text first
+    assert endpointed.partials[-1] == (pytest.approx(1.2), "call Anna now") and endpointed.end == pytest.approx(1.2)
 
     async def hear():
         return [event async for event in ScriptedRecognizer([utterance, "play jazz"], speed=0.05).events()]

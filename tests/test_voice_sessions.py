@@ -1,6 +1,6 @@
 """A voice session and another app's session on one model (the native backend) at the same time,
 from two threads: each gives exactly the tokens it gives alone. The voice side is the example
-app's asyncio loop (listen-ahead on timed partials, the answer streamed to a speaker); the other
+app's asyncio loop (listen-ahead on timed partials, tool calls, the answers streamed to a speaker); the other
 app chats on the same engine (speculating with the SLM, and with a JSON schema).
 
 Threads: libedgeroute runs one model's forwards one at a time (the model's lock; they share its
@@ -16,11 +16,11 @@ import time
 
 import pytest
 
-from examples.voice_assistant import NullSpeaker, ScriptedRecognizer, VoiceAssistant, timed_partials
+from examples.voice_assistant import CAR_TOOLS, NullSpeaker, ScriptedRecognizer, VoiceAssistant, timed_partials
 
 VOICE_SYSTEM = "You are the voice assistant of a car. Answer in one short sentence."
-COMMANDS = [timed_partials("Navigate to the airport and avoid the motorway.", revisions=[(3, "Navigate to there")]),
-            timed_partials("How long will it take?")]
+COMMANDS = [timed_partials("Navigate to the airport.", revisions=[(3, "Navigate to there")]),
+            timed_partials("Call Anna Schmidt.")]
 OTHER_SYSTEM = "You summarize messages for the driver in a few words."
 MESSAGES = ["Anna: running late, see you at eight at the station.", "Garage: your car is ready for pick-up tomorrow.",
             "Mum: don't forget the milk!"]
@@ -40,12 +40,13 @@ def engine(smollm2_bundles):
         pytest.skip(str(err))
 
 
-def voice(engine, mode: str) -> list[list[int]]:
-    assistant = VoiceAssistant(engine, NullSpeaker(), system=VOICE_SYSTEM, tools=None, max_new_tokens=16, mode=mode,
-                               light="slm")
+def voice(engine, mode: str) -> list:
+    """The voice app's turns (tool calls, their results, the spoken answers): its tokens and calls."""
+    assistant = VoiceAssistant(engine, NullSpeaker(), system=VOICE_SYSTEM, tools=CAR_TOOLS, tool_choice="required",
+                               max_new_tokens=40, mode=mode, light="slm")
     records = asyncio.run(assistant.run(ScriptedRecognizer(COMMANDS, speed=0.05)))
-    assert all(r.listened for r in records)
-    return [r.tokens for r in records]
+    assert all(r.listened and r.tool_calls for r in records)
+    return [(r.tokens, r.tool_calls, r.answer) for r in records] + [assistant.chat.messages]
 
 
 def other_app(engine) -> list[list[int]]:

@@ -4,8 +4,11 @@ with listen-ahead on and off, per decoding mode; and the tool calls' correctness
 Each command (tools/voice_commands.json: at least 30, with the calls they should make) is
 "spoken" by a scripted recognizer: a partial transcript after each word at ``--wpm`` words a
 minute (150: a driver's pace; some commands' early partials are wrong, as an ASR's guesses
-are), then the final transcript ``--asr-delay`` seconds after the speech ends (0: a scripted
-ASR; give your recognizer's endpointing time). It is answered by the example app
+are), then the final transcript ``--asr-delay`` seconds after the speech ends. With 0 (the
+default) the last word comes only with the final transcript, so listen-ahead has it to
+compute after the speech; with an endpointer's delay (``--asr-delay 0.3``: an ASR that waits
+for 300 ms of silence) the whole text comes as a partial when the last word is heard, and
+that delay counts in ``asr``. It is answered by the example app
 (examples/voice_assistant) in a fresh chat from the engine's shared system prompt: listen-ahead
 prefills the partials while the words are spoken (in real time); with it off the partials are
 ignored (and not waited for). The answer is streamed sentence by sentence to espeak-ng (``--tts
@@ -50,6 +53,7 @@ from tools.benchlib.voice import check_calls, percentiles
 ROOT = Path(__file__).resolve().parents[1]
 COMMANDS = Path(__file__).with_name("voice_commands.json")
 COMPONENTS = ("asr", "first_token", "prefill", "tools", "first_clause", "audio", "total")
+SUMMARIZED = (*COMPONENTS, "speech_to_token")
 
 
 def machine_info() -> dict[str, Any]:
@@ -121,7 +125,7 @@ def summarize(samples: list[dict[str, Any]], modes: list[str], listens: list[boo
             if not runs:
                 continue
             row = {"n": len(runs), "ran": sorted({r["ran"] for r in runs})}
-            for component in COMPONENTS:
+            for component in SUMMARIZED:
                 row[component] = percentiles([r["seconds"][component] for r in runs])
             row["right_tool"] = sum(r["check"]["right_tool"] for r in runs)
             row["right_calls"] = sum(r["check"]["right_tool"] and r["check"]["right_arguments"] for r in runs)
@@ -161,10 +165,16 @@ def markdown(result: dict[str, Any]) -> str:
     speedups = []
     for mode in result["settings"]["modes"]:
         on, off = summary["rows"].get(f"{mode} listen-on"), summary["rows"].get(f"{mode} listen-off")
-        if on and off and on["first_token"]["p50"] and off["first_token"]["p50"]:
-            speedups.append(f"{mode} {off['first_token']['p50'] / on['first_token']['p50']:.1f}x")
+        if on and off and on["speech_to_token"]["p50"] and off["speech_to_token"]["p50"]:
+            speedups.append(f"{mode} {ms(off['speech_to_token']['p50'])} / {ms(on['speech_to_token']['p50'])} ms = "
+                            f"{off['speech_to_token']['p50'] / on['speech_to_token']['p50']:.1f}x")
     if speedups:
         lines.append("End of speech to the first token, listen-ahead off / on (p50): " + ", ".join(speedups))
+    if result["settings"]["tools"] and result["settings"]["tool_choice"] == "required":
+        wordy = sum(not c["expect"] for c in load_commands(Path(result["settings"]["commands_file"]), None)
+                    [:result["settings"]["commands"]])
+        if wordy:
+            lines.append(f"tool_choice required: the {wordy} command(s) that expect no call cannot be right")
     wrong = [s for s in result["samples"] if not (s["check"]["right_tool"] and s["check"]["right_arguments"])]
     if wrong:
         lines += ["", "Wrong tool calls:", ""]
@@ -224,7 +234,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--wpm", type=float, default=150, help="speaking rate, words a minute")
     parser.add_argument("--speed", type=float, default=1.0, help="scripted speech: 1 real time (listen-ahead on)")
-    parser.add_argument("--asr-delay", type=float, default=0.0, help="seconds from the end of speech to the final transcript")
+    parser.add_argument("--asr-delay", type=float, default=0.0,
+                        help="seconds from the end of speech to the final transcript (an endpointer's silence)")
     parser.add_argument("--tts", choices=["auto", "espeak", "none"], default="auto")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--tool-choice", default="auto", choices=["auto", "required"],
@@ -278,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
               "command": " ".join(shlex.quote(a) for a in [sys.executable, "-m", "tools.bench_voice", *(argv or sys.argv[1:])]),
               "commit": commit(), "machine": machine_info(), "notes": notes,
               "settings": {"commands": len(commands), "modes": modes, "light": args.light, "listen": args.listen,
-                           "tools": not args.no_tools, "tool_choice": args.tool_choice, "confirm": args.confirm,
+                           "commands_file": str(args.commands_file), "tools": not args.no_tools,
+                           "tool_choice": args.tool_choice, "confirm": args.confirm,
                            "wpm": args.wpm, "speed": args.speed, "asr_delay": args.asr_delay,
                            "max_new_tokens": args.max_new_tokens, "warmup": args.warmup},
               "wall_seconds": time.perf_counter() - started, "samples": samples}

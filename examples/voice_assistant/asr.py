@@ -61,14 +61,18 @@ class Utterance:
 
 def timed_partials(text: str, wpm: float = WORDS_PER_MINUTE, revisions: Sequence[tuple[int, str]] = (),
                    asr_delay: float = 0.0, pause: float = 0.0) -> Utterance:
-    """``text`` spoken at ``wpm`` words a minute: a partial after each word but the last (the
-    final transcript carries that one). ``revisions``: (after word n, what the ASR heard so
-    far instead), e.g. (2, "call and a") before "call Anna"; each replaces the partial after
-    that word, as an ASR's early guesses do."""
+    """``text`` spoken at ``wpm`` words a minute: a partial after each word but the last; the
+    final transcript carries the last word, ``asr_delay`` seconds after the speech ended. With
+    an ``asr_delay`` (an endpointer that waits for silence before it calls the utterance
+    over) the whole text comes first as a partial, when the last word was heard, as streaming
+    ASRs do. ``revisions``: (after word n, what the ASR heard so far instead), e.g. (2, "call
+    and a") before "call Anna"; each replaces the partial after that word, as an ASR's early
+    guesses do."""
     words = text.split()
     per_word = 60.0 / wpm
     wrong = dict(revisions)
-    partials = [(per_word * n, wrong.get(n, " ".join(words[:n]))) for n in range(1, len(words))]
+    heard = range(1, len(words) + (1 if asr_delay > 0 else 0))
+    partials = [(per_word * n, wrong.get(n, " ".join(words[:n]))) for n in heard]
     return Utterance(text, partials, per_word * len(words), asr_delay, pause)
 
 

@@ -69,7 +69,8 @@ class TurnRecord:
         count), ``tools`` (from the first token to the calls decoded and run; 0 without),
         ``first_clause`` (to the first speakable chunk: the answer's prefill after tool results
         and its decode), ``audio`` (from that chunk to its first audio sample) and ``total``
-        (end of speech to the first audio sample). ``prefill``: the part of ``first_token``
+        (end of speech to the first audio sample); ``speech_to_token``: end of speech to the
+        first token (``asr`` + ``first_token``). ``prefill``: the part of ``first_token``
         after the generation was asked for (the listen in flight is the rest)."""
         def span(a: float | None, b: float | None) -> float | None:
             return b - a if a is not None and b is not None else None
@@ -80,7 +81,8 @@ class TurnRecord:
                 "tools": span(self.first_token_at, self.tools_done_at) if self.tool_calls else 0.0,
                 "first_clause": span(after_token, self.first_clause_at),
                 "audio": span(self.first_clause_at, self.first_audio_at),
-                "total": span(self.speech_end, self.first_audio_at)}
+                "total": span(self.speech_end, self.first_audio_at),
+                "speech_to_token": span(self.speech_end, self.first_token_at)}
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "breakdown": self.breakdown()}
