@@ -46,7 +46,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from examples.voice_assistant import EspeakSpeaker, NullSpeaker, ScriptedRecognizer, VoiceAssistant, timed_partials
+from examples.voice_assistant import (
+    CAR_TOOLS,
+    EspeakSpeaker,
+    NullSpeaker,
+    ScriptedRecognizer,
+    Utterance,
+    VoiceAssistant,
+    timed_partials,
+)
 from examples.voice_assistant.speech import espeak_available
 from tools.benchlib.voice import check_calls, percentiles
 
@@ -95,17 +103,15 @@ def available_modes(engine, wanted: list[str]) -> tuple[list[str], list[str]]:
 
 async def one_turn(engine, command: dict[str, Any], mode: str, listen: bool, args: argparse.Namespace,
                    speaker_factory) -> dict[str, Any]:
-    from examples.voice_assistant.car import CAR_TOOLS
-
     utterance = timed_partials(command["text"], args.wpm, [tuple(r) for r in command.get("revisions", [])],
                                asr_delay=args.asr_delay)
     speaker = speaker_factory()
     assistant = VoiceAssistant(engine, speaker, tools=None if args.no_tools else CAR_TOOLS, listen_ahead=listen,
                                max_new_tokens=args.max_new_tokens, tool_choice=args.tool_choice, confirm=args.confirm,
                                mode=mode, share_prefix=True, **({} if mode == "auto" else {"light": args.light}))
-    # listen-ahead needs the words spoken in real time; without it nothing happens while they are
-    speed = args.speed if listen else 0.0
-    [record] = await assistant.run(ScriptedRecognizer([utterance], speed=speed))
+    if not listen:  # nothing happens while the words are spoken: not waited for (the ASR's delay still is)
+        utterance = Utterance(utterance.final, [], 0.0, utterance.asr_delay)
+    [record] = await assistant.run(ScriptedRecognizer([utterance], speed=args.speed))
     check = check_calls(command["expect"], record.tool_calls, CAR_TOOLS)
     resolved = assistant.chat.options  # what auto chose
     return {"command": command["text"], "mode": mode, "listen_ahead": listen,
