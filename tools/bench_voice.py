@@ -21,7 +21,10 @@ transcript -> first token: a listen in flight, the prefill, the first pick; ``pr
 runtime's part), tools (first token -> calls decoded and run), first_clause (-> the first
 speakable chunk of the answer: after tool results, their prefill and the decode of the
 clause), audio (-> its first sample), total. Tool calls are judged by
-tools/benchlib/voice.py's ``check_calls`` (right tool; right arguments, normalised).
+tools/benchlib/voice.py's ``check_calls`` (right tool; right arguments, normalised). The first
+generation's ``tool_choice`` is ``required`` by default: the demo's and the pair's models do
+not write a call on their own (``--tool-choice auto`` shows it), so the three commands that
+expect words cannot be right then.
 
 Threads: ``--threads``, else $EDGEROUTE_THREADS, else the device profile's (``--profile``),
 else every core. Writes voice.json (machine, commit, command, settings, every sample), voice.md
@@ -244,8 +247,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="seconds from the end of speech to the final transcript (an endpointer's silence)")
     parser.add_argument("--tts", choices=["auto", "espeak", "none"], default="auto")
     parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--tool-choice", default="auto", choices=["auto", "required"],
-                        help="the first generation's tool_choice (required: every command must call a tool)")
+    parser.add_argument("--tool-choice", default="required", choices=["auto", "required"],
+                        help="the first generation's tool_choice: required (every command calls a tool; the commands "
+                             "that expect words cannot be right) or auto (whether the model calls on its own)")
     parser.add_argument("--confirm", choices=["model", "template"], default="model",
                         help="after a tool ran: the model's words are spoken, or the car's own confirmation at once")
     parser.add_argument("--no-tools", action="store_true", help="chat without the car's tools (latency of words alone)")

@@ -35,8 +35,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--light", default=None, help="light path of speculate (default: slm when the bundle has one)")
     parser.add_argument("--no-listen-ahead", action="store_true", help="do not prefill partial transcripts")
     parser.add_argument("--no-tools", action="store_true", help="chat without the car's tools")
-    parser.add_argument("--tool-choice", default="auto",
-                        help="auto, required (every command calls a tool), none, or a tool's name")
+    parser.add_argument("--tool-choice", default="required",
+                        help="required (every command calls a tool: the demo's and the pair's models do not write a "
+                             "call on their own), auto (for a model that does), none, or a tool's name")
     parser.add_argument("--confirm", choices=["model", "template"], default="model",
                         help="after a tool ran, speak the model's words (model) or the car's own confirmation at once")
     parser.add_argument("--max-new-tokens", type=int, default=64)
