@@ -41,10 +41,11 @@ def engine(smollm2_bundles):
 
 
 def voice(engine, mode: str) -> list:
-    """The voice app's turns (tool calls, their results, the spoken answers): its tokens and calls."""
+    """The voice app's turns (tool calls, their results, the spoken answers), each answered to its end
+    before the next is spoken: their tokens, calls and words, and the chat's history."""
     assistant = VoiceAssistant(engine, NullSpeaker(), system=VOICE_SYSTEM, tools=CAR_TOOLS, tool_choice="required",
-                               max_new_tokens=40, mode=mode, light="slm")
-    records = asyncio.run(assistant.run(ScriptedRecognizer(COMMANDS, speed=0.05)))
+                               max_new_tokens=64, mode=mode, light="slm")
+    records = [r for command in COMMANDS for r in asyncio.run(assistant.run(ScriptedRecognizer([command], speed=0.1)))]
     assert all(r.listened and r.tool_calls for r in records)
     return [(r.tokens, r.tool_calls, r.answer) for r in records] + [assistant.chat.messages]
 
