@@ -12,7 +12,9 @@ PAIR_PROMPT ?= Confirm this navigation request to the driver in one sentence.\ni
 NATIVE_SOURCES := $(shell find runtime/native -name '*.c' -o -name '*.h') runtime/native/build.py
 NATIVE_LIB := edgeroute/libedgeroute.so
 
-.PHONY: setup native native-aarch64 wheels c-test fuzz-native example pair demo demo-pair voice-demo voice-demo-pair bench-voice test lint bench-export clean
+.PHONY: setup native native-aarch64 wheels c-test fuzz-native example pair demo demo-pair test lint bench-export clean \
+	records bench-smollm2 bench-qwen bench-pair bench-avx2 bench-structured bench-calibration bench-kv bench-quality \
+	bench-memory bench-size bench-arm voice-demo voice-demo-pair bench-voice
 
 setup: $(VENV)/.installed $(NATIVE_LIB)
 
@@ -126,6 +128,50 @@ test: setup pair
 
 bench-export: setup
 	$(BIN)/python tools/bench_export.py
+
+# The figure records (docs/records/, tools/records.py): each target runs its records' commands on this
+# machine and rewrites them (machine, CPU flags, commit, raw samples, summary); restate the docs from them.
+# `make records` runs every pending one in sequence (about 100 minutes on a 2-core VM; time nothing else
+# meanwhile). llama.cpp figures need the bench extra: pip install '.[bench]'.
+RECORD := $(BIN)/python -m tools.records run
+
+records: setup $(BUNDLE)/manifest.json $(PAIR_BUNDLE)/manifest.json
+	$(RECORD) --pending
+
+bench-smollm2: setup $(BUNDLE)/manifest.json
+	$(RECORD) smollm2-ttft smollm2-kept
+
+bench-qwen: setup $(PAIR_BUNDLE)/manifest.json
+	$(RECORD) qwen-context
+
+bench-pair: setup $(PAIR_BUNDLE)/manifest.json
+	$(RECORD) pair-workloads
+
+# on an AVX2-only CPU, with llama.cpp's AVX2 build (docs/benchmarks.md)
+bench-avx2: setup $(BUNDLE)/manifest.json $(PAIR_BUNDLE)/manifest.json
+	$(RECORD) avx2-decode avx2-speculation avx2-smollm2 avx2-llama-passes
+
+bench-structured: setup $(PAIR_BUNDLE)/manifest.json
+	$(RECORD) pair-intents structured
+
+bench-calibration: setup $(PAIR_BUNDLE)/manifest.json
+	$(RECORD) pair-calibration
+
+bench-kv: setup $(BUNDLE)/manifest.json $(PAIR_BUNDLE)/manifest.json
+	$(RECORD) kv-formats
+
+bench-quality: setup $(BUNDLE)/manifest.json
+	$(RECORD) demo-quality
+
+bench-memory: setup $(BUNDLE)/manifest.json
+	$(RECORD) session-memory
+
+bench-size: setup pair
+	$(RECORD) pair-native-size
+
+# under qemu (tools/qemu/, docs/measured/2026-12-02-arm-kernels.md)
+bench-arm: setup $(BUNDLE)/manifest.json
+	$(RECORD) arm-kernels
 
 clean:
 	rm -rf $(VENV) bundles build-native $(NATIVE_LIB)

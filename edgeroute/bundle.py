@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from edgeroute.arch import ArchConfig
 from edgeroute.errors import BundleError, EdgerouteError
+from edgeroute.files import atomic_write
 from edgeroute.kv_formats import KV_DTYPES
 from edgeroute.skip_options import SkipOptions
 
@@ -78,12 +78,7 @@ def build_manifest(*, edgeroute_version: str, created: str, opset: int, tokenize
 
 def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
     """Write ``manifest.json`` atomically: a temporary file, fsync, then rename over the old one."""
-    tmp = directory / f".{MANIFEST}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(manifest, f, indent=1, allow_nan=False)  # strict JSON: any reader parses it
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, directory / MANIFEST)
+    atomic_write(directory / MANIFEST, json.dumps(manifest, indent=1, allow_nan=False))  # strict JSON
 
 
 # -- the calibration section ---------------------------------------------------------------------
@@ -455,11 +450,7 @@ class Bundle:
         for rel, data in files.items():
             if not rel.startswith(f"{CALIBRATION_DIR}/"):
                 raise ValueError(f"calibration files live under {CALIBRATION_DIR}/ (got {rel})")
-            target = self.path / rel
-            target.parent.mkdir(exist_ok=True)
-            tmp = target.with_name(f".{target.name}.tmp")
-            tmp.write_bytes(data)
-            os.replace(tmp, target)
+            atomic_write(self.path / rel, data)
             listed[rel] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
         manifest = {**self.manifest, "format_version": FORMAT_VERSION, "files": listed,
                     "calibration": calibration.to_dict()}

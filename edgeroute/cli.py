@@ -37,7 +37,7 @@ def _clear_errors():
     try:
         yield
     except EdgerouteError as err:
-        err_console.print(f"[bold red]error:[/] {escape(str(err))}")  # an error's [brackets] are text
+        err_console.print(f"[bold red]error:[/] {escape(str(err))}", soft_wrap=True)  # [brackets] are text; a path unbroken
         raise typer.Exit(2) from None
     finally:
         warnings.showwarning = shown
@@ -189,7 +189,7 @@ def inspect(
 def _native_here() -> str:
     """Which native kernels a bundle's native weights would run on here, or why none."""
     from edgeroute.errors import NativeBackendUnavailable
-    from edgeroute.runtime.native import native_kernels
+    from edgeroute.runtime.backends.native import native_kernels
 
     try:
         return f"the {native_kernels()} kernels"
@@ -340,7 +340,7 @@ def run(
     context_length: int = typer.Option(None, help="KV capacity per session"),
     no_slm: bool = typer.Option(False, "--no-slm", help="never load the SLM (less memory)"),
     exact_steps: bool = typer.Option(False, "--exact-steps", help="ONNX Runtime: full == speculate exactly"),
-    max_tokens: int = typer.Option(None, help="maximum new tokens"),
+    max_new_tokens: int = typer.Option(None, help="maximum new tokens"),
     temperature: float = typer.Option(None, help="sampling temperature (0: greedy)"),
     top_p: float = typer.Option(None, help="nucleus sampling mass"),
     seed: int = typer.Option(None, help="sampling seed"),
@@ -374,7 +374,7 @@ def run(
         if not prompt and not chat:
             raise EdgerouteError("give --prompt 'What is the capital of France?' or --chat")
         decoding = {k: v for k, v in dict(
-            mode=mode, light=light, max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
+            mode=mode, light=light, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
             stop=tuple(stop) if stop else None, router=router, route_threshold=route_threshold,
             route_check=route_check, draft_tokens=draft_tokens, draft_confidence=draft_confidence,
             lookup_min_match=lookup_min_match, lookup_tokens=lookup_tokens, importance_threshold=importance_threshold,
@@ -419,7 +419,7 @@ def run(
             if session.last.finish_reason == "incomplete":
                 incomplete.append(session.last)
                 err_console.print("[bold red]error:[/] the answer is incomplete: it ended before the response format's "
-                                  "structure was complete, so it is not valid output; raise --max-tokens")
+                                  "structure was complete, so it is not valid output; raise --max-new-tokens")
 
         incomplete = []
         try:
@@ -534,6 +534,17 @@ def _names(text: str | None) -> tuple[str, ...] | None:
     return tuple(part.strip() for part in text.split(",") if part.strip()) if text is not None else None
 
 
+def _floor_line(floor: dict) -> str:
+    import statistics
+
+    samples = floor["samples_gb_s"]
+    if not samples:
+        return "not measured"
+    llc = f", last-level cache {floor['llc_bytes'] / 2**20:.0f} MiB" if floor.get("llc_bytes") else ""
+    return (f"{statistics.median(samples):.1f} GB/s median, {min(samples):.1f}-{max(samples):.1f} over {len(samples)} "
+            f"reads of {floor['bytes'] / 2**20:.0f} MiB by {floor['threads']} thread(s){llc}, one per round")
+
+
 def _print_bench(report) -> None:
     """The CPU, then a table per model: each backend's medians per context."""
     cpu = report.cpu
@@ -544,24 +555,32 @@ def _print_bench(report) -> None:
                     ("bench", f"{report.threads} thread{'s' * (report.threads != 1)}, {report.clock} clock, "
                               f"{report.steps} steps, median of {report.repeats}"),
                     ("bandwidth", f"{report.bandwidth_gbs:g} GB/s ({report.profile})" if report.bandwidth_gbs
-                     else "unknown (no --profile with memory.bandwidth_gbs)")])
+                     else "unknown (no --profile with memory.bandwidth_gbs)"),
+                    *([("floor (measured)", _floor_line(report.floor))] if report.floor else [])])
     share = report.bandwidth_gbs is not None
+    floor = report.floor is not None
     models: dict[tuple[str, str], list] = {}
     for record in report.records:
         models.setdefault((record.bundle, record.role), []).append(record)
     for (bundle, role), records in models.items():
         table = Table(title=f"{bundle}: {role}", title_justify="left", box=None, padding=(0, 1))
-        for column in ("backend", "ctx", "tok/s", "TTFT s", "prefill t/s", "MB/tok", "GB/s", *(["BW"] if share else [])):
+        for column in ("backend", "ctx", "tok/s", "TTFT s", "prefill t/s", "MB/tok", "GB/s", *(["BW"] if share else []),
+                       *(["floor"] if floor else [])):
             table.add_column(column, justify="left" if column == "backend" else "right", no_wrap=True)
         for r in records:
             known = r.step_bytes is not None
             table.add_row(r.backend, str(r.context), f"{r.decode_tok_s:.1f}", f"{r.ttft_s:.3f}", f"{r.prefill_tok_s:.0f}",
                           f"{r.step_bytes / 1e6:.0f}" if known else "-", f"{r.gb_s:.1f}" if known else "-",
-                          *([f"{r.bandwidth_share:.0%}" if known else "-"] if share else []))
+                          *([f"{r.bandwidth_share:.0%}" if known else "-"] if share else []),
+                          *([f"{r.floor_share:.0%}" if r.floor_share is not None else "-"] if floor else []))
         console.print()
         console.print(table)
         for backend, runs_on in {r.backend: r.runs_on for r in records}.items():
             console.print(Text(f"  {backend}: {runs_on}", style="dim"))
+        floors = {r.context: r.floor_gb_s for r in records if r.floor_gb_s}
+        if floors:
+            console.print(Text("  floor read: " + ", ".join(f"{gb_s:.1f} GB/s at ctx {context}" for context, gb_s in
+                                                          floors.items()) + " (median of its rounds)", style="dim"))
     skipped: dict[tuple[str, str], list[str]] = {}
     for skip in report.skipped:
         skipped.setdefault((skip.backend, skip.reason), []).append(f"{skip.bundle} {skip.role}")
@@ -585,6 +604,7 @@ def bench(
     kernels: str = typer.Option("auto", help="native kernel set"),
     clock: str = typer.Option("wall", help="wall|cpu (the process's CPU time)"),
     no_verify: bool = typer.Option(False, "--no-verify", help="skip the files' and weights' checks"),
+    no_floor: bool = typer.Option(False, "--no-floor", help="skip the measured memory floor"),
     as_json: Path = typer.Option(None, "--json", help="write the records to this JSON file"),
 ) -> None:
     """Decode speed per backend and context vs memory bandwidth. Guide: docs/guide/bench.md."""
@@ -596,7 +616,7 @@ def bench(
     with _clear_errors():
         options = BenchOptions(contexts=_numbers(contexts, "contexts"), steps=steps, repeats=repeats, threads=threads,
                                clock=clock, profile=profile, backends=_names(backends) or (), roles=_names(roles),
-                               kernels=kernels, verify=not no_verify)
+                               kernels=kernels, verify=not no_verify, floor=not no_floor)
         report = run_bench(bundles, options, lambda line: err_console.print(Text(line, style="dim")))
     _print_bench(report)
     if as_json is not None:
@@ -608,11 +628,11 @@ def bench(
 @app.command("eval")
 def eval_tasks(
     bundle: Path = typer.Argument(..., help="bundle directory"),
-    tasks: str = typer.Option(..., help="task file (JSONL, see the guide) | builtin"),
+    tasks: str = typer.Option(..., help="task file (JSONL) | builtin"),
     modes: str = typer.Option("full,speculate/ngram,speculate/slm,route/slm", show_default=False,
                               help="full,MODE[/LIGHT],... (full,speculate/ngram,..)"),
     per_task: int = typer.Option(12, help="builtin: held-out prompts per task"),
-    max_tokens: int = typer.Option(64, help="maximum new tokens per answer"),
+    max_new_tokens: int = typer.Option(64, help="maximum new tokens per answer"),
     confidence: float = typer.Option(0.95, help="of the intervals and the loss bound"),
     task_loss: float = typer.Option(0.05, help="loss bound a lossy mode may show"),
     profile: str = typer.Option(None, help="device profile: NAME or FILE"),
@@ -646,7 +666,7 @@ def eval_tasks(
         engine = Engine(bundle, EngineOptions.from_profile(profile.split(",") if profile else None, backend=backend,
                                                            threads=threads))
         with _progress_bars() as update:
-            report = evaluate(engine, cases, modes, max_tokens, confidence, task_loss, llama_cpp, threads, update)
+            report = evaluate(engine, cases, modes, max_new_tokens, confidence, task_loss, llama_cpp, threads, update)
     print_report(report, console)
     if as_json is not None:
         as_json.parent.mkdir(parents=True, exist_ok=True)

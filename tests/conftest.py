@@ -165,7 +165,7 @@ class ForwardCall:
 
 def record_forward(monkeypatch, model) -> list[ForwardCall]:
     """Record every ``model.forward`` call (tokens, cache start, each layer's action, logits)."""
-    from edgeroute.runtime.model import plan_action
+    from edgeroute.runtime.layers import plan_action
 
     calls: list[ForwardCall] = []
     original = model.forward

@@ -1,5 +1,6 @@
 """libedgeroute as a C library: its own C tests under AddressSanitizer and UBSan (kernel sets
-against the generic one, the session API, bad input, a fuzzed file reader), and the C example
+against the generic one, the session API, tree forwards against their paths, bad input, a fuzzed
+file reader), emulated on other x86 and Arm CPUs, and the C example
 decoding the demo bundle exactly as the Python backend does."""
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from edgeroute.bundle import Bundle
 
 REPO = Path(__file__).resolve().parents[1]
 NATIVE = REPO / "runtime" / "native"
-native = pytest.importorskip("edgeroute.runtime.native")
+native = pytest.importorskip("edgeroute.runtime.backends.native")
 COMPILER = shutil.which("cc") or shutil.which("gcc")
 needs_compiler = pytest.mark.skipif(COMPILER is None, reason="no C compiler to build the C tests")
 
@@ -45,11 +46,23 @@ def _program(source: Path, out: Path, library: Path, flags: list[str]) -> Path:
     return out
 
 
+# The C test programs that run on every kernel set a CPU runs (tests/native/<name>.c): their
+# arguments after the work directory. test_c_api: the fuzz's iterations; test_tree: tree forwards
+# against their paths alone, kept paths, refusals (each set, each cache format).
+C_TESTS = {"test_c_api": ("3000",), "test_tree": ()}
+
+
+def _c_test_args(name: str, iterations: str) -> tuple[str, ...]:
+    """The arguments of C_TESTS[name], test_c_api's fuzz cut to ``iterations`` (emulated runs)."""
+    return (iterations,) if C_TESTS[name] else ()
+
+
 @needs_compiler
-def test_the_c_tests_pass_under_address_and_undefined_behaviour_sanitizers(tmp_path, asan_library):
-    sanitizers = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"]
-    program = _program(REPO / "tests" / "native" / "test_c_api.c", tmp_path / "test_c_api", asan_library, sanitizers)
-    done = subprocess.run([str(program), str(tmp_path), "3000"], capture_output=True, text=True, timeout=600)
+@pytest.mark.parametrize("name", list(C_TESTS))
+def test_the_c_tests_pass_under_address_and_undefined_behaviour_sanitizers(tmp_path, asan_library, name):
+    sanitizers = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-Wall", "-Werror"]
+    program = _program(REPO / "tests" / "native" / f"{name}.c", tmp_path / name, asan_library, sanitizers)
+    done = subprocess.run([str(program), str(tmp_path), *C_TESTS[name]], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     assert done.stdout.strip().splitlines()[-1].endswith(" passed, 0 failed")
     assert "ERROR: AddressSanitizer" not in done.stderr and "runtime error" not in done.stderr
@@ -117,13 +130,14 @@ QEMU_X86 = shutil.which("qemu-x86_64")
 @needs_compiler
 @pytest.mark.skipif(QEMU_X86 is None or platform.machine() != "x86_64",
                     reason="no qemu-x86_64 (Debian: qemu-user; .ci/run installs it) or not an x86-64 host")
-def test_the_avx2_kernels_pass_on_a_cpu_without_avx512(tmp_path):
+@pytest.mark.parametrize("name", list(C_TESTS))
+def test_the_avx2_kernels_pass_on_a_cpu_without_avx512(tmp_path, name):
     """Haswell has AVX2, FMA and F16C and no AVX-512: the avx2 set is chosen, and an AVX-512
     instruction slipped into it would fault here, on the machine CI runs on, whatever its CPU."""
     library = _build_script().build(tmp_path / "x86" / "libedgeroute.so", quiet=True)
-    program = _program(REPO / "tests" / "native" / "test_c_api.c", tmp_path / "test_c_api", library, [])
-    done = subprocess.run([QEMU_X86, "-cpu", "Haswell", str(program), str(tmp_path), "300"], capture_output=True,
-                          text=True, timeout=600)
+    program = _program(REPO / "tests" / "native" / f"{name}.c", tmp_path / name, library, [])
+    done = subprocess.run([QEMU_X86, "-cpu", "Haswell", str(program), str(tmp_path), *_c_test_args(name, "300")],
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "kernels here: avx2" in done.stdout
     assert done.stdout.strip().splitlines()[-1].endswith(" passed, 0 failed")
@@ -162,12 +176,13 @@ def _cross_program(source: Path, out: Path, library: Path) -> Path:
 
 
 @needs_qemu
+@pytest.mark.parametrize("name", list(C_TESTS))
 @pytest.mark.parametrize("cpu", list(BEST_ON))
-def test_the_aarch64_library_cross_builds_and_passes_its_c_tests_under_qemu(tmp_path, aarch64_library, cpu):
+def test_the_aarch64_library_cross_builds_and_passes_its_c_tests_under_qemu(tmp_path, aarch64_library, cpu, name):
     """One aarch64 binary for every aarch64 CPU: it picks the best Arm kernels each CPU runs, and
     the C tests hold every set the CPU runs (the best and all below it) to the generic one."""
-    program = _cross_program(REPO / "tests" / "native" / "test_c_api.c", tmp_path / "test_c_api", aarch64_library)
-    done = _qemu(cpu, aarch64_library, program, tmp_path, "500")
+    program = _cross_program(REPO / "tests" / "native" / f"{name}.c", tmp_path / name, aarch64_library)
+    done = _qemu(cpu, aarch64_library, program, tmp_path, *_c_test_args(name, "500"))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1].endswith(" passed, 0 failed")
     best = BEST_ON[cpu]

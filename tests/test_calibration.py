@@ -458,7 +458,7 @@ def test_a_calibrated_bundles_defaults_are_used_by_run(slm_bundle_copy):
     traces = list(engine.session(mode="route", light="slm").generate_tokens("one two three", max_new_tokens=6))
     assert all(t.router_score is not None and 0.0 <= t.router_score <= 1.0 for t in traces)
 
-    result = runner.invoke(app, ["run", str(slm_bundle_copy), "--prompt", "hello", "--max-tokens", "5",
+    result = runner.invoke(app, ["run", str(slm_bundle_copy), "--prompt", "hello", "--max-new-tokens", "5",
                                  "--mode", "auto", "--profile", "templated"])
     assert result.exit_code == 0, result.output
     assert "mode speculate" in " ".join(result.output.split())

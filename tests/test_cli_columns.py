@@ -64,7 +64,7 @@ def test_inspect_fits_80_columns_calibrated_or_not_and_gives_json(tiny_slm_bundl
 
 
 def test_run_and_sources_fit_80_columns(tiny_slm_bundle):
-    ran = edgeroute("run", str(tiny_slm_bundle), "--prompt", "Navigate to 221B Baker Street", "--max-tokens", "6",
+    ran = edgeroute("run", str(tiny_slm_bundle), "--prompt", "Navigate to 221B Baker Street", "--max-new-tokens", "6",
                     "--profile", "cpu,voice-command")
     assert ran.returncode == 0, ran.stderr
     assert_fits(ran.stderr, "run's summary")  # stdout is the model's answer

@@ -17,7 +17,7 @@ runner = CliRunner()
 def test_run_speculate_writes_one_trace_line_per_token_and_a_summary(tiny_slm_bundle, tmp_path):
     trace = tmp_path / "trace.jsonl"
     result = runner.invoke(app, ["run", str(tiny_slm_bundle), "--prompt", "one two three one two", "--raw",
-                                 "--mode", "speculate", "--max-tokens", "12", "--trace", str(trace)])
+                                 "--mode", "speculate", "--max-new-tokens", "12", "--trace", str(trace)])
     assert result.exit_code == 0, result.output
     records = [json.loads(line) for line in trace.read_text().splitlines()]
     assert len(records) == 12
@@ -26,13 +26,13 @@ def test_run_speculate_writes_one_trace_line_per_token_and_a_summary(tiny_slm_bu
 
 
 def test_run_output_equals_the_api_in_full_mode(tiny_slm_bundle, tiny_engine):
-    result = runner.invoke(app, ["run", str(tiny_slm_bundle), "--prompt", "Hello there", "--raw", "--max-tokens", "8"])
+    result = runner.invoke(app, ["run", str(tiny_slm_bundle), "--prompt", "Hello there", "--raw", "--max-new-tokens", "8"])
     assert result.exit_code == 0, result.output
     assert tiny_engine.generate("Hello there", max_new_tokens=8).text in result.output
 
 
 def test_run_takes_a_task_profile(tiny_slm_bundle):
-    result = runner.invoke(app, ["run", str(tiny_slm_bundle), "--prompt", "a b a b a", "--raw", "--max-tokens", "6",
+    result = runner.invoke(app, ["run", str(tiny_slm_bundle), "--prompt", "a b a b a", "--raw", "--max-new-tokens", "6",
                                  "--profile", "cpu,templated"])
     assert result.exit_code == 0, result.output
     assert "mode speculate" in result.output.replace("\n", " ")
@@ -54,7 +54,7 @@ def test_attention_kv_dtype_and_exact_steps_come_from_the_profile_or_the_options
             (["--profile", str(device), "--attention", "portable", "--exact-steps"], "portable", True, "auto"),
             (["--profile", str(narrow)], "auto", False, "float16"),
             (["--kv-dtype", "float16"], "auto", False, "float16")):
-        result = runner.invoke(app, ["run", str(tiny_slm_bundle), "--prompt", "a b a b", "--raw", "--max-tokens", "4",
+        result = runner.invoke(app, ["run", str(tiny_slm_bundle), "--prompt", "a b a b", "--raw", "--max-new-tokens", "4",
                                      *args])
         assert result.exit_code == 0, result.output
         assert (engines[-1].attention, engines[-1].exact_steps, engines[-1].kv_dtype) == (attention, exact, kv_dtype)
@@ -74,7 +74,7 @@ def test_run_rejects_bad_options_with_a_clear_error(tiny_slm_bundle):
 
 def test_run_chat_keeps_the_system_prompt_and_drops_old_turns_when_asked(tiny_slm_bundle, tiny_engine):
     turns = "\n".join(["Where is charging station number 7?"] * 8) + "\n/exit\n"
-    args = ["run", str(tiny_slm_bundle), "--chat", "--system", "Answer briefly.", "--max-tokens", "24"]
+    args = ["run", str(tiny_slm_bundle), "--chat", "--system", "Answer briefly.", "--max-new-tokens", "24"]
     dropped = runner.invoke(app, [*args, "--context-policy", "drop_oldest"], input=turns)
     assert dropped.exit_code == 0, dropped.output
     assert dropped.output.count("tokens,") == 8  # one summary per answered turn
@@ -91,7 +91,7 @@ def test_engine_with_a_profile_and_task_runs_exactly_like_run_with_the_same_flag
     built = []
     monkeypatch.setattr(runtime, "Engine", lambda bundle, options: built.append(options) or Engine(bundle, options))
     prompt = "Navigate to 221B Baker Street"
-    result = runner.invoke(app, ["run", str(tiny_slm_bundle), "--prompt", prompt, "--max-tokens", "12",
+    result = runner.invoke(app, ["run", str(tiny_slm_bundle), "--prompt", prompt, "--max-new-tokens", "12",
                                  "--profile", "jetson-orin-nano-8gb,voice-command"])
     assert result.exit_code == 0, result.output
     engine = Engine(tiny_slm_bundle, profile="jetson-orin-nano-8gb", task="voice-command",
@@ -119,3 +119,39 @@ def test_the_stats_line_names_the_native_kernel_set():
 
     assert _runs_on(SimpleNamespace(flavour="native", kernels="dotprod")) == "native dotprod kernels"
     assert _runs_on(SimpleNamespace(flavour="portable")) == "portable"
+
+
+# what `run` does not expose as a flag, and why: set from the Python API or a profile instead
+API_ONLY = {
+    "task": "a task profile: --profile TASK", "max_draft_tokens": "fitted by calibrate", "adaptive_draft": "API only",
+    "skip": "its fields are flags", "fallback": "its thresholds are calibrated", "draft_branches": "API only",
+    "protected_first": "a profile's", "protected_last": "a profile's", "scorer": "a profile's",
+    "providers": "onnxruntime-cuda picks them", "activations": "API only", "default_context": "a profile's",
+    "default_threads": "a profile's", "memory_budget": "a profile's", "decoding": "its fields are flags",
+    "profiles": "--profile", "slm": "--no-slm", "response_format": "--json-schema / --regex / --grammar",
+    "protect_format": "a task profile's", "protected_tokens": "derived from the bundle's tokenizer",
+}
+# flags that fill no option field: what to say and how, not how to decode
+CLI_ONLY = {"bundle", "prompt", "chat", "raw", "system", "context_policy", "profile", "no_slm", "json_schema", "regex",
+            "grammar", "trace", "tools", "tool_choice"}
+
+
+def test_every_option_field_is_a_run_flag_or_named_api_only_and_every_flag_fills_one():
+    """`run`'s flags are typed beside the option dataclasses they fill: a field added to one
+    without the other is a flag nobody can set, or a flag that sets nothing."""
+    import dataclasses
+    import inspect
+
+    from edgeroute.cli import run
+    from edgeroute.runtime.decoding import DecodeOptions
+    from edgeroute.runtime.options import EngineOptions
+    from edgeroute.runtime.policies import FallbackOptions
+    from edgeroute.skip_options import SkipOptions
+
+    fields = {f.name for cls in (DecodeOptions, EngineOptions, SkipOptions, FallbackOptions)
+              for f in dataclasses.fields(cls)}
+    fields -= {f.name for f in dataclasses.fields(FallbackOptions)}  # one switch: the fallback is calibrated
+    flags = set(inspect.signature(run).parameters)
+    assert sorted(fields - flags - set(API_ONLY)) == [], "option fields without a run flag (add one, or to API_ONLY)"
+    assert sorted(flags - fields - CLI_ONLY) == [], "run flags that fill no option field"
+    assert not set(API_ONLY) & flags, "named API-only but a flag exists"

@@ -234,7 +234,7 @@ runner = CliRunner()
 def test_cli_json_schema_answers_valid_json_and_traces_grammar_tokens(tiny_slm_bundle, tmp_path):
     schema, trace = tmp_path / "intent.json", tmp_path / "trace.jsonl"
     schema.write_text(json.dumps(INTENT))
-    result = runner.invoke(app, ["run", str(tiny_slm_bundle), "--prompt", PROMPTS[0], "--raw", "--max-tokens", str(NEW),
+    result = runner.invoke(app, ["run", str(tiny_slm_bundle), "--prompt", PROMPTS[0], "--raw", "--max-new-tokens", str(NEW),
                                  "--json-schema", str(schema), "--profile", "json", "--trace", str(trace)])
     assert result.exit_code == 0, result.output
     answer = result.stdout.strip().splitlines()[0]
@@ -246,7 +246,7 @@ def test_cli_json_schema_answers_valid_json_and_traces_grammar_tokens(tiny_slm_b
 def test_cli_truncated_structure_exits_3_with_an_error(tiny_slm_bundle, tmp_path):
     schema = tmp_path / "intent.json"
     schema.write_text(json.dumps(INTENT))
-    result = runner.invoke(app, ["run", str(tiny_slm_bundle), "--prompt", PROMPTS[0], "--raw", "--max-tokens", "5",
+    result = runner.invoke(app, ["run", str(tiny_slm_bundle), "--prompt", PROMPTS[0], "--raw", "--max-new-tokens", "5",
                                  "--json-schema", str(schema)])
     assert result.exit_code == 3, result.output
     assert "incomplete" in result.output and "Traceback" not in result.output

@@ -13,7 +13,7 @@ from edgeroute.export.reference import ReferenceModel, linear, rms_norm, rope
 from edgeroute.export.sources import load_source
 from edgeroute.runtime.decoding import DecodeOptions, Decoder, SequenceState
 from edgeroute.runtime.drafters import NgramDrafter, draft_lengths
-from edgeroute.runtime.model import DROP, RUN, SKIP, SKIP_MLP
+from edgeroute.runtime.layers import DROP, RUN, SKIP, SKIP_MLP
 from edgeroute.runtime.policies import FallbackMonitor, FallbackOptions
 from tests.conftest import OracleDrafter, record_forward, relative_error
 

@@ -447,13 +447,13 @@ def test_engine_refuses_a_nan_temperature_before_loading_a_model(tiny_slm_bundle
 
 def test_cli_run_trace_into_a_missing_folder_creates_the_folder(tiny_slm_bundle, tmp_path):
     trace = tmp_path / "runs" / "today" / "trace.jsonl"
-    result = invoke("run", str(tiny_slm_bundle), "--prompt", "hi", "--raw", "--max-tokens", "3", "--trace", str(trace))
+    result = invoke("run", str(tiny_slm_bundle), "--prompt", "hi", "--raw", "--max-new-tokens", "3", "--trace", str(trace))
     assert result.exit_code == 0, result.output
     assert len(trace.read_text().splitlines()) == 3
 
 
 def test_cli_run_trace_to_a_folder_exits_2_before_generating(tiny_slm_bundle, tmp_path):
-    result = invoke("run", str(tiny_slm_bundle), "--prompt", "hi", "--raw", "--max-tokens", "3", "--trace", str(tmp_path))
+    result = invoke("run", str(tiny_slm_bundle), "--prompt", "hi", "--raw", "--max-new-tokens", "3", "--trace", str(tmp_path))
     assert result.exit_code == 2, result.output
     assert words(result.output).startswith(f"error: --trace {tmp_path} is a folder: give a file path")
     assert "mode full" not in words(result.output)  # no stats line: nothing was generated
@@ -514,7 +514,7 @@ def test_the_native_library_refuses_a_fifo_or_a_folder_without_blocking(tmp_path
 
     from edgeroute.errors import NativeBackendUnavailable
 
-    native = pytest.importorskip("edgeroute.runtime.native")
+    native = pytest.importorskip("edgeroute.runtime.backends.native")
     try:
         lib = native.native_library()
     except NativeBackendUnavailable as err:

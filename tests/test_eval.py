@@ -39,7 +39,7 @@ def test_modes_parse_with_full_first_and_bad_names_refused():
     ('{"prompt": "hi", "messages": [], "assert": [{"type": "contains", "value": "a"}]}', "not both"),
     ('{"prompt": "hi", "asert": [{"type": "contains", "value": "a"}]}', "unknown key"),
     ('{"prompt": "hi", "assert": [{"type": "smells-right", "value": "a"}]}', "smells-right"),
-    ('{"prompt": "hi", "assert": [{"type": "contains", "value": "a"}], "max_tokens": 0}', "max_tokens"),
+    ('{"prompt": "hi", "assert": [{"type": "contains", "value": "a"}], "max_new_tokens": 0}', "max_new_tokens"),
     ("not json", "is not JSON"),
 ])
 def test_bad_task_files_are_clear_errors(tmp_path, line, message):
@@ -75,7 +75,7 @@ def test_eval_judges_every_assertion_type_and_fails_the_ones_that_must(tiny_slm_
     cases = [{"id": f"holds-{i}", "task": "holds", "prompt": prompt, "assert": [a]} for i, a in enumerate(holds)]
     cases += [{"id": f"fails-{i}", "task": "fails", "prompt": prompt, "assert": [a]} for i, a in enumerate(fails)]
     report = evaluate(engine, load_cases(write_cases(tmp_path / "t.jsonl", cases)), "full,speculate/ngram",
-                      max_tokens=12)
+                      max_new_tokens=12)
     for mode in ("full", "speculate/ngram"):
         assert report.per_task["holds"][mode]["task_pass"] == 1.0, [r["reason"] for r in report.runs[mode]]
         assert report.per_task["fails"][mode]["task_pass"] == 0.0
@@ -91,7 +91,7 @@ def test_eval_command_prints_the_table_and_writes_json_and_a_plot(tiny_slm_bundl
         {"id": "never", "prompt": "three four", "assert": [{"type": "contains", "value": "\x00"}]}])
     out, plot = tmp_path / "eval.json", tmp_path / "eval.png"
     result = runner.invoke(app, ["eval", str(tiny_slm_bundle), "--tasks", str(tasks), "--modes",
-                                 "full,speculate/ngram,route/slm", "--max-tokens", "8", "--json", str(out),
+                                 "full,speculate/ngram,route/slm", "--max-new-tokens", "8", "--json", str(out),
                                  "--plot", str(plot)])
     assert result.exit_code == 0, result.output
     printed = " ".join(result.output.split())
@@ -119,14 +119,14 @@ def test_eval_on_the_demo_model_passes_a_fact_it_knows_and_fails_a_wrong_one(smo
          "assert": [{"type": "icontains", "value": "Paris"}]},
         {"id": "wrong", "prompt": "What is the capital of France? Answer in one short sentence.",
          "assert": [{"type": "icontains", "value": "Madrid"}]}])
-    report = evaluate(Engine(bundle), load_cases(tasks), "full,speculate/ngram", max_tokens=24)
+    report = evaluate(Engine(bundle), load_cases(tasks), "full,speculate/ngram", max_new_tokens=24)
     passed = {r["case"]: r["pass"] for r in report.runs["full"]}
     assert passed == {"paris": True, "wrong": False}, report.runs["full"]
 
 
 def test_eval_says_why_there_is_no_llama_cpp_row_where_it_cannot_run_the_same_model(tiny_slm_bundle, tmp_path):
     tasks = write_cases(tmp_path / "t.jsonl", [{"prompt": "one", "assert": [{"type": "regex", "value": "."}]}])
-    report = evaluate(Engine(tiny_slm_bundle), load_cases(tasks), "full", max_tokens=4, llama_cpp=True)
+    report = evaluate(Engine(tiny_slm_bundle), load_cases(tasks), "full", max_new_tokens=4, llama_cpp=True)
     assert "llama.cpp" not in report.runs and len(report.notes) == 1
     assert "not a GGUF" in report.notes[0] or "not installed" in report.notes[0]
 

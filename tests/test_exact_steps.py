@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from edgeroute.runtime import Bundle, Engine
+from edgeroute.runtime.backends.onnxruntime import OrtModel
 from edgeroute.runtime.evaluate import tokenize_text
-from edgeroute.runtime.model import OrtModel
 from edgeroute.texts import evaluation_text
 
 PROMPTS = [

@@ -74,8 +74,9 @@ def test_tensorrt_parses_every_graph_of_a_tensorrt_target_bundle(tiny_models, tm
 def test_build_engines_builds_a_tensorrt_target_bundle_then_reuses_the_cache(tiny_models, tmp_path_factory):
     """Not yet run on hardware (docs/guide/gpu.md)."""
     pytest.importorskip("tensorrt", reason="TensorRT is not installed (pip install '.[gpu]' on a GPU machine)")
+    from edgeroute.runtime.backends.tensorrt_engines import gpu_identity
     from edgeroute.runtime.profiles import load_profile
-    from edgeroute.tensorrt.engines import build_engines, gpu_identity
+    from edgeroute.tensorrt.engines import build_engines
 
     try:
         gpu_identity()
@@ -108,7 +109,7 @@ def _require_tensorrt_backend() -> None:
     """Skips (with the reason) where backend='tensorrt' cannot run: no TensorRT, cuda-python or GPU."""
     pytest.importorskip("tensorrt", reason="TensorRT is not installed (pip install '.[gpu]' on a GPU machine)")
     pytest.importorskip("cuda.bindings.runtime", reason="cuda-python is not installed (pip install '.[gpu]')")
-    from edgeroute.tensorrt.engines import gpu_identity
+    from edgeroute.runtime.backends.tensorrt_engines import gpu_identity
 
     try:
         gpu_identity()
@@ -120,9 +121,9 @@ def test_tensorrt_backend_runs_the_tensorrt_target_like_the_cpu(tiny_models, tmp
     """TrtModel's logits (every engine kind: a plan skipping a layer and an MLP) against ONNX
     Runtime CPU on the same graphs. Not yet run on hardware (docs/guide/gpu.md)."""
     _require_tensorrt_backend()
-    from edgeroute.runtime.model import RUN, SKIP, SKIP_MLP
+    from edgeroute.runtime.backends.tensorrt import TrtModel
+    from edgeroute.runtime.layers import RUN, SKIP, SKIP_MLP
     from edgeroute.runtime.profiles import load_profile
-    from edgeroute.runtime.trt import TrtModel
     from edgeroute.tensorrt.engines import build_engines
 
     root = tmp_path_factory.mktemp("gpu-trt-backend")

@@ -13,7 +13,7 @@ import pytest
 from edgeroute.arch import ArchConfig
 from edgeroute.export.graphs import GraphBuilder, build_embed
 from edgeroute.export.tensors import BlockQuantWeight, Linear, fuse_linears
-from edgeroute.runtime.model import session_options
+from edgeroute.runtime.backends.onnxruntime import session_options
 
 ARCH = ArchConfig(family="qwen2", hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,
                   intermediate_size=128, vocab_size=300, rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=64)

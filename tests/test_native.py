@@ -18,10 +18,11 @@ from edgeroute.errors import BundleError, InputError, NativeBackendUnavailable
 from edgeroute.export.gguf_blocks import decode_gguf_tensor
 from edgeroute.runtime import Engine
 from edgeroute.runtime.backend import resolve_kv_dtype
+from edgeroute.runtime.backends.onnxruntime import OrtModel
+from edgeroute.runtime.layers import DROP, RUN, SKIP, SKIP_MLP
 from edgeroute.runtime.memory import estimate
-from edgeroute.runtime.model import DROP, RUN, SKIP, SKIP_MLP, OrtModel
 
-native = pytest.importorskip("edgeroute.runtime.native")
+native = pytest.importorskip("edgeroute.runtime.backends.native")
 
 
 def unavailable(kernels: str) -> str | None:

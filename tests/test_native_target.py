@@ -15,10 +15,10 @@ from edgeroute.errors import EdgerouteError, InputError, NativeBackendUnavailabl
 from edgeroute.export import ExportOptions, export_bundle
 from edgeroute.runtime import Engine
 from edgeroute.runtime.backend import open_model
-from edgeroute.runtime.model import OrtModel
+from edgeroute.runtime.backends.onnxruntime import OrtModel
 from edgeroute.runtime.options import EngineOptions
 
-native = pytest.importorskip("edgeroute.runtime.native")
+native = pytest.importorskip("edgeroute.runtime.backends.native")
 try:
     UNAVAILABLE = None if native.native_kernels() != "generic" else "only the generic kernels run here"
 except native.NativeBackendUnavailable as err:

@@ -79,7 +79,7 @@ def test_the_pair_passes_the_task_checks_with_speculation_writing_fulls_text(pai
     """The first held-out prompt of every judged task (all passed by ``full`` in
     docs/measured/2026-12-04-task-quality.md), judged as ``edgeroute eval`` judges them."""
     cases = [prompt_case(p) for p in held_out_prompts(1, JUDGED_TASKS)]
-    report = evaluate(Engine(Bundle.open(pair.out)), cases, modes="full,speculate/slm", max_tokens=48)
+    report = evaluate(Engine(Bundle.open(pair.out)), cases, modes="full,speculate/slm", max_new_tokens=48)
     for config, rows in report.runs.items():
         assert [r["case"] for r in rows] == [c.id for c in cases], config
         failed = [(r["case"], r["reason"], r.get("text")) for r in rows if r["pass"] is False]

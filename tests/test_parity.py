@@ -12,8 +12,7 @@ import torch
 from edgeroute.bundle import ATTENTION_VARIANTS
 from edgeroute.errors import InputError
 from edgeroute.runtime import Bundle, OrtModel
-from edgeroute.runtime import model as model_module
-from edgeroute.runtime.model import choose_flavour
+from edgeroute.runtime.backends.onnxruntime import choose_flavour
 from tests.conftest import relative_error
 
 FAMILIES = ("llama", "qwen2", "qwen3")
@@ -76,7 +75,7 @@ def test_long_prompt_runs_in_chunks_with_the_same_logits(variant, tiny_bundles, 
     ids = PROMPT * 3
     whole, chunked = model.new_cache(), model.new_cache()
     want = model.forward(whole, ids, all_logits=True)
-    monkeypatch.setattr(model_module, "PREFILL_CHUNK", 4)
+    monkeypatch.setattr(model, "chunk_tokens", 4)  # passes of 4 tokens
     got = model.forward(chunked, ids, all_logits=True)
     assert got.shape == want.shape and chunked.length == len(ids)
     assert relative_error(got, want) <= 1e-5

@@ -145,7 +145,7 @@ def test_profiles_load_from_an_installed_wheel(installed_wheel, tmp_path):
 
     script = textwrap.dedent("""
         import json, edgeroute
-        from edgeroute.runtime.native import library_path, native_header
+        from edgeroute.runtime.backends.native import library_path, native_header
         from edgeroute.runtime.profiles import known_profiles, load_profile
         profile = load_profile("jetson-orin-nano-8gb,templated")
         print(json.dumps({"package": edgeroute.__file__, "files": sorted(str(f) for f in known_profiles().values()),
@@ -170,7 +170,7 @@ def test_an_installed_wheel_runs_the_native_backend_with_no_compiler_on_the_path
     _, site = installed_wheel
     env = {**_installed_env(site), "PATH": str(tmp_path / "no-tools")}
     command = [sys.executable, "-c", "from edgeroute.cli import app; app()", "run", str(smollm2_bundles["int4"][0]),
-               "--backend", "native", "--mode", "full", "--max-tokens", "8", "--prompt", "Hi!"]
+               "--backend", "native", "--mode", "full", "--max-new-tokens", "8", "--prompt", "Hi!"]
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "native" in done.stdout + done.stderr

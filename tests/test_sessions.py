@@ -286,7 +286,7 @@ def test_cancel_while_idle_does_nothing_and_cancel_before_the_first_token_yields
 
 def test_a_long_prompt_hands_freed_memory_back_and_a_short_one_does_not(tiny_engine, monkeypatch):
     trims = []
-    monkeypatch.setattr("edgeroute.runtime.model.release_freed_memory", lambda: trims.append(1))
+    monkeypatch.setattr("edgeroute.runtime.backends.onnxruntime.release_freed_memory", lambda: trims.append(1))
     session = tiny_engine.session()
     session.generate("word " * 80, max_new_tokens=2)
     assert trims == [1]
@@ -335,7 +335,7 @@ def test_freed_large_blocks_go_back_to_the_os_after_malloc_is_tuned():
     script = """if True:
         import os
         import numpy as np
-        from edgeroute.runtime.model import tune_malloc
+        from edgeroute.runtime.backends.onnxruntime import tune_malloc
         def rss():
             return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") >> 20
         tune_malloc()

@@ -15,7 +15,7 @@ import pytest
 from edgeroute.bundle import Bundle
 from edgeroute.errors import InputError
 
-native = pytest.importorskip("edgeroute.runtime.native")
+native = pytest.importorskip("edgeroute.runtime.backends.native")
 WORKERS, OPS, CAPACITY = 3, 12, 32
 
 

@@ -18,7 +18,7 @@ from edgeroute.calibration.skipping import (
 from edgeroute.calibration.thresholds import BudgetUnreachable
 from edgeroute.runtime.calibrated import calibrated_options
 from edgeroute.runtime.decoding import DecodeOptions
-from edgeroute.runtime.model import RUN, SKIP, SKIP_MLP
+from edgeroute.runtime.layers import RUN, SKIP, SKIP_MLP
 from edgeroute.runtime.policies import SkipController
 from edgeroute.skip_options import SkipOptions
 

@@ -12,7 +12,7 @@ from edgeroute.bundle import Bundle
 from edgeroute.errors import BundleError, EdgerouteError
 from edgeroute.export.vocab import select_vocabulary
 from edgeroute.runtime import Engine
-from edgeroute.runtime.model import OrtModel
+from edgeroute.runtime.backends.onnxruntime import OrtModel
 from edgeroute.runtime.vocab import HeadVocabulary
 from tests.conftest import export_tiny, make_tiny_model
 

@@ -1,4 +1,4 @@
-"""The TensorRT backend (``backend="tensorrt"``, edgeroute/runtime/trt.py) without a GPU.
+"""The TensorRT backend (``backend="tensorrt"``, edgeroute/runtime/backends/tensorrt.py) without a GPU.
 
 What a CPU can test: the refusals (no TensorRT or cuda-python, no GPU, a bundle of the default
 target, engines missing or stale), the optimisation profile per call, the device cache's
@@ -25,12 +25,11 @@ import pytest
 from edgeroute.bundle import Bundle
 from edgeroute.errors import InputError
 from edgeroute.runtime import Engine, OrtModel
-from edgeroute.runtime import trt as trt_backend
 from edgeroute.runtime.backend import open_model
-from edgeroute.runtime.model import DROP, RUN, SKIP, SKIP_MLP, session_options
-from edgeroute.runtime.options import EngineOptions
-from edgeroute.runtime.trt import CudaDevice, DeviceKVCache, TrtModel, check_engine_io, tensor_shape
-from edgeroute.tensorrt.engines import (
+from edgeroute.runtime.backends import tensorrt as trt_backend
+from edgeroute.runtime.backends.onnxruntime import session_options
+from edgeroute.runtime.backends.tensorrt import CudaDevice, DeviceKVCache, TrtModel, check_engine_io, tensor_shape
+from edgeroute.runtime.backends.tensorrt_engines import (
     PROFILES,
     CacheKey,
     EngineCache,
@@ -41,6 +40,8 @@ from edgeroute.tensorrt.engines import (
     engine_graphs,
     find_engines,
 )
+from edgeroute.runtime.layers import DROP, RUN, SKIP, SKIP_MLP
+from edgeroute.runtime.options import EngineOptions
 from tests.conftest import export_tiny
 
 GPU = "Fake GPU (sm_00)"
@@ -446,6 +447,6 @@ def test_edgeroute_run_takes_the_tensorrt_backend_and_its_engine_cache(trt_bundl
 
     result = CliRunner().invoke(app, ["run", str(trt_bundle.path), "--backend", "tensorrt", "--engine-cache",
                                       str(fake_gpu.root), "--raw", "--prompt", "The capital of France is",
-                                      "--max-tokens", "4", "--mode", "speculate", "--light", "ngram+slm"])
+                                      "--max-new-tokens", "4", "--mode", "speculate", "--light", "ngram+slm"])
     assert result.exit_code == 0, result.output
     assert "tensorrt, float16 KV cache" in result.output

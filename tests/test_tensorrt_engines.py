@@ -11,19 +11,18 @@ import pytest
 
 from edgeroute.bundle import Bundle
 from edgeroute.errors import EdgerouteError, InputError
-from edgeroute.runtime.profiles import Profile, load_profile
-from edgeroute.tensorrt.engines import (
+from edgeroute.runtime.backends.tensorrt_engines import (
     CacheKey,
     EngineCache,
     EngineLimits,
-    build_engines,
     bundle_hash,
     dimension_ranges,
     engine_graphs,
     engine_limits,
     input_shapes,
-    parameter_count,
 )
+from edgeroute.runtime.profiles import Profile, load_profile
+from edgeroute.tensorrt.engines import build_engines, parameter_count
 from tests.conftest import export_tiny
 
 

@@ -270,7 +270,7 @@ def test_run_with_tools_prints_each_call_as_a_json_line(tool_engine, tmp_path):
     tools = tmp_path / "tools.json"
     tools.write_text(json.dumps({"tools": TOOLS}))
     result = CliRunner().invoke(app, ["run", str(tool_engine.bundle.path), "--prompt", "Warmer please", "--tools",
-                                      str(tools), "--tool-choice", "set_temperature", "--max-tokens", "60"])
+                                      str(tools), "--tool-choice", "set_temperature", "--max-new-tokens", "60"])
     assert result.exit_code == 0, result.output
     calls = [json.loads(line)["tool_call"] for line in result.stdout.splitlines() if line.startswith('{"tool_call"')]
     assert [c["name"] for c in calls] == ["set_temperature"]

@@ -15,7 +15,7 @@ from edgeroute.bundle import Bundle
 from edgeroute.errors import BundleError
 from edgeroute.export.digest import Digest, data_digest
 
-native = pytest.importorskip("edgeroute.runtime.native")
+native = pytest.importorskip("edgeroute.runtime.backends.native")
 
 
 def _library():

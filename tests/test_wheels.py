@@ -94,7 +94,7 @@ def demo(smollm2_bundles) -> Bundle:
     return Bundle.open(smollm2_bundles["int4"][0])
 
 
-_LIBGOMP_MAPPED = ("import re, edgeroute.runtime.native as n; n.native_library(); "
+_LIBGOMP_MAPPED = ("import re, edgeroute.runtime.backends.native as n; n.native_library(); "
                    "print('libgomp from', *sorted({m for m in re.findall(r'\\S*libgomp\\S*', open('/proc/self/maps').read())}))")
 
 
@@ -119,7 +119,7 @@ def test_the_x86_64_wheel_installs_into_a_fresh_venv_and_runs_the_demo_on_native
     assert mapped.stdout.split()[2:] == [str(site / "edgeroute" / n) for n in os.listdir(site / "edgeroute")
                                          if n.startswith("libgomp-")], mapped.stdout
     done = subprocess.run([str(fresh / "bin" / "edgeroute"), "run", str(demo.path), "--backend", "auto", "--mode", "full",
-                           "--max-tokens", "8", "--prompt", PROMPT], cwd=tmp_path, env=env, capture_output=True,
+                           "--max-new-tokens", "8", "--prompt", PROMPT], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert re.search(r"\(native (avx2|avx512-vnni) kernels", done.stderr), done.stderr[-2000:]

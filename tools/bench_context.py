@@ -49,7 +49,9 @@ import sys
 import time
 from pathlib import Path
 
-from edgeroute.runtime.bench import EdgerouteCase, LlamaCppCase, prompt_ids
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools.benchlib, when run as a script
+
+from edgeroute.runtime.bench import EdgerouteCase, LlamaCppCase, prompt_ids  # noqa: E402
 
 RUNTIMES = ("edgeroute:native", "edgeroute:ort", "edgeroute:portable", "llama.cpp")
 
@@ -168,7 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--bundle", type=Path, default=Path("bundles/smollm2"))
-    parser.add_argument("--gguf", type=Path, help="llama.cpp's model (default: the packaged SmolLM2 GGUF)")
+    parser.add_argument("--gguf", type=Path,
+                        help="llama.cpp's model: the bundle's source GGUF (default: the path it recorded at export; a "
+                             "file given here must be that source, checked by sha256)")
     parser.add_argument("--runtimes", default=",".join(RUNTIMES))
     parser.add_argument("--contexts", default="32,256,512,1024,1800", help="prompt lengths (= decode contexts)")
     parser.add_argument("--steps", type=int, default=32, help="decode steps timed per context")
@@ -187,10 +191,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from edgeroute.bundle import Bundle
-    from edgeroute.export.sources import packaged_gguf
+    from tools.benchlib.llama import checked_gguf
 
     bundle = Bundle.open(args.bundle, verify=False)
-    gguf = args.gguf or packaged_gguf()
+    gguf = checked_gguf(bundle, "llm", args.gguf) if "llama.cpp" in args.runtimes.split(",") else args.gguf
     base = {"bundle": str(args.bundle), "gguf": str(gguf), "threads": args.threads, "clock": args.clock,
             "tokenizer": str(bundle.file(bundle.tokenizer["file"])), "n_ctx": int(bundle.generation["context_length"])}
     runtimes = args.runtimes.split(",")

@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bundle", required=True)
     parser.add_argument("--prompts", type=int, default=60, help="held-out json prompts")
-    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--threads", type=int)
     parser.add_argument("--json", type=Path, help="write the report here")
     args = parser.parse_args(argv)
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     # without the json profile's own response_format: each configuration sets its own
     cases = [dataclasses.replace(prompt_case(p), response_format=None)
              for p in held_out_prompts(args.prompts, tasks=("json",))]
-    report = evaluate(engine, cases, configs(), args.max_tokens, threads=args.threads)
+    report = evaluate(engine, cases, configs(), args.max_new_tokens, threads=args.threads)
     print_report(report, Console())
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -73,7 +73,7 @@ def matrix_cases(bundle: Path, role: str) -> Counter:
 
 def kernel_ids() -> dict[str, int]:
     sys.path.insert(0, str(REPO))
-    from edgeroute.runtime.native import header_constants
+    from edgeroute.runtime.backends.native import header_constants
 
     constants = header_constants()
     return {name: constants[f"ER_KERNELS_{name.replace('-', '_').upper()}"]

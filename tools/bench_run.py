@@ -106,7 +106,7 @@ WORKLOADS = ("templated", "json", "grounded", "open")
 WORKLOAD_TASKS = {"templated": "templated", "json": "json", "grounded": "grounded", "open": "default"}
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib, when run as a script
-from benchlib.llama import greedy_tokens  # noqa: E402
+from benchlib.llama import checked_gguf, greedy_tokens, open_llama  # noqa: E402
 from benchlib.metrics import GraphClock, common_prefix, summarize  # noqa: E402
 from benchlib.tasks import task_check  # noqa: E402
 
@@ -232,9 +232,7 @@ class ModelDraft:
     cache, so each call evaluates only the tokens the draft model has not seen."""
 
     def __init__(self, gguf: Path, threads: int, n_ctx: int, tokens: int) -> None:
-        from llama_cpp import Llama
-
-        self.model = Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx, verbose=False)
+        self.model = open_llama(gguf, threads, n_ctx)
         self.tokens = tokens
 
     def __call__(self, input_ids, /, **kwargs):
@@ -254,8 +252,6 @@ class ModelDraft:
 class LlamaRunner:
     def __init__(self, gguf: Path, threads: int, n_ctx: int, lookup: int, num_layers: int,
                  draft_gguf: Path | None = None, draft_tokens: int = 0) -> None:
-        from llama_cpp import Llama
-
         self.draft = None
         if lookup or draft_tokens:
             from llama_cpp.llama_speculative import LlamaDraftModel, LlamaPromptLookupDecoding
@@ -264,8 +260,7 @@ class LlamaRunner:
                      else LlamaPromptLookupDecoding(num_pred_tokens=lookup))
             counting = type("CountingDraftModel", (CountingDraft, LlamaDraftModel), {})
             self.draft = counting(inner)
-        self.llm = Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx,
-                         draft_model=self.draft, verbose=False)
+        self.llm = open_llama(gguf, threads, n_ctx, draft_model=self.draft)
         self.num_layers = num_layers
         self.source = "draft:slm" if draft_tokens else "draft:lookup"
 
@@ -676,9 +671,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--bundle", type=Path, default=ROOT / "bundles" / "smollm2-demo")
-    parser.add_argument("--gguf", type=Path, default=None, help="llama.cpp's model (default: the packaged SmolLM2 GGUF)")
+    parser.add_argument("--gguf", type=Path, default=None,
+                        help="llama.cpp's model: the LLM's source GGUF (default: the path the bundle recorded at "
+                             "export; a file given here must be that source, checked by sha256)")
     parser.add_argument("--slm-gguf", type=Path, default=None,
-                        help="the SLM's GGUF: adds llama.cpp on it alone and as llama.cpp's draft model")
+                        help="the SLM's source GGUF (checked like --gguf; 'source': the path the bundle recorded): "
+                             "adds llama.cpp on it alone and as llama.cpp's draft model")
     parser.add_argument("--draft-tokens", type=int, default=4, help="llama.cpp draft model: tokens per draft")
     parser.add_argument("--slm-bundle", type=Path, default=None,
                         help="a second bundle whose SLM (e.g. a reduced-vocabulary head) runs the SLM modes again")
@@ -720,10 +718,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.quick:
         args.prompts = args.prompts or 2
         args.max_new_tokens = min(args.max_new_tokens, 24)
-    if args.gguf is None:
-        from edgeroute.export.sources import packaged_gguf
-
-        args.gguf = packaged_gguf()
     args.slm_label = None if args.slm_bundle is None else args.slm_bundle.name
     # equal thread counts: ORT's pool is sized from this when the first session is created
     os.environ["EDGEROUTE_THREADS"] = str(args.threads)
@@ -830,6 +824,10 @@ def main(argv: list[str] | None = None) -> int:
     names = [n.strip() for n in args.workloads.split(",") if n.strip()]
     workloads = load_workloads(args.workload_dir, names, args.prompts)
     configs = select_configs(args)
+    if any(c.runtime == "llama" for c in configs):  # the bundle's own sources, or refuse (never another model)
+        args.gguf = checked_gguf(args.bundle, "llm", None if str(args.gguf) in ("None", "source") else args.gguf)
+        if args.slm_gguf is not None:
+            args.slm_gguf = checked_gguf(args.bundle, "slm", None if str(args.slm_gguf) == "source" else args.slm_gguf)
     info = machine_info()
     console.print(f"edgeroute bench_run: {len(configs)} configurations x {sum(map(len, workloads.values()))} prompts, "
                   f"<= {args.max_new_tokens} new tokens, {info['cpu_count']} CPUs, load average "

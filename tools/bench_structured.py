@@ -47,7 +47,9 @@ from rich.table import Table
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tools.benchlib.llama import greedy_tokens  # noqa: E402
+from edgeroute.files import atomic_write  # noqa: E402
+from edgeroute.llamacpp import Unavailable, source_gguf  # noqa: E402
+from tools.benchlib.llama import checked_gguf, greedy_tokens, open_llama  # noqa: E402
 
 EDGEROUTE_CONFIGS = {
     "full": dict(mode="full"),
@@ -109,9 +111,7 @@ class EdgerouteRunner:
 
 class LlamaRunner:
     def __init__(self, gguf: Path, threads: int, n_ctx: int, budget: int) -> None:
-        from llama_cpp import Llama
-
-        self.llm = Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx, verbose=False)
+        self.llm = open_llama(gguf, threads, n_ctx)
         self.budget = budget
 
     def answer(self, ids: list[int], eos_ids: set[int], schema: dict | None, decode) -> Answer:
@@ -265,7 +265,10 @@ def print_table(summary: dict[str, dict], title: str, console: Console) -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--bundle", type=Path, default=REPO / "bundles" / "smollm2-demo")
-    parser.add_argument("--gguf", type=Path, default=None, help="the LLM's GGUF for the llama.cpp rows (none: skip)")
+    parser.add_argument("--gguf", type=Path, default=None,
+                        help="the LLM's source GGUF for the llama.cpp rows (default: the path the bundle recorded, "
+                             "if it is on this machine; a file given here must be that source, checked by sha256)")
+    parser.add_argument("--no-llama", action="store_true", help="leave the llama.cpp rows out")
     parser.add_argument("--workload", type=Path, default=REPO / "tools" / "workloads" / "intents.json")
     parser.add_argument("--limit", type=int, default=None, help="first N prompts only")
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -311,7 +314,15 @@ def main(argv: list[str] | None = None) -> int:
         configs = [c for c in configs if "slm" not in c]
     runner = EdgerouteRunner(engine, args.max_new_tokens, args.draft_tokens, args.max_draft_tokens, args.layout)
     llama = None
-    if args.gguf is not None and any(c in LLAMA_CONFIGS for c in configs):
+    if not args.no_llama and any(c in LLAMA_CONFIGS for c in configs):
+        if args.gguf is None:  # the bundle's recorded source, where it is on this machine; else no llama.cpp rows
+            try:
+                args.gguf = source_gguf(engine.bundle, "llm")
+            except Unavailable as err:
+                console.print(f"[yellow]no llama.cpp rows: {err}[/]")
+        else:  # a file given must be that source
+            args.gguf = checked_gguf(engine.bundle, "llm", args.gguf)
+    if args.gguf is not None and not args.no_llama and any(c in LLAMA_CONFIGS for c in configs):
         llama = LlamaRunner(args.gguf, args.threads, int(engine.bundle.generation["context_length"]),
                             args.max_new_tokens)
     configs = [c for c in configs if c in EDGEROUTE_CONFIGS or llama is not None]
@@ -344,10 +355,7 @@ def main(argv: list[str] | None = None) -> int:
               "max_new_tokens": args.max_new_tokens, "threads": args.threads, "machine": platform.platform(),
               "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "summary": summary, "grammar": costs,
               "records": records}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    tmp.replace(args.out)
+    atomic_write(args.out, json.dumps(result, indent=1))
     console.print(f"wrote {args.out}")
     return 0
 

@@ -33,7 +33,7 @@ def resident_bytes() -> int:
 
 def bundle_figures(bundle: Path, role: str) -> dict:
     from edgeroute.bundle import Bundle
-    from edgeroute.runtime.model import OrtModel, choose_flavour
+    from edgeroute.runtime.backends.onnxruntime import OrtModel, choose_flavour
 
     b = Bundle.open(bundle, verify=False)
     step_bytes, ops = 0, Counter()

@@ -61,7 +61,7 @@ def teacher_forced_figures(bundle: Bundle, role: str, tokens: int, window: int, 
                                                                                       kv_dtype=kv_dtype))[0]
               for kv_dtype in ("float32", *NARROW[backend])}
     if floor_kernels:
-        from edgeroute.runtime.native import NativeModel
+        from edgeroute.runtime.backends.native import NativeModel
 
         models[f"float32@{floor_kernels}"] = lambda: NativeModel(bundle, role, kv_dtype="float32", kernels=floor_kernels)
     runs = {}
@@ -74,14 +74,14 @@ def teacher_forced_figures(bundle: Bundle, role: str, tokens: int, window: int, 
             **{f"{kind}_{name}": getattr(run, kind) for kind in ("perplexity", "accuracy") for name, run in runs.items()}}
 
 
-def generation_figures(bundle: Bundle, max_tokens: int, per_workload: int, backend: str) -> dict:
+def generation_figures(bundle: Bundle, max_new_tokens: int, per_workload: int, backend: str) -> dict:
     engines = {kv_dtype: Engine(bundle, kv_dtype=kv_dtype, slm=False, backend=backend)
                for kv_dtype in ("float32", *NARROW[backend])}
     rows = []
     for workload in ("templated", "json"):
         prompts = json.loads((WORKLOADS / f"{workload}.json").read_text())["prompts"][:per_workload]
         for prompt in prompts:
-            answers = {k: e.generate(prompt["messages"], mode="full", max_new_tokens=max_tokens)
+            answers = {k: e.generate(prompt["messages"], mode="full", max_new_tokens=max_new_tokens)
                        for k, e in engines.items()}
             wide = answers["float32"]
             checks = {k: task_check(workload, prompt, a.text, wide.text) for k, a in answers.items()}
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bundle", type=Path, required=True)
     parser.add_argument("--tokens", type=int, default=4096, help="evaluation-text tokens teacher-forced")
     parser.add_argument("--window", type=int, default=2048, help="tokens per fresh cache")
-    parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per generated answer")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per generated answer")
     parser.add_argument("--prompts", type=int, default=8, help="prompts per workload (templated, json)")
     parser.add_argument("--backend", choices=("onnxruntime", "native"), default="onnxruntime")
     parser.add_argument("--floor-kernels", choices=("avx2", "generic"),
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     for role in bundle.models:
         figures["teacher_forced"][role] = teacher_forced_figures(bundle, role, args.tokens, args.window, args.backend,
                                                                  args.floor_kernels)
-    figures["generation"] = generation_figures(bundle, args.max_tokens, args.prompts, args.backend)
+    figures["generation"] = generation_figures(bundle, args.max_new_tokens, args.prompts, args.backend)
 
     table = Table(title=f"narrower KV caches vs fp32: {args.bundle} on {args.backend}")
     for column in ("model", "cache", "positions", "top-1 agreement with fp32", "perplexity", "accuracy"):
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     console.print(table)
     g = figures["generation"]
     n = g["answers"]
-    console.print(f"LLM greedy answers (full, {args.max_tokens} tokens): task pass fp32 {g['task_pass_float32']}/{n}; "
+    console.print(f"LLM greedy answers (full, {args.max_new_tokens} tokens): task pass fp32 {g['task_pass_float32']}/{n}; "
                   + "; ".join(f"{k}: {g[f'identical_{k}']}/{n} identical, task pass {g[f'task_pass_{k}']}/{n}"
                               for k in NARROW[args.backend]))
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,7 @@ and the verdict; exits 1 where a check fails.
     python -m tools.soak --bundle bundles/smollm2-demo --turns 1000
 
 Each conversation runs ``--turns-per-chat`` turns (then its sessions are closed and a new one
-opens), each turn ``--max-tokens`` new tokens at temperature 0, with ``context_policy=
+opens), each turn ``--max-new-tokens`` new tokens at temperature 0, with ``context_policy=
 "drop_oldest"`` so that long conversations forget their oldest exchanges instead of failing.
 """
 
@@ -64,7 +64,7 @@ class Sample:
     kinds: dict[str, int]  # turns of each kind since the previous sample
 
 
-def soak(bundle: str, turns: int, every: int, warmup: int, per_chat: int, max_tokens: int, backend: str,
+def soak(bundle: str, turns: int, every: int, warmup: int, per_chat: int, max_new_tokens: int, backend: str,
          progress=print) -> tuple[list[Sample], list[str]]:
     """Runs the turns; returns the samples (one at the end of the warm-up, then every ``every``
     turns) and the failed checks (empty: the soak passed)."""
@@ -77,7 +77,7 @@ def soak(bundle: str, turns: int, every: int, warmup: int, per_chat: int, max_to
             chat = None  # the conversation's sessions go with it (its KV caches freed)
             chat = engine.chat(system="You are a brief assistant.", context_policy="drop_oldest", temperature=0.0)
         kind = list(KINDS)[turn % len(KINDS)]
-        generation = chat.generate(QUESTIONS[turn % len(QUESTIONS)], max_new_tokens=max_tokens, **KINDS[kind])
+        generation = chat.generate(QUESTIONS[turn % len(QUESTIONS)], max_new_tokens=max_new_tokens, **KINDS[kind])
         tokens += len(generation.tokens)
         kinds[kind] += 1
         if turn in (warmup, turns) or (turn > warmup and (turn - warmup) % every == 0):
@@ -118,16 +118,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=None, help="turns before the baseline (default: a tenth)")
     parser.add_argument("--every", type=int, default=None, help="turns between samples (default: a tenth of the rest)")
     parser.add_argument("--turns-per-chat", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--backend", default="auto")
     args = parser.parse_args(argv)
     warmup = args.warmup if args.warmup is not None else max(1, args.turns // 10)
     every = args.every or max(1, (args.turns - warmup) // 10)
     print(f"soak: {Path(args.bundle)}, {args.turns} turns ({', '.join(KINDS)} in rotation), {args.turns_per_chat} per "
-          f"conversation, {args.max_tokens} tokens each, warm-up {warmup} turns; {platform.machine()}, "
+          f"conversation, {args.max_new_tokens} tokens each, warm-up {warmup} turns; {platform.machine()}, "
           f"{os.cpu_count()} CPUs, Python {platform.python_version()}")
     print(HEADER)
-    samples, failed = soak(args.bundle, args.turns, every, warmup, args.turns_per_chat, args.max_tokens, args.backend)
+    samples, failed = soak(args.bundle, args.turns, every, warmup, args.turns_per_chat, args.max_new_tokens, args.backend)
     rss = [s.rss for s in samples]
     print(f"RSS after the warm-up: {rss[0] / 2**20:.1f} MiB; range {min(rss) / 2**20:.1f}..{max(rss) / 2**20:.1f} MiB "
           f"({100 * (min(rss) / rss[0] - 1):+.1f}% .. {100 * (max(rss) / rss[0] - 1):+.1f}%), median "

@@ -21,11 +21,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--mode", default="route+skip")
     parser.add_argument("--light", default="slm")
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--out", type=Path, default=Path("bench-results/token-map.png"))
     args = parser.parse_args(argv)
     engine = Engine(args.bundle)
-    generation = engine.generate([{"role": "user", "content": args.prompt}], max_new_tokens=args.max_tokens,
+    generation = engine.generate([{"role": "user", "content": args.prompt}], max_new_tokens=args.max_new_tokens,
                                  mode=args.mode, light=args.light)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     plot_generation(engine, generation, f"{args.bundle.name}: {args.mode}, light path {args.light}", args.out)

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from edgeroute.export.digest import data_digest
-from edgeroute.runtime import native
+from edgeroute.runtime.backends import native
 
 SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 

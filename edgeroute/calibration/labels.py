@@ -45,11 +45,12 @@ import numpy as np
 from edgeroute.bundle import CALIBRATION_DIR, Bundle
 from edgeroute.calibration.checks import task_response_format
 from edgeroute.calibration.prompts import TASKS, CalibrationPrompt
+from edgeroute.files import atomic_path
 from edgeroute.runtime.attention import KVCache
+from edgeroute.runtime.backends.onnxruntime import OrtModel
 from edgeroute.runtime.constraints import Constraint, apply_mask
 from edgeroute.runtime.drafters import NgramDrafter
 from edgeroute.runtime.engine import Engine
-from edgeroute.runtime.model import OrtModel
 from edgeroute.runtime.routers import VERIFY_WIDTH, slm_features, verify_features
 from edgeroute.runtime.sampling import softmax
 
@@ -264,13 +265,8 @@ def write_shard(directory: Path, shard: Shard, arrays: dict[str, np.ndarray]) ->
     """``directory/<id>.npz``, written to a temporary name and renamed: a reader (a resumed
     run) sees the whole shard or none of it."""
     target = shard_path(directory, shard)
-    directory.mkdir(parents=True, exist_ok=True)
-    tmp = directory / f".{shard.id}.{os.getpid()}.tmp"
-    with open(tmp, "wb") as f:
+    with atomic_path(target, directory / f".{shard.id}.{os.getpid()}.tmp") as tmp, open(tmp, "wb") as f:
         np.savez(f, **arrays)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, target)
     return target
 
 

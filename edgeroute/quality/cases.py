@@ -9,7 +9,7 @@ assertion names under ``assert``)::
 
 ``messages`` (OpenAI-style ``[{"role", "content"}]``) may replace ``prompt``; ``task`` (default
 ``custom``) groups cases in reports and names the task profile a calibration writes;
-``response_format`` (as ``edgeroute run`` takes it) constrains the answer; ``max_tokens`` caps it.
+``response_format`` (as ``edgeroute run`` takes it) constrains the answer; ``max_new_tokens`` caps it.
 A case without assertions is refused: a check with nothing to check cannot fail.
 """
 
@@ -23,7 +23,7 @@ from typing import Any
 from edgeroute.errors import InputError
 from edgeroute.quality.assertions import Assertion, Verdict, check_all, parse_assertion
 
-CASE_KEYS = {"id", "task", "prompt", "messages", "assert", "response_format", "max_tokens", "description"}
+CASE_KEYS = {"id", "task", "prompt", "messages", "assert", "response_format", "max_new_tokens", "description"}
 ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -34,7 +34,7 @@ class TaskCase:
     messages: list[dict[str, str]]
     assertions: tuple[Assertion, ...] = ()  # none: no automatic check (only lossless modes are judged safe)
     response_format: dict[str, Any] | None = None
-    max_tokens: int | None = None
+    max_new_tokens: int | None = None
     options: dict[str, Any] = field(default_factory=dict)  # decoding options the case always runs with
 
     def verdict(self, answer: str) -> Verdict:
@@ -71,9 +71,10 @@ def parse_case(data: Any, where: str) -> TaskCase:
     if not isinstance(assertions, list) or not assertions:
         raise InputError(f"{where}: \"assert\" must be a non-empty list of assertions (a case with nothing to "
                          "check would always pass)")
-    max_tokens = data.get("max_tokens")
-    if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
-        raise InputError(f"{where}: \"max_tokens\" must be a positive integer (got {max_tokens!r})")
+    max_new_tokens = data.get("max_new_tokens")
+    if max_new_tokens is not None and (not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool)
+                                       or max_new_tokens < 1):
+        raise InputError(f"{where}: \"max_new_tokens\" must be a positive integer (got {max_new_tokens!r})")
     response_format = data.get("response_format")
     if response_format is not None and not isinstance(response_format, dict):
         raise InputError(f"{where}: \"response_format\" must be an object as `edgeroute run` takes it")
@@ -83,7 +84,7 @@ def parse_case(data: Any, where: str) -> TaskCase:
                          f"every task) (got {task!r})")
     return TaskCase(str(data.get("id", where)), task, _messages(data, where),
                     tuple(parse_assertion(a, f"{where}: assert[{i}]") for i, a in enumerate(assertions)),
-                    response_format, max_tokens)
+                    response_format, max_new_tokens)
 
 
 def load_cases(path: str | Path) -> list[TaskCase]:

@@ -61,7 +61,7 @@ class EvalReport:
     bundle: str
     machine: dict[str, Any]
     backend: str
-    max_tokens: int
+    max_new_tokens: int
     confidence: float
     tolerance: float
     cases: int
@@ -92,7 +92,7 @@ def _auto_lossless(engine, tasks: Sequence[str]) -> bool:
     return all(profiles.get(t, profiles["default"]).get("mode") in LOSSLESS_MODES for t in tasks)
 
 
-def _llama_rows(engine, cases: Sequence[TaskCase], max_tokens: int, threads: int | None) -> list[dict[str, Any]]:
+def _llama_rows(engine, cases: Sequence[TaskCase], max_new_tokens: int, threads: int | None) -> list[dict[str, Any]]:
     """llama.cpp on the bundle's source GGUF: the same prompt ids as the engine's, greedy, its own
     kernels; the answer decoded with the bundle's tokenizer and judged by the same checks."""
     from edgeroute.cpu import thread_count
@@ -114,7 +114,7 @@ def _llama_rows(engine, cases: Sequence[TaskCase], max_tokens: int, threads: int
         case_model.llm.reset()
         logits = case_model.prefill(ids)
         tokens, start = [int(logits.argmax())], time.perf_counter()
-        while tokens[-1] not in engine.eos_ids and len(tokens) < (case.max_tokens or max_tokens):
+        while tokens[-1] not in engine.eos_ids and len(tokens) < (case.max_new_tokens or max_new_tokens):
             logits = case_model.step(logits)  # feeds the argmax of the logits it is given
             tokens.append(int(logits.argmax()))
         seconds = time.perf_counter() - start
@@ -127,7 +127,7 @@ def _llama_rows(engine, cases: Sequence[TaskCase], max_tokens: int, threads: int
 
 
 def evaluate(engine, cases: Sequence[TaskCase], modes: str | Sequence[RunConfig] = DEFAULT_MODES,
-             max_tokens: int = 64, confidence: float = DEFAULT_CONFIDENCE, tolerance: float = DEFAULT_TOLERANCE,
+             max_new_tokens: int = 64, confidence: float = DEFAULT_CONFIDENCE, tolerance: float = DEFAULT_TOLERANCE,
              llama_cpp: bool = False, threads: int | None = None, progress: Progress | None = None) -> EvalReport:
     """Run ``cases`` through each mode of ``engine`` (an :class:`edgeroute.runtime.Engine`),
     interleaved case by case, and judge every answer. ``modes``: as :func:`parse_modes` reads
@@ -136,13 +136,13 @@ def evaluate(engine, cases: Sequence[TaskCase], modes: str | Sequence[RunConfig]
         raise InputError("no task cases to evaluate")
     if not 0.5 <= confidence < 1.0:
         raise InputError(f"confidence must be within [0.5, 1) (got {confidence})")
-    if max_tokens < 1:
-        raise InputError(f"max_tokens must be at least 1 (got {max_tokens})")
+    if max_new_tokens < 1:
+        raise InputError(f"max_new_tokens must be at least 1 (got {max_new_tokens})")
     configs = parse_modes(modes) if isinstance(modes, str) else list(modes)
     if not configs or configs[0].name != "full":  # every other mode is judged against full's answers
         configs = [RunConfig("full", {"mode": "full"}), *(c for c in configs if c.name != "full")]
     configs = [_auto_config(engine, cases) if c.name == "auto" else c for c in configs]
-    runs = run_cases(engine, cases, configs, max_tokens, progress, keep_text=True)
+    runs = run_cases(engine, cases, configs, max_new_tokens, progress, keep_text=True)
     notes = []
     if llama_cpp:
         from edgeroute.runtime.bench import Unavailable
@@ -150,7 +150,7 @@ def evaluate(engine, cases: Sequence[TaskCase], modes: str | Sequence[RunConfig]
         try:
             import llama_cpp as _  # noqa: F401 - only whether it is installed
 
-            runs[LLAMA_CPP] = _llama_rows(engine, cases, max_tokens, threads)
+            runs[LLAMA_CPP] = _llama_rows(engine, cases, max_new_tokens, threads)
             for row, reference in zip(runs[LLAMA_CPP], runs["full"], strict=True):
                 row["same_as_full"] = row.get("text") == reference["text"]
         except ImportError:
@@ -170,7 +170,7 @@ def evaluate(engine, cases: Sequence[TaskCase], modes: str | Sequence[RunConfig]
                 else name != LLAMA_CPP and is_lossless(by_name[name], task)
             figures["eligible"], figures["why"] = (False, "another runtime: compared for speed and pass rate only") \
                 if name == LLAMA_CPP else eligibility(name, figures, tolerance, lossless)
-    return EvalReport(str(engine.bundle.path), cpu_signature(), engine.llm.flavour, max_tokens, confidence, tolerance,
+    return EvalReport(str(engine.bundle.path), cpu_signature(), engine.llm.flavour, max_new_tokens, confidence, tolerance,
                       len(cases), names, overall, per_task, runs, notes)
 
 
@@ -189,7 +189,7 @@ def print_report(report: EvalReport, console: Console) -> None:
 
     columns = ("mode", "judged", f"pass ({report.confidence:.0%} CI)", "lost/ gained", "loss bound", "same as full",
                "tok/s", "x full", "LLM", "for full")
-    table = Table(title=f"{report.cases} cases, {report.backend} backend, at most {report.max_tokens} new tokens")
+    table = Table(title=f"{report.cases} cases, {report.backend} backend, at most {report.max_new_tokens} new tokens")
     for column in columns:
         table.add_column(column, overflow="fold", no_wrap=column == "mode")
     for name, figures in report.overall.items():

@@ -37,7 +37,7 @@ class RunConfig:
         return {**self.options, **self.per_task.get(task, {})}
 
 
-def run_cases(engine, cases: Sequence[TaskCase], configs: Sequence[RunConfig], max_tokens: int,
+def run_cases(engine, cases: Sequence[TaskCase], configs: Sequence[RunConfig], max_new_tokens: int,
               progress: Progress | None = None, keep_text: bool = False) -> dict[str, list[dict[str, Any]]]:
     """Every configuration on every case, interleaved case by case (machine noise hits all alike);
     the first configuration's answer is the reference ``same_as_full`` compares with."""
@@ -52,7 +52,7 @@ def run_cases(engine, cases: Sequence[TaskCase], configs: Sequence[RunConfig], m
                 options["response_format"] = case.response_format
             if options.get("mode") == "route" and options.get("response_format") is not None:
                 options.setdefault("protect_format", True)  # format tokens never come from the light path
-            generation = engine.generate(case.messages, max_new_tokens=case.max_tokens or max_tokens, **options)
+            generation = engine.generate(case.messages, max_new_tokens=case.max_new_tokens or max_new_tokens, **options)
             reference = generation.text if reference is None else reference
             verdict = case.verdict(generation.text)
             row = {"case": case.id, "task": case.task, "tokens": generation.stats.new_tokens,

@@ -1,9 +1,10 @@
 """The device runtime: onnxruntime, numpy and tokenizers only (no torch, no transformers)."""
 
 from edgeroute.bundle import Bundle
+from edgeroute.runtime.attention import KVCache
+from edgeroute.runtime.backends.onnxruntime import OrtModel
 from edgeroute.runtime.decoding import DecodeOptions
 from edgeroute.runtime.engine import Engine, Generation, GenerationStats
-from edgeroute.runtime.model import KVCache, OrtModel
 from edgeroute.runtime.options import EngineOptions
 
 __all__ = ["Bundle", "DecodeOptions", "Engine", "EngineOptions", "Generation", "GenerationStats", "KVCache",

@@ -3,11 +3,11 @@
 ``decoding.py`` and the drafters need only what :class:`ModelBackend` declares: forward T
 tokens over a sequence's cache with a per-layer plan, caches that can be created,
 truncated (rejected drafts) and copied (shared prompt prefixes), and the LM head.
-:class:`edgeroute.runtime.model.OrtModel` implements it on ONNX Runtime with the bundle's
+:class:`edgeroute.runtime.backends.onnxruntime.OrtModel` implements it on ONNX Runtime with the bundle's
 attention flavours (portable standard ops, or the ort flavour's in-place
-GroupQueryAttention), :class:`edgeroute.runtime.native.NativeModel` on edgeroute's own CPU
+GroupQueryAttention), :class:`edgeroute.runtime.backends.native.NativeModel` on edgeroute's own CPU
 kernels over the bundle's GGUF blocks (``open_model`` chooses); ``onnxruntime-cuda`` is
-OrtModel on ONNX Runtime's GPU providers; :class:`edgeroute.runtime.trt.TrtModel` runs the
+OrtModel on ONNX Runtime's GPU providers; :class:`edgeroute.runtime.backends.tensorrt.TrtModel` runs the
 engines of ``edgeroute build-engines`` with a KV cache on the GPU behind the same
 :class:`Cache` methods (not yet verified on hardware: docs/guide/gpu.md).
 """
@@ -25,7 +25,7 @@ from edgeroute.arch import ArchConfig
 from edgeroute.bundle import Bundle, ModelEntry
 from edgeroute.errors import InputError, NativeBackendUnavailable
 from edgeroute.kv_formats import GRAPH_KV_DTYPES, KV_DTYPE_CHOICES, auto_kv_dtype, check_kv_dtype
-from edgeroute.runtime.model import LayerPlan, no_graphs
+from edgeroute.runtime.layers import LayerPlan, no_graphs
 from edgeroute.runtime.vocab import HeadVocabulary
 
 if TYPE_CHECKING:
@@ -61,6 +61,7 @@ class ModelBackend(Protocol):
     flavour: str  # what runs the layers: portable | ort (ONNX Runtime graphs) | native | tensorrt
     head_vocab: HeadVocabulary | None  # a reduced-vocabulary head's token ids (None: the whole vocabulary)
     pass_rows: int | None  # tokens one pass over the weights serves (None: not known for this backend)
+    tree_forwards: bool  # runs forward_tree / keep_path (native); False: drafts are verified as linear chains
 
     @property
     def num_layers(self) -> int: ...
@@ -77,6 +78,15 @@ class ModelBackend(Protocol):
     def hidden_states(self, cache: Cache, ids: Sequence[int] | np.ndarray,
                       plan: Sequence[bool] | LayerPlan | None = None) -> np.ndarray:
         """``forward`` without the LM head: the last layer's hidden states [T, d]."""
+
+    def forward_tree(self, cache: Cache, ids: Sequence[int] | np.ndarray,
+                     parents: Sequence[int] | np.ndarray) -> np.ndarray:
+        """New tokens forming a tree (``parents[i]``: an earlier token, or -1 for the cache's last)
+        in one pass: each token's logits [T, vocab] are its root-to-token path's. Where
+        ``tree_forwards`` only (others raise InputError)."""
+
+    def keep_path(self, cache: Cache, path: Sequence[int] | np.ndarray) -> None:
+        """After ``forward_tree``: keep the tree's tokens ``path`` (root first) as if run linearly."""
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
         """Token ids [T] -> hidden states [T, d]."""
@@ -127,7 +137,7 @@ def resolve_kv_dtype(kv_dtype: str, backend: str, entry: ModelEntry, kernels: st
     if backend == "tensorrt":
         return entry.target.kv_dtypes[0]
     if backend == "native":
-        from edgeroute.runtime.native import native_kernels
+        from edgeroute.runtime.backends.native import native_kernels
 
         return auto_kv_dtype(backend, native_kernels(kernels), entry.arch.head_dim)
     cache = auto_kv_dtype(backend, None, entry.arch.head_dim)
@@ -143,7 +153,7 @@ def backend_for(entry: ModelEntry, options: EngineOptions) -> tuple[str, str | N
     generic ones: an x86 set (AVX2, AVX-512 VNNI) or an Arm set (NEON, dotprod, i8mm, held to
     the generic kernels under qemu in the C tests); the generic kernels only when named.
     Otherwise ONNX Runtime."""
-    from edgeroute.runtime.native import native_kernels
+    from edgeroute.runtime.backends.native import native_kernels
 
     backend = options.backend
     if backend not in BACKENDS:
@@ -178,7 +188,7 @@ def backend_for(entry: ModelEntry, options: EngineOptions) -> tuple[str, str | N
 def open_tensorrt(bundle: Bundle, role: str, options: EngineOptions, kv_dtype: str) -> ModelBackend:
     """The model on its TensorRT engines; settings of the other backends are refused, naming them
     (ONNX Runtime's providers, which device profiles set, do not apply and are left alone)."""
-    from edgeroute.runtime.trt import TrtModel
+    from edgeroute.runtime.backends.tensorrt import TrtModel
 
     others = {"attention": None if options.attention == "auto" else options.attention,
               "activations": None if options.activations == "int8" else options.activations,
@@ -194,8 +204,8 @@ def open_model(bundle: Bundle, role: str, options: EngineOptions,
     """The model of ``role`` on the backend :func:`backend_for` picks, and why ``auto`` did
     not take the native backend (None where it did, or where a backend was named).
     ``exact_steps``: None takes ``options.exact_steps`` (the engine asks it for the LLM only)."""
-    from edgeroute.runtime.model import OrtModel
-    from edgeroute.runtime.native import NativeModel
+    from edgeroute.runtime.backends.native import NativeModel
+    from edgeroute.runtime.backends.onnxruntime import OrtModel
 
     check_kv_dtype(options.kv_dtype, KV_DTYPE_CHOICES)  # a wrong name fails before anything is chosen or loaded
     if role not in bundle.models:

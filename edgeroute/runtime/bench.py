@@ -19,6 +19,13 @@ processes' load does not inflate it).
 Bandwidth: the weight bytes one decode step reads (:mod:`edgeroute.runtime.step_bytes`; the KV
 cache's reads are not counted) x decode tok/s, in GB/s; with a device profile that declares
 ``memory.bandwidth_gbs``, its share of the board's published peak.
+
+The floor, measured (``floor=True``, the default): a streaming read of a buffer several times
+the last-level cache (:class:`FloorProbe`, ``threads`` threads each summing its slice), taken
+once per round before the backends' runs of that round, so it sees the machine's memory speed
+of the same minutes (on a shared VM it moves by half from one minute to the next). A record's
+``floor_share`` is the median over its rounds of (that run's GB/s / the floor read of that
+round): the share of what this machine reads at the time, beside the nominal one.
 """
 
 from __future__ import annotations
@@ -29,15 +36,17 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from edgeroute import llamacpp
 from edgeroute.bundle import Bundle
 from edgeroute.cpu import describe_cpu, thread_count
-from edgeroute.errors import EdgerouteError, InputError, NativeBackendUnavailable
+from edgeroute.errors import InputError, NativeBackendUnavailable
 from edgeroute.runtime.backend import open_model
 from edgeroute.runtime.evaluate import tokenize_text
 from edgeroute.runtime.options import EngineOptions
@@ -49,7 +58,7 @@ BACKENDS = ("native", "onnxruntime", "llama.cpp")
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
-class Unavailable(EdgerouteError):
+class Unavailable(llamacpp.Unavailable):
     """A backend that cannot run a model here; the bench skips it and says why."""
 
 
@@ -98,11 +107,8 @@ class LlamaCppCase:
     argmax of its logits."""
 
     def __init__(self, gguf: Path, threads: int, n_ctx: int) -> None:
-        from llama_cpp import Llama
-
         self.gguf = gguf
-        self.llm = Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx,
-                         verbose=False, logits_all=False)
+        self.llm = llamacpp.open_llama(gguf, threads, n_ctx, logits_all=False)
 
     def describe(self) -> str:
         import llama_cpp
@@ -135,15 +141,92 @@ DecodeCase = EdgerouteCase | LlamaCppCase  # prefill, one greedy step, truncate;
 
 
 def source_gguf(bundle: Bundle, role: str) -> Path:
-    """The GGUF the model was exported from, where export recorded it and it is on this machine."""
-    source = bundle.models[role].source
-    if source.get("format") != "gguf":
-        raise Unavailable(f"the {role} model was exported from a {source.get('format')} source, not a GGUF")
-    path = Path(source.get("path", ""))
-    if not source.get("path") or not path.is_file():
-        raise Unavailable(f"the {role} model's source GGUF {source.get('path')} (recorded at export) is not on "
-                          "this machine")
-    return path
+    """The GGUF the model was exported from, where export recorded it and it is on this machine
+    (:func:`edgeroute.llamacpp.source_gguf`)."""
+    try:
+        return llamacpp.source_gguf(bundle, role)
+    except llamacpp.Unavailable as err:
+        raise Unavailable(str(err)) from None
+
+
+# -- the floor: what this machine streams from memory, measured beside the runs -------------------
+
+FLOOR_MIN_BYTES = 256 << 20  # never less than this, whatever the cache reports
+FLOOR_CACHE_MULTIPLE = 4  # the buffer is this many times the last-level cache
+FALLBACK_LLC_BYTES = 64 << 20  # where the cache size cannot be read (no sysfs)
+
+
+def _size_bytes(text: str) -> int:
+    text = text.strip().upper()
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    return int(text.rstrip("KMG")) * scale
+
+
+def llc_bytes(sysfs: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int | None:
+    """The last-level cache of CPU 0 in bytes (the highest level's data or unified cache), or
+    None where sysfs does not say."""
+    best: tuple[int, int] | None = None
+    for index in sysfs.glob("index*"):
+        try:
+            if (index / "type").read_text().strip() == "Instruction":
+                continue
+            level, size = int((index / "level").read_text()), _size_bytes((index / "size").read_text())
+        except (OSError, ValueError):
+            continue
+        if best is None or (level, size) > best:
+            best = (level, size)
+    return best[1] if best else None
+
+
+def floor_buffer_bytes(llc: int | None) -> int:
+    """Bytes the floor read streams: several times the last-level cache, at least 256 MiB, so no
+    cache holds it and every pass comes from memory."""
+    return max(FLOOR_CACHE_MULTIPLE * (llc or FALLBACK_LLC_BYTES), FLOOR_MIN_BYTES)
+
+
+class FloorProbe:
+    """A streaming read of a buffer larger than the last-level cache, ``threads`` threads each
+    summing its own slice (numpy releases the GIL in its reductions): the memory bandwidth this
+    machine gives a reader now, in GB/s."""
+
+    def __init__(self, threads: int, nbytes: int | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.llc_bytes = llc_bytes()
+        self.nbytes = nbytes or floor_buffer_bytes(self.llc_bytes)
+        self.threads = max(1, threads)
+        words = self.nbytes // 8
+        self.buffer = np.ones(words, dtype=np.uint64)  # written once, so every page is really there
+        self.slices = np.array_split(self.buffer, self.threads)
+        self.pool = ThreadPoolExecutor(self.threads) if self.threads > 1 else None
+        self.clock = clock
+        self.samples: list[float] = []
+
+    def _read(self) -> None:
+        if self.pool is None:
+            np.add.reduce(self.buffer)
+        else:
+            list(self.pool.map(np.add.reduce, self.slices))
+
+    def measure(self, passes: int = 2) -> float:
+        """GB/s of ``passes`` reads of the whole buffer (the fastest pass); kept in ``samples``."""
+        best = float("inf")
+        for _ in range(passes):
+            start = self.clock()
+            self._read()
+            best = min(best, self.clock() - start)
+        gb_s = self.buffer.nbytes / max(best, 1e-9) / 1e9
+        self.samples.append(gb_s)
+        return gb_s
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown()
+        self.buffer = self.slices = None
+
+
+def floor_share(gb_s_runs: Sequence[float | None], floor_runs: Sequence[float]) -> float | None:
+    """The median over rounds of each run's GB/s over the floor read of its own round."""
+    shares = [g / f for g, f in zip(gb_s_runs, floor_runs, strict=True) if g and f]
+    return statistics.median(shares) if shares else None
 
 
 # -- the results ----------------------------------------------------------------------------------
@@ -163,6 +246,7 @@ class BenchOptions:
     roles: tuple[str, ...] | None = None  # None: every model of each bundle
     kernels: str = "auto"  # the native kernel set (native.KERNELS)
     verify: bool = True  # check each bundle's files (sha256) and native weights (digest) first: --no-verify skips
+    floor: bool = True  # measure the memory floor beside the rounds (FloorProbe): --no-floor skips
 
 
 @dataclass(frozen=True)
@@ -182,6 +266,9 @@ class BenchRecord:
     step_bytes: int | None  # weight bytes per decode step (None: not known here)
     gb_s: float | None  # step_bytes x decode tok/s
     bandwidth_share: float | None  # of the profile's memory.bandwidth_gbs
+    floor_gb_s: float | None = None  # median of the floor reads of this context's rounds
+    floor_runs_gb_s: list[float] = field(default_factory=list)  # the floor read of each round, with the runs
+    floor_share: float | None = None  # median over rounds of (the run's GB/s / that round's floor read)
 
 
 @dataclass(frozen=True)
@@ -204,6 +291,7 @@ class BenchReport:
     profile: str | None
     bandwidth_gbs: float | None
     versions: dict[str, str]
+    floor: dict[str, Any] | None = None  # the floor read: bytes, llc_bytes, threads, every sample (GB/s)
     records: list[BenchRecord] = field(default_factory=list)
     skipped: list[Skipped] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -290,7 +378,8 @@ def _run(case: DecodeCase, ids: list[int], steps: int, clock: Callable[[], float
 
 
 def _bench_model(bundle: Bundle, role: str, options: BenchOptions, threads: int, bandwidth_gbs: float | None,
-                report: BenchReport, progress: Callable[[str], None] | None = None) -> None:
+                report: BenchReport, progress: Callable[[str], None] | None = None,
+                floor: FloorProbe | None = None) -> None:
     """Every backend of ``options`` on one model, interleaved; records and skips go into ``report``."""
     cases: dict[str, DecodeCase] = {}
     for backend in options.backends:
@@ -316,7 +405,10 @@ def _bench_model(bundle: Bundle, role: str, options: BenchOptions, threads: int,
     backends = list(cases)
     for context in options.contexts:
         runs: dict[str, list[tuple[float, float]]] = {backend: [] for backend in backends}
+        floors: list[float] = []  # one floor read per round, just before the round's runs
         for repeat in range(options.repeats):
+            if floor is not None:
+                floors.append(floor.measure())
             turn = repeat % len(backends)  # who goes first rotates: drift in the machine's speed hits all alike
             for backend in backends[turn:] + backends[:turn]:
                 runs[backend].append(_run(cases[backend], ids[:context], options.steps, clock))
@@ -324,10 +416,13 @@ def _bench_model(bundle: Bundle, role: str, options: BenchOptions, threads: int,
             decode = [options.steps / seconds for _, seconds in timings]
             tok_s, ttft = statistics.median(decode), statistics.median(t for t, _ in timings)
             gb_s = step_bytes[backend] * tok_s / 1e9 if step_bytes[backend] else None
+            run_gb_s = [step_bytes[backend] * d / 1e9 if step_bytes[backend] else None for d in decode]
             report.records.append(BenchRecord(
                 str(bundle.path), role, backend, cases[backend].describe(), context, options.steps, tok_s, ttft,
                 context / ttft, decode, step_bytes[backend], gb_s,
-                gb_s / bandwidth_gbs if gb_s and bandwidth_gbs else None))
+                gb_s / bandwidth_gbs if gb_s and bandwidth_gbs else None,
+                statistics.median(floors) if floors else None, list(floors),
+                floor_share(run_gb_s, floors) if floors else None))
             if progress:
                 progress(f"{bundle.path} {role} {backend} at {context}: {tok_s:.1f} tok/s, TTFT {ttft:.3f} s")
     cases.clear()
@@ -348,7 +443,7 @@ def _versions() -> dict[str, str]:
 
 
 def _native_kernels(kernels: str) -> str:
-    from edgeroute.runtime.native import native_kernels
+    from edgeroute.runtime.backends.native import native_kernels
 
     try:
         chosen = native_kernels(kernels)
@@ -377,7 +472,18 @@ def run_bench(bundles: Sequence[str | Path], options: BenchOptions | None = None
     if bandwidth is None:
         report.notes.append(f"no memory bandwidth known{f' in profile {options.profile}' if profile else ''}: give "
                             "--profile DEVICE with memory.bandwidth_gbs (e.g. jetson-orin-nano-8gb) for the share")
-    for bundle, roles in opened:
-        for role in roles:
-            _bench_model(bundle, role, options, threads, bandwidth, report, progress)
+    floor = FloorProbe(threads) if options.floor else None
+    if floor is not None:
+        report.floor = {"bytes": floor.nbytes, "llc_bytes": floor.llc_bytes, "threads": floor.threads,
+                        "samples_gb_s": floor.samples}
+        if options.clock == "cpu":
+            report.notes.append("the floor read is timed on the wall clock; with --clock cpu the runs are not, so "
+                                "their share of it is not a share of the same minutes' bandwidth")
+    try:
+        for bundle, roles in opened:
+            for role in roles:
+                _bench_model(bundle, role, options, threads, bandwidth, report, progress, floor)
+    finally:
+        if floor is not None:
+            floor.close()
     return report

@@ -37,7 +37,7 @@ from edgeroute.runtime.drafters import (
     draft_lengths,
     draft_source,
 )
-from edgeroute.runtime.model import RUN
+from edgeroute.runtime.layers import RUN
 from edgeroute.runtime.policies import (
     LAYER_LETTERS,
     ROUTERS,
@@ -100,6 +100,10 @@ class DecodeOptions:
     # lookup_min_match earlier tokens, lookup_tokens at a time; the SLM drafts elsewhere
     lookup_min_match: int = 3
     lookup_tokens: int = 4
+    # speculate --light ngram: up to this many lookup continuations where earlier matches disagree,
+    # verified as a tree in one pass (greedy, unconstrained, without skipping, on a backend with
+    # tree_forwards; elsewhere the one most recent continuation, as with 1)
+    draft_branches: int = 1
     skip: SkipOptions = field(default_factory=SkipOptions)
     fallback: FallbackOptions | None = field(default_factory=FallbackOptions)
     # structured output: a JSON schema, regex or grammar every token must fit (see constraints.py)
@@ -149,6 +153,8 @@ class DecodeOptions:
         if self.light == "ngram+slm" and base == "route":
             raise InputError("light path ngram+slm drafts for speculate only: route scores one light path with "
                              "that path's router (use --light slm or --light ngram)")
+        if self.draft_branches < 1:
+            raise InputError(f"draft_branches must be >= 1 (got {self.draft_branches})")
         if self.lookup_min_match < 1 or self.lookup_tokens < 1:
             raise InputError(f"lookup_min_match and lookup_tokens must be >= 1 "
                              f"(got {self.lookup_min_match}, {self.lookup_tokens})")
@@ -319,6 +325,11 @@ class Decoder:
         self.route_threshold = DEFAULT_ROUTE_THRESHOLD if options.route_threshold is None else options.route_threshold
         first, longest = draft_lengths(options.draft_tokens, options.max_draft_tokens, self.llm.pass_rows)
         self.draft_length = DraftLength(first, longest, options.adaptive_draft)
+        # a tree's greedy walk is exact where each token's logits are its path's: the native
+        # backend's tree forwards; sampling, grammars and skipping keep linear drafts
+        self.tree_branches = options.draft_branches if (
+            base == "speculate" and options.light == "ngram" and self.llm.tree_forwards and self.sampler.greedy
+            and constraint is None and self.skipper is None) else 1
 
     # -- the steps ------------------------------------------------------------------------------
 
@@ -335,6 +346,10 @@ class Decoder:
             self.skipper.enabled = not self._fallback_active()
             plan = self.skipper
         logits = self.llm.forward(cache, pending + extra, plan=plan, tail=len(extra) + 1)
+        return logits, self._llm_trace(plan)
+
+    def _llm_trace(self, plan: SkipController | None) -> TokenTrace:
+        """Counts an LLM pass; the trace of the token it chooses (its layers as the plan ran them)."""
         trace = TokenTrace(-1, -1, "llm", 0.0, fallback=self._fallback_active())
         n = self.llm.num_layers
         if plan is not None:
@@ -346,7 +361,7 @@ class Decoder:
             trace.layers_run, trace.layers_skipped = n, 0
             trace.layers = LAYER_LETTERS[RUN] * n
         self.stats.llm_calls += 1
-        return logits, trace
+        return trace
 
     def _observe_llm(self, logits: np.ndarray) -> None:
         if self.monitor is not None:
@@ -404,6 +419,8 @@ class Decoder:
         return traces
 
     def step_speculate(self) -> list[TokenTrace]:
+        if self.tree_branches > 1:
+            return self._verify_tree()
         return self._verify_draft()
 
     def step_route_verified(self) -> list[TokenTrace]:
@@ -447,6 +464,41 @@ class Decoder:
         traces.append(trace)
         if self.adaptive_source in draft.sources:
             self.draft_length.update(drafted, accepted)
+        return traces
+
+    def _verify_tree(self) -> list[TokenTrace]:
+        """Greedy speculation over a tree of lookup drafts in one tree forward: from the last
+        pending token, the walk follows the child the LLM picks while there is one; the cache
+        keeps that path. Each token's logits are its path's bit for bit, so the tokens are
+        ``full``'s."""
+        tree = self.light.propose_tree(self.state.tokens, self.draft_length.current, self.tree_branches)
+        if tree.branches < 2:  # the matches agree (or there is none): the linear draft
+            return self._verify_draft()
+        cache, tokens = self.state.llm_cache, self.state.tokens
+        pending = tokens[cache.length:]
+        if len(pending) > 1:  # the tree hangs from the cache's last token: the prompt runs first
+            self.llm.forward(cache, pending[:-1])
+            self.stats.llm_calls += 1
+        ids = [pending[-1], *tree.tokens]
+        parents = [-1, *(parent + 1 for parent in tree.parents)]
+        logits = self.llm.forward_tree(cache, ids, parents)
+        trace = self._llm_trace(None)
+        path, traces = [0], []
+        while True:
+            chosen = self.sampler.sample(logits[path[-1]])
+            child = next((i for i in range(1, len(ids)) if parents[i] == path[-1] and ids[i] == chosen), None)
+            if child is None:
+                break
+            path.append(child)
+            traces.append(TokenTrace(-1, chosen, f"draft:{tree.source}", 0.0))
+        self._observe_llm(logits[path[-1]])
+        self.llm.keep_path(cache, path)
+        drafted, accepted = tree.depth, len(path) - 1
+        self.stats.drafted += drafted
+        self.stats.accepted += accepted
+        trace.token = chosen
+        traces.append(trace)
+        self.draft_length.update(drafted, accepted)
         return traces
 
     # -- the loop -------------------------------------------------------------------------------

@@ -38,6 +38,42 @@ class Proposal:
     source: str = ""  # the drafter that proposed the tokens ("ngram", "slm"; "": the light path's name)
 
 
+@dataclass
+class DraftTree:
+    """Draft tokens that branch where the drafter saw several continuations: ``parents[i]`` is
+    token i's parent, an earlier token of the tree, or -1 for the token after the sequence's last
+    (so -1 tokens are alternatives for the next token). A single branch is a chain."""
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    source: str = ""
+
+    def add_branch(self, continuation: list[int]) -> None:
+        """Merges ``continuation`` in: the prefix it shares with the tree's branches is not repeated."""
+        node = -1
+        for token in continuation:
+            pairs = enumerate(zip(self.tokens, self.parents, strict=True))
+            child = next((i for i, (t, p) in pairs if t == token and p == node), None)
+            if child is None:
+                self.tokens.append(token)
+                self.parents.append(node)
+                child = len(self.tokens) - 1
+            node = child
+
+    @property
+    def branches(self) -> int:
+        """Its leaves: the continuations it holds."""
+        return len(self.tokens) - len(set(self.parents) - {-1})
+
+    @property
+    def depth(self) -> int:
+        """Tokens on its longest branch."""
+        depths: list[int] = []
+        for parent in self.parents:
+            depths.append(1 if parent < 0 else depths[parent] + 1)
+        return max(depths, default=0)
+
+
 FIRST_DRAFT = 4  # the first draft's length when the caller sets none
 LONGEST_DRAFT = 8  # the longest draft where the LLM's backend does not say what a pass serves
 
@@ -105,10 +141,36 @@ class NgramDrafter:
     def propose(self, tokens: list[int], k: int) -> Proposal:
         """The k tokens that followed the most recent earlier occurrence of the longest
         suffix (max_ngram down to min_ngram tokens) of ``tokens``."""
+        n, hits = self._matches(tokens)
+        if n == 0:
+            return Proposal([], [], source=self.name if len(tokens) > self.min_ngram else "")
+        start = int(hits[-1]) + 1
+        continuation = tokens[start:start + k]
+        return Proposal(continuation, [None] * len(continuation), n, int(hits.size), source=self.name)
+
+    def propose_tree(self, tokens: list[int], k: int, branches: int) -> DraftTree:
+        """The k tokens after each of the most recent earlier occurrences of the longest suffix
+        (as ``propose``), up to ``branches`` different continuations, most recent first, merged
+        where they agree: where the matches disagree, the tree holds each."""
+        n, hits = self._matches(tokens)
+        tree = DraftTree(source=self.name)
+        seen: set[tuple[int, ...]] = set()
+        for end in hits[::-1]:
+            continuation = tuple(tokens[int(end) + 1:int(end) + 1 + k])
+            if continuation not in seen:
+                seen.add(continuation)
+                tree.add_branch(list(continuation))
+            if len(seen) == branches:
+                break
+        return tree
+
+    def _matches(self, tokens: list[int]) -> tuple[int, np.ndarray]:
+        """The longest suffix length (max_ngram down to min_ngram) that occurred earlier, and
+        where those occurrences end (ascending); (0, none) without one."""
         n_tokens = len(tokens)
         longest = min(self.max_ngram, n_tokens - 1)
         if longest < self.min_ngram:
-            return Proposal([], [])
+            return 0, np.empty(0, np.int64)
         seq = np.asarray(tokens, np.int64)
         # Earlier places of the last token (each followed by at least one token) are the only
         # places a match can end: one pass over the history, then at most max_ngram steps back
@@ -124,10 +186,8 @@ class NgramDrafter:
         for n in range(longest, self.min_ngram - 1, -1):
             hits = ends[matched >= n]
             if hits.size:
-                start = int(hits[-1]) + 1
-                continuation = tokens[start:start + k]
-                return Proposal(continuation, [None] * len(continuation), n, int(hits.size), source=self.name)
-        return Proposal([], [], source=self.name)
+                return n, hits
+        return 0, np.empty(0, np.int64)
 
     def reset(self) -> None:
         pass

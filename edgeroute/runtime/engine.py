@@ -29,6 +29,7 @@ from edgeroute.cpu import cpu_signature, signature_difference
 from edgeroute.errors import BundleError, CalibrationDeviceWarning, InputError, SessionBusy, UnmeasuredQualityWarning
 from edgeroute.kv_formats import INT8_GROUP, KV_DTYPE_CHOICES, check_kv_dtype, kv_row_bytes
 from edgeroute.runtime.aio import iterate_in_thread
+from edgeroute.runtime.attention import KVCache
 from edgeroute.runtime.backend import ModelBackend, backend_for, open_model, resolve_kv_dtype
 from edgeroute.runtime.calibrated import calibrated_options, format_token_ids
 from edgeroute.runtime.constraints import Constraint, GrammarCompiler
@@ -41,7 +42,6 @@ from edgeroute.runtime.decoding import (
 )
 from edgeroute.runtime.drafters import draft_lengths
 from edgeroute.runtime.memory import check_fit
-from edgeroute.runtime.model import KVCache
 from edgeroute.runtime.options import EngineOptions
 from edgeroute.runtime.routers import TrainedRouter
 from edgeroute.runtime.text_stream import IncrementalDetokenizer, StopFilter

@@ -17,7 +17,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from edgeroute.bundle import Bundle
-from edgeroute.runtime.model import OrtModel
+from edgeroute.runtime.backends.onnxruntime import OrtModel
 
 DEFAULT_WINDOW = 512
 

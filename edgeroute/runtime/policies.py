@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from edgeroute.runtime.drafters import Proposal
-from edgeroute.runtime.model import DROP, RUN, SKIP, SKIP_MLP
+from edgeroute.runtime.layers import DROP, RUN, SKIP, SKIP_MLP
 from edgeroute.skip_options import SKIP_SCORERS, SkipOptions
 
 # -- routers ------------------------------------------------------------------------------------

@@ -20,8 +20,8 @@ import math
 import numpy as np
 import onnxruntime as ort
 
+from edgeroute.runtime.backends.onnxruntime import session_options
 from edgeroute.runtime.drafters import Proposal
-from edgeroute.runtime.model import session_options
 
 TOP_K = 8
 SLM_FEATURES = "slm-v1"  # SLM last hidden state, top-k log-probabilities, entropy, 1-top1, 1-margin

@@ -20,7 +20,7 @@ from pathlib import Path
 import onnxruntime as ort
 
 from edgeroute.bundle import Bundle, GraphEntry, ModelEntry
-from edgeroute.runtime.model import session_options
+from edgeroute.runtime.backends.onnxruntime import session_options
 
 OUTPUT, TIED = "output.weight", "token_embd.weight"
 

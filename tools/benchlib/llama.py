@@ -3,6 +3,21 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
+
+from edgeroute.llamacpp import NotTheSource, Unavailable, open_llama, source_gguf
+
+__all__ = ["checked_gguf", "greedy_tokens", "open_llama"]
+
+
+def checked_gguf(bundle: str | Path, role: str = "llm", given: str | Path | None = None) -> Path:
+    """The GGUF llama.cpp runs as the peer of ``bundle``'s ``role`` model: the source export
+    recorded, or ``given`` once it is checked to be that source (sha256). Anything else stops
+    the tool with the reason: it never times another model than the bundle's."""
+    try:
+        return source_gguf(bundle, role, given)
+    except (NotTheSource, Unavailable) as err:
+        raise SystemExit(f"refusing to time llama.cpp: {err}") from None
 
 
 def greedy_tokens(llm, ids: list[int], eos_ids: set[int], budget: int, grammar=None) -> tuple[list[int], list[float]]:

@@ -88,8 +88,8 @@ def main(logdir: Path) -> int:
 
     from edgeroute.bundle import Bundle
     from edgeroute.runtime import Engine, OrtModel
+    from edgeroute.runtime.backends.tensorrt import TrtModel
     from edgeroute.runtime.profiles import load_profile
-    from edgeroute.runtime.trt import TrtModel
     from edgeroute.tensorrt.engines import build_engines
 
     logdir.mkdir(parents=True, exist_ok=True)

@@ -38,7 +38,9 @@
  * and freeing sessions of one model from several threads at once is safe, and so is freeing
  * the model's handle meanwhile (tests/native/test_sessions_threads.c, under ThreadSanitizer).
  *
- * ABI history: 8 added er_model_params.verify, er_model_info.verified and er_data_digest.
+ * ABI history: 8 added er_model_params.verify, er_model_info.verified and er_data_digest; 9 added
+ * tree forwards (er_session_forward_tree, er_session_keep_path): a binding that drives trees
+ * refuses an older library.
  */
 #ifndef EDGEROUTE_H
 #define EDGEROUTE_H
@@ -57,7 +59,7 @@ extern "C" {
 #endif
 
 /* Bumped on any change a caller compiled against an older header could not survive. */
-#define ER_ABI_VERSION 8
+#define ER_ABI_VERSION 9
 
 /* ---- errors ------------------------------------------------------------------------------ */
 
@@ -242,6 +244,31 @@ ER_API er_forward_params er_forward_default_params(void);
  * row of a forward computes alike whatever n is, so a multi-token verification pass gives
  * the same bits as one-token steps (speculative decoding stays exact). */
 ER_API er_status er_session_forward(er_session *session, const int32_t *ids, int32_t n, const er_forward_params *params);
+
+/* ---- tree forwards (speculative verification of several drafts in one pass) -------------- */
+
+/* Runs n tokens that form a tree after the session's positions and appends their rows, as one
+ * pass over the weights. parents[i] is token i's parent: an earlier token of the tree (0..i-1),
+ * or -1 for the cache's last position (so -1 tokens are alternative next tokens). Token i is
+ * run at position length + depth(i) (its depth: 0 for a -1 token, its parent's + 1) and attends
+ * to the cache's positions and to its own ancestors among the tree's tokens only, gathered into
+ * the order its root-to-token path run linearly would hold them: its logits and K/V rows are
+ * that run's bit for bit (verifying a tree stays as exact as verifying a chain). Its K/V rows are
+ * written at length + i, in the order given. params as for er_session_forward (logits_rows: the
+ * last rows of the n, in their order; hidden; plans). Refused before anything runs: a parent
+ * outside -1..n-1 or not before its child (ER_ERR_ARGUMENT), n past the capacity or past the
+ * model's max_pass (ER_ERR_CAPACITY). The session remembers the tree until its cache next
+ * changes, for er_session_keep_path. */
+ER_API er_status er_session_forward_tree(er_session *session, const int32_t *ids, const int32_t *parents, int32_t n,
+                                         const er_forward_params *params);
+
+/* After er_session_forward_tree, with nothing run on the session since: keeps the tree's tokens
+ * path[0..count) (indices into the tree, root to leaf: path[0]'s parent is -1, each next one's
+ * parent the one before) and drops the rest. Their K/V rows (and dropped flags) move into place,
+ * so the session ends bit for bit as if the path's tokens had been run linearly: length = the
+ * length before the tree + count. count 0 keeps none. A path that is not such a chain, or no tree to keep a
+ * path of, is ER_ERR_ARGUMENT and changes nothing. */
+ER_API er_status er_session_keep_path(er_session *session, const int32_t *path, int32_t count);
 
 /* The layer-level steps, for hosts whose plan is decided from the hidden state as it goes
  * (a skip scorer) or that rerun layers of positions already held: er_model_embed turns n ids

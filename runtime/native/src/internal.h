@@ -61,6 +61,14 @@ typedef struct {
 
 enum { FORM_32 = 1, FORM_256 = 2 };
 
+/* The rows of a tree pass (er_session_forward_tree): row i is cached at row pos0 + i, but runs as
+ * its path run linearly would: at position pos0 + depth[i], attending to the cache before pos0
+ * and then to its path's rows, in the path's order (kernels/loops.h gathers them). */
+typedef struct {
+    const int32_t *depth;     /* [M]: 0 for a child of the cache's last position */
+    const int32_t *ancestors; /* [M][M]: row i's path, root first: depth[i] + 1 rows, i the last */
+} er_tree;
+
 /* ---- the kernel table -------------------------------------------------------------------
  * One per kernel set (kernels/generic, kernels/x86): the layer code calls the kernels through
  * it, chosen once per model (dispatch.c). The first three run inside an OpenMP parallel region
@@ -73,9 +81,11 @@ typedef struct {
     void (*quantize)(const float *x, int M, int n, er_q8 *q, int forms);
     /* y[M, rows] = x[M, cols] @ m^T (+ bias) */
     void (*matmul)(const er_matrix *m, const er_q8 *x, int M, float *y, const float *bias);
-    /* attention of M rows at positions pos0.. (see kernels/loops.h) */
+    /* attention of M rows at positions pos0.. (see kernels/loops.h); tree: NULL, or the rows' tree
+     * (gather: its scratch, gather_bytes) */
     void (*attention)(const void *kcache, const void *vcache, const float *q, const uint8_t *masked,
-                      const er_dims *D, int M, int pos0, float *scores, float *partials, float *out);
+                      const er_tree *tree, const er_dims *D, int M, int pos0, float *scores, float *partials,
+                      uint8_t *gather, float *out);
     /* one row of hd values into a cache at row `row` */
     void (*kv_store)(void *cache, size_t row, const float *x, int hd, int format);
 } er_kernel_table;
@@ -99,6 +109,9 @@ const er_kernel_table *er_kernel_table_for(int kernels);
 
 static inline int segments(int positions) { return (positions + SEGMENT - 1) / SEGMENT; }
 
+/* a thread's copy of one segment's keys and values for a tree's row (rows of up to float32 width) */
+static inline size_t gather_bytes(const er_dims *D) { return (size_t)2 * SEGMENT * D->head_dim * sizeof(float); }
+
 /* rows per attention block: their per-segment results fit PARTIALS_BYTES (one row at least) */
 static inline int attention_rows(const er_dims *D) {
     const size_t row = (size_t)D->heads * segments(D->capacity) * (D->head_dim + 2) * sizeof(float);
@@ -119,10 +132,11 @@ int er_pack(const er_matrix *m, uint8_t *out, int threads);
 /* ---- the decoder (layer.c) ---------------------------------------------------------------- */
 
 /* One decoder layer over M rows at positions pos0.. (mode: an er_layer_action other than
- * DROP); cache: this layer's heads-first [kv_heads, capacity, row] keys and values. */
+ * DROP); cache: this layer's heads-first [kv_heads, capacity, row] keys and values; tree: NULL
+ * (causal rows), or the rows' tree. */
 int er_layer_forward(const er_kernel_table *K, const er_layer *L, const er_dims *D, float *x, int M, int pos0,
                      const float *cos_t, const float *sin_t, void *kcache, void *vcache, const uint8_t *masked,
-                     int mode, void *scratch);
+                     const er_tree *tree, int mode, void *scratch);
 size_t er_layer_scratch_bytes(const er_dims *D, int M);
 /* logits [M, rows] = rms_norm(x) @ head^T */
 int er_head_forward(const er_kernel_table *K, const er_matrix *head, const float *norm, const er_dims *D,

@@ -113,6 +113,7 @@ static er_q8 *take_q8(carver *c, int M, int cols) {
 
 typedef struct {
     float *h, *q, *k, *v, *attn, *gate, *up, *scores, *partials;
+    uint8_t *gather;
     er_q8 *xq;
 } layer_scratch;
 
@@ -130,6 +131,7 @@ static layer_scratch carve_layer(carver *c, const er_dims *D, int M) {
     s.scores = take(c, (size_t)D->threads * (D->heads / D->kv_heads) * (SEGMENT + 8) * 4);
     const int rows = M < attention_rows(D) ? M : attention_rows(D);
     s.partials = take(c, (size_t)rows * D->heads * segments(D->capacity) * (D->head_dim + 2) * 4);
+    s.gather = take(c, (size_t)D->threads * gather_bytes(D));
     s.xq = take_q8(c, M, (int)widest);
     return s;
 }
@@ -170,13 +172,13 @@ static void add_into(float *x, const float *y, size_t n) {
     for (size_t j = 0; j < n; j++) x[j] += y[j];
 }
 
-/* One decoder layer over M rows at positions pos0.. . cache: this layer's heads-first
- * [kv_heads, capacity, row] keys and values. mode: ER_LAYER_RUN the whole layer, ER_LAYER_SKIP_MLP
+/* One decoder layer over M rows at positions pos0.. (a tree's rows at their depths). cache: this
+ * layer's heads-first [kv_heads, capacity, row] keys and values. mode: ER_LAYER_RUN the whole layer, ER_LAYER_SKIP_MLP
  * attention only, ER_LAYER_SKIP K/V only (the layer skipped: its cache rows are filled, x
  * unchanged). `masked` [capacity] (or NULL): positions dropped from this layer's attention. */
 int er_layer_forward(const er_kernel_table *K, const er_layer *L, const er_dims *D, float *x, int M, int pos0,
                      const float *cos_t, const float *sin_t, void *kcache, void *vcache, const uint8_t *masked,
-                     int mode, void *scratch_memory) {
+                     const er_tree *tree, int mode, void *scratch_memory) {
     const int d = D->hidden, H = D->heads, KV = D->kv_heads, hd = D->head_dim, F = D->ffn, cap = D->capacity;
     if (!er_attention_takes(D, M, pos0) || d % 32 || F % 32 || (H * hd) % 32 || mode < 0 || mode > 2) return -1;
     carver c = {(char *)scratch_memory, 0};
@@ -191,7 +193,8 @@ int er_layer_forward(const er_kernel_table *K, const er_layer *L, const er_dims 
         K->matmul(&L->v, s.xq, M, s.v, L->v_bias);
 #pragma omp for schedule(static)
         for (int i = 0; i < M; i++) {
-            const float *cs = cos_t + (size_t)(pos0 + i) * hd, *sn = sin_t + (size_t)(pos0 + i) * hd;
+            const size_t pos = (size_t)pos0 + (tree ? tree->depth[i] : i);
+            const float *cs = cos_t + pos * hd, *sn = sin_t + pos * hd;
             if (mode != 2) rope(s.q + (size_t)i * H * hd, H, hd, cs, sn);
             rope(s.k + (size_t)i * KV * hd, KV, hd, cs, sn);
             if (L->key_scales && D->kv_format == KV_INT8)
@@ -203,7 +206,7 @@ int er_layer_forward(const er_kernel_table *K, const er_layer *L, const er_dims 
             }
         }
         if (mode != 2) {
-            K->attention(kcache, vcache, s.q, masked, D, M, pos0, s.scores, s.partials, s.attn);
+            K->attention(kcache, vcache, s.q, masked, tree, D, M, pos0, s.scores, s.partials, s.gather, s.attn);
             K->quantize(s.attn, M, H * hd, s.xq, forms_for(&L->o, NULL, NULL));
             K->matmul(&L->o, s.xq, M, s.h, NULL);
             add_into(x, s.h, (size_t)M * d);
@@ -276,5 +279,5 @@ void er_attention_forward(const er_kernel_table *K, const er_dims *D, const floa
     carver c = {(char *)scratch_memory, 0};
     const layer_scratch s = carve_layer(&c, D, M);
 #pragma omp parallel num_threads(D->threads)
-    K->attention(kcache, vcache, q, masked, D, M, pos0, s.scores, s.partials, out);
+    K->attention(kcache, vcache, q, masked, NULL, D, M, pos0, s.scores, s.partials, s.gather, out);
 }

@@ -48,6 +48,10 @@ struct er_session {
     size_t row_bytes, layer_bytes; /* one row; one layer's [kv_heads][capacity] rows */
     uint8_t *keys, *values;
     uint8_t *dropped; /* [layers][capacity], allocated at the first DROP */
+    /* the last tree forward, while the cache still ends with its rows (er_session_keep_path): its
+     * first row and its parents; tree_n 0 once anything else changed the cache */
+    int32_t tree_start, tree_n;
+    int32_t *tree_parents;
 };
 
 er_model_params er_model_default_params(void) {
@@ -374,6 +378,7 @@ static void free_session_memory(er_session *q) {
     free(q->keys);
     free(q->values);
     free(q->dropped);
+    free(q->tree_parents);
     free(q);
 }
 
@@ -390,7 +395,8 @@ er_status er_session_create(er_model *m, const er_session_params *params, er_ses
     if (!row) return er_fail(ER_ERR_UNSUPPORTED, "KV format %d with head_dim %d (int8 needs a multiple of 32)", p.kv_format, m->dims.head_dim);
     er_session *q = calloc(1, sizeof *q);
     if (!q) return er_fail(ER_ERR_MEMORY, "no memory for a session");
-    *q = (er_session){m, capacity, p.kv_format, 0, row, row * (size_t)m->dims.kv_heads * capacity, NULL, NULL, NULL};
+    *q = (er_session){m, capacity, p.kv_format, 0, row, row * (size_t)m->dims.kv_heads * capacity, NULL, NULL, NULL,
+                      0, 0, NULL};
     const size_t bytes = q->layer_bytes * (size_t)m->layers;
     q->keys = resident(bytes);
     q->values = resident(bytes);
@@ -425,6 +431,7 @@ er_status er_session_truncate(er_session *q, int32_t length) {
     if (q->dropped)
         for (int i = 0; i < q->model->layers; i++) memset(q->dropped + (size_t)i * q->capacity + length, 0, (size_t)(q->capacity - length));
     q->length = length;
+    q->tree_n = 0;
     return ER_OK;
 }
 
@@ -454,6 +461,7 @@ er_status er_session_copy(er_session *to, const er_session *from, int32_t length
             if (from->dropped) memcpy(row, from->dropped + (size_t)i * from->capacity, (size_t)length);
         }
     to->length = length;
+    to->tree_n = 0;
     return ER_OK;
 }
 
@@ -498,9 +506,11 @@ static void embed_rows(er_model *m, const int32_t *ids, int32_t n, float *hidden
     }
 }
 
-/* layers [first, last) over hidden [n] at positions start..; the model's lock held */
+/* layers [first, last) over hidden [n] at positions start.. (tree: NULL, or the rows' tree); the
+ * model's lock held. Any rows rewritten end the last tree's claim on the cache. */
 static void run_layers(er_session *q, float *hidden, int32_t n, int32_t start, int32_t first, int32_t last,
-                       const uint8_t *plan, double *layer_seconds) {
+                       const uint8_t *plan, const er_tree *tree, double *layer_seconds) {
+    q->tree_n = 0;
     er_model *m = q->model;
     er_dims D = m->dims;
     D.capacity = q->capacity;
@@ -513,7 +523,7 @@ static void run_layers(er_session *q, float *hidden, int32_t n, int32_t start, i
         } else {
             const uint8_t *masked = q->dropped ? q->dropped + (size_t)i * q->capacity : NULL;
             er_layer_forward(m->K, &m->L[i], &D, hidden, n, start, m->cos_t, m->sin_t, q->keys + i * q->layer_bytes,
-                             q->values + i * q->layer_bytes, masked, action, m->scratch);
+                             q->values + i * q->layer_bytes, masked, tree, action, m->scratch);
         }
         if (layer_seconds) layer_seconds[i] += omp_get_wtime() - t0;
     }
@@ -533,35 +543,152 @@ static er_status ensure_dropped(er_session *q, const uint8_t *plan, int32_t coun
     return q->dropped ? ER_OK : er_fail(ER_ERR_MEMORY, "no memory for the dropped positions");
 }
 
-er_status er_session_forward(er_session *q, const int32_t *ids, int32_t n, const er_forward_params *params) {
-    if (!q) return er_fail(ER_ERR_ARGUMENT, "er_session_forward: no session");
-    er_model *m = q->model;
-    const er_forward_params p = params ? *params : er_forward_default_params();
-    er_status s = check_size(p.struct_size, sizeof(er_forward_params), "er_forward_params");
+/* what every forward's params must pass before anything runs */
+static er_status check_forward(const er_session *q, const int32_t *ids, int32_t n, const er_forward_params *p) {
+    const er_model *m = q->model;
+    er_status s = check_size(p->struct_size, sizeof(er_forward_params), "er_forward_params");
     if (s == ER_OK) s = check_ids(m, ids, n);
     if (s != ER_OK) return s;
     if (n > q->capacity - q->length)
         return er_fail(ER_ERR_CAPACITY, "%d tokens after %d exceed the session's capacity of %d", n, q->length, q->capacity);
-    if (p.plan && p.plan_layers != m->layers)
-        return er_fail(ER_ERR_ARGUMENT, "a plan of %d layers for a model of %d", p.plan_layers, m->layers);
-    if (p.logits_rows < 0 || p.logits_rows > n || (p.logits_rows > 0 && !p.logits))
-        return er_fail(ER_ERR_ARGUMENT, "logits of %d rows of a %d-token forward (logits %s)", p.logits_rows, n,
-                       p.logits ? "given" : "NULL");
-    if ((s = check_plan(p.plan, p.plan_layers)) != ER_OK || (s = ensure_dropped(q, p.plan, p.plan_layers)) != ER_OK) return s;
+    if (p->plan && p->plan_layers != m->layers)
+        return er_fail(ER_ERR_ARGUMENT, "a plan of %d layers for a model of %d", p->plan_layers, m->layers);
+    if (p->logits_rows < 0 || p->logits_rows > n || (p->logits_rows > 0 && !p->logits))
+        return er_fail(ER_ERR_ARGUMENT, "logits of %d rows of a %d-token forward (logits %s)", p->logits_rows, n,
+                       p->logits ? "given" : "NULL");
+    return check_plan(p->plan, p->plan_layers);
+}
+
+/* the hidden states and logits `p` asks for of rows at..at + count (in m->hidden) of an n-token forward */
+static void write_outputs(er_model *m, const er_forward_params *p, int32_t at, int32_t count, int32_t n) {
+    const int32_t d = m->dims.hidden, first_logit = n - p->logits_rows;
+    if (p->hidden) memcpy(p->hidden + (size_t)at * d, m->hidden, (size_t)count * d * sizeof(float));
+    const int32_t from = first_logit > at ? first_logit : at;
+    if (p->logits_rows > 0 && from < at + count)
+        head_rows(m, m->hidden + (size_t)(from - at) * d, at + count - from, p->logits + (size_t)(from - first_logit) * m->vocab);
+}
+
+er_status er_session_forward(er_session *q, const int32_t *ids, int32_t n, const er_forward_params *params) {
+    if (!q) return er_fail(ER_ERR_ARGUMENT, "er_session_forward: no session");
+    er_model *m = q->model;
+    const er_forward_params p = params ? *params : er_forward_default_params();
+    er_status s = check_forward(q, ids, n, &p);
+    if (s != ER_OK || (s = ensure_dropped(q, p.plan, p.plan_layers)) != ER_OK) return s;
     pthread_mutex_lock(&m->lock);
-    const int32_t d = m->dims.hidden, first_logit = n - p.logits_rows;
     for (int32_t at = 0; at < n; at += m->max_pass) {
         const int32_t count = n - at < m->max_pass ? n - at : m->max_pass;
         embed_rows(m, ids + at, count, m->hidden);
-        run_layers(q, m->hidden, count, q->length, 0, m->layers, p.plan, p.layer_seconds);
+        run_layers(q, m->hidden, count, q->length, 0, m->layers, p.plan, NULL, p.layer_seconds);
         q->length += count;
-        if (p.hidden) memcpy(p.hidden + (size_t)at * d, m->hidden, (size_t)count * d * sizeof(float));
-        const int32_t from = first_logit > at ? first_logit : at;
-        if (p.logits_rows > 0 && from < at + count)
-            head_rows(m, m->hidden + (size_t)(from - at) * d, at + count - from, p.logits + (size_t)(from - first_logit) * m->vocab);
+        write_outputs(m, &p, at, count, n);
     }
     pthread_mutex_unlock(&m->lock);
     return ER_OK;
+}
+
+/* ---- trees ---------------------------------------------------------------------------------- */
+
+static er_status check_parents(const int32_t *parents, int32_t n) {
+    if (!parents) return er_fail(ER_ERR_ARGUMENT, "a tree forward needs its tokens' parents");
+    for (int32_t i = 0; i < n; i++) {
+        if (parents[i] < -1 || parents[i] >= n)
+            return er_fail(ER_ERR_ARGUMENT, "token %d's parent %d is outside -1..%d (-1: the cache's last position)", i,
+                           parents[i], n - 1);
+        if (parents[i] >= i)
+            return er_fail(ER_ERR_ARGUMENT, "token %d's parent %d does not come before it: a tree's tokens are given "
+                           "parents first", i, parents[i]);
+    }
+    return ER_OK;
+}
+
+/* each token's depth and path (er_tree): its parent's path (parents come first), then itself */
+static void tree_paths(const int32_t *parents, int32_t n, int32_t *depth, int32_t *ancestors) {
+    for (int32_t i = 0; i < n; i++) {
+        int32_t *path = ancestors + (size_t)i * n;
+        depth[i] = parents[i] < 0 ? 0 : depth[parents[i]] + 1;
+        if (depth[i]) memcpy(path, ancestors + (size_t)parents[i] * n, (size_t)depth[i] * sizeof *path);
+        path[depth[i]] = i;
+    }
+}
+
+er_status er_session_forward_tree(er_session *q, const int32_t *ids, const int32_t *parents, int32_t n,
+                                  const er_forward_params *params) {
+    if (!q) return er_fail(ER_ERR_ARGUMENT, "er_session_forward_tree: no session");
+    er_model *m = q->model;
+    const er_forward_params p = params ? *params : er_forward_default_params();
+    er_status s = check_forward(q, ids, n, &p);
+    if (s != ER_OK) return s;
+    if (n > m->max_pass) /* a row's path may reach back to the tree's first row: one pass */
+        return er_fail(ER_ERR_CAPACITY, "a tree of %d tokens: a tree forward is one pass, of at most the model's "
+                       "max_pass (%d)", n, m->max_pass);
+    if ((s = check_parents(parents, n)) != ER_OK) return s;
+    int32_t *kept = malloc((size_t)n * sizeof *kept), *depth = malloc((size_t)n * sizeof *depth);
+    int32_t *ancestors = malloc((size_t)n * n * sizeof *ancestors);
+    if (!kept || !depth || !ancestors) s = er_fail(ER_ERR_MEMORY, "no memory for a tree of %d tokens", n);
+    if (s == ER_OK) s = ensure_dropped(q, p.plan, p.plan_layers);
+    if (s != ER_OK) {
+        free(kept);
+        free(depth);
+        free(ancestors);
+        return s;
+    }
+    tree_paths(parents, n, depth, ancestors);
+    memcpy(kept, parents, (size_t)n * sizeof *kept);
+    const er_tree tree = {depth, ancestors};
+    const int32_t start = q->length;
+    pthread_mutex_lock(&m->lock);
+    embed_rows(m, ids, n, m->hidden);
+    run_layers(q, m->hidden, n, start, 0, m->layers, p.plan, &tree, p.layer_seconds);
+    q->length += n;
+    write_outputs(m, &p, 0, n, n);
+    pthread_mutex_unlock(&m->lock);
+    free(q->tree_parents);
+    q->tree_parents = kept;
+    q->tree_start = start;
+    q->tree_n = n;
+    free(depth);
+    free(ancestors);
+    return ER_OK;
+}
+
+static er_status check_path(const er_session *q, const int32_t *path, int32_t count) {
+    if (!q->tree_n)
+        return er_fail(ER_ERR_ARGUMENT, "no tree to keep a path of: none was run, or the cache changed since (a "
+                       "forward, truncation, copy, advance or kept path)");
+    if (count < 0 || count > q->tree_n || (count > 0 && !path))
+        return er_fail(ER_ERR_ARGUMENT, "a path of %d tokens (path %s) in a tree of %d", count, path ? "given" : "NULL",
+                       q->tree_n);
+    for (int32_t k = 0; k < count; k++) {
+        const int32_t want = k ? path[k - 1] : -1;
+        if (path[k] < 0 || path[k] >= q->tree_n)
+            return er_fail(ER_ERR_ARGUMENT, "path entry %d is token %d, outside the tree's 0..%d", k, path[k], q->tree_n - 1);
+        if (q->tree_parents[path[k]] != want)
+            return er_fail(ER_ERR_ARGUMENT, "path entry %d is token %d, whose parent is %d, not %d: a path is a chain "
+                           "from a child of the cache's last position (parent -1) down, parent to child", k, path[k],
+                           q->tree_parents[path[k]], want);
+    }
+    return ER_OK;
+}
+
+er_status er_session_keep_path(er_session *q, const int32_t *path, int32_t count) {
+    if (!q) return er_fail(ER_ERR_ARGUMENT, "er_session_keep_path: no session");
+    const er_status s = check_path(q, path, count);
+    if (s != ER_OK) return s;
+    const er_model *m = q->model;
+    /* path[k] >= k and rises: each row moves down to a place no later row is read from */
+    for (int32_t k = 0; k < count; k++) {
+        const size_t to = (size_t)q->tree_start + k, from = (size_t)q->tree_start + path[k];
+        if (to == from) continue;
+        for (int i = 0; i < m->layers; i++) {
+            for (int g = 0; g < m->dims.kv_heads; g++) {
+                const size_t head = i * q->layer_bytes + (size_t)g * q->capacity * q->row_bytes;
+                memcpy(q->keys + head + to * q->row_bytes, q->keys + head + from * q->row_bytes, q->row_bytes);
+                memcpy(q->values + head + to * q->row_bytes, q->values + head + from * q->row_bytes, q->row_bytes);
+            }
+            if (q->dropped) q->dropped[(size_t)i * q->capacity + to] = q->dropped[(size_t)i * q->capacity + from];
+        }
+    }
+    return er_session_truncate(q, q->tree_start + count);
 }
 
 er_status er_model_embed(er_model *m, const int32_t *ids, int32_t n, float *hidden) {
@@ -585,7 +712,7 @@ er_status er_session_run_layers(er_session *q, float *hidden, int32_t n, int32_t
     if (s == ER_OK) s = ensure_dropped(q, plan, last - first);
     if (s != ER_OK) return s;
     pthread_mutex_lock(&m->lock);
-    run_layers(q, hidden, n, start, first, last, plan, layer_seconds);
+    run_layers(q, hidden, n, start, first, last, plan, NULL, layer_seconds);
     pthread_mutex_unlock(&m->lock);
     return ER_OK;
 }
@@ -595,6 +722,7 @@ er_status er_session_advance(er_session *q, int32_t n) {
     if (n < 0 || n > q->capacity - q->length)
         return er_fail(ER_ERR_CAPACITY, "advancing %d positions after %d: the capacity is %d", n, q->length, q->capacity);
     q->length += n;
+    q->tree_n = 0;
     return ER_OK;
 }
 

@@ -158,6 +158,22 @@ static int work_units(int items, int threads) {
         else { const int nh = 1; body; h0 += 1; }                                                  \
     }
 
+/* a row's last position, less pos0: its index in a causal pass, its depth in a tree */
+static inline int row_depth(const er_tree *tree, int i) { return tree ? tree->depth[i] : i; }
+
+/* the cache row that holds position v of a tree row's path (NULL: a causal row's own v) */
+static inline size_t cache_row(const int32_t *path, int pos0, int v) { return !path || v < pos0 ? v : pos0 + path[v - pos0]; }
+
+/* One head's rows of positions first..first + len of a tree row's path, in its order, into `out`:
+ * the cache's rows below pos0 as they are, then those of the path's tree rows. */
+static const uint8_t *gather_segment(const uint8_t *head, size_t bytes, int first, int len, int pos0,
+                                     const int32_t *path, uint8_t *out) {
+    const int below = pos0 - first > 0 ? pos0 - first : 0;
+    memcpy(out, head + (size_t)first * bytes, (size_t)below * bytes);
+    for (int t = below; t < len; t++) memcpy(out + (size_t)t * bytes, head + cache_row(path, pos0, first + t) * bytes, bytes);
+    return out;
+}
+
 /* Attention of each row over positions 0..pos0 + row (head_dim a multiple of 8, at most
  * KV_MAX_HEAD_DIM). The positions are cut into segments of SEGMENT at fixed places, and one work
  * item is a (row, KV head, segment): a long context keeps every thread busy whatever the number
@@ -167,26 +183,38 @@ static int work_units(int items, int threads) {
  * sharing it. An item leaves, per head, its softmax max, its sum of exponentials and its
  * unnormalized output; a second loop merges the segments (flash-decoding). Segments depend on
  * positions only, so every (row, head) is computed alike whatever M is and whichever thread
- * runs it. Rows run in blocks (attention_rows) so the partial results stay small. */
+ * runs it. Rows run in blocks (attention_rows) so the partial results stay small. A tree's row
+ * (er_tree) runs over the positions its path would hold run linearly, a segment that reaches the
+ * tree's rows gathered into that order: the same items over the same rows, so it gets its path's
+ * bits. */
 INLINE void attention_of(const void *kcache, const void *vcache, const float *q, const uint8_t *masked,
-                         const er_dims *D, int M, int pos0, float *scores, float *partials, float *out, int format) {
+                         const er_tree *tree, const er_dims *D, int M, int pos0, float *scores, float *partials,
+                         uint8_t *gather, float *out, int format) {
     const int H = D->heads, KV = D->kv_heads, hd = D->head_dim, cap = D->capacity, G = H / KV;
     const int S = segments(cap), R = attention_rows(D), stride = hd + 2; /* outputs, max, sum */
     const size_t bytes = er_kv_row_bytes(format, hd), sc_stride = SEGMENT + 8;
     const float scale = 1.0f / sqrtf((float)hd);
     float *thread_scores = scores + (size_t)omp_get_thread_num() * G * sc_stride;
+    uint8_t *thread_gather = gather + (size_t)omp_get_thread_num() * gather_bytes(D);
     for (int r0 = 0; r0 < M; r0 += R) {
         const int rn = M - r0 < R ? M - r0 : R, live = segments(pos0 + r0 + rn); /* the block's last row's */
         const int items = rn * KV * live, units = work_units(items, omp_get_num_threads());
 #pragma omp for schedule(dynamic, 1)
         for (int unit = 0; unit < units; unit++)
         for (int item = (int)((long long)items * unit / units); item < (int)((long long)items * (unit + 1) / units); item++) {
-            const int seg = item % live, ig = item / live, i = r0 + ig / KV, g = ig % KV, n = pos0 + i + 1;
-            const int first = seg * SEGMENT;
+            const int seg = item % live, ig = item / live, i = r0 + ig / KV, g = ig % KV;
+            const int first = seg * SEGMENT, n = pos0 + row_depth(tree, i) + 1;
             if (first >= n) continue;
             const int len = n - first < SEGMENT ? n - first : SEGMENT;
+            const int32_t *path = tree ? tree->ancestors + (size_t)i * M : NULL;
             const uint8_t *krows = (const uint8_t *)kcache + ((size_t)g * cap + first) * bytes;
             const uint8_t *vrows = (const uint8_t *)vcache + ((size_t)g * cap + first) * bytes;
+            if (path && first + len > pos0) { /* the segment reaches the tree's rows */
+                krows = gather_segment((const uint8_t *)kcache + (size_t)g * cap * bytes, bytes, first, len, pos0, path,
+                                       thread_gather);
+                vrows = gather_segment((const uint8_t *)vcache + (size_t)g * cap * bytes, bytes, first, len, pos0, path,
+                                       thread_gather + gather_bytes(D) / 2);
+            }
             const float *qg = q + ((size_t)i * H + (size_t)g * G) * hd;
             float *part = partials + ((size_t)ig * S + seg) * G * stride;
             FOR_HEAD_BLOCKS(G, h0, nh, block_scores(qg + (size_t)h0 * hd, hd, nh, krows, bytes, len, hd, format, scale,
@@ -196,7 +224,7 @@ INLINE void attention_of(const void *kcache, const void *vcache, const float *q,
                 for (int t = len; t < ((len + 7) & ~7); t++) sv[t] = -INFINITY; /* past the row's last position */
                 if (masked)
                     for (int t = 0; t < len; t++)
-                        if (masked[first + t]) sv[t] = -INFINITY; /* positions this layer dropped */
+                        if (masked[cache_row(path, pos0, first + t)]) sv[t] = -INFINITY; /* positions this layer dropped */
                 ph[hd] = exp_segment(sv, len, ph + hd + 1);
             }
             if (part[hd + 1] == 0.0f) { /* every position of the segment was dropped (alike for the group) */
@@ -208,7 +236,7 @@ INLINE void attention_of(const void *kcache, const void *vcache, const float *q,
         }
 #pragma omp for schedule(static)
         for (int ih = 0; ih < rn * H; ih++) {
-            const int i = r0 + ih / H, head = ih % H, n = pos0 + i + 1;
+            const int i = r0 + ih / H, head = ih % H, n = pos0 + row_depth(tree, i) + 1;
             const float *part = partials + ((size_t)(ih / H * KV + head / G) * S) * G * stride + (size_t)(head % G) * stride;
             const size_t seg_stride = (size_t)G * stride;
             float mx = -INFINITY, total = 0.0f;
@@ -230,11 +258,14 @@ INLINE void attention_of(const void *kcache, const void *vcache, const float *q,
 }
 
 static void attention(const void *kcache, const void *vcache, const float *q, const uint8_t *masked,
-                      const er_dims *D, int M, int pos0, float *scores, float *partials, float *out) {
+                      const er_tree *tree, const er_dims *D, int M, int pos0, float *scores, float *partials,
+                      uint8_t *gather, float *out) {
     /* one copy of the loop per format: the conversion inlines into it */
-    if (D->kv_format == KV_INT8) attention_of(kcache, vcache, q, masked, D, M, pos0, scores, partials, out, KV_INT8);
-    else if (D->kv_format == KV_F16) attention_of(kcache, vcache, q, masked, D, M, pos0, scores, partials, out, KV_F16);
-    else attention_of(kcache, vcache, q, masked, D, M, pos0, scores, partials, out, KV_F32);
+    if (D->kv_format == KV_INT8)
+        attention_of(kcache, vcache, q, masked, tree, D, M, pos0, scores, partials, gather, out, KV_INT8);
+    else if (D->kv_format == KV_F16)
+        attention_of(kcache, vcache, q, masked, tree, D, M, pos0, scores, partials, gather, out, KV_F16);
+    else attention_of(kcache, vcache, q, masked, tree, D, M, pos0, scores, partials, gather, out, KV_F32);
 }
 
 #if TIER_PACKS

@@ -1,0 +1,60 @@
+"""Files the package and the tools write: one atomic write, one cache folder.
+
+Standard library only (the bundle contract and the runtime both use it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+CACHE_ENV = "EDGEROUTE_CACHE"
+
+
+def cache_dir() -> Path:
+    """edgeroute's cache folder: ``$EDGEROUTE_CACHE``, else ``~/.cache/edgeroute`` (assembled
+    named-source GGUFs, the native backend's key scales, what the tools keep between runs)."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "edgeroute").expanduser()
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make a rename in ``directory`` durable (where the platform lets a directory be opened)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_path(target: str | Path, tmp: str | Path | None = None) -> Iterator[Path]:
+    """A temporary path beside ``target`` to write its new contents to. When the block ends the
+    file is fsynced, renamed over ``target`` in one step and the directory fsynced; if the block
+    raises, the temporary file is removed and ``target`` is untouched. ``tmp``: the temporary
+    file's path (default ``.NAME.PID.tmp`` in the same directory)."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staged = Path(tmp) if tmp is not None else target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        yield staged
+        with open(staged, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(staged, target)
+        fsync_dir(target.parent)
+    finally:
+        staged.unlink(missing_ok=True)
+
+
+def atomic_write(target: str | Path, data: bytes | str) -> Path:
+    """Write ``data`` (text as UTF-8) to ``target`` atomically and durably (:func:`atomic_path`)."""
+    target = Path(target)
+    with atomic_path(target) as staged:
+        staged.write_bytes(data.encode() if isinstance(data, str) else data)
+    return target

@@ -1,0 +1,158 @@
+"""Every figure of README.md and docs/benchmarks.md stands on a record under docs/records/
+whose regenerate command parses (tools/records.py defines a figure and a record)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from edgeroute.llamacpp import NotTheSource, Unavailable, source_gguf
+from tools import records
+
+REPO = Path(__file__).resolve().parents[1]
+ALL = records.all_records()
+
+
+def test_every_figure_in_the_docs_names_a_record_that_exists():
+    problems = [p for doc in records.DOCS for p in records.check_doc(doc)]
+    assert problems == []
+
+
+@pytest.mark.parametrize("path", ALL, ids=[p.stem for p in ALL])
+def test_each_record_has_its_fields_and_a_make_target(path):
+    assert records.check_record(path) == []
+    record = records.load(path)
+    makefile = (REPO / "Makefile").read_text()
+    assert re.search(rf"^{re.escape(record['make'])}:", makefile, re.M), f"no make target {record['make']}"
+    assert re.search(rf"^{re.escape(record['make'])}:.*\n\t\$\(RECORD\) .*\b{re.escape(path.stem)}\b", makefile, re.M), \
+        f"make {record['make']} does not run record {path.stem}"
+
+
+@pytest.mark.parametrize("command", [(p.stem, c) for p in ALL for c in records.load(p)["command"]],
+                         ids=lambda c: c[0])
+def test_each_record_command_parses(command):
+    records.parse_command(command[1])  # raises CommandError where the tool refuses its arguments
+
+
+def test_each_record_is_linked_from_the_docs():
+    linked = {path for doc in records.DOCS for block in records.blocks(doc.read_text())
+              for _, path in records.record_links(block.text, doc)}
+    assert {p.resolve() for p in ALL} - linked == set()
+
+
+# -- the check itself ------------------------------------------------------------------------------
+
+def _doc(tmp_path: Path) -> Path:
+    return records.RECORDS.parent / "benchmarks.md"  # links resolve from docs/, as benchmarks.md's do
+
+
+def test_an_unrecorded_figure_fails_the_check(tmp_path):
+    doc = _doc(tmp_path)
+    assert records.check_doc(doc, "Decode is 3.2x faster than before.\n")
+    assert records.check_doc(doc, "## Section\n\nIt uses 1,248 MiB at peak, 250 tok/s and 5% more.\n")
+    recorded = "Decode is 1.59x `full` ([record](records/avx2-speculation.json)).\n"
+    assert records.check_doc(doc, recorded) == []
+
+
+def test_what_counts_as_a_figure():
+    assert records.figures_in("1.24x / 1.38x, 196.6 tok/s, 0.75 s, 1,829 MiB, 20 GB/s, 77% (73-81%)") == [
+        "1.24x", "1.38x", "196.6 tok/s", "0.75 s", "1,829 MiB", "20 GB/s", "77%", "73-81%"[3:]]
+    # no unit, inside code, a version, an ISA name, a model size: not figures
+    assert records.figures_in("2 threads, `--steps 16 --contexts 32,1024 3x`, llama-cpp-python 0.3.36, AVX2, "
+                              "AVX-512, 1.5B, Q4_1, x86-64, 360/360") == []
+
+
+def test_a_table_row_may_share_its_captions_record_but_not_a_table_without_one(tmp_path):
+    doc = _doc(tmp_path)
+    captioned = "Command: `x` ([record](records/avx2-decode.json)).\n\n| a | b |\n|---|---|\n| 1.5B | 1.27x |\n"
+    assert records.check_doc(doc, captioned) == []
+    bare = "Some text.\n\n| a | b |\n|---|---|\n| 1.5B | 1.27x |\n"
+    assert records.check_doc(doc, bare)
+    in_code = "```\n native  32  250 tok/s  97%\n```\n"
+    assert records.check_doc(doc, in_code) == []
+
+
+def test_a_missing_record_or_an_unmarked_pending_one_fails(tmp_path):
+    doc = _doc(tmp_path)
+    assert records.check_doc(doc, "2.0x ([record](records/no-such-record.json))\n")
+    pending = next(p for p in ALL if records.load(p)["status"] == "pending")
+    assert records.check_doc(doc, f"2.0x ([record](records/{pending.name}))\n")
+    assert records.check_doc(doc, f"2.0x ([record: pending](records/{pending.name}))\n") == []
+    measured = next(p for p in ALL if records.load(p)["status"] == "measured")
+    assert records.check_doc(doc, f"2.0x ([record: pending](records/{measured.name}))\n")  # measured: restate
+
+
+def test_an_incomplete_record_fails(tmp_path):
+    path = tmp_path / "r.json"
+    good = records.load(next(p for p in ALL if records.load(p)["status"] == "measured"))
+    path.write_text(json.dumps({k: v for k, v in good.items() if k != "cpu_flags"}))
+    assert any("cpu_flags" in p for p in records.check_record(path))
+    path.write_text(json.dumps({**good, "samples": None}))
+    assert any("samples" in p for p in records.check_record(path))
+    path.write_text(json.dumps({**good, "source": {"raw": ["docs/measured/gone.json"]}}))
+    assert any("not in the tree" in p for p in records.check_record(path))
+
+
+def test_a_command_that_does_not_parse_fails():
+    with pytest.raises(records.CommandError):
+        records.parse_command("python -m tools.bench_context --bundle b --no-such-flag")
+    with pytest.raises(records.CommandError):
+        records.parse_command("edgeroute bench bundles/x --no-such-flag")
+    with pytest.raises(records.CommandError):
+        records.parse_command("bash -c 'anything'")
+    parsed = records.parse_command("python -m tools.bench_run --bundle bundles/qwen-pair --slm-gguf source --json {out}")
+    assert str(parsed.slm_gguf) == "source"
+
+
+# -- llama.cpp times the bundle's own source, or refuses -----------------------------------------
+
+def _bundle(tmp_path: Path, data: bytes, **source) -> tuple[SimpleNamespace, Path]:
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(data)
+    recorded = {"format": "gguf", "name": "model", "path": str(gguf), "sha256": hashlib.sha256(data).hexdigest(),
+                **source}
+    return SimpleNamespace(path=tmp_path, models={"llm": SimpleNamespace(source=recorded)}), gguf
+
+
+def test_a_gguf_that_is_not_the_bundles_source_is_refused(tmp_path):
+    bundle, gguf = _bundle(tmp_path, b"the source")
+    assert source_gguf(bundle, "llm") == gguf  # the recorded path
+    assert source_gguf(bundle, "llm", gguf) == gguf  # the same file, checked
+    other = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    other.write_bytes(b"another model")
+    with pytest.raises(NotTheSource, match="not the GGUF"):
+        source_gguf(bundle, "llm", other)
+    unchecked, _ = _bundle(tmp_path, b"the source", sha256=None)
+    with pytest.raises(NotTheSource, match="records no sha256"):
+        source_gguf(unchecked, "llm", other)
+    moved, _ = _bundle(tmp_path, b"the source", path=str(tmp_path / "gone.gguf"))
+    with pytest.raises(Unavailable, match="not on this machine"):
+        source_gguf(moved, "llm")
+
+
+def test_the_bench_tools_stop_instead_of_timing_another_model(tmp_path):
+    from tools.benchlib.llama import checked_gguf
+
+    bundle, _ = _bundle(tmp_path, b"the source")
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"another model")
+    with pytest.raises(SystemExit, match="refusing to time llama.cpp"):
+        checked_gguf(bundle, "llm", other)
+
+
+def test_running_a_record_fills_the_machine_commit_and_samples(tmp_path):
+    path = tmp_path / "listing.json"
+    pending = {key: None for key in records.REQUIRED}
+    path.write_text(json.dumps({**pending, "figure": "the records listed", "docs": [], "status": "pending",
+                                "command": ["PYTHONHASHSEED=0 python -m tools.records list"], "make": "records"}))
+    record = records.run_record(path)  # times nothing: the listing's stdout is the sample
+    assert records.check_record(path) == []
+    assert record["status"] == "measured" and record["commit"] and record["machine"]["cpu"]
+    assert "pair-workloads" in next(iter(record["samples"].values()))["stdout_tail"]
+    assert records.split_env("A=1 B=x python -m tools.x --out {out}", "o.json") == (
+        {"A": "1", "B": "x"}, ["python", "-m", "tools.x", "--out", "o.json"])

@@ -1,0 +1,183 @@
+"""Tree forwards through the Python binding (``NativeModel.forward_tree`` / ``keep_path``) on the
+demo bundle: every token of a tree has its root-to-token path's logits bit for bit on each kernel
+set and cache format, a kept path leaves the cache a linear run's, bad trees and paths are
+InputErrors naming the fault, and a backend without trees says so (``tree_forwards``).
+tests/native/test_tree.c holds the library to the same on every kernel set, emulated CPUs included.
+Then their first use: prompt-lookup drafts that branch where earlier matches disagree, verified
+greedily in one tree forward, decode ``full``'s tokens."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edgeroute.bundle import Bundle
+from edgeroute.errors import InputError, NativeBackendUnavailable
+from edgeroute.runtime import Engine
+from edgeroute.runtime.backends.onnxruntime import OrtModel
+from edgeroute.runtime.drafters import NgramDrafter
+
+native = pytest.importorskip("edgeroute.runtime.backends.native")
+
+# Two alternatives for the next token (0 and 5), branching again at 0 and 3, in an order that
+# interleaves the branches: most tokens' ancestors lie among other tokens' rows.
+PARENTS = [-1, 0, 0, 1, 2, -1, 5, 3, 3, 6]
+WORDS = [" take", " a", " get", " short", " some", " rest", " for", " nap", " walk", " a"]
+PROMPT = "Three tips for staying awake on a long drive: first, pull over and"
+
+
+def unavailable(kernels: str) -> str | None:
+    try:
+        native.native_library(kernels)
+    except NativeBackendUnavailable as err:
+        return str(err)
+    return None
+
+
+@pytest.fixture(scope="module")
+def demo(smollm2_bundles) -> Bundle:
+    return Bundle.open(smollm2_bundles["int4"][0])
+
+
+@pytest.fixture(scope="module")
+def texts(demo) -> tuple[list[int], list[int]]:
+    """The prompt's ids and the tree's (a word each)."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(demo.file("tokenizer.json")))
+    return tokenizer.encode(PROMPT).ids, [tokenizer.encode(word).ids[0] for word in WORDS]
+
+
+def path_to(token: int) -> list[int]:
+    path = [token]
+    while PARENTS[path[0]] >= 0:
+        path.insert(0, PARENTS[path[0]])
+    return path
+
+
+def prefilled(model, ids: list[int]):
+    cache = model.new_cache(128)
+    model.forward(cache, ids)
+    return cache
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16", "int8"])
+@pytest.mark.parametrize("kernels", ["auto", "avx2", "generic"])
+def test_each_tree_token_has_its_paths_logits_bit_for_bit(demo, texts, kernels, kv_dtype):
+    if unavailable(kernels):
+        pytest.skip(f"the {kernels} kernels: {unavailable(kernels)}")
+    prompt, tree = texts
+    model = native.NativeModel(demo, kv_dtype=kv_dtype, kernels=kernels)
+    assert model.tree_forwards
+    prefix = prefilled(model, prompt)
+    cache = prefix.clone()
+    got = model.forward_tree(cache, tree, PARENTS)
+    assert got.shape == (len(tree), model.arch.vocab_size) and cache.length == len(prompt) + len(tree)
+    linear = model.forward(prefix.clone(), tree, all_logits=True)  # the same tokens without the tree's mask
+    for token in range(len(tree)):
+        alone = prefix.clone()
+        want = model.forward(alone, [tree[i] for i in path_to(token)])
+        assert np.array_equal(got[token], want), f"token {token} ({model.kernels}, {kv_dtype})"
+        # the first two tokens are a chain from the prompt: linear either way; the others see other branches
+        assert np.array_equal(linear[token], want) == (token < 2), token
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_dtype", ["float16", "int8"])
+def test_a_kept_path_leaves_the_cache_of_a_linear_run(demo, texts, kv_dtype):
+    prompt, tree = texts
+    model = native.NativeModel(demo, kv_dtype=kv_dtype)
+    cache, linear = prefilled(model, prompt), prefilled(model, prompt)
+    path = path_to(9)
+    model.forward_tree(cache, tree, PARENTS)
+    model.keep_path(cache, path)
+    model.forward(linear, [tree[i] for i in path])
+    end = len(prompt) + len(path)
+    assert cache.length == linear.length == end
+    assert np.array_equal(cache.keys[..., :end, :], linear.keys[..., :end, :])
+    assert np.array_equal(cache.values[..., :end, :], linear.values[..., :end, :])
+    next_token = tree[0]
+    assert np.array_equal(model.forward(cache, [next_token]), model.forward(linear, [next_token]))
+    model.forward_tree(cache, tree, PARENTS)
+    model.keep_path(cache, [])  # none kept: the cache as before the tree
+    assert cache.length == end + 1
+
+
+@pytest.mark.slow
+def test_bad_trees_and_paths_are_input_errors_that_change_nothing(demo, texts):
+    prompt, tree = texts
+    model = native.NativeModel(demo, kernels="generic", threads=1)
+    cache = prefilled(model, prompt)
+    for parents, says in [([-1, 0, 3, 1], "does not come before it"), ([-1, 1, 0, 1], "does not come before it"),
+                          ([-1, 0, -2, 1], "outside -1..3"), ([-1, 0, 4, 1], "outside -1..3"),
+                          ([-1, 0, 0], "one integer per token"), ([-1, 0, 0.5, 1], "one integer per token")]:
+        with pytest.raises(InputError, match=says):
+            model.forward_tree(cache, tree[:4], parents)
+        assert cache.length == len(prompt)
+    with pytest.raises(InputError, match="no tree"):
+        model.keep_path(cache, [0])
+    model.forward_tree(cache, tree, PARENTS)
+    for path, says in [([1, 3], "is a chain"), ([0, 3], "is a chain"), ([0, 2, 7], "is a chain"),
+                       ([0, 1, 10], "outside the tree")]:
+        with pytest.raises(InputError, match=says):
+            model.keep_path(cache, path)
+        assert cache.length == len(prompt) + len(tree)
+    model.keep_path(cache, [0, 1, 3])
+    with pytest.raises(InputError, match="no tree"):  # a tree's path is kept once
+        model.keep_path(cache, [0])
+
+
+@pytest.mark.slow
+def test_onnx_runtime_runs_no_trees_and_says_so(demo, texts):
+    """The decoder falls back to linear drafts where ``tree_forwards`` is False."""
+    prompt, tree = texts
+    model = OrtModel(demo)
+    assert not model.tree_forwards
+    cache = prefilled(model, prompt)
+    with pytest.raises(InputError, match="runs no tree forwards"):
+        model.forward_tree(cache, tree, PARENTS)
+    assert cache.length == len(prompt)
+
+
+def test_lookup_drafts_branch_where_earlier_matches_disagree():
+    """The suffix 5 1 2 occurred three times, followed by 3 9 5, 4 8 5 and 3 7 0: three branches,
+    the most recent first, sharing their common first token; with room for two, the two most recent."""
+    tokens = [5, 1, 2, 3, 9, 5, 1, 2, 4, 8, 5, 1, 2, 3, 7, 0, 5, 1, 2]
+    tree = NgramDrafter().propose_tree(tokens, 3, 4)
+    assert (tree.tokens, tree.parents) == ([3, 7, 0, 4, 8, 5, 9, 5], [-1, 0, 1, -1, 3, 4, 0, 6])
+    assert tree.branches == 3 and tree.depth == 3 and tree.source == "ngram"
+    assert NgramDrafter().propose(tokens, 3).tokens == [3, 7, 0]  # the linear draft: the most recent branch
+    two = NgramDrafter().propose_tree(tokens, 3, 2)
+    assert (two.tokens, two.parents, two.branches) == ([3, 7, 0, 4, 8, 5], [-1, 0, 1, -1, 3, 4], 2)
+    assert NgramDrafter().propose_tree([1, 2, 3], 3, 4).tokens == []  # no earlier match
+
+
+# a table that repeats its rows with other values: the lookup's matches disagree on the numbers
+TABLE = "Write the table again.\n| city | temp |\n| Paris | 21 |\n| Rome | 25 |\n| Paris | 19 |\n| Rome | 23 |\nAgain:\n"
+
+
+@pytest.mark.slow
+def test_tree_speculation_decodes_fulls_tokens_in_fewer_passes(demo, monkeypatch):
+    if unavailable("auto"):
+        pytest.skip(f"native kernels unavailable: {unavailable('auto')}")
+    engine = Engine(demo, backend="native")
+    trees = []  # branches of each tree verified
+    forward_tree = engine.llm.forward_tree
+
+    def counting(cache, ids, parents):
+        trees.append(sum(parent == 0 for parent in parents))
+        return forward_tree(cache, ids, parents)
+
+    monkeypatch.setattr(engine.llm, "forward_tree", counting)
+    full = engine.session(mode="full", max_new_tokens=60).generate(TABLE)
+    linear = engine.session(mode="speculate", light="ngram", max_new_tokens=60).generate(TABLE)
+    assert not trees
+    tree = engine.session(mode="speculate", light="ngram", draft_branches=4, max_new_tokens=60).generate(TABLE)
+    assert tree.tokens == linear.tokens == full.tokens
+    assert trees and max(trees) >= 2  # trees verified, some branching at their first token
+    assert tree.stats.llm_calls < linear.stats.llm_calls < full.stats.llm_calls
+    trees.clear()  # sampling keeps linear drafts (its verification of a tree is not built yet)
+    engine.session(mode="speculate", light="ngram", draft_branches=4, temperature=0.7, seed=1,
+                   max_new_tokens=20).generate(TABLE)
+    assert not trees
