@@ -115,9 +115,6 @@ voice-demo-pair: $(PAIR_BUNDLE)/manifest.json
 	$(BIN)/python -m examples.voice_assistant --bundle $(PAIR_BUNDLE) --say "$(VOICE_SAY)" --say "$(VOICE_SAY2)" \
 		--out bench-results/voice-demo-pair.wav $(VOICE_ARGS)
 
-# end of speech to the first audio sample over tools/voice_commands.json (docs/guide/voice.md); alone on the machine
-bench-voice: $(PAIR_BUNDLE)/manifest.json
-	$(BIN)/python -m tools.bench_voice --bundle $(PAIR_BUNDLE)
 
 # with the pair's part wheels: tests/test_pair_export.py exports the shipped pair by name (--target native,
 # 1.0x its GGUFs on disk) and runs it; tests/test_wheels.py builds both wheels (make wheels) and runs them
@@ -137,6 +134,10 @@ RECORD := $(BIN)/python -m tools.records run
 
 records: setup $(BUNDLE)/manifest.json $(PAIR_BUNDLE)/manifest.json
 	$(RECORD) --pending
+
+# end of speech to the first audio sample over tools/voice_commands.json (docs/guide/voice.md): the pair, then SmolLM2
+bench-voice: setup $(BUNDLE)/manifest.json $(PAIR_BUNDLE)/manifest.json
+	$(RECORD) voice-latency
 
 bench-smollm2: setup $(BUNDLE)/manifest.json
 	$(RECORD) smollm2-ttft smollm2-kept

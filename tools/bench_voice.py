@@ -255,6 +255,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-tools", action="store_true", help="chat without the car's tools (latency of words alone)")
     parser.add_argument("--warmup", type=int, default=1, help="commands run first per mode and not counted")
     parser.add_argument("--out", type=Path, default=ROOT / "bench-results" / "voice")
+    parser.add_argument("--json", type=Path, default=None,
+                        help="also write the result (voice.json) to this file (tools/records.py's {out})")
     return parser.parse_args(argv)
 
 
@@ -307,6 +309,9 @@ def main(argv: list[str] | None = None) -> int:
     result["summary"] = summarize(samples, modes, listens)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "voice.json").write_text(json.dumps(result, indent=1))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1))
     table = markdown(result)
     (args.out / "voice.md").write_text(table)
     png = plot(result, args.out / "voice.png")
