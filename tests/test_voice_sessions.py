@@ -31,8 +31,8 @@ INTENT = {"type": "json_schema", "json_schema": {"schema": {
 
 @pytest.fixture(scope="module")
 def engine(smollm2_bundles):
+    from edgeroute.errors import NativeBackendUnavailable
     from edgeroute.runtime import Engine
-    from edgeroute.runtime.native import NativeBackendUnavailable
 
     try:
         return Engine(smollm2_bundles["int4"][0], backend="native", verify=False)
