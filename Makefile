@@ -14,7 +14,7 @@ NATIVE_LIB := edgeroute/libedgeroute.so
 
 .PHONY: setup native native-aarch64 wheels c-test fuzz-native example pair demo demo-pair test lint bench-export clean \
 	records bench-smollm2 bench-qwen bench-pair bench-avx2 bench-structured bench-calibration bench-kv bench-quality \
-	bench-memory bench-size bench-arm
+	bench-memory bench-size bench-arm voice-demo voice-demo-pair bench-voice
 
 setup: $(VENV)/.installed $(NATIVE_LIB)
 
@@ -100,11 +100,27 @@ demo: $(BUNDLE)/manifest.json
 	$(BIN)/edgeroute run $(BUNDLE) --backend onnxruntime --prompt "$(PROMPT)"
 	$(BIN)/edgeroute run $(BUNDLE) --backend auto --prompt "$(PROMPT)"
 
+# The in-car voice assistant (examples/voice_assistant): two spoken commands (timed partial transcripts at
+# 150 words a minute, listened ahead), the car's tools, the answers spoken by espeak-ng into a WAV
+# (apt-get install espeak-ng; without it the app prints the text and when its audio would start).
+VOICE_SAY ?= navigate to the airport
+VOICE_SAY2 ?= set the temperature to 21 degrees
+VOICE_ARGS ?=
+
+voice-demo: $(BUNDLE)/manifest.json
+	$(BIN)/python -m examples.voice_assistant --bundle $(BUNDLE) --say "$(VOICE_SAY)" --say "$(VOICE_SAY2)" \
+		--out bench-results/voice-demo.wav $(VOICE_ARGS)
+
+voice-demo-pair: $(PAIR_BUNDLE)/manifest.json
+	$(BIN)/python -m examples.voice_assistant --bundle $(PAIR_BUNDLE) --say "$(VOICE_SAY)" --say "$(VOICE_SAY2)" \
+		--out bench-results/voice-demo-pair.wav $(VOICE_ARGS)
+
+
 # with the pair's part wheels: tests/test_pair_export.py exports the shipped pair by name (--target native,
 # 1.0x its GGUFs on disk) and runs it; tests/test_wheels.py builds both wheels (make wheels) and runs them
 test: setup pair
 	$(MAKE) example
-	$(BIN)/ruff check edgeroute tests tools
+	$(BIN)/ruff check edgeroute tests tools examples
 	$(BIN)/python -m pytest
 
 bench-export: setup
@@ -118,6 +134,10 @@ RECORD := $(BIN)/python -m tools.records run
 
 records: setup $(BUNDLE)/manifest.json $(PAIR_BUNDLE)/manifest.json
 	$(RECORD) --pending
+
+# end of speech to the first audio sample over tools/voice_commands.json (docs/guide/voice.md): the pair, then SmolLM2
+bench-voice: setup $(BUNDLE)/manifest.json $(PAIR_BUNDLE)/manifest.json
+	$(RECORD) voice-latency
 
 bench-smollm2: setup $(BUNDLE)/manifest.json
 	$(RECORD) smollm2-ttft smollm2-kept
