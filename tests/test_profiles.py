@@ -110,7 +110,7 @@ def _wheel(tmp_path: Path) -> Path:
     """Build the package's wheel from a copy of the source (no build files in the checkout)."""
     source = tmp_path / "source"
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-    for part in ("edgeroute", "profiles", "runtime"):
+    for part in ("edgeroute", "profiles", "libedgeroute"):
         shutil.copytree(REPO / part, source / part, ignore=ignore)
     for part in ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md"):
         shutil.copy(REPO / part, source / part)

@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 GLIBC = "2.28"
 ARCHES = ("x86_64", "aarch64")
 COMPILERS = {"x86_64": "gcc", "aarch64": "aarch64-linux-gnu-gcc"}
-SOURCE_PARTS = ("edgeroute", "profiles", "runtime", "pyproject.toml", "setup.py", "MANIFEST.in", "README.md")
+SOURCE_PARTS = ("edgeroute", "profiles", "libedgeroute", "pyproject.toml", "setup.py", "MANIFEST.in", "README.md")
 
 
 @dataclass(frozen=True)
