@@ -94,3 +94,28 @@ def test_the_script_without_cuda_bindings_exits_2_with_the_message(tmp_path):
 def test_without_a_gpu_it_exits_2_saying_so(cuda_check, tmp_path, capsys):
     assert cuda_check.main([str(tmp_path)], cudart=HostCudaRuntime(devices=0)) == 2
     assert "needs an NVIDIA GPU" in capsys.readouterr().err
+
+
+def test_stand_in_engines_copy_on_the_bindings_stream_type():
+    """cuda.bindings.runtime takes its own cudaStream_t; the stand-ins are given TensorRT's int handle."""
+    import numpy as np
+
+    from edgeroute.runtime.backends.tensorrt_standins import StreamCopies
+
+    class Stream(int):
+        pass
+
+    class Bindings(HostCudaRuntime):
+        cudaStream_t = Stream
+        streams: list = []
+
+        def cudaMemcpyAsync(self, destination, source, nbytes, kind, stream):
+            self.streams.append(stream)
+            return super().cudaMemcpyAsync(destination, source, nbytes, kind, stream)
+
+    cudart = Bindings()
+    address = cudart.cudaMalloc(64)[1]
+    copies = StreamCopies(cudart)
+    copies.write(address, np.arange(4, dtype=np.float32), 7)
+    assert copies.read(address, (4,), "float32", 7).tolist() == [0, 1, 2, 3]
+    assert cudart.streams == [7, 7] and all(type(s) is Stream for s in cudart.streams)

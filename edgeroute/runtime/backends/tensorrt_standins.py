@@ -127,7 +127,10 @@ class StreamCopies:
     def _stream(self, stream: int) -> Any:
         """The handle TensorRT is given (an int) as the bindings' own stream type, where they have one."""
         wrap = getattr(self.cudart, "cudaStream_t", None)
-        return wrap(stream) if wrap is not None else stream
+        try:
+            return wrap(stream) if wrap is not None else stream
+        except (TypeError, ValueError):  # bindings whose handle type takes no int: the calls take one too
+            return stream
 
     def read(self, address: int, shape: tuple[int, ...], dtype: str, stream: int) -> np.ndarray:
         out = np.empty(shape, dtype)
