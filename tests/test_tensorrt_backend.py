@@ -3,23 +3,21 @@
 What a CPU can test: the refusals (no TensorRT or cuda-python, no GPU, a bundle of the default
 target, engines missing or stale), the optimisation profile per call, the device cache's
 bookkeeping, and the whole data flow of a pass, run against stand-ins for TensorRT and the CUDA
-runtime (``FakeTensorRT``, ``FakeCudaRuntime``: host memory for device memory, each "engine" its
-graph on ONNX Runtime, checked against the optimisation profile it runs in). On those stand-ins
-every decoding mode must give OrtModel's tokens exactly: the same graphs do the arithmetic, so
-any difference is the backend's addressing, caching or scheduling. TensorRT itself on a GPU:
+runtime (edgeroute/runtime/backends/tensorrt_standins.py: ``StandinTensorRT``, each "engine" its
+graph on ONNX Runtime, checked against the optimisation profile it runs in, and
+``HostCudaRuntime``, host memory for device memory; tools/device/cuda_check.py runs the same
+stand-in engines on a GPU's memory). On those stand-ins every decoding mode must give OrtModel's
+tokens exactly: the same graphs do the arithmetic, so any difference is the backend's
+addressing, caching or scheduling. TensorRT itself on a GPU:
 tests/test_gpu.py and tools/device/gpu_check.sh (not yet run on hardware)."""
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
-import json
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 
 from edgeroute.bundle import Bundle
@@ -27,25 +25,29 @@ from edgeroute.errors import InputError
 from edgeroute.runtime import Engine, OrtModel
 from edgeroute.runtime.backend import open_model
 from edgeroute.runtime.backends import tensorrt as trt_backend
-from edgeroute.runtime.backends.onnxruntime import session_options
 from edgeroute.runtime.backends.tensorrt import CudaDevice, DeviceKVCache, TrtModel, check_engine_io, tensor_shape
 from edgeroute.runtime.backends.tensorrt_engines import (
     PROFILES,
-    CacheKey,
     EngineCache,
     EngineLimits,
-    bundle_hash,
     choose_profile,
-    dimension_ranges,
     engine_graphs,
     find_engines,
+)
+from edgeroute.runtime.backends.tensorrt_standins import (
+    STANDIN_GPU,
+    STANDIN_VERSION,
+    HostCudaRuntime,
+    StandinTensorRT,
+    build_standin_engines,
+    host_view,
 )
 from edgeroute.runtime.layers import DROP, RUN, SKIP, SKIP_MLP
 from edgeroute.runtime.options import EngineOptions
 from tests.conftest import export_tiny
 
-GPU = "Fake GPU (sm_00)"
-VERSION = "10.99.0-fake"
+GPU = STANDIN_GPU
+VERSION = STANDIN_VERSION
 LIMITS = EngineLimits(256, 64, 16, 1 << 30)  # passes of 64: a longer prompt runs in several
 PROMPT = [1, 504, 3458, 282, 4649, 314, 253, 17]
 
@@ -59,180 +61,17 @@ def trt_bundle(tiny_models, tmp_path_factory) -> Bundle:
     return Bundle.open(out)
 
 
-# -- stand-ins for the CUDA runtime and TensorRT -----------------------------------------------------
-
-OK = "cudaSuccess"
-
-
-class FakeCudaRuntime:
-    """cuda.bindings.runtime's calls the backend makes, over host memory."""
-
-    cudaError_t = SimpleNamespace(cudaSuccess=OK)
-    cudaMemcpyKind = SimpleNamespace(cudaMemcpyHostToDevice=1, cudaMemcpyDeviceToHost=2, cudaMemcpyDeviceToDevice=3)
-
-    def __init__(self, devices: int = 1) -> None:
-        self.devices, self.buffers = devices, {}
-
-    def cudaGetDeviceCount(self):
-        return (OK, self.devices) if self.devices else ("cudaErrorNoDevice", 0)
-
-    def cudaGetErrorName(self, error):
-        return OK, error.encode()
-
-    def cudaGetErrorString(self, error):
-        return OK, b"no CUDA-capable device is detected"
-
-    def cudaStreamCreate(self):
-        return OK, 7
-
-    def cudaStreamSynchronize(self, stream):
-        return (OK,)
-
-    def cudaMalloc(self, nbytes):  # aligned as cudaMalloc's are (256 bytes and more)
-        buffer = (ctypes.c_char * (nbytes + 256))()
-        address = -(-ctypes.addressof(buffer) // 256) * 256
-        self.buffers[address] = buffer
-        return OK, address
-
-    def cudaFree(self, address):
-        del self.buffers[address]
-        return (OK,)
-
-    def cudaMemcpyAsync(self, destination, source, nbytes, kind, stream):
-        ctypes.memmove(destination, source, nbytes)
-        return (OK,)
-
-    def cudaMemcpy2DAsync(self, destination, destination_pitch, source, source_pitch, width, rows, kind, stream):
-        assert width <= min(destination_pitch, source_pitch)
-        for row in range(rows):
-            ctypes.memmove(destination + row * destination_pitch, source + row * source_pitch, width)
-        return (OK,)
-
-
-def _host(address: int, shape: tuple[int, ...], dtype: str) -> np.ndarray:
-    """The host memory at ``address`` as an array (a view)."""
-    count = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    return np.frombuffer((ctypes.c_char * count).from_address(address), dtype).reshape(shape) if count else \
-        np.zeros(shape, dtype)
-
-
-class FakeContext:
-    def __init__(self, engine: FakeEngine) -> None:
-        self.engine, self.shapes, self.addresses, self.profile, self.memory = engine, {}, {}, None, None
-
-    def set_optimization_profile_async(self, index, stream):
-        self.profile = index
-        return True
-
-    def set_device_memory(self, address, size):
-        self.memory = (address, size)
-
-    def set_input_shape(self, name, shape):
-        ranges = self.engine.ranges[PROFILES[self.profile]]
-        spec = next(s for s in self.engine.graph.inputs if s["name"] == name)
-        for dim, size in zip(spec["shape"], shape, strict=True):
-            if isinstance(dim, str) and not ranges[dim][0] <= size <= ranges[dim][2]:
-                return False  # outside this optimisation profile, as TensorRT refuses it
-        self.shapes[name] = tuple(shape)
-        return True
-
-    def set_tensor_address(self, name, address):
-        assert address % 64 == 0, f"{name} at a misaligned address"  # new K/V rows too: staged, or 64-byte rows
-        self.addresses[name] = address
-
-    def execute_async_v3(self, stream):
-        engine = self.engine
-        assert self.memory is not None and self.memory[1] >= engine.scratch, "no scratch memory"
-        feeds = {s["name"]: _host(self.addresses[s["name"]], self.shapes[s["name"]], s["dtype"]).copy()
-                 for s in engine.graph.inputs}
-        outputs = engine.session.run([s["name"] for s in engine.graph.outputs], feeds)
-        for spec, value in zip(engine.graph.outputs, outputs, strict=True):
-            assert value.dtype == np.dtype(spec["dtype"]), spec
-            ctypes.memmove(self.addresses[spec["name"]], np.ascontiguousarray(value).ctypes.data, value.nbytes)
-        engine.calls.append((engine.graph.name, PROFILES[self.profile], self.shapes[engine.graph.inputs[0]["name"]][0]))
-        return True
-
-
-class FakeEngine:
-    """An "engine": its graph on ONNX Runtime (OrtModel's session options), its I/O from the graph."""
-
-    scratch = 4096
-
-    def __init__(self, spec: dict, bundle: Bundle, calls: list) -> None:
-        self.graph = bundle.models[spec["role"]].graphs[spec["graph"]]
-        self.ranges = spec["ranges"]
-        self.session = ort.InferenceSession(str(bundle.file(self.graph.file)), session_options())
-        self.io = [(s["name"], s["dtype"], "input") for s in self.graph.inputs] + \
-            [(s["name"], s["dtype"], "output") for s in self.graph.outputs]
-        self.num_io_tensors, self.num_optimization_profiles, self.calls = len(self.io), len(PROFILES), calls
-
-    def get_tensor_name(self, index):
-        return self.io[index][0]
-
-    def get_tensor_dtype(self, name):
-        return next(dtype for n, dtype, _ in self.io if n == name)
-
-    def get_tensor_mode(self, name):
-        return next(mode for n, _, mode in self.io if n == name)
-
-    def get_device_memory_size_for_profile_v2(self, index):
-        return self.scratch
-
-    def create_execution_context(self, strategy):
-        assert strategy == "user managed"
-        return FakeContext(self)
-
-
-class FakeTensorRT:
-    """The part of TensorRT 10's Python API the backend uses."""
-
-    __version__ = VERSION
-    TensorIOMode = SimpleNamespace(INPUT="input", OUTPUT="output")
-    ExecutionContextAllocationStrategy = SimpleNamespace(USER_MANAGED="user managed")
-
-    def __init__(self, bundle: Bundle) -> None:
-        self.calls: list[tuple[str, str, int]] = []
-        fake = self
-
-        class Logger:
-            WARNING = 2
-
-            def __init__(self, level):
-                pass
-
-        class Runtime:
-            def __init__(self, logger):
-                pass
-
-            def deserialize_cuda_engine(self, data):
-                return FakeEngine(json.loads(data), bundle, fake.calls)
-
-        self.Logger, self.Runtime = Logger, Runtime
-
-    @staticmethod
-    def nptype(dtype):
-        return np.dtype(dtype).type
-
-
-def build_fake_engines(bundle: Bundle, root: Path, limits: EngineLimits = LIMITS, roles=("llm", "slm"),
-                       kinds=("embed", "layer", "attn", "mlp", "kv", "head"), gpu: str = GPU) -> EngineCache:
-    """What build-engines would leave in ``root``, each "engine" naming its graph."""
-    cache = EngineCache(root, CacheKey(gpu, VERSION, bundle_hash(bundle), limits), bundle.path)
-    for role in roles:
-        names = []
-        for graph in engine_graphs(bundle, role, kinds):
-            names.append(f"{role}/{graph.name}")
-            spec = {"role": role, "graph": graph.name, "ranges": dimension_ranges(limits)}
-            cache.write_engine(names[-1], json.dumps(spec).encode())
-        cache.commit(names)
-    return cache
+def build_fake_engines(bundle: Bundle, root: Path, limits: EngineLimits = LIMITS, **options) -> EngineCache:
+    """What build-engines would leave in ``root`` (the stand-ins' engines, tensorrt_standins)."""
+    return build_standin_engines(bundle, root, limits, **options)
 
 
 @pytest.fixture
 def fake_gpu(trt_bundle, tmp_path, monkeypatch):
     """The stand-ins installed, engines "built" into tmp_path/engines; the fake TensorRT (its calls)."""
-    fake = FakeTensorRT(trt_bundle)
-    monkeypatch.setattr(trt_backend, "gpu_modules", lambda: (fake, FakeCudaRuntime()))
+    cudart = HostCudaRuntime()
+    fake = StandinTensorRT(trt_bundle, cudart)
+    monkeypatch.setattr(trt_backend, "gpu_modules", lambda: (fake, cudart))
     monkeypatch.setattr(trt_backend, "gpu_identity", lambda: GPU)
     build_fake_engines(trt_bundle, tmp_path / "engines")
     fake.root = tmp_path / "engines"
@@ -266,7 +105,7 @@ def test_settings_of_the_other_backends_are_refused_naming_them(trt_bundle, sett
 
 def test_without_a_gpu_the_backend_is_refused_saying_so():
     with pytest.raises(InputError, match="needs an NVIDIA GPU.*cudaErrorNoDevice"):
-        CudaDevice(FakeCudaRuntime(devices=0))
+        CudaDevice(HostCudaRuntime(devices=0))
 
 
 def test_missing_engines_are_refused_naming_the_build_command(trt_bundle, tmp_path):
@@ -349,14 +188,14 @@ def _cache(capacity: int, device: CudaDevice, layers: int = 2) -> DeviceKVCache:
 
 
 def _rows(cache: DeviceKVCache, layer: int, stop: int) -> np.ndarray:
-    return _host(cache.address(cache.keys, layer, 0), (stop, 3, 8), "float16").copy()
+    return host_view(cache.address(cache.keys, layer, 0), (stop, 3, 8), "float16").copy()
 
 
 def test_device_caches_truncate_copy_and_clone_within_their_bounds():
-    device = CudaDevice(FakeCudaRuntime())
+    device = CudaDevice(HostCudaRuntime())
     source, target = _cache(32, device), _cache(16, device)
     for layer in range(2):  # rows as an engine would leave them
-        _host(source.address(source.keys, layer, 0), (32, 3, 8), "float16")[...] = layer + np.arange(32)[:, None, None]
+        host_view(source.address(source.keys, layer, 0), (32, 3, 8), "float16")[...] = layer + np.arange(32)[:, None, None]
     source.length = 20
     source.drop(1, 4, 2)
     with pytest.raises(ValueError, match="cannot copy 17 positions"):

@@ -25,8 +25,9 @@ at install and a few MB to install (torch is barred from the device, CuPy ships 
 
 Not yet verified on hardware (docs/guide/gpu.md): written against TensorRT 10's Python API and
 cuda-python's runtime bindings as documented; what a CPU can test (every mode on stand-ins for
-TensorRT and CUDA that run each engine's graph on ONNX Runtime) is in
-tests/test_tensorrt_backend.py.
+TensorRT and CUDA that run each engine's graph on ONNX Runtime, tensorrt_standins.py) is in
+tests/test_tensorrt_backend.py, and tools/device/cuda_check.py runs the CUDA side (this module's
+device memory, copies and caches) on a GPU with the same stand-in engines, without TensorRT.
 """
 
 from __future__ import annotations
