@@ -43,7 +43,7 @@ def test_attention_kv_dtype_and_exact_steps_come_from_the_profile_or_the_options
     import edgeroute.runtime as runtime
 
     engines = []  # the EngineOptions the CLI built
-    monkeypatch.setattr(runtime, "Engine", lambda bundle, options: engines.append(options)
+    monkeypatch.setattr(runtime, "Engine", lambda bundle, options, verify=True: engines.append(options)
                         or runtime.engine.Engine(bundle, options))
     device = tmp_path / "device.json"
     device.write_text(json.dumps({"extends": "cpu", "attention": "ort"}))
@@ -89,7 +89,8 @@ def test_engine_with_a_profile_and_task_runs_exactly_like_run_with_the_same_flag
     import edgeroute.runtime as runtime
 
     built = []
-    monkeypatch.setattr(runtime, "Engine", lambda bundle, options: built.append(options) or Engine(bundle, options))
+    monkeypatch.setattr(runtime, "Engine", lambda bundle, options, verify=True:
+                        built.append(options) or Engine(bundle, options, verify=verify))
     prompt = "Navigate to 221B Baker Street"
     result = runner.invoke(app, ["run", str(tiny_slm_bundle), "--prompt", prompt, "--max-new-tokens", "12",
                                  "--profile", "jetson-orin-nano-8gb,voice-command"])
