@@ -8,6 +8,9 @@
   pass and keeps the longest agreeing prefix plus its own next token. Lossless: greedy, it
   gives ``full``'s tokens bit for bit when the LLM runs exact steps (``OrtModel.exact_steps``;
   without, ``full``'s one-row int4 products round differently from a verification pass).
+  With ``draft_branches`` > 1 on a backend with tree forwards (greedy, unconstrained, without
+  skipping), the light path drafts a tree and one tree forward checks every branch; the walk
+  keeps the longest path the LLM agrees with.
 """
 
 from __future__ import annotations
