@@ -237,10 +237,10 @@ def test_tree_speculation_decodes_fulls_tokens_in_fewer_passes(demo, monkeypatch
     assert tree.tokens == linear.tokens == full.tokens
     assert trees and max(trees) >= 2  # trees verified, some branching at their first token
     assert tree.stats.llm_calls < linear.stats.llm_calls < full.stats.llm_calls
-    trees.clear()  # sampling keeps linear drafts (its verification of a tree is not built yet)
+    trees.clear()  # sampling verifies trees too (multi-draft rejection: test_tree_walks_sample_as_the_llm_would)
     engine.session(mode="speculate", light="ngram", draft_branches=4, temperature=0.7, seed=1,
                    max_new_tokens=20).generate(TABLE)
-    assert not trees
+    assert trees
 
 
 DRIVE = "Three tips for staying awake on a long drive:"
@@ -285,21 +285,73 @@ def test_slm_trees_decode_fulls_tokens(demo, monkeypatch, light, nodes):
 
 
 @pytest.mark.slow
-def test_sampling_and_grammars_keep_linear_drafts(demo, monkeypatch):
-    """Sampled speculation keeps linear drafts (a tree's multi-draft rejection sampling is not
-    built): with draft_branches it samples what it samples without. A grammar's drafts (its forced
-    tokens between the light path's) stay linear chains: the same tokens as ``full`` under it."""
+def test_grammars_keep_linear_drafts_and_sampling_verifies_trees(demo, monkeypatch):
+    """A grammar's drafts (its forced tokens between the light path's, a mask per position) stay
+    linear chains: the same tokens as ``full`` under it, no tree forward. Sampled speculation
+    verifies trees (the walk's exactness: test_tree_walks_sample_as_the_llm_would)."""
     if unavailable("auto"):
         pytest.skip(f"native kernels unavailable: {unavailable('auto')}")
     engine = Engine(demo, backend="native")
     trees = counting_trees(engine, monkeypatch)
+    regex = {"type": "regex", "regex": r"Tip 1: [a-z ]{5,40}\. Tip 2: [a-z ]{5,40}\."}
     for light in ("slm", "ngram+slm"):
-        sampled = [engine.session(mode="speculate", light=light, draft_branches=branches, temperature=0.8, seed=3,
-                                  max_new_tokens=24).generate(DRIVE).tokens for branches in (1, 3)]
-        assert sampled[0] == sampled[1], light
-        regex = {"type": "regex", "regex": r"Tip 1: [a-z ]{5,40}\. Tip 2: [a-z ]{5,40}\."}
         full = engine.session(mode="full", response_format=regex, max_new_tokens=40).generate(DRIVE)
         tree = engine.session(mode="speculate", light=light, draft_branches=3, response_format=regex,
                               max_new_tokens=40).generate(DRIVE)
         assert tree.tokens == full.tokens and tree.stats.forced > 0, light
     assert not trees
+    sampled = engine.session(mode="speculate", light="slm", draft_branches=3, temperature=0.8, seed=3,
+                             max_new_tokens=24).generate(DRIVE)
+    assert trees and len(sampled.tokens) == 24
+
+
+# A tree over a 4-token vocabulary: the root (node 0) has children 2 and 0 (nodes 1, 2); node 1
+# has child 1 (node 3), a leaf. Each node's logits are the LLM's next-token logits there.
+WALK_IDS, WALK_PARENTS = [3, 2, 0, 1], [-1, 0, 0, 1]
+
+
+def ancestral(p: np.ndarray) -> dict[tuple[int, ...], float]:
+    """The exact distribution of what the walk emits when each token is sampled from the LLM's
+    distribution at its node (``p[node]``), one token after leaving the tree or after a leaf."""
+    out: dict[tuple[int, ...], float] = {}
+
+    def visit(node: int, prefix: tuple[int, ...], mass: float) -> None:
+        for token in range(p.shape[1]):
+            child = next((i for i in range(1, 4) if WALK_PARENTS[i] == node and WALK_IDS[i] == token), None)
+            if child is None:
+                out[(*prefix, token)] = mass * p[node, token]
+            else:
+                visit(child, (*prefix, token), mass * p[node, token])
+
+    visit(0, (), 1.0)
+    return out
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.8)])
+def test_tree_walks_sample_as_the_llm_would(temperature, top_p):
+    """Sampled verification of a tree (each node's children checked by recursive rejection,
+    Sampler.verify_candidates) emits token sequences distributed exactly as sampling token by
+    token from the LLM: chi-square over 40000 walks against the enumerated distribution (with
+    top_p, tokens outside the nucleus never come)."""
+    from edgeroute.runtime.decoding import walk_tree
+    from edgeroute.runtime.sampling import Sampler
+
+    logits = np.log(np.array([[0.30, 0.05, 0.40, 0.25], [0.10, 0.55, 0.15, 0.20],
+                              [0.45, 0.05, 0.20, 0.30], [0.25, 0.25, 0.25, 0.25]]))
+    sampler = Sampler(temperature, top_p, seed=7)
+    want = ancestral(np.stack([sampler.probabilities(row) for row in logits]))
+    counts: dict[tuple[int, ...], int] = {}
+    trials = 40000
+    for _ in range(trials):
+        path, token = walk_tree(sampler, logits, WALK_IDS, WALK_PARENTS)
+        emitted = (*(WALK_IDS[node] for node in path[1:]), token)
+        counts[emitted] = counts.get(emitted, 0) + 1
+    assert set(counts) <= {seq for seq, q in want.items() if q > 0}
+    outcomes = [seq for seq, q in want.items() if q > 0]
+    chi2 = sum((counts.get(seq, 0) - trials * want[seq]) ** 2 / (trials * want[seq]) for seq in outcomes)
+    # the chi-square's 0.001 upper tail (Wilson-Hilferty: z = 3.09; 32.9 for 12 degrees of freedom)
+    degrees = len(outcomes) - 1
+    tail = degrees * (1 - 2 / (9 * degrees) + 3.09 * (2 / (9 * degrees)) ** 0.5) ** 3
+    assert chi2 < tail, (chi2, degrees)
+    greedy = walk_tree(Sampler(), logits, WALK_IDS, WALK_PARENTS)
+    assert greedy == ([0, 1, 3], 0)  # 2 (the root's argmax: node 1), 1 (node 1's: node 3), then node 3's argmax

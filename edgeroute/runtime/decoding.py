@@ -10,7 +10,7 @@
   without, ``full``'s one-row int4 products round differently from a verification pass).
   With ``draft_branches`` > 1 on a backend with tree forwards (greedy, unconstrained, without
   skipping), the light path drafts a tree and one tree forward checks every branch; the walk
-  keeps the longest path the LLM agrees with.
+  keeps the path the LLM accepts (greedy: agrees with; sampled: multi-draft rejection sampling).
 """
 
 from __future__ import annotations
@@ -106,9 +106,9 @@ class DecodeOptions:
     lookup_tokens: int = 4
     # speculate: drafts as a tree verified in one pass where > 1: up to this many lookup continuations
     # where earlier matches disagree, up to this many SLM candidates where the SLM is unsure; at most
-    # draft_tree_nodes tokens in a tree (None: per kernel set, drafters.tree_nodes). Greedy,
-    # unconstrained, without skipping, on a backend with tree_forwards; elsewhere linear drafts
-    # (sampling's multi-draft verification is not built; a grammar's drafts stay linear chains)
+    # draft_tree_nodes tokens in a tree (None: per kernel set, drafters.tree_nodes). Unconstrained,
+    # without skipping, on a backend with tree_forwards; elsewhere linear drafts (a grammar's drafts
+    # stay linear chains)
     draft_branches: int = 1
     draft_tree_nodes: int | None = None
     skip: SkipOptions = field(default_factory=SkipOptions)
@@ -292,6 +292,22 @@ def verified_judge(router: str | Router | None) -> Judge:
     return difference
 
 
+def walk_tree(sampler: Sampler, logits: np.ndarray, ids: list[int], parents: list[int]) -> tuple[list[int], int]:
+    """The accepted path of a verified draft tree (node indices from the root, 0, whose parent is
+    -1) and the LLM's token after it: at each node, the node's children are checked in order
+    against its logits (``Sampler.verify_candidates``); the walk descends into the accepted one,
+    and ends with the token chosen where none is (or after a leaf, sampled from its logits).
+    Drafts are deterministic given the sequence (lookup continuations, the SLM's likeliest
+    tokens), so every emitted token is distributed as sampling from the LLM's logits there."""
+    path = [0]
+    while True:
+        children = [i for i in range(1, len(ids)) if parents[i] == path[-1]]
+        index, chosen = sampler.verify_candidates(logits[path[-1]], [ids[i] for i in children])
+        if index is None:
+            return path, chosen
+        path.append(children[index])
+
+
 class Decoder:
     """One generation over a :class:`SequenceState`."""
 
@@ -327,11 +343,10 @@ class Decoder:
         self.route_threshold = DEFAULT_ROUTE_THRESHOLD if options.route_threshold is None else options.route_threshold
         first, longest = draft_lengths(options.draft_tokens, options.max_draft_tokens, self.llm.pass_rows)
         self.draft_length = DraftLength(first, longest, options.adaptive_draft)
-        # a tree's greedy walk is exact where each token's logits are its path's: the native
-        # backend's tree forwards; sampling, grammars and skipping keep linear drafts
+        # a tree's walk is exact where each token's logits are its path's: the native backend's
+        # tree forwards; grammars (masks per position, forced tokens) and skipping keep linear drafts
         self.tree_branches = options.draft_branches if (
-            base == "speculate" and self.llm.tree_forwards and self.sampler.greedy
-            and constraint is None and self.skipper is None) else 1
+            base == "speculate" and self.llm.tree_forwards and constraint is None and self.skipper is None) else 1
         self.tree_nodes = tree_nodes(options.draft_tree_nodes, getattr(self.llm, "kernels", None), self.llm.pass_rows)
 
     # -- the steps ------------------------------------------------------------------------------
@@ -470,9 +485,9 @@ class Decoder:
         return traces
 
     def _verify_tree(self) -> list[TokenTrace]:
-        """Greedy speculation over a tree of drafts in one tree forward: from the last pending
-        token, the walk follows the child the LLM picks while there is one; the cache keeps that
-        path. Each token's logits are its path's bit for bit, so the tokens are ``full``'s."""
+        """Speculation over a tree of drafts in one tree forward (:func:`walk_tree`); the cache
+        keeps the accepted path. Each token's logits are its path's bit for bit, so greedy the
+        tokens are ``full``'s, and sampled they are distributed as ``full``'s."""
         tree = self.light.propose_tree(self.state.tokens, self.draft_length.current, self.tree_branches,
                                        self.tree_nodes)
         source = f"draft:{tree.source or self.light.name}"
@@ -488,14 +503,8 @@ class Decoder:
         parents = [-1, *(parent + 1 for parent in tree.parents)]
         logits = self.llm.forward_tree(cache, ids, parents)
         trace = self._llm_trace(None)
-        path, traces = [0], []
-        while True:
-            chosen = self.sampler.sample(logits[path[-1]])
-            child = next((i for i in range(1, len(ids)) if parents[i] == path[-1] and ids[i] == chosen), None)
-            if child is None:
-                break
-            path.append(child)
-            traces.append(TokenTrace(-1, chosen, source, 0.0))
+        path, chosen = walk_tree(self.sampler, logits, ids, parents)
+        traces = [TokenTrace(-1, ids[node], source, 0.0) for node in path[1:]]
         self._observe_llm(logits[path[-1]])
         self.llm.keep_path(cache, path)
         drafted, accepted = tree.depth, len(path) - 1
