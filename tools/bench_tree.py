@@ -15,7 +15,7 @@ The table gives, per bundle, workload, threads and kernel set, the median over s
 configuration's tok/s and of its paired ratios (against ``full`` and llama.cpp on the same
 prompt in the same round).
 
-    python tools/bench_tree.py --out bench-results/tree            # the defaults below
+    python tools/bench_tree.py --kernels auto avx2   # both bundles, five workloads: ~2.5-3 h alone on a 2-core box
     python tools/bench_tree.py --bundles bundles/smollm2-demo --workloads templated --prompts 1 \\
         --rounds 1 --max-new-tokens 8 --threads 1 --out /tmp/tree-smoke   # a smoke run
 
@@ -193,10 +193,10 @@ def plot(path: Path, summary: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--bundles", nargs="+", default=list(BUNDLES))
-    parser.add_argument("--workloads", nargs="+", default=["templated", "open", "json"], choices=WORKLOADS)
-    parser.add_argument("--prompts", type=int, default=None, help="first N prompts of each workload (default: all)")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    parser.add_argument("--prompts", type=int, default=3, help="first N prompts of each workload (0: all)")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--kernels", nargs="+", default=["auto"],
                         help="native kernel sets, each its own engine (auto, avx2: the forced AVX2 tier, ...)")
