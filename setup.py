@@ -1,7 +1,7 @@
 """The package build's native step: libedgeroute compiled into the package (edgeroute/libedgeroute.so).
 
 Everything else about the package is in pyproject.toml. The library's sources and per-source
-compiler flags have one description, runtime/native/build.py; this file only hands it the
+compiler flags have one description, libedgeroute/build.py; this file only hands it the
 output path, so `pip install .`, the wheel and editable installs (`make setup`) all build it.
 Set CC to choose the compiler.
 
@@ -20,7 +20,7 @@ from setuptools import Extension, setup
 from setuptools.command.bdist_wheel import bdist_wheel
 from setuptools.command.build_ext import build_ext
 
-NATIVE = Path(__file__).resolve().parent / "runtime" / "native"
+NATIVE = Path(__file__).resolve().parent / "libedgeroute"
 
 
 def _native_build():
@@ -74,6 +74,6 @@ class PlatformWheel(bdist_wheel):
 
 
 native = _native_build()
-setup(ext_modules=[Extension("edgeroute.libedgeroute", [str(s.relative_to(NATIVE.parents[1]))
+setup(ext_modules=[Extension("edgeroute.libedgeroute", [str(s.relative_to(NATIVE.parent))
                                                         for s, _ in native.compile_units(native.host_arch())])],
       cmdclass={"build_ext": BuildLibedgeroute, "bdist_wheel": PlatformWheel})

@@ -232,7 +232,7 @@ class GraphEntry:
     flavour: str = PORTABLE  # portable (standard ops) | ort (ONNX Runtime contrib ops)
 
 
-# ggml formats of a native weight file (runtime/native reads them): name -> (values, bytes) per block
+# ggml formats of a native weight file (libedgeroute reads them): name -> (values, bytes) per block
 NATIVE_FORMATS = {"F32": (1, 4), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q8_0": (32, 34),
                   "Q4_K": (256, 144), "Q6_K": (256, 210)}
 NATIVE_ALIGNMENT = 64  # every tensor starts at a multiple of this offset

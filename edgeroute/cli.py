@@ -366,6 +366,7 @@ def run(
     trace: Path = typer.Option(None, help="write one JSON line per token"),
     tools: Path = typer.Option(None, help="tools the model may call (OpenAI JSON list)"),
     tool_choice: str = typer.Option(None, help="with --tools: auto|required|none|NAME"),
+    no_verify: bool = typer.Option(False, "--no-verify", help="skip the files' and weights' checks"),
 ) -> None:
     """Generate text from a bundle, without torch. Every option: docs/guide/run.md."""
     import json
@@ -394,7 +395,7 @@ def run(
             raise EdgerouteError("--mode auto picks the calibrated configuration of a task profile: add "
                                  "--profile TASK (voice-command, templated, json, grounded, dialogue, code)")
         tool_list, choice = _tools(tools, tool_choice)
-        engine = Engine(bundle, options)
+        engine = Engine(bundle, options, verify=not no_verify)
         if raw or not engine.bundle.tokenizer.get("chat_format"):
             if system is not None or tool_list:
                 raise EdgerouteError(f"{'--system' if system is not None else '--tools'} needs the bundle's chat "
@@ -614,7 +615,7 @@ def bench(
     import dataclasses
     import json
 
-    from edgeroute.runtime.bench import BenchOptions, run_bench
+    from edgeroute.measure.bench import BenchOptions, run_bench
 
     with _clear_errors():
         options = BenchOptions(contexts=_numbers(contexts, "contexts"), steps=steps, repeats=repeats, threads=threads,

@@ -15,7 +15,7 @@ from edgeroute.bundle import Bundle
 from edgeroute.cli import app
 from edgeroute.cpu import cpu_signature
 from edgeroute.errors import InputError
-from edgeroute.runtime.bench import BenchOptions, Unavailable, run_bench, source_gguf
+from edgeroute.measure.bench import BenchOptions, Unavailable, run_bench, source_gguf
 from tests.test_cli_columns import assert_fits, edgeroute
 
 runner = CliRunner()
@@ -66,7 +66,7 @@ def test_bench_without_a_bandwidth_gives_gb_s_and_says_none_is_known(smollm2_bun
 @pytest.mark.slow
 def test_llama_cpp_reads_the_source_gguf_whose_blocks_the_native_backend_reads(smollm2_bundles):
     from edgeroute.export.sources import packaged_gguf
-    from edgeroute.runtime.step_bytes import gguf_step_bytes, native_step_bytes
+    from edgeroute.measure.step_bytes import gguf_step_bytes, native_step_bytes
 
     bundle = Bundle.open(smollm2_bundles["int4"][0], verify=False)
     assert source_gguf(bundle, "llm") == packaged_gguf()  # the path export recorded
@@ -77,7 +77,7 @@ def test_llama_cpp_reads_the_source_gguf_whose_blocks_the_native_backend_reads(s
 def test_bench_skips_llama_cpp_where_the_model_is_a_cut_of_its_gguf(smollm2_bundles, monkeypatch):
     """The demo's slm is the packaged GGUF's first 12 layers: llama.cpp on that GGUF runs all 30,
     so its row would set another model against ours."""
-    import edgeroute.runtime.bench as bench
+    import edgeroute.measure.bench as bench
 
     if importlib.util.find_spec("llama_cpp") is None:  # llama.cpp's own view of the GGUF, where it is absent
         class WholeGguf:

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from edgeroute.runtime import bench
-from edgeroute.runtime.bench import BenchOptions, BenchRecord, BenchReport, FloorProbe
+from edgeroute.measure import bench
+from edgeroute.measure.bench import BenchOptions, BenchRecord, BenchReport, FloorProbe
 
 
 def test_the_floor_read_is_larger_than_the_last_level_cache(tmp_path):

@@ -21,7 +21,7 @@ import pytest
 from edgeroute.bundle import Bundle
 
 REPO = Path(__file__).resolve().parents[1]
-NATIVE = REPO / "runtime" / "native"
+NATIVE = REPO / "libedgeroute"
 native = pytest.importorskip("edgeroute.runtime.backends.native")
 COMPILER = shutil.which("cc") or shutil.which("gcc")
 needs_compiler = pytest.mark.skipif(COMPILER is None, reason="no C compiler to build the C tests")

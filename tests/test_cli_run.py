@@ -133,7 +133,7 @@ API_ONLY = {
 }
 # flags that fill no option field: what to say and how, not how to decode
 CLI_ONLY = {"bundle", "prompt", "chat", "raw", "system", "context_policy", "profile", "no_slm", "json_schema", "regex",
-            "grammar", "trace", "tools", "tool_choice"}
+            "grammar", "trace", "tools", "tool_choice", "no_verify"}
 
 
 def test_every_option_field_is_a_run_flag_or_named_api_only_and_every_flag_fills_one():

@@ -17,11 +17,11 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "edgeroute"
 DEVICE_FILES = sorted([
-    *(PACKAGE / "runtime").glob("*.py"),
+    *(PACKAGE / "runtime").rglob("*.py"),  # the backends' folder too
     *(PACKAGE / "quality").glob("*.py"),  # edgeroute eval and its checks run on the device
+    *(PACKAGE / "measure").glob("*.py"),  # edgeroute bench runs on the device
     *(PACKAGE / name for name in ("__init__.py", "bundle.py", "arch.py", "rope.py", "errors.py", "chat_format.py",
-                                  "texts.py", "kv_formats.py", "skip_options.py",
-                                  "tensorrt/__init__.py", "tensorrt/engines.py")),  # the TensorRT backend finds its engines
+                                  "texts.py", "kv_formats.py", "skip_options.py", "files.py", "llamacpp.py")),
 ])
 # the `onnx` package only: `onnxruntime` is the device's engine
 FORBIDDEN = ("torch", "transformers", "onnx", "edgeroute.export")

@@ -1,7 +1,7 @@
 """The package's rooms and which way they may lean: no import cycle (lazy imports inside functions
 count: they close a cycle at run time as surely as a module-level one), and the device runtime
-imports nothing of the workstation side (export, calibration, quality, the TensorRT build, the
-CLI), nor the shared core modules anything above them. Read from the source (ast), so a lazy
+imports nothing of the workstation side (export, calibration, quality, measurement, the TensorRT
+build, the CLI), nor the shared core modules anything above them. Read from the source (ast), so a lazy
 import that no test happens to run is seen too. Imports under ``if TYPE_CHECKING:`` never run and
 are left out."""
 
@@ -11,7 +11,8 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "edgeroute"
-WORKSTATION = ("edgeroute.export", "edgeroute.calibration", "edgeroute.quality", "edgeroute.tensorrt", "edgeroute.cli")
+WORKSTATION = ("edgeroute.export", "edgeroute.calibration", "edgeroute.quality", "edgeroute.tensorrt", "edgeroute.measure",
+               "edgeroute.cli")
 
 
 def _modules(root: Path = PACKAGE) -> dict[str, Path]:

@@ -128,7 +128,7 @@ def test_a_source_the_native_backend_cannot_run_is_refused_naming_why(tiny_model
 
 @pytest.mark.slow
 def test_the_bench_skips_onnx_runtime_on_a_native_target_bundle_saying_why(native_only):
-    from edgeroute.runtime.bench import BenchOptions, run_bench
+    from edgeroute.measure.bench import BenchOptions, run_bench
 
     report = run_bench([native_only.out], BenchOptions(backends=("onnxruntime",), roles=("slm",)))
     assert report.records == []

@@ -72,9 +72,12 @@ def test_a_profile_threads_apply_only_where_neither_the_caller_nor_the_environme
     ({"decoding": {"top_p": float("inf")}}, r"top_p must be a number within \(0, 1\] .*\(got inf\)"),
     ({"memory": {"usable_gb": 4}}, "unknown memory key 'usable_gb'"),
     ({"memory": {"usable_gib": "4"}}, "memory.usable_gib has the wrong type"),
-    ({"memory": {"usable_gib": -1}}, "usable_gib must be > 0"),
+    ({"memory": {"usable_gib": -1}}, "usable_gib must be a finite number > 0"),
+    ({"memory": {"usable_gib": float("nan")}}, "usable_gib must be a finite number > 0"),
+    ({"memory": {"usable_gib": float("inf")}}, "usable_gib must be a finite number > 0"),
     ({"memory": {"default_context": 0}}, "default_context >= 1"),
-    ({"memory": {"bandwidth_gbs": 0}}, "bandwidth_gbs must be > 0"),
+    ({"memory": {"bandwidth_gbs": 0}}, "bandwidth_gbs must be a finite number > 0"),
+    ({"memory": {"bandwidth_gbs": float("nan")}}, "bandwidth_gbs must be a finite number > 0"),
     ({"memory": {"bandwidth_gbs": "68"}}, "memory.bandwidth_gbs has the wrong type"),
     ({"threads": 0}, "threads must be >= 1"),
     ({"threads": 6.5}, "'threads' must be a JSON int"),
@@ -107,7 +110,7 @@ def _wheel(tmp_path: Path) -> Path:
     """Build the package's wheel from a copy of the source (no build files in the checkout)."""
     source = tmp_path / "source"
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-    for part in ("edgeroute", "profiles", "runtime"):
+    for part in ("edgeroute", "profiles", "libedgeroute"):
         shutil.copytree(REPO / part, source / part, ignore=ignore)
     for part in ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md"):
         shutil.copy(REPO / part, source / part)

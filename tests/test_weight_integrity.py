@@ -133,7 +133,7 @@ def test_weights_damaged_in_place_are_refused_by_the_library_unless_verification
 
 
 def test_bench_verifies_bundles_by_default_and_no_verify_opts_out(demo, tmp_path):
-    from edgeroute.runtime.bench import BenchOptions, run_bench
+    from edgeroute.measure.bench import BenchOptions, run_bench
 
     damaged = _damaged_copy(demo, tmp_path)
     options = BenchOptions(contexts=(4,), steps=2, repeats=1, threads=1, backends=("native",), roles=("slm",))
@@ -182,3 +182,16 @@ def test_the_bench_command_refuses_a_damaged_bundle_with_exit_2_unless_told_no_v
     assert refused.exit_code == 2 and "sha256" in refused.output, refused.output
     measured = CliRunner().invoke(app, [*args, "--no-verify"])
     assert measured.exit_code == 0, measured.output
+
+
+def test_run_refuses_a_damaged_bundle_with_exit_2_and_no_verify_runs_it_anyway(demo, tmp_path):
+    from typer.testing import CliRunner
+
+    from edgeroute.cli import app
+
+    damaged = _damaged_copy(demo, tmp_path)
+    args = ["run", str(damaged), "--prompt", "hi", "--raw", "--max-new-tokens", "2", "--threads", "1"]
+    refused = CliRunner().invoke(app, args)
+    assert refused.exit_code == 2 and "sha256" in refused.output, refused.output
+    ran = CliRunner().invoke(app, [*args, "--no-verify"])
+    assert ran.exit_code == 0, ran.output

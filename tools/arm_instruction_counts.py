@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-NATIVE = REPO / "runtime" / "native"
+NATIVE = REPO / "libedgeroute"
 SYSROOT = Path("/usr/aarch64-linux-gnu")
 PROMPT = "Three tips for staying awake on a long drive:"
 

@@ -11,7 +11,7 @@ Two steps; the second needs only this file, numpy and rich on the machine that r
         --m 1,4 --rounds 10 --passes 4 --json builds.json
 
 ``prepare`` builds each commit's library in a temporary git worktree with that commit's
-``runtime/native/build.py`` (a commit given twice is one build, timed as two: a null control),
+``libedgeroute/build.py`` (a commit given twice is one build, timed as two: a null control),
 the driver ``tools/native/bench_builds.c``, and per native weight file its layout: the GGUF
 bytes before the tensor data and the tensor table, kilobytes where the file is a gigabyte. It
 copies the compiler's libgomp beside them, for machines whose image lacks it.
@@ -64,8 +64,10 @@ def build_library(commit: str, out: Path) -> None:
         tree = Path(tmp) / "tree"
         _git("worktree", "add", "--detach", "--quiet", str(tree), commit)
         try:
-            done = subprocess.run([sys.executable, str(tree / "runtime" / "native" / "build.py"), str(out)],
-                                  capture_output=True, text=True)
+            # the library's folder: libedgeroute/ since 2026-12-05, runtime/native/ before
+            script = next((p for p in (tree / "libedgeroute" / "build.py", tree / "runtime" / "native" / "build.py")
+                           if p.is_file()), tree / "libedgeroute" / "build.py")
+            done = subprocess.run([sys.executable, str(script), str(out)], capture_output=True, text=True)
         finally:
             _git("worktree", "remove", "--force", str(tree))
     if done.returncode != 0:
@@ -114,7 +116,7 @@ def prepare(kit: Path, commits: list[str], layouts: list[str]) -> dict:
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise SystemExit("no C compiler (cc or gcc) to build the driver")
-    subprocess.run([compiler, "-std=gnu11", "-O2", f"-I{REPO / 'runtime' / 'native' / 'include'}", str(DRIVER_SOURCE),
+    subprocess.run([compiler, "-std=gnu11", "-O2", f"-I{REPO / 'libedgeroute' / 'include'}", str(DRIVER_SOURCE),
                     "-o", str(kit / DRIVER), "-ldl"], check=True)
     gomp = subprocess.run([compiler, "-print-file-name=libgomp.so.1"], capture_output=True, text=True).stdout.strip()
     if os.path.isabs(gomp) and os.path.isfile(gomp):

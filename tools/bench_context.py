@@ -51,7 +51,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools.benchlib, when run as a script
 
-from edgeroute.runtime.bench import EdgerouteCase, LlamaCppCase, prompt_ids  # noqa: E402
+from edgeroute.measure.bench import EdgerouteCase, LlamaCppCase, prompt_ids  # noqa: E402
 
 RUNTIMES = ("edgeroute:native", "edgeroute:ort", "edgeroute:portable", "llama.cpp")
 

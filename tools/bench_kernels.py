@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.table import Table
 
 REPO = Path(__file__).resolve().parents[1]
-NATIVE = REPO / "runtime" / "native"
+NATIVE = REPO / "libedgeroute"
 DRIVER = REPO / "tools" / "native" / "bench_kernels.c"
 FORMATS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
 

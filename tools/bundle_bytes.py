@@ -1,7 +1,7 @@
 """What a bundle costs against its GGUF source: size on disk, resident memory once loaded,
 and the weight bytes one decode step reads, next to llama.cpp's for the same file.
 
-What a decode step reads, per backend: ``edgeroute.runtime.step_bytes``.
+What a decode step reads, per backend: ``edgeroute.measure.step_bytes``.
 
     python tools/bundle_bytes.py bundles/qwen-pair --gguf llm=qwen2.5-coder-1.5b --gguf slm=qwen2.5-coder-0.5b
 """
@@ -21,7 +21,7 @@ import onnx
 from rich.console import Console
 from rich.table import Table
 
-from edgeroute.runtime.step_bytes import gguf_step_bytes, native_step_bytes, ort_step_graphs, save_optimized
+from edgeroute.measure.step_bytes import gguf_step_bytes, native_step_bytes, ort_step_graphs, save_optimized
 
 MB = 1e6
 

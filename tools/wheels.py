@@ -2,7 +2,7 @@
 x86-64 machine, each carrying its libedgeroute and the OpenMP runtime that library needs.
 
 - The library: compiled by GCC (the host's for x86_64, ``aarch64-linux-gnu-gcc`` for aarch64),
-  linked by zig against glibc 2.28's symbol stubs (``runtime/native/build.py --glibc``).
+  linked by zig against glibc 2.28's symbol stubs (``libedgeroute/build.py --glibc``).
 - OpenMP: board images may lack libgomp1, and the host's asks for GLIBC_2.34. The wheel carries
   the libgomp that auditwheel grafted into scikit-learn's manylinux wheels (GCC's, built in the
   manylinux image for glibc 2.17, GCC Runtime Library Exception), pinned below by sha256, under
@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 GLIBC = "2.28"
 ARCHES = ("x86_64", "aarch64")
 COMPILERS = {"x86_64": "gcc", "aarch64": "aarch64-linux-gnu-gcc"}
-SOURCE_PARTS = ("edgeroute", "profiles", "runtime", "pyproject.toml", "setup.py", "MANIFEST.in", "README.md")
+SOURCE_PARTS = ("edgeroute", "profiles", "libedgeroute", "pyproject.toml", "setup.py", "MANIFEST.in", "README.md")
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """The native weight file's data digest (``edgeroute.data_digest``), in numpy: the same function
-as libedgeroute's ``er_data_digest`` (runtime/native/src/digest.c; the formula is in edgeroute.h).
+as libedgeroute's ``er_data_digest`` (libedgeroute/src/digest.c; the formula is in edgeroute.h).
 
 A sum over the data's 8-byte words of a bijective mix of (word + index * step): any one changed
 word changes the digest, and the sum splits into chunks (numpy here, the model's threads in C).

@@ -1,6 +1,6 @@
 """The native weight file: a GGUF model's tensors copied block for block into the bundle.
 
-The native backend (``runtime/native``, ``edgeroute.runtime.backends.native``) reads the GGUF block
+The native backend (``libedgeroute``, ``edgeroute.runtime.backends.native``) reads the GGUF block
 formats directly, so a decode step reads the source's bytes and no more (the ONNX graphs'
 repacked int4 weights read 1.4x as many on the Qwen2.5-Coder 1.5B). Nothing is re-quantized:
 the bytes are the file's, except that Llama's Q/K rows are put back in rotate-half order (as
@@ -32,7 +32,7 @@ NATIVE_FAMILIES = ("llama", "qwen2")  # no per-head q/k norm (Qwen3) in the nati
 LAYER_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 LAYER_VECTORS = ("attn_norm.weight", "ffn_norm.weight")
 BIASES = ("attn_q.bias", "attn_k.bias", "attn_v.bias")
-NATIVE_FILE_VERSION = 1  # edgeroute.native.version: what runtime/native/src/gguf.c reads
+NATIVE_FILE_VERSION = 1  # edgeroute.native.version: what libedgeroute/src/gguf.c reads
 GGML_TYPE_IDS = {"F32": 0, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
 _U32, _F32, _STRING, _ARRAY, _U64, _F64 = 4, 6, 8, 9, 10, 12  # GGUF metadata value types
 

@@ -96,7 +96,7 @@ def _llama_rows(engine, cases: Sequence[TaskCase], max_new_tokens: int, threads:
     """llama.cpp on the bundle's source GGUF: the same prompt ids as the engine's, greedy, its own
     kernels; the answer decoded with the bundle's tokenizer and judged by the same checks."""
     from edgeroute.cpu import thread_count
-    from edgeroute.runtime.bench import LlamaCppCase, source_gguf
+    from edgeroute.measure.bench import LlamaCppCase, source_gguf
 
     llm = engine.bundle.models["llm"]
     case_model = LlamaCppCase(source_gguf(engine.bundle, "llm"), thread_count(threads),
@@ -145,7 +145,7 @@ def evaluate(engine, cases: Sequence[TaskCase], modes: str | Sequence[RunConfig]
     runs = run_cases(engine, cases, configs, max_new_tokens, progress, keep_text=True)
     notes = []
     if llama_cpp:
-        from edgeroute.runtime.bench import Unavailable
+        from edgeroute.measure.bench import Unavailable
 
         try:
             import llama_cpp as _  # noqa: F401 - only whether it is installed

@@ -136,6 +136,12 @@ class DecodeOptions:
             fallback = dataclasses.replace(fallback or FallbackOptions(), **fallback_overrides)
         return dataclasses.replace(self, **{"skip": skip, "fallback": fallback, **own})
 
+    @property
+    def uses_slm(self) -> bool:
+        """Whether decoding runs the SLM: mode slm, or route / speculate with a light path
+        through it (``full`` and ``skip`` never do, whatever ``light`` says)."""
+        return self.mode == "slm" or (self.light in SLM_LIGHT_PATHS and self.mode.split("+")[0] in ("route", "speculate"))
+
     def validate(self, num_layers: int, has_slm: bool) -> None:
         if self.mode == "auto":
             raise InputError("mode auto is resolved by the engine from the bundle's calibration")
@@ -144,7 +150,7 @@ class DecodeOptions:
         if self.light not in LIGHT_PATHS:
             raise InputError(f"light path {self.light!r} is not one of {', '.join(LIGHT_PATHS)}")
         base = self.mode.split("+")[0]
-        if (self.mode == "slm" or (self.light in SLM_LIGHT_PATHS and base in ("route", "speculate"))) and not has_slm:
+        if self.uses_slm and not has_slm:
             raise InputError("this bundle has no SLM: use --light ngram, or export with --slm")
         if self.route_check not in ROUTE_CHECKS:
             raise InputError(f"route_check {self.route_check!r} is not one of {', '.join(ROUTE_CHECKS)}")
@@ -333,8 +339,9 @@ class Decoder:
             light = LookupThenSlmDrafter(state.ngram_drafter, slm, options.lookup_min_match, options.lookup_tokens)
         self.light = state.slm_drafter if base == "slm" else light
         # the drafts whose acceptance the draft length follows (ngram+slm: the SLM's; the lookup's
-        # have their own length)
-        self.adaptive_source = f"draft:{getattr(self.light, 'adaptive_source', None) or self.light.name}"
+        # have their own length); full and skip have no light path (a light "slm" loads no SLM for them)
+        source = getattr(self.light, "adaptive_source", None) or getattr(self.light, "name", options.light)
+        self.adaptive_source = f"draft:{source}"
         router = options.router or ("entropy" if options.light == "slm" else "ngram")
         if self.verified:
             self.judge = verified_judge(options.router)

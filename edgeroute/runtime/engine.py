@@ -34,7 +34,6 @@ from edgeroute.runtime.backend import ModelBackend, backend_for, open_model, res
 from edgeroute.runtime.calibrated import calibrated_options, format_token_ids
 from edgeroute.runtime.constraints import Constraint, GrammarCompiler
 from edgeroute.runtime.decoding import (
-    SLM_LIGHT_PATHS,
     DecodeOptions,
     Decoder,
     GenerationStats,
@@ -274,13 +273,14 @@ class Engine:
         return Session(self, self.resolve(self.options.updated(**options)), chat=True, system=system,
                        context_policy=context_policy, tools=tools)
 
-    def share_prefix(self, system: str) -> int:
+    def share_prefix(self, system: str, tools: Tools | None = None) -> int:
         """Compute a system prompt's K/V once for this engine: every ``chat(system=...)`` with
-        the same text then starts from a copy instead of prefilling it, so its first turn's
-        time to first token does not pay for the system prompt (the SLM's K/V, when a mode
-        uses it, is computed once too, for the first session that needs it). The K/V stays in
-        memory for the engine's life. Returns the prefix length in tokens."""
-        tokens = tuple(self.encode_prompt([{"role": "system", "content": system}]))
+        the same text (and the same ``tools``: the template lists them in the system message)
+        then starts from a copy instead of prefilling it, so its first turn's time to first
+        token does not pay for the system prompt (the SLM's K/V, when a mode uses it, is
+        computed once too, for the first session that needs it). The K/V stays in memory for
+        the engine's life. Returns the prefix length in tokens."""
+        tokens = tuple(self.encode_prompt([{"role": "system", "content": system}], tools))
         with self._prefix_lock:
             if tokens not in self._prefixes:
                 self._prefixes[tokens] = {"llm": self._prefill(self.llm, tokens)}
@@ -438,10 +438,13 @@ class Session:
             if computed:
                 self.engine.llm.forward(state.llm_cache, computed)
             self._held = sequence
-            if state.slm_drafter is None and (self.options.mode == "slm" or self.options.light in SLM_LIGHT_PATHS):
+            if state.slm_drafter is None and self.options.uses_slm:
                 state.attach_slm(self.engine.slm)
-            if state.slm_drafter is not None:
-                state.slm_drafter.prefill(sequence)
+            drafter = state.slm_drafter
+            if drafter is not None:
+                if not drafter.seen:  # from the engine's shared system prompt, as a generation starts
+                    drafter.seen = sequence[:self.engine._copy_shared_prefix(sequence, drafter.cache, "slm")]
+                drafter.prefill(sequence)
             return len(computed)
 
     def barge_in(self, spoken: str | None = None) -> None:
@@ -591,7 +594,7 @@ class Session:
         if state.llm_cache.length == 0:
             self.engine._copy_shared_prefix(sequence, state.llm_cache)
         self.messages = turn.messages
-        if (options.mode == "slm" or options.light in SLM_LIGHT_PATHS) and state.slm_drafter is None:
+        if options.uses_slm and state.slm_drafter is None:
             state.attach_slm(self.engine.slm)
         drafter = state.slm_drafter
         if drafter is not None and not drafter.seen:

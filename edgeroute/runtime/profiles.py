@@ -19,6 +19,7 @@ Where they are found, first match wins: ``$EDGEROUTE_PROFILES``, the package's o
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from importlib import resources
@@ -97,11 +98,13 @@ def _check_memory(memory: dict[str, Any], source: str) -> None:
             raise InputError(f"profile {source}: unknown memory key {key!r} (known: {', '.join(MEMORY_FIELDS)})")
         if not isinstance(value, MEMORY_FIELDS[key]) or isinstance(value, bool):
             raise InputError(f"profile {source}: memory.{key} has the wrong type ({value!r})")
-    if memory.get("usable_gib", 1) <= 0 or memory.get("default_context", 1) < 1:
-        raise InputError(f"profile {source}: memory.usable_gib must be > 0 and memory.default_context >= 1 "
-                         f"(got {memory})")
-    if memory.get("bandwidth_gbs", 1) <= 0:
-        raise InputError(f"profile {source}: memory.bandwidth_gbs must be > 0 (got {memory['bandwidth_gbs']})")
+    # NaN passes every comparison, and infinity is no memory size: both are refused by name
+    if not 0 < memory.get("usable_gib", 1) < math.inf or memory.get("default_context", 1) < 1:
+        raise InputError(f"profile {source}: memory.usable_gib must be a finite number > 0 and "
+                         f"memory.default_context >= 1 (got {memory})")
+    if not 0 < memory.get("bandwidth_gbs", 1) < math.inf:
+        raise InputError(f"profile {source}: memory.bandwidth_gbs must be a finite number > 0 "
+                         f"(got {memory['bandwidth_gbs']})")
 
 
 def _check_engines(engines: dict[str, Any], source: str) -> None:

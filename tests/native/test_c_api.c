@@ -16,7 +16,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "edgeroute.h"
+#include "edgeroute_kernels.h"
 
 static int passed, failed;
 

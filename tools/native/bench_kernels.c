@@ -13,6 +13,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "edgeroute_kernels.h"
 #include "formats.h"
 #include "internal.h"
 

@@ -7,14 +7,14 @@ weight file (``models.<role>.native``, a GGUF file written by export for GGUF so
 are stored. It implements :class:`edgeroute.runtime.backend.ModelBackend` like
 :class:`OrtModel`; its caches (:class:`NativeCache`) are the library's sessions.
 
-This module is a thin binding over the library's public header (``runtime/native/include/
+This module is a thin binding over the library's public header (``libedgeroute/include/
 edgeroute.h``): the handles are opaque, the ABI version and the enum values are read from the
 header itself, and the params structs carry their size, which the library checks. One forward
 is one call into C (the per-layer steps are used only where a plan is decided from the hidden
 state as it goes, or where calibration reruns layers).
 
 The library is built with the package (``pip install .`` / the wheel: ``setup.py`` runs
-``runtime/native/build.py``) and carries every kernel set of its architecture, chosen at load
+``libedgeroute/build.py``) and carries every kernel set of its architecture, chosen at load
 by the CPU's features: nothing is compiled at run time. ``EDGEROUTE_NATIVE_LIB`` names another
 build. Every row of a pass is computed alike whatever the pass's length, so a speculative
 verification pass reproduces one-token steps bit for bit.
@@ -61,17 +61,18 @@ KEY_SCALE_TOKENS = 256  # of the calibration text, for an int8 cache's key chann
 
 def native_header() -> Path:
     """The public header: inside the installed package (``edgeroute/native/include``) or the
-    checkout's ``runtime/native/include``."""
+    checkout's ``libedgeroute/include``."""
     packaged = resources.files("edgeroute") / "native" / "include" / "edgeroute.h"
     if packaged.is_file():
         return Path(str(packaged))
-    return Path(__file__).resolve().parents[3] / "runtime" / "native" / "include" / "edgeroute.h"
+    return Path(__file__).resolve().parents[3] / "libedgeroute" / "include" / "edgeroute.h"
 
 
 @functools.cache
 def header_constants() -> dict[str, int]:
-    """ER_ABI_VERSION and every ``ER_NAME = value`` enum constant of the header."""
-    text = native_header().read_text()
+    """ER_ABI_VERSION and every ``ER_NAME = value`` enum constant of the headers."""
+    header = native_header()  # and the kernels' header beside it (block formats, kernels alone)
+    text = header.read_text() + header.with_name("edgeroute_kernels.h").read_text()
     constants = {name: int(value) for name, value in re.findall(r"\b(ER_[A-Z0-9_]+) = (-?\d+)", text)}
     constants["ER_ABI_VERSION"] = int(re.search(r"#define ER_ABI_VERSION (\d+)", text).group(1))
     return constants

@@ -1,6 +1,7 @@
 /* The kernels on their own, for tests and benchmarks: plain arrays in, no shared structs. */
 #include <stdlib.h>
 
+#include "edgeroute_kernels.h"
 #include "formats.h"
 
 static er_status block_matrix(int format, const void *blocks, size_t bytes, int32_t rows, int32_t cols, er_matrix *m) {
@@ -68,14 +69,4 @@ er_status er_attention(int kernels, int kv_format, int32_t heads, int32_t kv_hea
     er_attention_forward(K, &D, q, keys, values, masked, M, pos0, out, scratch);
     free(scratch);
     return ER_OK;
-}
-
-size_t er_kv_row_bytes(int kv_format, int head_dim) {
-    if (head_dim < 1) return 0;
-    switch (kv_format) {
-    case ER_KV_F32: return (size_t)head_dim * 4;
-    case ER_KV_F16: return (size_t)head_dim * 2;
-    case ER_KV_INT8: return head_dim % 32 ? 0 : (size_t)head_dim + head_dim / 32 * 4;
-    default: return 0;
-    }
 }

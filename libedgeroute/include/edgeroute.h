@@ -296,31 +296,15 @@ ER_API er_status er_model_head(er_model *model, const float *hidden, int32_t n, 
  * threads (< 1: the CPU's count). */
 ER_API uint64_t er_data_digest(const void *data, size_t bytes, int32_t threads);
 
-/* ---- kernels on their own (tests and benchmarks) ----------------------------------------- */
-
-/* `threads` here is any count >= 1, more than the CPUs online included: tests split the rows
- * over more threads than a small machine has to cover every share. */
+/* ---- block formats --------------------------------------------------------------------- */
 
 /* ggml type ids of the block formats the kernels read */
 typedef enum er_block_format {
     ER_Q4_0 = 2, ER_Q4_1 = 3, ER_Q5_0 = 6, ER_Q8_0 = 8, ER_Q4_K = 12, ER_Q6_K = 14,
 } er_block_format;
 
-/* y[M][rows] = x[M][cols] @ W^T for a matrix W stored as `blocks` (rows x cols in `format`,
- * as in a GGUF file), activations quantized to int8 as in a forward. */
-ER_API er_status er_matmul(int kernels, int format, const void *blocks, size_t bytes, int32_t rows, int32_t cols,
-                           const float *x, int32_t M, float *y, int32_t threads);
-
-/* Rows `ids` of such a matrix as float32: out [n][cols]. */
-ER_API er_status er_dequantize_rows(int format, const void *blocks, size_t bytes, int32_t rows, int32_t cols,
-                                    const int64_t *ids, int32_t n, float *out);
-
-/* Causal attention of q [M][heads][head_dim] (rotated) at positions pos0.. over one layer's
- * heads-first cache rows (keys, values: [kv_heads][capacity][row] in kv_format, positions up
- * to pos0 + M filled); masked [capacity] (or NULL): positions dropped. out [M][heads][head_dim]. */
-ER_API er_status er_attention(int kernels, int kv_format, int32_t heads, int32_t kv_heads, int32_t head_dim,
-                              int32_t capacity, const float *q, const void *keys, const void *values,
-                              const uint8_t *masked, int32_t M, int32_t pos0, float *out, int32_t threads);
+/* The kernels on their own (matrix products, dequantization, attention over plain arrays), for
+ * tests and benchmarks: edgeroute_kernels.h, beside this header; not part of the stable API. */
 
 #ifdef __cplusplus
 }

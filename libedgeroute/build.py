@@ -7,8 +7,8 @@ source compiled with its own instruction-set flags, and picks among them at run 
 (``src/dispatch.c``), so one x86-64 binary runs on any x86-64 CPU and one aarch64 binary on any
 aarch64 CPU.
 
-    python runtime/native/build.py OUT.so [--cc CC] [--arch x86_64|aarch64] [--sanitize[=address|thread]] [--fuzzer]
-    python runtime/native/build.py OUT.so --arch aarch64 --cc aarch64-linux-gnu-gcc --glibc 2.28 --openmp LIBGOMP
+    python libedgeroute/build.py OUT.so [--cc CC] [--arch x86_64|aarch64] [--sanitize[=address|thread]] [--fuzzer]
+    python libedgeroute/build.py OUT.so --arch aarch64 --cc aarch64-linux-gnu-gcc --glibc 2.28 --openmp LIBGOMP
 
 With ``--glibc``, the build of a manylinux wheel (``make wheels``, tools/wheels.py): the sources
 are compiled as always (GCC: its OpenMP calls are libgomp's), then linked by zig's clang (PyPI

@@ -16,7 +16,7 @@ alike; the figures are the medians of the runs. The clock is the wall clock, or 
 process's CPU time (``clock="cpu"``: every thread's, so one thread's work per token; other
 processes' load does not inflate it).
 
-Bandwidth: the weight bytes one decode step reads (:mod:`edgeroute.runtime.step_bytes`; the KV
+Bandwidth: the weight bytes one decode step reads (:mod:`edgeroute.measure.step_bytes`; the KV
 cache's reads are not counted) x decode tok/s, in GB/s; with a device profile that declares
 ``memory.bandwidth_gbs``, its share of the board's published peak.
 
@@ -47,11 +47,11 @@ from edgeroute import llamacpp
 from edgeroute.bundle import Bundle
 from edgeroute.cpu import describe_cpu, thread_count
 from edgeroute.errors import InputError, NativeBackendUnavailable
+from edgeroute.measure.step_bytes import gguf_step_bytes, native_step_bytes, ort_step_bytes
 from edgeroute.runtime.backend import open_model
 from edgeroute.runtime.evaluate import tokenize_text
 from edgeroute.runtime.options import EngineOptions
 from edgeroute.runtime.profiles import load_profile
-from edgeroute.runtime.step_bytes import gguf_step_bytes, native_step_bytes, ort_step_bytes
 from edgeroute.texts import evaluation_text
 
 BACKENDS = ("native", "onnxruntime", "llama.cpp")

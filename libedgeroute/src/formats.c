@@ -63,3 +63,13 @@ void er_dequantize(const er_matrix *m, const int64_t *ids, int n, float *out) {
         }
     }
 }
+
+size_t er_kv_row_bytes(int kv_format, int head_dim) {
+    if (head_dim < 1) return 0;
+    switch (kv_format) {
+    case ER_KV_F32: return (size_t)head_dim * 4;
+    case ER_KV_F16: return (size_t)head_dim * 2;
+    case ER_KV_INT8: return head_dim % 32 ? 0 : (size_t)head_dim + head_dim / 32 * 4;
+    default: return 0;
+    }
+}

@@ -1,0 +1,118 @@
+"""Run the voice assistant on a bundle: spoken commands as text (timed partial transcripts at
+a speaking rate) or WAV files (pocketsphinx), the answer spoken by espeak-ng into a WAV.
+
+    python -m examples.voice_assistant --bundle bundles/smollm2-demo --say "navigate to the airport"
+    python -m examples.voice_assistant --bundle bundles/qwen-pair --say "set the temperature to 21" \\
+        --say "no, make it 19" --pause 1.0 --out answer.wav
+    python -m examples.voice_assistant --bundle bundles/qwen-pair --wav command.wav   # pip install pocketsphinx
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+from examples.voice_assistant.asr import PocketsphinxRecognizer, ScriptedRecognizer, timed_partials
+from examples.voice_assistant.assistant import VoiceAssistant, describe
+from examples.voice_assistant.car import CAR_TOOLS
+from examples.voice_assistant.speech import EspeakSpeaker, NullSpeaker, espeak_available
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m examples.voice_assistant", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--bundle", default="bundles/smollm2-demo")
+    parser.add_argument("--say", action="append", default=[], help="a spoken command as text (repeatable)")
+    parser.add_argument("--wav", action="append", default=[], help="a 16-bit mono WAV of a command, heard by pocketsphinx")
+    parser.add_argument("--wpm", type=float, default=150, help="speaking rate of --say, words a minute")
+    parser.add_argument("--pause", type=float, default=None,
+                        help="seconds between one --say's end and the next one's start (default: after the answer was "
+                             "spoken; a short pause cuts into the answer: a barge-in)")
+    parser.add_argument("--profile", default=None, help="device profile (as edgeroute run --profile DEVICE): its threads")
+    parser.add_argument("--mode", default="speculate", help="decoding mode (full, speculate, auto, ...)")
+    parser.add_argument("--light", default=None, help="light path of speculate (default: slm when the bundle has one)")
+    parser.add_argument("--no-listen-ahead", action="store_true", help="do not prefill partial transcripts")
+    parser.add_argument("--no-tools", action="store_true", help="chat without the car's tools")
+    parser.add_argument("--tool-choice", default="required",
+                        help="required (every command calls a tool: the demo's and the pair's models do not write a "
+                             "call on their own), auto (for a model that does), none, or a tool's name")
+    parser.add_argument("--confirm", choices=["model", "template"], default="model",
+                        help="after a tool ran, speak the model's words (model) or the car's own confirmation at once")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--tts", choices=["auto", "espeak", "none"], default="auto",
+                        help="auto: espeak-ng where installed, else no audio (the time the first sample would come)")
+    parser.add_argument("--out", type=Path, default=None, help="write the spoken answers to this WAV (espeak-ng)")
+    parser.add_argument("--json", action="store_true", help="print each turn's record as JSON")
+    args = parser.parse_args(argv)
+    if not args.say and not args.wav:
+        parser.error("give at least one --say TEXT or --wav FILE")
+    return args
+
+
+def tool_choice(text: str):
+    """auto, required, none, or a tool's name (a named choice)."""
+    if text in ("auto", "required", "none"):
+        return text
+    return {"type": "function", "function": {"name": text}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from edgeroute.runtime import Engine
+
+    engine = Engine(args.bundle, profile=args.profile, task="voice-command")
+    light = args.light or ("slm" if engine.use_slm else "ngram")
+    if args.tts == "espeak" or (args.tts == "auto" and espeak_available()):
+        speaker = EspeakSpeaker(realtime=True)
+    else:
+        if args.tts == "auto":
+            print("espeak-ng is not installed (apt-get install espeak-ng): no audio, times are of the text", file=sys.stderr)
+        speaker = NullSpeaker(seconds_per_char=0.06)
+    if args.wav:
+        recognizer = PocketsphinxRecognizer(args.wav)
+    else:
+        utterances = [timed_partials(text, args.wpm) for text in args.say]
+        if args.pause is not None:
+            for utterance in utterances[1:]:
+                utterance.pause = args.pause
+        recognizer = ScriptedRecognizer(utterances)
+    assistant = VoiceAssistant(engine, speaker, tools=None if args.no_tools else CAR_TOOLS,
+                               listen_ahead=not args.no_listen_ahead, max_new_tokens=args.max_new_tokens,
+                               tool_choice=tool_choice(args.tool_choice), confirm=args.confirm, mode=args.mode,
+                               **({} if args.mode == "auto" else {"light": light}))
+    assistant.warm_up()
+    if args.pause is None and not args.wav:  # one utterance after the other, each answer spoken to its end
+        records = []
+        for utterance in recognizer.utterances:
+            records += asyncio.run(assistant.run(ScriptedRecognizer([utterance])))
+    else:
+        records = asyncio.run(assistant.run(recognizer))
+    print(f"{args.bundle}: backend {engine.llm.flavour}, mode {args.mode} ({light}), "
+          f"listen-ahead {'off' if args.no_listen_ahead else 'on'}")
+    for record in records:
+        print(f"\ndriver: {record.final}")
+        if record.listened:
+            print(f"  listened ahead: {record.listened} partials, {record.listen_tokens} tokens")
+        for call, result in zip(record.tool_calls, record.tool_results, strict=True):
+            print(f"  tool: {call['name']}({json.dumps(call['arguments'])}) -> {json.dumps(result)}")
+        said = record.spoken if record.barged_in else record.answer
+        print(f"  assistant: {said.strip()}{'  [cut off by the driver]' if record.barged_in else ''}")
+        print(f"  ms from the end of speech: {describe(record)}")
+        if args.json:
+            print(json.dumps(record.as_dict()))
+    car = assistant.car
+    print(f"\ncar: destination {car.destination}, temperature {car.temperature_c}, calling {car.calling}, "
+          f"playing {car.playing}, reminders {car.reminders}")
+    if args.out is not None:
+        if isinstance(speaker, EspeakSpeaker):
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            print(f"wrote {speaker.save(args.out)}")
+        else:
+            print("no audio to write: espeak-ng is not installed", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

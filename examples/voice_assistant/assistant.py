@@ -1,0 +1,301 @@
+"""The assistant's loop on asyncio: listen ahead while the driver speaks, answer the final
+transcript with tools, speak the answer sentence by sentence while it is decoded, and stop
+(keeping what was said) when the driver cuts in.
+
+    engine = Engine("bundles/qwen-pair", task="voice-command")
+    assistant = VoiceAssistant(engine, EspeakSpeaker())
+    records = asyncio.run(assistant.run(ScriptedRecognizer(["navigate to the airport"])))
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from examples.voice_assistant.asr import Partial, Recognizer, ScriptedRecognizer, Utterance
+from examples.voice_assistant.car import CAR_TOOLS, CarState, confirmation
+from examples.voice_assistant.speech import SentenceSplitter, Speaker, speakable
+
+SYSTEM = ("You are the voice assistant of a car. When the driver asks for something a tool does, call the tool. "
+          "After a tool ran, confirm what was done in one short sentence. Answer anything else in one or two short "
+          "sentences. The answer is spoken: no lists, no markdown.")
+
+
+def cache_system_prompt(engine, system: str, tools: list[dict[str, Any]] | None) -> int:
+    """Compute the system prompt's K/V once for the engine (``Engine.share_prefix``): every chat
+    opened with it starts from a copy. With tools, the prefix is the system message with the
+    tools' block where the runtime's ``share_prefix`` takes them."""
+    if tools and "tools" in inspect.signature(engine.share_prefix).parameters:
+        return engine.share_prefix(system, tools=tools)
+    return engine.share_prefix(system)
+
+
+@dataclass
+class TurnRecord:
+    """One utterance answered: what happened and when (``time.perf_counter()`` seconds)."""
+
+    final: str
+    utterance: int
+    speech_end: float
+    final_at: float
+    listened: int = 0  # partial transcripts prefilled ahead (listen-ahead)
+    listen_tokens: int = 0  # tokens they computed
+    listen_seconds: float = 0.0
+    listen_wait: float = 0.0  # after the final transcript, waiting for a listen in flight
+    begin_at: float | None = None  # the first generation asked for (after the listen in flight)
+    first_token_at: float | None = None  # the first generation's first token the model picked (a tool call's too)
+    tools_done_at: float | None = None  # tool calls decoded and run
+    first_clause_at: float | None = None  # the first speakable chunk of the answer complete
+    first_audio_at: float | None = None  # its first audio sample
+    done_at: float | None = None
+    prompt_tokens: int = 0  # the first generation's prompt tokens after what the chat held (listen-ahead's included)
+    tokens: list[int] = field(default_factory=list)  # the first generation's tokens
+    finish_reason: str = ""
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # {"id", "name", "arguments"}
+    tool_results: list[dict[str, Any]] = field(default_factory=list)
+    answer: str = ""  # the words of the answer (every generation's text)
+    spoken: str = ""  # of the interrupted generation's text, what was said (barge-in)
+    barged_in: bool = False
+
+    def breakdown(self) -> dict[str, float | None]:
+        """Seconds from the end of the speech: ``asr`` (to the final transcript),
+        ``first_token`` (from it to the first token the model picks: a listen in flight, the
+        prefill, the first pick; tokens a tool call's grammar forces take no step and do not
+        count), ``tools`` (from the first token to the calls decoded and run; 0 without),
+        ``first_clause`` (to the first speakable chunk: the answer's prefill after tool results
+        and its decode), ``audio`` (from that chunk to its first audio sample) and ``total``
+        (end of speech to the first audio sample); ``speech_to_token``: end of speech to the
+        first token (``asr`` + ``first_token``). ``prefill``: the part of ``first_token``
+        after the generation was asked for (the listen in flight is the rest)."""
+        def span(a: float | None, b: float | None) -> float | None:
+            return b - a if a is not None and b is not None else None
+
+        after_token = self.tools_done_at if self.tools_done_at is not None else self.first_token_at
+        return {"asr": span(self.speech_end, self.final_at), "first_token": span(self.final_at, self.first_token_at),
+                "prefill": span(self.begin_at, self.first_token_at),
+                "tools": span(self.first_token_at, self.tools_done_at) if self.tool_calls else 0.0,
+                "first_clause": span(after_token, self.first_clause_at),
+                "audio": span(self.first_clause_at, self.first_audio_at),
+                "total": span(self.speech_end, self.first_audio_at),
+                "speech_to_token": span(self.speech_end, self.first_token_at)}
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "breakdown": self.breakdown()}
+
+
+class VoiceAssistant:
+    """A chat with the car's tools on an engine, driven by a recognizer, spoken by a speaker.
+
+    ``listen_ahead``: partial transcripts are prefilled while the driver speaks
+    (``Session.listen``; the latest partial wins when one arrives while another is being
+    prefilled). ``keep_interrupted``: a barge-in keeps what was said of the answer (else the
+    exchange is forgotten). ``tool_choice``: the first generation's (auto, required, none or
+    a named tool); after one round of calls (``max_tool_rounds``) the model answers in words.
+    ``confirm``: "model", the model's words after the tool results are spoken; "template",
+    the car's own confirmation (``car.confirmation``) is spoken as soon as the calls ran, and
+    the model's words are kept in the chat unspoken (the first audio does not wait for a
+    second generation). ``context_policy``: the chat's ("drop_oldest": a conversation that
+    fills the context forgets its oldest exchanges; the system prompt stays). ``clause_chars``,
+    ``max_chars``: how the answer is cut into chunks (:class:`SentenceSplitter`).
+    ``decoding``: the chat's DecodeOptions fields (mode, light, ...)."""
+
+    def __init__(self, engine, speaker: Speaker, *, system: str = SYSTEM, tools: list[dict[str, Any]] | None = CAR_TOOLS,
+                 car: CarState | None = None, listen_ahead: bool = True, keep_interrupted: bool = True,
+                 tool_choice: Any = "auto", max_tool_rounds: int = 1, clause_chars: int | None = 24, max_chars: int | None = 160,
+                 max_new_tokens: int = 64, share_prefix: bool = True, confirm: str = "model", context_policy: str = "drop_oldest",
+                 **decoding: Any) -> None:
+        if confirm not in ("model", "template"):
+            raise ValueError(f"confirm must be model or template (got {confirm!r})")
+        self.confirm, self.system = confirm, system
+        self.engine, self.speaker, self.car = engine, speaker, car if car is not None else CarState()
+        self.tools, self.tool_choice, self.max_tool_rounds = tools, tool_choice, max_tool_rounds
+        self.listen_ahead, self.keep_interrupted = listen_ahead, keep_interrupted
+        self.clause_chars, self.max_chars = clause_chars, max_chars  # the SentenceSplitter's
+        if share_prefix:
+            cache_system_prompt(engine, system, tools)
+        extra = {"tools": tools} if tools else {}
+        self._decoding = decoding
+        self.chat = engine.chat(system=system, context_policy=context_policy, max_new_tokens=max_new_tokens, **extra,
+                                **decoding)
+        self.records: list[TurnRecord] = []
+        self._response: asyncio.Task | None = None
+        self._listener: asyncio.Task | None = None
+        self._pending: str | None = None
+        self._heard = {"listened": 0, "tokens": 0, "seconds": 0.0}
+        self._generation = 0  # numbers the generations; _spoken: each one's chunks said so far
+        self._spoken: dict[int, list[str]] = {0: []}
+        self._before: dict[int, Any] = {}  # chat.last before each generation (it began when that changed)
+
+    def warm_up(self) -> None:
+        """Before the driver speaks: compile the tool-call grammars this assistant uses (the
+        first request of each takes hundreds of milliseconds) in a throwaway chat."""
+        if not self.tools:
+            return
+        chat = self.engine.chat(system=self.system, tools=self.tools, **self._decoding)
+        for choice in [self.tool_choice] + [c for c in ("auto", "none") if c != self.tool_choice]:
+            chat.generate("hello", tool_choice=choice, max_new_tokens=1)
+            chat.reset()
+
+    # -- listening ahead ---------------------------------------------------------------------
+
+    def _listen(self, text: str) -> None:
+        self._pending = text
+        if self._listener is None or self._listener.done():
+            self._listener = asyncio.create_task(self._listen_loop())
+
+    async def _listen_loop(self) -> None:
+        while self._pending is not None:
+            text, self._pending = self._pending, None
+            start = time.perf_counter()
+            computed = await asyncio.to_thread(self.chat.listen, text)
+            self._heard["listened"] += 1
+            self._heard["tokens"] += computed
+            self._heard["seconds"] += time.perf_counter() - start
+
+    async def _stop_listening(self) -> None:
+        self._pending = None
+        if self._listener is not None:
+            await self._listener
+            self._listener = None
+
+    # -- answering ---------------------------------------------------------------------------
+
+    async def run(self, recognizer: Recognizer) -> list[TurnRecord]:
+        """Answer every utterance the recognizer hears; returns their records (``self.records``
+        keeps every run's)."""
+        current, first = None, len(self.records)
+        async for event in recognizer.events():
+            if event.utterance != current:  # the driver speaks: a new utterance begins
+                current = event.utterance
+                if self._response is not None and not self._response.done():
+                    await self.barge_in()
+                self._heard = {"listened": 0, "tokens": 0, "seconds": 0.0}
+            if not event.final:
+                if self.listen_ahead and event.text.strip():
+                    self._listen(event.text)
+                continue
+            waiting = time.perf_counter()
+            await self._stop_listening()
+            if not event.text.strip():
+                continue  # the recognizer heard nothing
+            record = TurnRecord(event.text, event.utterance, event.speech_end if event.speech_end is not None else event.at,
+                                event.at, listened=self._heard["listened"], listen_tokens=self._heard["tokens"],
+                                listen_seconds=self._heard["seconds"], listen_wait=time.perf_counter() - waiting)
+            self.records.append(record)
+            self._response = asyncio.create_task(self._respond(record))
+        if self._response is not None:
+            await self._response
+        return self.records[first:]
+
+    async def converse(self, *utterances: str | Utterance, speed: float = 1.0) -> list[TurnRecord]:
+        """``run`` on scripted utterances (text spoken at 150 words a minute, or scripts)."""
+        return await self.run(ScriptedRecognizer(list(utterances), speed=speed))
+
+    async def _respond(self, record: TurnRecord) -> None:
+        queue: asyncio.Queue = asyncio.Queue()
+        speaking = asyncio.create_task(self._speak(queue, record))
+        try:
+            prompt: Any = record.final
+            for round_ in range(self.max_tool_rounds + 1):
+                options: dict[str, Any] = {}
+                if self.tools:
+                    options["tool_choice"] = (self.tool_choice if round_ == 0 else
+                                              "none" if round_ == self.max_tool_rounds else "auto")
+                self._generation += 1
+                number = self._generation
+                self._before[number], self._spoken[number] = self.chat.last, []
+                splitter = SentenceSplitter(self.clause_chars, self.max_chars)
+                silent = round_ > 0 and self.confirm == "template"
+
+                def first_token(trace, first=round_ == 0) -> None:  # on the decode's worker thread
+                    # the first token the model picked (tokens a tool call's grammar forces take no step)
+                    if first and record.first_token_at is None and trace.source != "grammar":
+                        record.first_token_at = time.perf_counter()
+
+                if round_ == 0:
+                    record.begin_at = time.perf_counter()
+
+                async for piece in self.chat.astream(prompt, on_token=first_token, **options):
+                    for chunk in [] if silent else splitter.push(piece):
+                        self._queue(queue, number, chunk, record)
+                for chunk in [] if silent else splitter.flush():
+                    self._queue(queue, number, chunk, record)
+                generation = self.chat.last
+                if round_ == 0:
+                    record.tokens, record.finish_reason = list(generation.tokens), generation.finish_reason
+                    record.prompt_tokens = generation.stats.prompt_tokens
+                record.answer += generation.text
+                calls = list(getattr(generation, "tool_calls", None) or [])
+                if not calls or round_ == self.max_tool_rounds:
+                    break
+                results = []
+                for call in calls:
+                    result = self.car.dispatch(call.name, call.arguments)
+                    record.tool_calls.append({"id": call.id, "name": call.name, "arguments": call.arguments})
+                    record.tool_results.append(result)
+                    results.append({"role": "tool", "tool_call_id": call.id, "content": json.dumps(result)})
+                record.tools_done_at = time.perf_counter()
+                if self.confirm == "template":
+                    said = " ".join(confirmation(c["name"], c["arguments"], r) for c, r in
+                                    zip(record.tool_calls[-len(calls):], record.tool_results[-len(calls):], strict=True))
+                    self._queue(queue, 0, said + " ", record)  # generation 0: words of no generation
+                prompt = results
+            queue.put_nowait(None)
+            await speaking
+            record.done_at = time.perf_counter()
+        finally:
+            if not speaking.done():
+                speaking.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await speaking
+
+    def _queue(self, queue: asyncio.Queue, number: int, chunk: str, record: TurnRecord) -> None:
+        if record.first_clause_at is None and speakable(chunk):
+            record.first_clause_at = time.perf_counter()
+        queue.put_nowait((number, chunk))
+
+    async def _speak(self, queue: asyncio.Queue, record: TurnRecord) -> None:
+        def first_audio(t: float) -> None:
+            if record.first_audio_at is None:
+                record.first_audio_at = t
+
+        while (item := await queue.get()) is not None:
+            number, chunk = item
+            await self.speaker.speak(chunk, first_audio)
+            self._spoken[number].append(chunk)
+
+    async def barge_in(self) -> None:
+        """The driver cut in: stop decoding and speaking, and keep what was said of the answer
+        (``keep_interrupted``) or forget the exchange (``Session.barge_in``)."""
+        task, self._response = self._response, None
+        if task is None:
+            return
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        record = self.records[-1]
+        record.barged_in = True
+        number = self._generation
+        spoken = "".join(self._spoken.get(number, []))
+        record.spoken = spoken
+        last = self.chat.last
+        if last is None or not self.chat.messages or self.chat.messages[-1]["role"] != "assistant":
+            return  # the answer never began: nothing of it is in the chat
+        if last is self._before.get(number):
+            # this generation never began (cut between a tool call and its answer): the chat ends
+            # with the tool call, which ran; nothing to cut
+            return
+        self.chat.barge_in(spoken if self.keep_interrupted else None)
+
+
+def describe(record: TurnRecord) -> dict[str, Any]:
+    """A record's figures in milliseconds, for printing."""
+    return {k: None if v is None else round(v * 1000, 1) for k, v in record.breakdown().items()}
+
+
+__all__ = ["SYSTEM", "Partial", "TurnRecord", "VoiceAssistant", "cache_system_prompt", "describe"]

@@ -1,0 +1,140 @@
+"""The car's tools (OpenAI function-calling dicts with JSON-schema parameters) and the car
+state that executes them.
+
+``CarState.dispatch(name, arguments)`` checks the arguments against the tool's schema (the
+runtime constrains tool calls to it already; an app must not trust that blindly) and returns
+the JSON-able result that goes back to the model as a ``role: "tool"`` message.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+ZONES = ["driver", "passenger", "rear", "all"]
+TIME_PATTERN = r"^([01][0-9]|2[0-3]):[0-5][0-9]$"
+
+
+def _tool(name: str, description: str, properties: dict[str, Any], required: list[str]) -> dict[str, Any]:
+    return {"type": "function", "function": {
+        "name": name, "description": description,
+        "parameters": {"type": "object", "properties": properties, "required": required, "additionalProperties": False}}}
+
+
+CAR_TOOLS: list[dict[str, Any]] = [
+    _tool("navigate", "Start route guidance to a destination.",
+          {"destination": {"type": "string", "description": "an address, a place or a point of interest"}},
+          ["destination"]),
+    _tool("set_temperature", "Set the cabin temperature of a climate zone.",
+          {"temperature_c": {"type": "number", "minimum": 16, "maximum": 30, "description": "degrees Celsius"},
+           "zone": {"type": "string", "enum": ZONES, "default": "all", "description": "the zone; all when not said"}},
+          ["temperature_c"]),
+    _tool("call", "Phone a contact or a number.",
+          {"contact": {"type": "string", "description": "a contact's name or a phone number"}},
+          ["contact"]),
+    _tool("play_media", "Play music, a radio station or a podcast.",
+          {"query": {"type": "string", "description": "what to play: a song, an artist, a genre, a station"}},
+          ["query"]),
+    _tool("set_reminder", "Remind the driver of something, at a time of day when one is given.",
+          {"text": {"type": "string", "description": "what to remind of"},
+           "time": {"type": "string", "pattern": TIME_PATTERN, "description": "24-hour HH:MM"}},
+          ["text"]),
+]
+TOOLS_BY_NAME = {tool["function"]["name"]: tool for tool in CAR_TOOLS}
+
+
+def schema_errors(schema: dict[str, Any], value: Any, where: str = "arguments") -> list[str]:
+    """What in ``value`` breaks ``schema`` (the subset the car's tools use: object, string,
+    number, integer, enum, minimum, maximum, pattern, required, additionalProperties)."""
+    kind = schema.get("type")
+    if kind == "object":
+        if not isinstance(value, dict):
+            return [f"{where} must be an object"]
+        properties = schema.get("properties", {})
+        errors = [f"{where} lacks {key!r}" for key in schema.get("required", []) if key not in value]
+        for key, item in value.items():
+            if key in properties:
+                errors += schema_errors(properties[key], item, f"{where}.{key}")
+            elif schema.get("additionalProperties") is False:
+                errors.append(f"{where} has an unknown key {key!r}")
+        return errors
+    if kind == "string" and not isinstance(value, str):
+        return [f"{where} must be a string (got {value!r})"]
+    if kind in ("number", "integer") and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                          or (kind == "integer" and not float(value).is_integer())):
+        return [f"{where} must be a {kind} (got {value!r})"]
+    errors = []
+    if "enum" in schema and value not in schema["enum"]:
+        errors.append(f"{where} must be one of {', '.join(map(str, schema['enum']))} (got {value!r})")
+    if "minimum" in schema and value < schema["minimum"]:
+        errors.append(f"{where} must be at least {schema['minimum']} (got {value!r})")
+    if "maximum" in schema and value > schema["maximum"]:
+        errors.append(f"{where} must be at most {schema['maximum']} (got {value!r})")
+    if "pattern" in schema and not re.search(schema["pattern"], value):
+        errors.append(f"{where} must match {schema['pattern']} (got {value!r})")
+    return errors
+
+
+@dataclass
+class CarState:
+    """What the tools change: the route, the climate, the phone, the media, the reminders."""
+
+    destination: str | None = None
+    temperature_c: dict[str, float] = field(default_factory=lambda: {"driver": 21.0, "passenger": 21.0, "rear": 21.0})
+    calling: str | None = None
+    playing: str | None = None
+    reminders: list[dict[str, str | None]] = field(default_factory=list)
+    log: list[tuple[str, dict[str, Any], dict[str, Any]]] = field(default_factory=list)  # (tool, arguments, result)
+
+    def dispatch(self, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
+        """Run one tool call; the result (``{"ok": True, ...}`` or ``{"ok": False, "error": ...}``)
+        is what the model reads back."""
+        if name not in TOOLS_BY_NAME:
+            result: dict[str, Any] = {"ok": False, "error": f"no tool named {name!r}"}
+        elif errors := schema_errors(TOOLS_BY_NAME[name]["function"]["parameters"], arguments):
+            result = {"ok": False, "error": "; ".join(errors)}
+        else:
+            result = getattr(self, f"_{name}")(**arguments)
+        self.log.append((name, dict(arguments) if isinstance(arguments, dict) else arguments, result))
+        return result
+
+    def _navigate(self, destination: str) -> dict[str, Any]:
+        self.destination = destination
+        return {"ok": True, "destination": destination, "eta_minutes": 12 + len(destination) % 20}
+
+    def _set_temperature(self, temperature_c: float, zone: str = "all") -> dict[str, Any]:
+        for name in (self.temperature_c if zone == "all" else [zone]):
+            self.temperature_c[name] = float(temperature_c)
+        return {"ok": True, "zone": zone, "temperature_c": temperature_c}
+
+    def _call(self, contact: str) -> dict[str, Any]:
+        self.calling = contact
+        return {"ok": True, "calling": contact}
+
+    def _play_media(self, query: str) -> dict[str, Any]:
+        self.playing = query
+        return {"ok": True, "playing": query}
+
+    def _set_reminder(self, text: str, time: str | None = None) -> dict[str, Any]:
+        self.reminders.append({"text": text, "time": time})
+        return {"ok": True, "reminder": text, "time": time}
+
+
+def confirmation(name: str, arguments: dict[str, Any], result: dict[str, Any]) -> str:
+    """What the car says it did, from the call and its result (the app's ``confirm="template"``:
+    spoken as soon as the call ran, without waiting for the model's own words)."""
+    if not result.get("ok"):
+        return "Sorry, I could not do that."
+    if name == "navigate":
+        return f"Navigating to {arguments['destination']}."
+    if name == "set_temperature":
+        zone = arguments.get("zone", "all")
+        where = "the temperature" if zone == "all" else f"the {zone} side" if zone != "rear" else "the rear"
+        return f"Setting {where} to {arguments['temperature_c']:g} degrees."
+    if name == "call":
+        return f"Calling {arguments['contact']}."
+    if name == "play_media":
+        return f"Playing {arguments['query']}."
+    at = f" at {arguments['time']}" if arguments.get("time") else ""
+    return f"I will remind you to {arguments['text']}{at}."

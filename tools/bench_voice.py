@@ -1,0 +1,327 @@
+"""Voice latency: from the end of a spoken car command to the first audio sample of the answer,
+with listen-ahead on and off, per decoding mode; and the tool calls' correctness.
+
+Each command (tools/voice_commands.json: at least 30, with the calls they should make) is
+"spoken" by a scripted recognizer: a partial transcript after each word at ``--wpm`` words a
+minute (150: a driver's pace; some commands' early partials are wrong, as an ASR's guesses
+are), then the final transcript ``--asr-delay`` seconds after the speech ends. With 0 (the
+default) the last word comes only with the final transcript, so listen-ahead has it to
+compute after the speech; with an endpointer's delay (``--asr-delay 0.3``: an ASR that waits
+for 300 ms of silence) the whole text comes as a partial when the last word is heard, and
+that delay counts in ``asr``. It is answered by the example app
+(examples/voice_assistant) in a fresh chat from the engine's shared system prompt: listen-ahead
+prefills the partials while the words are spoken (in real time); with it off the partials are
+ignored (and not waited for). The answer is streamed sentence by sentence to espeak-ng (``--tts
+espeak``, the default where it is installed: the first audio sample is the first PCM byte it
+writes) or to no speaker (``--tts none``: the first clause's completion counts as the first
+sample).
+
+Per sample, seconds from the end of speech (TurnRecord.breakdown): asr, first_token (final
+transcript -> first token: a listen in flight, the prefill, the first pick; ``prefill`` is the
+runtime's part), tools (first token -> calls decoded and run), first_clause (-> the first
+speakable chunk of the answer: after tool results, their prefill and the decode of the
+clause), audio (-> its first sample), total. Tool calls are judged by
+tools/benchlib/voice.py's ``check_calls`` (right tool; right arguments, normalised). The first
+generation's ``tool_choice`` is ``required`` by default: the demo's and the pair's models do
+not write a call on their own (``--tool-choice auto`` shows it), so the three commands that
+expect words cannot be right then.
+
+Threads: ``--threads``, else $EDGEROUTE_THREADS, else the device profile's (``--profile``),
+else every core. Writes voice.json (machine, commit, command, settings, every sample), voice.md
+(the tables) and voice.png under ``--out``.
+
+    python -m tools.bench_voice --bundle bundles/qwen-pair                      # all commands, full,speculate(,auto)
+    python -m tools.bench_voice --bundle bundles/smollm2-demo --commands 3      # a check that it runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from examples.voice_assistant import (
+    CAR_TOOLS,
+    EspeakSpeaker,
+    NullSpeaker,
+    ScriptedRecognizer,
+    Utterance,
+    VoiceAssistant,
+    timed_partials,
+)
+from examples.voice_assistant.speech import espeak_available
+from tools.benchlib.voice import check_calls, percentiles
+
+ROOT = Path(__file__).resolve().parents[1]
+COMMANDS = Path(__file__).with_name("voice_commands.json")
+COMPONENTS = ("asr", "first_token", "prefill", "tools", "first_clause", "audio", "total")
+SUMMARIZED = (*COMPONENTS, "speech_to_token")
+
+
+def machine_info() -> dict[str, Any]:
+    info: dict[str, Any] = {"cpu_count": os.cpu_count(), "machine": platform.machine(), "platform": platform.platform(),
+                            "python": platform.python_version(), "load_average": os.getloadavg()}
+    with contextlib.suppress(OSError):
+        info["cpu"] = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                            if line.startswith("model name")), None)
+    try:
+        info["espeak_ng"] = subprocess.run(["espeak-ng", "--version"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        info["espeak_ng"] = None
+    return info
+
+
+def commit() -> dict[str, Any]:
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True).stdout.strip()
+
+    return {"commit": git("rev-parse", "HEAD") or None, "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+
+
+def load_commands(path: Path, count: int | None) -> list[dict[str, Any]]:
+    commands = json.loads(path.read_text())["commands"]
+    return commands[:count] if count else commands
+
+
+def available_modes(engine, wanted: list[str]) -> tuple[list[str], list[str]]:
+    """The modes that run on this bundle, and notes on those left out."""
+    notes = []
+    modes = []
+    for mode in wanted:
+        if mode == "auto" and engine.bundle.calibration is None:
+            notes.append("auto left out: the bundle is not calibrated (edgeroute calibrate)")
+            continue
+        modes.append(mode)
+    return modes, notes
+
+
+async def one_turn(engine, command: dict[str, Any], mode: str, listen: bool, args: argparse.Namespace,
+                   speaker_factory) -> dict[str, Any]:
+    utterance = timed_partials(command["text"], args.wpm, [tuple(r) for r in command.get("revisions", [])],
+                               asr_delay=args.asr_delay)
+    speaker = speaker_factory()
+    assistant = VoiceAssistant(engine, speaker, tools=None if args.no_tools else CAR_TOOLS, listen_ahead=listen,
+                               max_new_tokens=args.max_new_tokens, tool_choice=args.tool_choice, confirm=args.confirm,
+                               mode=mode, share_prefix=True, **({} if mode == "auto" else {"light": args.light}))
+    if not listen:  # nothing happens while the words are spoken: not waited for (the ASR's delay still is)
+        utterance = Utterance(utterance.final, [], 0.0, utterance.asr_delay)
+    [record] = await assistant.run(ScriptedRecognizer([utterance], speed=args.speed))
+    check = check_calls(command["expect"], record.tool_calls, CAR_TOOLS)
+    resolved = assistant.chat.options  # what auto chose
+    return {"command": command["text"], "mode": mode, "listen_ahead": listen,
+            "ran": f"{resolved.mode}" + (f"+{resolved.light}" if resolved.mode not in ("full", "slm") else ""),
+            "seconds": record.breakdown(), "listened": record.listened, "listen_tokens": record.listen_tokens,
+            "listen_seconds": record.listen_seconds, "listen_wait": record.listen_wait,
+            "prompt_tokens": record.prompt_tokens, "tokens": record.tokens, "finish_reason": record.finish_reason,
+            "tool_calls": record.tool_calls, "answer": record.answer,
+            "check": {"right_tool": check.right_tool, "right_arguments": check.right_arguments, "reason": check.reason}}
+
+
+def summarize(samples: list[dict[str, Any]], modes: list[str], listens: list[bool]) -> dict[str, Any]:
+    rows = {}
+    for mode in modes:
+        for listen in listens:
+            runs = [s for s in samples if s["mode"] == mode and s["listen_ahead"] == listen]
+            if not runs:
+                continue
+            row = {"n": len(runs), "ran": sorted({r["ran"] for r in runs})}
+            for component in SUMMARIZED:
+                row[component] = percentiles([r["seconds"][component] for r in runs])
+            row["right_tool"] = sum(r["check"]["right_tool"] for r in runs)
+            row["right_calls"] = sum(r["check"]["right_tool"] and r["check"]["right_arguments"] for r in runs)
+            rows[f"{mode} listen-{'on' if listen else 'off'}"] = row
+    exact = {}
+    for mode in modes:  # listen-ahead is lossless: the same tokens as the cold prefill
+        off = {s["command"]: s["tokens"] for s in samples if s["mode"] == mode and not s["listen_ahead"]}
+        on = {s["command"]: s["tokens"] for s in samples if s["mode"] == mode and s["listen_ahead"]}
+        both = set(on) & set(off)
+        if both:
+            exact[mode] = {"same": sum(on[c] == off[c] for c in both), "of": len(both)}
+    return {"rows": rows, "listen_ahead_same_tokens": exact}
+
+
+def ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.0f}"
+
+
+def markdown(result: dict[str, Any]) -> str:
+    summary = result["summary"]
+    lines = [f"Voice latency, {result['bundle']}, {result['settings']['commands']} commands, backend "
+             f"{result['backend']}, {result['threads']} threads, TTS {result['tts']}, tools "
+             + (f"tool_choice {result['settings']['tool_choice']}, confirm {result['settings']['confirm']}"
+                if result["settings"]["tools"] else "off") + f", {result['created']}",
+             f"(`{result['command']}`; commit {(result['commit']['commit'] or '?')[:10]}"
+             f"{' dirty' if result['commit']['dirty'] else ''}; {result['machine'].get('cpu')})", "",
+             "End of speech to the first audio sample, ms (p50 / p95), and its parts:", "",
+             "| configuration | runs as | n | total | asr | first token | (prefill) | tools | first clause | audio | "
+             "right tool | right calls |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, row in summary["rows"].items():
+        total, *parts = [f"{ms(row[c]['p50'])} / {ms(row[c]['p95'])}" for c in ("total", *COMPONENTS[:-1])]
+        lines.append(f"| {name} | {', '.join(row['ran'])} | {row['n']} | {total} | {' | '.join(parts)} | "
+                     f"{row['right_tool']}/{row['n']} | {row['right_calls']}/{row['n']} |")
+    lines += ["", "Listen-ahead answers equal to the cold prefill's (tokens): " + ", ".join(
+        f"{mode} {v['same']}/{v['of']}" for mode, v in summary["listen_ahead_same_tokens"].items())]
+    speedups = []
+    for mode in result["settings"]["modes"]:
+        on, off = summary["rows"].get(f"{mode} listen-on"), summary["rows"].get(f"{mode} listen-off")
+        if on and off and on["speech_to_token"]["p50"] and off["speech_to_token"]["p50"]:
+            speedups.append(f"{mode} {ms(off['speech_to_token']['p50'])} / {ms(on['speech_to_token']['p50'])} ms = "
+                            f"{off['speech_to_token']['p50'] / on['speech_to_token']['p50']:.1f}x")
+    if speedups:
+        lines.append("End of speech to the first token, listen-ahead off / on (p50): " + ", ".join(speedups))
+    if result["settings"]["tools"] and result["settings"]["tool_choice"] == "required":
+        wordy = sum(not c["expect"] for c in load_commands(Path(result["settings"]["commands_file"]), None)
+                    [:result["settings"]["commands"]])
+        if wordy:
+            lines.append(f"tool_choice required: the {wordy} command(s) that expect no call cannot be right")
+    wrong = [s for s in result["samples"] if not (s["check"]["right_tool"] and s["check"]["right_arguments"])]
+    if wrong:
+        lines += ["", "Wrong tool calls:", ""]
+        lines += [f"- {s['mode']} listen-{'on' if s['listen_ahead'] else 'off'}: {s['command']!r}: {s['check']['reason']}"
+                  for s in wrong]
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict[str, Any], path: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    rows = result["summary"]["rows"]
+    names = list(rows)
+    parts = ["asr", "first_token", "tools", "first_clause", "audio"]
+    fig, (stack, cdf) = plt.subplots(1, 2, figsize=(12, 4.5))
+    bottom = [0.0] * len(names)
+    for part in parts:
+        values = [(rows[n][part]["p50"] or 0.0) * 1000 for n in names]
+        stack.barh(names, values, left=bottom, label=part.replace("_", " "))
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    stack.set_xlabel("ms from the end of speech (medians of each part)")
+    stack.legend(fontsize=8)
+    stack.invert_yaxis()
+    for name in names:
+        mode, listen = name.rsplit(" listen-", 1)
+        totals = sorted(s["seconds"]["total"] * 1000 for s in result["samples"]
+                        if s["mode"] == mode and s["listen_ahead"] == (listen == "on") and s["seconds"]["total"] is not None)
+        if totals:
+            cdf.step(totals, [(i + 1) / len(totals) for i in range(len(totals))], where="post", label=name)
+    cdf.axvline(400, color="grey", linestyle=":", linewidth=1)
+    cdf.set_xlabel("end of speech to the first audio sample, ms")
+    cdf.set_ylabel("share of commands")
+    cdf.legend(fontsize=8)
+    fig.suptitle(f"{Path(result['bundle']).name}: {result['threads']} threads, TTS {result['tts']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--bundle", type=Path, default=ROOT / "bundles" / "smollm2-demo")
+    parser.add_argument("--commands-file", type=Path, default=COMMANDS)
+    parser.add_argument("--commands", type=int, default=None, help="the first N commands (default: all)")
+    parser.add_argument("--modes", default="full,speculate,auto", help="decoding modes; auto where the bundle is calibrated")
+    parser.add_argument("--light", default=None, help="speculate's light path (default: slm where the bundle has one)")
+    parser.add_argument("--listen", default="off,on", help="listen-ahead settings to run: off, on or both")
+    parser.add_argument("--profile", default=None, help="device profile (its threads; e.g. jetson-orin-nano-8gb)")
+    parser.add_argument("--threads", type=int, default=None, help="threads (default: $EDGEROUTE_THREADS, the profile's)")
+    parser.add_argument("--backend", default="auto")
+    parser.add_argument("--wpm", type=float, default=150, help="speaking rate, words a minute")
+    parser.add_argument("--speed", type=float, default=1.0, help="scripted speech: 1 real time (listen-ahead on)")
+    parser.add_argument("--asr-delay", type=float, default=0.0,
+                        help="seconds from the end of speech to the final transcript (an endpointer's silence)")
+    parser.add_argument("--tts", choices=["auto", "espeak", "none"], default="auto")
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--tool-choice", default="required", choices=["auto", "required"],
+                        help="the first generation's tool_choice: required (every command calls a tool; the commands "
+                             "that expect words cannot be right) or auto (whether the model calls on its own)")
+    parser.add_argument("--confirm", choices=["model", "template"], default="model",
+                        help="after a tool ran: the model's words are spoken, or the car's own confirmation at once")
+    parser.add_argument("--no-tools", action="store_true", help="chat without the car's tools (latency of words alone)")
+    parser.add_argument("--warmup", type=int, default=1, help="commands run first per mode and not counted")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench-results" / "voice")
+    parser.add_argument("--json", type=Path, default=None,
+                        help="also write the result (voice.json) to this file (tools/records.py's {out})")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.threads is not None:
+        os.environ["EDGEROUTE_THREADS"] = str(args.threads)
+    from edgeroute.runtime import Engine
+
+    engine = Engine(args.bundle, profile=args.profile, task="voice-command", backend=args.backend, verify=False)
+    args.light = args.light or ("slm" if engine.use_slm else "ngram")
+    modes, notes = available_modes(engine, [m.strip() for m in args.modes.split(",") if m.strip()])
+    listens = [{"on": True, "off": False}[v.strip()] for v in args.listen.split(",")]
+    tts = "espeak-ng" if args.tts == "espeak" or (args.tts == "auto" and espeak_available()) else "none"
+    if tts == "espeak-ng":
+        def speaker_factory():
+            return EspeakSpeaker(realtime=False)
+    else:
+        def speaker_factory():
+            return NullSpeaker()
+        notes.append("no TTS: the first clause's completion counts as the first audio sample")
+    commands = load_commands(args.commands_file, args.commands)
+    threads = getattr(engine.llm, "threads", None) or engine.settings.model_threads()
+    samples: list[dict[str, Any]] = []
+    started = time.perf_counter()
+    for mode in modes:
+        for command in commands[:args.warmup]:  # warm the caches, the grammars and the prefix of this mode's path
+            asyncio.run(one_turn(engine, command, mode, False, args, speaker_factory))
+        if not args.no_tools:
+            VoiceAssistant(engine, NullSpeaker(), tool_choice=args.tool_choice, mode=mode).warm_up()
+        for number, command in enumerate(commands, 1):
+            for listen in listens:  # interleaved: a busy moment of the machine hits both settings alike
+                sample = asyncio.run(one_turn(engine, command, mode, listen, args, speaker_factory))
+                samples.append(sample)
+                total = sample["seconds"]["total"]
+                print(f"[{mode} listen-{'on' if listen else 'off'} {number}/{len(commands)}] {command['text']!r}: "
+                      f"{ms(total)} ms to audio, first token {ms(sample['seconds']['first_token'])} ms, "
+                      f"{'ok' if sample['check']['right_tool'] and sample['check']['right_arguments'] else 'WRONG'} "
+                      f"{[c['name'] for c in sample['tool_calls']]}", flush=True)
+    result = {"bundle": str(args.bundle), "backend": engine.llm.flavour, "threads": threads, "profile": args.profile,
+              "tts": tts, "created": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "command": " ".join(shlex.quote(a) for a in [sys.executable, "-m", "tools.bench_voice", *(argv or sys.argv[1:])]),
+              "commit": commit(), "machine": machine_info(), "notes": notes,
+              "settings": {"commands": len(commands), "modes": modes, "light": args.light, "listen": args.listen,
+                           "commands_file": str(args.commands_file), "tools": not args.no_tools,
+                           "tool_choice": args.tool_choice, "confirm": args.confirm,
+                           "wpm": args.wpm, "speed": args.speed, "asr_delay": args.asr_delay,
+                           "max_new_tokens": args.max_new_tokens, "warmup": args.warmup},
+              "wall_seconds": time.perf_counter() - started, "samples": samples}
+    result["summary"] = summarize(samples, modes, listens)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "voice.json").write_text(json.dumps(result, indent=1))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1))
+    table = markdown(result)
+    (args.out / "voice.md").write_text(table)
+    png = plot(result, args.out / "voice.png")
+    print(table)
+    for note in notes:
+        print(f"note: {note}")
+    print(f"wrote {args.out / 'voice.json'}, {args.out / 'voice.md'}{f', {png}' if png else ''} "
+          f"in {result['wall_seconds']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
