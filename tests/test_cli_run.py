@@ -125,7 +125,7 @@ def test_the_stats_line_names_the_native_kernel_set():
 # what `run` does not expose as a flag, and why: set from the Python API or a profile instead
 API_ONLY = {
     "task": "a task profile: --profile TASK", "max_draft_tokens": "fitted by calibrate", "adaptive_draft": "API only",
-    "skip": "its fields are flags", "fallback": "its thresholds are calibrated", "draft_branches": "API only",
+    "skip": "its fields are flags", "fallback": "its thresholds are calibrated",
     "protected_first": "a profile's", "protected_last": "a profile's", "scorer": "a profile's",
     "providers": "onnxruntime-cuda picks them", "activations": "API only", "default_context": "a profile's",
     "default_threads": "a profile's", "memory_budget": "a profile's", "decoding": "its fields are flags",

@@ -8,6 +8,9 @@
   pass and keeps the longest agreeing prefix plus its own next token. Lossless: greedy, it
   gives ``full``'s tokens bit for bit when the LLM runs exact steps (``OrtModel.exact_steps``;
   without, ``full``'s one-row int4 products round differently from a verification pass).
+  With ``draft_branches`` > 1 on a backend with tree forwards (greedy, unconstrained, without
+  skipping), the light path drafts a tree and one tree forward checks every branch; the walk
+  keeps the path the LLM accepts (greedy: agrees with; sampled: multi-draft rejection sampling).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from edgeroute.runtime.drafters import (
     SlmDrafter,
     draft_lengths,
     draft_source,
+    tree_nodes,
 )
 from edgeroute.runtime.layers import RUN
 from edgeroute.runtime.policies import (
@@ -100,10 +104,13 @@ class DecodeOptions:
     # lookup_min_match earlier tokens, lookup_tokens at a time; the SLM drafts elsewhere
     lookup_min_match: int = 3
     lookup_tokens: int = 4
-    # speculate --light ngram: up to this many lookup continuations where earlier matches disagree,
-    # verified as a tree in one pass (greedy, unconstrained, without skipping, on a backend with
-    # tree_forwards; elsewhere the one most recent continuation, as with 1)
+    # speculate: drafts as a tree verified in one pass where > 1: up to this many lookup continuations
+    # where earlier matches disagree, up to this many SLM candidates where the SLM is unsure; at most
+    # draft_tree_nodes tokens in a tree (None: per kernel set, drafters.tree_nodes). Unconstrained,
+    # without skipping, on a backend with tree_forwards; elsewhere linear drafts (a grammar's drafts
+    # stay linear chains)
     draft_branches: int = 1
+    draft_tree_nodes: int | None = None
     skip: SkipOptions = field(default_factory=SkipOptions)
     fallback: FallbackOptions | None = field(default_factory=FallbackOptions)
     # structured output: a JSON schema, regex or grammar every token must fit (see constraints.py)
@@ -155,6 +162,8 @@ class DecodeOptions:
                              "that path's router (use --light slm or --light ngram)")
         if self.draft_branches < 1:
             raise InputError(f"draft_branches must be >= 1 (got {self.draft_branches})")
+        if self.draft_tree_nodes is not None and self.draft_tree_nodes < 1:
+            raise InputError(f"draft_tree_nodes must be >= 1 (got {self.draft_tree_nodes})")
         if self.lookup_min_match < 1 or self.lookup_tokens < 1:
             raise InputError(f"lookup_min_match and lookup_tokens must be >= 1 "
                              f"(got {self.lookup_min_match}, {self.lookup_tokens})")
@@ -289,6 +298,22 @@ def verified_judge(router: str | Router | None) -> Judge:
     return difference
 
 
+def walk_tree(sampler: Sampler, logits: np.ndarray, ids: list[int], parents: list[int]) -> tuple[list[int], int]:
+    """The accepted path of a verified draft tree (node indices from the root, 0, whose parent is
+    -1) and the LLM's token after it: at each node, the node's children are checked in order
+    against its logits (``Sampler.verify_candidates``); the walk descends into the accepted one,
+    and ends with the token chosen where none is (or after a leaf, sampled from its logits).
+    Drafts are deterministic given the sequence (lookup continuations, the SLM's likeliest
+    tokens), so every emitted token is distributed as sampling from the LLM's logits there."""
+    path = [0]
+    while True:
+        children = [i for i in range(1, len(ids)) if parents[i] == path[-1]]
+        index, chosen = sampler.verify_candidates(logits[path[-1]], [ids[i] for i in children])
+        if index is None:
+            return path, chosen
+        path.append(children[index])
+
+
 class Decoder:
     """One generation over a :class:`SequenceState`."""
 
@@ -325,11 +350,11 @@ class Decoder:
         self.route_threshold = DEFAULT_ROUTE_THRESHOLD if options.route_threshold is None else options.route_threshold
         first, longest = draft_lengths(options.draft_tokens, options.max_draft_tokens, self.llm.pass_rows)
         self.draft_length = DraftLength(first, longest, options.adaptive_draft)
-        # a tree's greedy walk is exact where each token's logits are its path's: the native
-        # backend's tree forwards; sampling, grammars and skipping keep linear drafts
+        # a tree's walk is exact where each token's logits are its path's: the native backend's
+        # tree forwards; grammars (masks per position, forced tokens) and skipping keep linear drafts
         self.tree_branches = options.draft_branches if (
-            base == "speculate" and options.light == "ngram" and self.llm.tree_forwards and self.sampler.greedy
-            and constraint is None and self.skipper is None) else 1
+            base == "speculate" and self.llm.tree_forwards and constraint is None and self.skipper is None) else 1
+        self.tree_nodes = tree_nodes(options.draft_tree_nodes, getattr(self.llm, "kernels", None), self.llm.pass_rows)
 
     # -- the steps ------------------------------------------------------------------------------
 
@@ -426,12 +451,12 @@ class Decoder:
     def step_route_verified(self) -> list[TokenTrace]:
         return self._verify_draft(self.judge)
 
-    def _verify_draft(self, judge: Judge | None = None) -> list[TokenTrace]:
-        """Draft, one LLM pass over the draft, keep its tokens up to the first the LLM rejects
-        (exact speculation). With ``judge`` (verified routing) a rejected SLM token stays where
-        the judge scores the difference at or below the route threshold (neutral), and the walk
-        goes on; a format-critical token is never kept against the LLM."""
-        draft = self._draft()
+    def _verify_draft(self, judge: Judge | None = None, draft: Draft | None = None) -> list[TokenTrace]:
+        """Draft (unless given one), one LLM pass over the draft, keep its tokens up to the first
+        the LLM rejects (exact speculation). With ``judge`` (verified routing) a rejected SLM token
+        stays where the judge scores the difference at or below the route threshold (neutral), and
+        the walk goes on; a format-critical token is never kept against the LLM."""
+        draft = self._draft() if draft is None else draft
         if not draft.tokens:
             return self.step_llm()
         start = self.state.llm_cache.length
@@ -467,30 +492,26 @@ class Decoder:
         return traces
 
     def _verify_tree(self) -> list[TokenTrace]:
-        """Greedy speculation over a tree of lookup drafts in one tree forward: from the last
-        pending token, the walk follows the child the LLM picks while there is one; the cache
-        keeps that path. Each token's logits are its path's bit for bit, so the tokens are
-        ``full``'s."""
-        tree = self.light.propose_tree(self.state.tokens, self.draft_length.current, self.tree_branches)
-        if tree.branches < 2:  # the matches agree (or there is none): the linear draft
-            return self._verify_draft()
+        """Speculation over a tree of drafts in one tree forward (:func:`walk_tree`); the cache
+        keeps the accepted path. Each token's logits are its path's bit for bit, so greedy the
+        tokens are ``full``'s, and sampled they are distributed as ``full``'s."""
+        tree = self.light.propose_tree(self.state.tokens, self.draft_length.current, self.tree_branches,
+                                       self.tree_nodes)
+        source = f"draft:{tree.source or self.light.name}"
         cache, tokens = self.state.llm_cache, self.state.tokens
         pending = tokens[cache.length:]
-        if len(pending) > 1:  # the tree hangs from the cache's last token: the prompt runs first
-            self.llm.forward(cache, pending[:-1])
-            self.stats.llm_calls += 1
+        # One continuation (or none), or tokens the LLM has not seen before the last (a prompt,
+        # forced tokens): the linear draft, in the pass that catches up on them (a tree hangs from
+        # the cache's last token, so they would cost a pass of their own, and their rows' logits)
+        if tree.branches < 2 or len(pending) > 1:
+            chain = tree.first_branch()
+            return self._verify_draft(draft=Draft(chain, [source] * len(chain), [None] * (len(chain) + 1)))
         ids = [pending[-1], *tree.tokens]
         parents = [-1, *(parent + 1 for parent in tree.parents)]
         logits = self.llm.forward_tree(cache, ids, parents)
         trace = self._llm_trace(None)
-        path, traces = [0], []
-        while True:
-            chosen = self.sampler.sample(logits[path[-1]])
-            child = next((i for i in range(1, len(ids)) if parents[i] == path[-1] and ids[i] == chosen), None)
-            if child is None:
-                break
-            path.append(child)
-            traces.append(TokenTrace(-1, chosen, f"draft:{tree.source}", 0.0))
+        path, chosen = walk_tree(self.sampler, logits, ids, parents)
+        traces = [TokenTrace(-1, ids[node], source, 0.0) for node in path[1:]]
         self._observe_llm(logits[path[-1]])
         self.llm.keep_path(cache, path)
         drafted, accepted = tree.depth, len(path) - 1
@@ -498,7 +519,8 @@ class Decoder:
         self.stats.accepted += accepted
         trace.token = chosen
         traces.append(trace)
-        self.draft_length.update(drafted, accepted)
+        if source == self.adaptive_source:
+            self.draft_length.update(drafted, accepted)
         return traces
 
     # -- the loop -------------------------------------------------------------------------------

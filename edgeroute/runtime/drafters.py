@@ -12,6 +12,10 @@
   free and several tokens at a time, and the SLM drafts the words in between; the SLM catches
   up on the copied tokens in one pass when it is next asked.
 
+Each also proposes a :class:`DraftTree` (``propose_tree``) for backends that verify a tree in
+one pass: the lookup's disagreeing continuations, the SLM's likeliest alternatives where it is
+unsure, within a budget of tokens (:func:`tree_nodes`).
+
 :class:`DraftLength` is the one rule for how long the next draft is; the decoder and the
 calibration's replay of speculation (``calibration/drafting.py``) both follow it.
 """
@@ -47,18 +51,40 @@ class DraftTree:
     tokens: list[int] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)
     source: str = ""
+    match_length: int = 0  # lookup: the matched suffix's length (ngram+slm trusts long ones)
 
-    def add_branch(self, continuation: list[int]) -> None:
-        """Merges ``continuation`` in: the prefix it shares with the tree's branches is not repeated."""
-        node = -1
-        for token in continuation:
+    def add(self, token: int, parent: int) -> int:
+        """Appends ``token`` under ``parent``; its index."""
+        self.tokens.append(token)
+        self.parents.append(parent)
+        return len(self.tokens) - 1
+
+    def add_branch(self, continuation: list[int], nodes: int | None = None) -> bool:
+        """Merges ``continuation`` in: the prefix it shares with the tree's branches is not
+        repeated. Where that would leave the tree more than ``nodes`` tokens, nothing is added
+        (False)."""
+        node, new = -1, []
+        for step, token in enumerate(continuation):
             pairs = enumerate(zip(self.tokens, self.parents, strict=True))
             child = next((i for i, (t, p) in pairs if t == token and p == node), None)
             if child is None:
-                self.tokens.append(token)
-                self.parents.append(node)
-                child = len(self.tokens) - 1
+                new = continuation[step:]
+                break
             node = child
+        if nodes is not None and len(self.tokens) + len(new) > nodes:
+            return False
+        for token in new:
+            node = self.add(token, node)
+        return True
+
+    def first_branch(self) -> list[int]:
+        """The tokens of the branch added first (each node's first child): the drafter's own
+        linear draft (the lookup's most recent continuation, the SLM's greedy chain)."""
+        tokens, node = [], -1
+        while (child := next((i for i, p in enumerate(self.parents) if p == node), None)) is not None:
+            tokens.append(self.tokens[child])
+            node = child
+        return tokens
 
     @property
     def branches(self) -> int:
@@ -72,6 +98,29 @@ class DraftTree:
         for parent in self.parents:
             depths.append(1 if parent < 0 else depths[parent] + 1)
         return max(depths, default=0)
+
+
+# Tokens a draft tree may hold (its verification pass: these and the token before them), per
+# native kernel set, where the caller sets none. Not measured on trees yet (issue 46's bench,
+# tools/bench_tree.py): chosen from what rows cost in linear passes. With AVX-512 VNNI a row adds
+# ~6 ms to a 48 ms step of the 1.5B (3-row tiles; a 4-token pass 1.20x a 1-token one): 5 tokens,
+# two tiles, leave room for alternatives beside a 2-token chain. Elsewhere a row costs more
+# (AVX2: +20 ms on 53 ms; a 5-token pass 1.9-2.2x a step) or is unmeasured (generic, Arm): the
+# tokens of the longest linear draft (pass_rows - 1), so a tree never makes the pass longer than
+# a linear draft could; it spends unsure positions' rows on alternatives instead of deeper guesses.
+TREE_NODES = {"avx512-vnni": 5}
+# The SLM adds an alternative at a draft position where it gives the token at least this
+# probability: its top-1 is then unsure (below 1 - this), and a rarer alternative would
+# seldom be the LLM's choice to pay for its verification row.
+SIBLING_FLOOR = 0.1
+
+
+def tree_nodes(nodes: int | None, kernels: str | None, pass_rows: int | None) -> int:
+    """The most tokens a draft tree holds: ``nodes`` where set, else :data:`TREE_NODES` for the
+    kernel set, else the longest linear draft's (:func:`longest_draft`)."""
+    if nodes is not None:
+        return nodes
+    return TREE_NODES.get(kernels or "", longest_draft(pass_rows))
 
 
 FIRST_DRAFT = 4  # the first draft's length when the caller sets none
@@ -148,18 +197,19 @@ class NgramDrafter:
         continuation = tokens[start:start + k]
         return Proposal(continuation, [None] * len(continuation), n, int(hits.size), source=self.name)
 
-    def propose_tree(self, tokens: list[int], k: int, branches: int) -> DraftTree:
+    def propose_tree(self, tokens: list[int], k: int, branches: int, nodes: int | None = None) -> DraftTree:
         """The k tokens after each of the most recent earlier occurrences of the longest suffix
         (as ``propose``), up to ``branches`` different continuations, most recent first, merged
-        where they agree: where the matches disagree, the tree holds each."""
+        where they agree: where the matches disagree, the tree holds each. With ``nodes``, the
+        most recent continuation is cut to it and another is added only where it fits."""
         n, hits = self._matches(tokens)
-        tree = DraftTree(source=self.name)
+        tree = DraftTree(source=self.name, match_length=n)
         seen: set[tuple[int, ...]] = set()
         for end in hits[::-1]:
-            continuation = tuple(tokens[int(end) + 1:int(end) + 1 + k])
+            continuation = tuple(tokens[int(end) + 1:int(end) + 1 + min(k, nodes or k)])
             if continuation not in seen:
                 seen.add(continuation)
-                tree.add_branch(list(continuation))
+                tree.add_branch(list(continuation), nodes)
             if len(seen) == branches:
                 break
         return tree
@@ -264,6 +314,37 @@ class SlmDrafter:
             sequence.append(token)
         return proposal
 
+    def propose_tree(self, tokens: list[int], k: int, width: int, nodes: int,
+                     min_confidence: float = 0.0) -> DraftTree:
+        """The greedy draft of ``propose`` (up to k tokens, at most ``nodes`` in all) as a chain,
+        with alternatives where the SLM is unsure: at each position, up to ``width`` - 1 more of
+        its likeliest tokens that it gives at least :data:`SIBLING_FLOOR`, as leaves beside the
+        chain's token (the SLM runs the chain only: an alternative costs a verification row, no
+        SLM step). Where the chain's token is below ``min_confidence`` (where ``propose`` stops),
+        its candidates end the tree if together they reach it, else nothing more is drafted."""
+        tree = DraftTree(source=self.name)
+        sequence, parent = list(tokens), -1
+        vocab = self.model.head_vocab
+        while tree.depth < k and len(tree.tokens) < nodes:
+            if vocab is not None and vocab.rest_wins(self._head_logits(sequence)):
+                break
+            p = softmax(self.next_logits(sequence))
+            top = np.argpartition(p, -width)[-width:] if width < p.size else np.arange(p.size)
+            top = top[np.argsort(-p[top], kind="stable")]
+            candidates = [int(t) for i, t in enumerate(top) if i == 0 or p[t] >= SIBLING_FLOOR]
+            candidates = candidates[:nodes - len(tree.tokens)]
+            sure = p[candidates[0]] >= min_confidence
+            if not sure and p[candidates].sum() < min_confidence:
+                break
+            chain = tree.add(candidates[0], parent)
+            for token in candidates[1:]:
+                tree.add(token, parent)
+            if not sure:
+                break
+            parent = chain
+            sequence.append(candidates[0])
+        return tree
+
 
 class ConfidentSlmDrafts:
     """One generation's view of a session's SLM drafter: drafts end before a token the SLM gives
@@ -277,6 +358,9 @@ class ConfidentSlmDrafts:
 
     def propose(self, tokens: list[int], k: int) -> Proposal:
         return self.drafter.propose(tokens, k, self.min_confidence)
+
+    def propose_tree(self, tokens: list[int], k: int, width: int, nodes: int) -> DraftTree:
+        return self.drafter.propose_tree(tokens, k, width, nodes, self.min_confidence)
 
 
 class LookupThenSlmDrafter:
@@ -299,3 +383,13 @@ class LookupThenSlmDrafter:
         if lookup.tokens and lookup.match_length >= self.min_match:
             return lookup
         return self.slm.propose(tokens, k)
+
+    def propose_tree(self, tokens: list[int], k: int, width: int, nodes: int) -> DraftTree:
+        """The lookup's tree (up to ``width`` continuations where its matches disagree) where its
+        match is long enough, else the SLM's (its alternatives where it is unsure)."""
+        # the lookup's first continuation is as long as its linear draft (lookup_tokens: it costs
+        # no model step); its other continuations fit in what the budget leaves
+        lookup = self.lookup.propose_tree(tokens, self.lookup_tokens, width, max(nodes, self.lookup_tokens))
+        if lookup.tokens and lookup.match_length >= self.min_match:
+            return lookup
+        return self.slm.propose_tree(tokens, k, width, nodes)

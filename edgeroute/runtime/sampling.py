@@ -62,3 +62,21 @@ class Sampler:
         p[draft] = 0.0
         total = p.sum()
         return False, self.choose(p / total) if total > 0 else int(np.argmax(logits))
+
+    def verify_candidates(self, logits: np.ndarray, candidates: list[int]) -> tuple[int | None, int]:
+        """Multi-draft speculative sampling over deterministic candidates (a draft tree's
+        children of one node, distinct tokens), in order: each is accepted with its probability
+        under p with the candidates before it removed (renormalized); when all are rejected, the
+        token is sampled from p without them. The token is distributed exactly as sampling from p
+        (the recursive rejection of SpecInfer with point-mass drafts; greedy: the argmax). Returns
+        the accepted candidate's index (None: none) and the token."""
+        if self.greedy:
+            best = int(np.argmax(logits))
+            return (candidates.index(best) if best in candidates else None), best
+        p = self.probabilities(logits).astype(np.float64)
+        for index, token in enumerate(candidates):
+            if self.rng.random() * p.sum() < p[token]:
+                return index, token
+            p[token] = 0.0
+        total = p.sum()
+        return None, self.choose(p / total) if total > 0 else int(np.argmax(logits))
