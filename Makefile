@@ -13,7 +13,8 @@ NATIVE_SOURCES := $(shell find libedgeroute -name '*.c' -o -name '*.h') libedger
 NATIVE_LIB := edgeroute/libedgeroute.so
 
 .PHONY: setup native native-aarch64 wheels c-test fuzz-native example pair demo demo-pair test lint bench-export clean \
-	records bench-smollm2 bench-qwen bench-task-speed bench-pair bench-avx2 bench-structured bench-calibration bench-kv bench-quality \
+	records bench-smollm2 bench-qwen bench-task-speed bench-tree bench-pair bench-avx2 bench-structured \
+	bench-calibration bench-kv bench-quality \
 	bench-memory bench-size bench-arm voice-demo voice-demo-pair bench-voice
 
 setup: $(VENV)/.installed $(NATIVE_LIB)
@@ -141,6 +142,9 @@ bench-voice: setup $(BUNDLE)/manifest.json $(PAIR_BUNDLE)/manifest.json
 
 bench-smollm2: setup $(BUNDLE)/manifest.json
 	$(RECORD) smollm2-ttft smollm2-kept
+
+bench-tree: setup $(PAIR_BUNDLE)/manifest.json
+	$(RECORD) tree-speculation
 
 bench-task-speed: setup $(PAIR_BUNDLE)/manifest.json
 	$(RECORD) pair-task-speed
