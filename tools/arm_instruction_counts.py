@@ -54,10 +54,15 @@ def build(tmp: Path) -> tuple[Path, Path]:
     example = tmp / "generate"
     subprocess.run([cross, "-std=gnu11", "-O2", f"-I{NATIVE / 'include'}", str(REPO / "examples" / "c" / "generate.c"),
                     "-o", str(example), f"-L{library.parent}", "-ledgeroute", "-lm", "-fopenmp"], check=True)
-    plugin = tmp / "libinsn_count.so"
+    return example, build_plugin(tmp)
+
+
+def build_plugin(directory: Path) -> Path:
+    """tools/qemu/insn_count.c built for the host (qemu loads it)."""
+    plugin = directory / "libinsn_count.so"
     subprocess.run([shutil.which("cc") or need("gcc"), "-shared", "-fPIC", "-O2",
                     str(REPO / "tools" / "qemu" / "insn_count.c"), "-o", str(plugin)], check=True)
-    return example, plugin
+    return plugin
 
 
 def prompt_ids(bundle: Path) -> list[int]:
@@ -69,21 +74,42 @@ def prompt_ids(bundle: Path) -> list[int]:
 def counted_run(example: Path, plugin: Path, cpu: str, bundle: Path, kernels: str, tokens: int,
                 ids: list[int]) -> tuple[int, list[int], float]:
     """(instructions retired, the tokens decoded, seconds) of one run of the example."""
-    command = [need("qemu-aarch64"), "-cpu", cpu, "-L", str(SYSROOT), "-plugin", str(plugin),
-               "-E", f"LD_LIBRARY_PATH={example.parent / 'lib'}", "-E", "OMP_NUM_THREADS=1",
-               str(example), str(bundle), "-n", str(tokens), "-k", kernels, "-t", "1", "-c", "f16", *map(str, ids)]
+    counts, tokens_out, seconds, _ = counted_example(example, plugin, cpu, bundle, kernels, tokens, ids)
+    return counts["instructions"], tokens_out, seconds
+
+
+def counted_example(example: Path, plugin: Path, cpu: str, bundle: Path, kernels: str, tokens: int, ids: list[int],
+                    cache: int = 0) -> tuple[dict[str, int], list[int], float, str]:
+    """counted() of one run of the C example on ``kernels``, checked to have run them."""
+    counts, out, err, seconds = counted(plugin, cpu, example, [str(bundle), "-n", str(tokens), "-k", kernels, "-t", "1",
+                                                               "-c", "f16", *map(str, ids)],
+                                        {"LD_LIBRARY_PATH": str(example.parent / "lib"), "OMP_NUM_THREADS": "1"}, cache)
+    ran = re.search(r"^(\S+) kernels", err, re.M)
+    if not ran or ran.group(1) != kernels:
+        raise SystemExit(f"asked for the {kernels} kernels, the example ran {ran.group(1) if ran else '?'}: {err}")
+    return counts, [int(t) for t in out.split()], seconds, err
+
+
+def counted(plugin: Path, cpu: str, program: Path, arguments: list[str], env: dict[str, str],
+            cache: int = 0) -> tuple[dict[str, int], str, str, float]:
+    """One run of an aarch64 program under ``qemu-aarch64 -cpu CPU`` with the counting plugin:
+    ({"instructions": N, and with ``cache`` (bytes of a simulated last-level cache) "mem_bytes",
+    "cache_miss_bytes"}, stdout, stderr, seconds)."""
+    command = [need("qemu-aarch64"), "-cpu", cpu, "-L", str(SYSROOT),
+               "-plugin", f"{plugin},cache={cache}" if cache else str(plugin),
+               *(x for k, v in env.items() for x in ("-E", f"{k}={v}")), str(program), *arguments]
     start = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True)
     seconds = time.perf_counter() - start
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(command)}\n{done.stderr}")
-    ran = re.search(r"^(\S+) kernels", done.stderr, re.M)
-    if not ran or ran.group(1) != kernels:
-        raise SystemExit(f"asked for the {kernels} kernels, the example ran {ran.group(1) if ran else '?'}: {done.stderr}")
     count = re.search(r"insn_count: (\d+)", done.stderr)
     if not count:
         raise SystemExit(f"the plugin printed no count (qemu without plugin support?): {done.stderr}")
-    return int(count.group(1)), [int(t) for t in done.stdout.split()], seconds
+    counts = {"instructions": int(count.group(1))}
+    for name in ("mem_bytes", "cache_miss_bytes") if cache else ():
+        counts[name] = int(re.search(rf"{name}: (\d+)", done.stderr).group(1))
+    return counts, done.stdout, done.stderr, seconds
 
 
 def load_tool(path: Path):
