@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import json
 import re
 import subprocess
@@ -91,12 +92,12 @@ def build_driver(source: Path, base: Path, out: Path) -> Path:
 
 
 def llama_cpp_run(driver: Path, plugin: Path, cpu: str, folders: list[Path], gguf: Path, march: str, tokens: int,
-                  ids: list[int], cache: int) -> tuple[dict[str, int], list[int], float, str]:
+                  ids: list[int], cache: int, profile: Path | None = None) -> tuple[dict[str, int], list[int], float, str]:
     """counted() of one llama_greedy run, checked to have run the CPU backend built for ``march``."""
     counts, out, err, seconds = arm.counted(plugin, cpu, driver, [str(gguf), str(tokens), *map(str, ids)],
-                                            {"LD_LIBRARY_PATH": ":".join(map(str, folders))}, cache)
-    info = dict(re.findall(r"(\w+) = (\w+)", next((l for l in err.splitlines() if l.startswith("system_info")), "")))
-    if any(info.get(k) != v for k, v in FEATURES[march].items()):
+                                            {"LD_LIBRARY_PATH": ":".join(map(str, folders))}, cache, profile)
+    info = dict(re.findall(r"(\w+) = (\w+)", next((line for line in err.splitlines() if line.startswith("system_info")), "")))
+    if any(info.get(k, "0") != v for k, v in FEATURES[march].items()):
         raise SystemExit(f"asked for llama.cpp's {march} CPU backend, it reports {info}")
     return counts, [int(t) for t in out.split()], seconds, err
 
@@ -104,7 +105,7 @@ def llama_cpp_run(driver: Path, plugin: Path, cpu: str, folders: list[Path], ggu
 def repacked(err: str) -> dict[str, int]:
     """llama.cpp's repacking as its log says: {"q4_K -> q4_K_8x4": tensors, ...}."""
     kinds = collections.Counter()
-    for name, kind in re.findall(r"repack tensor (\S+) with (\S+)", err):
+    for _name, kind in re.findall(r"repack tensor (\S+) with (\S+)", err):
         kinds[f"{kind.rsplit('_', 1)[0]} -> {kind}"] += 1
     return dict(kinds)
 
@@ -117,6 +118,23 @@ def same_blocks(bundle: Path, gguf: Path) -> bool:
         return {t.name: (t.tensor_type.name, int(t.n_bytes)) for t in gg.GGUFReader(str(path)).tensors}
 
     return blocks(bundle / "llm" / "native.bin") == blocks(gguf)
+
+
+def native_profile_run(example: Path, plugin: Path, cpu: str, bundle: Path, kernels: str, ids: list[int], tokens: int,
+                       profile: Path):
+    return arm.counted_example(example, plugin, cpu, bundle, kernels, tokens, ids, profile=profile)
+
+
+def profiled(run, decode: int, extra: int, folder: Path, top: int = 14) -> list[tuple[str, float]]:
+    """Instructions per decoded token by function, the ``top`` dearest: run(tokens, profile=path)
+    twice (N and N + K tokens) and the difference of each function's count / K."""
+    runs = []
+    for n in (decode, decode + extra):
+        path = folder / f"profile-{n}.txt"
+        run(tokens=n, profile=path)
+        runs.append(arm.symbol_profile(path))
+    per = {k: (runs[1].get(k, 0) - runs[0].get(k, 0)) / extra for k in runs[1]}
+    return sorted(((k, v) for k, v in per.items() if v > 0), key=lambda kv: -kv[1])[:top]
 
 
 def per_token(short: dict[str, int], long: dict[str, int], extra: int) -> dict[str, float]:
@@ -133,6 +151,8 @@ def main() -> None:
     parser.add_argument("--cpus", default=",".join(CPUS))
     parser.add_argument("--cache", type=int, default=4 << 20, help="bytes of the simulated last-level cache")
     parser.add_argument("--jobs", type=int, default=2, help="parallel compile jobs of the llama.cpp builds")
+    parser.add_argument("--profile-cpu", help="also count, on this CPU model, where each side's instructions per "
+                                             "token go, by function (two more runs each)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--markdown", type=Path, help="write the table here too")
     args = parser.parse_args()
@@ -173,12 +193,21 @@ def main() -> None:
                    "instructions_ratio": llama["instructions"] / native["instructions"],
                    "fetched_ratio": native["cache_miss_bytes"] / llama["cache_miss_bytes"],
                    "qemu_seconds": sum(r[2] for r in runs + lruns)}
+            if cpu == args.profile_cpu:
+                folder = args.build_dir / "profiles" / f"{name}-{cpu}"
+                folder.mkdir(parents=True, exist_ok=True)
+                row["native_profile"] = profiled(
+                    functools.partial(native_profile_run, example, plugin, cpu, bundle, kernels, ids), decode, extra,
+                    folder / "native")
+                row["llama_cpp_profile"] = profiled(
+                    functools.partial(llama_cpp_run, driver, plugin, cpu, [folders[march], base], gguf, march,
+                                      ids=ids, cache=0), decode, extra, folder / "llama-cpp")
             rows.append(row)
             print(f"  {name} {cpu}: native {kernels} {native['instructions'] / 1e6:.1f} M, llama.cpp {march} "
                   f"{llama['instructions'] / 1e6:.1f} M instructions per token; fetched "
                   f"{native['cache_miss_bytes'] / 1e6:.1f} / {llama['cache_miss_bytes'] / 1e6:.1f} MB "
                   f"({row['qemu_seconds']:.0f} s under qemu)", file=sys.stderr)
-    table = markdown(rows, args.cache)
+    table = markdown(rows, args.cache) + profiles(rows)
     print(table)
     elapsed = time.perf_counter() - started
     print(f"({elapsed:.0f} s in all, builds included)", file=sys.stderr)
@@ -192,16 +221,30 @@ def main() -> None:
 
 
 def markdown(rows: list[dict], cache: int) -> str:
-    lines = [f"| model | CPU | native set | llama.cpp -march | M instr/token native | llama.cpp | llama.cpp / native "
-             f"| MB fetched/token native | llama.cpp | native / llama.cpp | weights MB | same tokens |",
+    lines = ["| model | CPU | native set | llama.cpp -march | M instr/token native | llama.cpp | llama.cpp / native "
+             "| MB fetched/token native | llama.cpp | native / llama.cpp | weights MB | same tokens |",
              "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
-        n, l = r["native"], r["llama_cpp"]
+        n, lc = r["native"], r["llama_cpp"]
         lines.append(f"| {r['model']} | {r['cpu']} | {r['native_kernels']} | {r['llama_cpp_march']} "
-                     f"| {n['instructions'] / 1e6:.1f} | {l['instructions'] / 1e6:.1f} | {r['instructions_ratio']:.2f}x "
-                     f"| {n['cache_miss_bytes'] / 1e6:.1f} | {l['cache_miss_bytes'] / 1e6:.1f} | {r['fetched_ratio']:.3f} "
+                     f"| {n['instructions'] / 1e6:.1f} | {lc['instructions'] / 1e6:.1f} | {r['instructions_ratio']:.2f}x "
+                     f"| {n['cache_miss_bytes'] / 1e6:.1f} | {lc['cache_miss_bytes'] / 1e6:.1f} | {r['fetched_ratio']:.3f} "
                      f"| {r['weight_bytes_per_token'] / 1e6:.1f} | {r['native_tokens'] == r['llama_cpp_tokens']} |")
     return "\n".join(lines) + f"\n\n(MB fetched: 64-byte lines missing a simulated {cache >> 20} MiB 16-way LRU cache)\n"
+
+
+def profiles(rows: list[dict]) -> str:
+    out = []
+    for r in (r for r in rows if "native_profile" in r):
+        out.append(f"\nWhere the instructions per token go, {r['model']} on {r['cpu']} (M instructions per token, "
+                   f"by function):\n\n| native {r['native_kernels']} | M | llama.cpp {r['llama_cpp_march']} | M |\n"
+                   f"|---|---:|---|---:|")
+        a, b = r["native_profile"], r["llama_cpp_profile"]
+        for i in range(max(len(a), len(b))):
+            left = f"`{a[i][0]}` | {a[i][1] / 1e6:.1f}" if i < len(a) else " | "
+            right = f"`{b[i][0]}` | {b[i][1] / 1e6:.1f}" if i < len(b) else " | "
+            out.append(f"| {left} | {right} |")
+    return "\n".join(out) + ("\n" if out else "")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ static void logged(enum ggml_log_level level, const char *text, void *user) {
     /* what says where the weights went and which kernels run: repacking, buffer types,
      * flash attention; errors always */
     if (level == GGML_LOG_LEVEL_ERROR || strstr(text, "repack") || strstr(text, "REPACK") ||
-        strstr(text, "flash_attn") || strstr(text, "model buffer size") || strstr(text, "type "))
+        strstr(text, "flash_attn") || strstr(text, "model buffer size") || strstr(text, "- type "))
         fputs(text, stderr);
 }
 
