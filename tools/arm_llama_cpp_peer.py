@@ -148,6 +148,8 @@ def main() -> None:
     parser.add_argument("--model", action="append",
                         help="NAME=BUNDLE:N:K, NAME a source `edgeroute sources` (or smollm2) resolves to the GGUF "
                              f"the bundle was exported from; N, K as in arm_instruction_counts (default {DEFAULT_MODELS})")
+    parser.add_argument("--native-dir", type=Path, help="where the aarch64 libedgeroute is built (default: "
+                                                         "BUILD_DIR/arm-native)")
     parser.add_argument("--cpus", default=",".join(CPUS))
     parser.add_argument("--cache", type=int, default=4 << 20, help="bytes of the simulated last-level cache")
     parser.add_argument("--jobs", type=int, default=2, help="parallel compile jobs of the llama.cpp builds")
@@ -164,7 +166,7 @@ def main() -> None:
     folders = build_llama_cpp(args.llama_cpp, args.build_dir, marches, args.jobs)
     base = folders[marches[0]]
     driver = build_driver(args.llama_cpp, base, args.build_dir / "llama_greedy")
-    example, plugin = arm.build(args.build_dir / "arm-native")
+    example, plugin = arm.build(args.native_dir or args.build_dir / "arm-native")
     rows = []
     for spec in args.model or DEFAULT_MODELS:
         name, rest = spec.split("=", 1)
