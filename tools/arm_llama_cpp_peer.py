@@ -130,6 +130,7 @@ def profiled(run, decode: int, extra: int, folder: Path, top: int = 14) -> list[
     twice (N and N + K tokens) and the difference of each function's count / K."""
     runs = []
     for n in (decode, decode + extra):
+        folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"profile-{n}.txt"
         run(tokens=n, profile=path)
         runs.append(arm.symbol_profile(path))
