@@ -53,7 +53,8 @@ def test_repacked_and_table():
 @pytest.mark.skipif(not (shutil.which("qemu-aarch64") and shutil.which("aarch64-linux-gnu-gcc")),
                     reason="needs qemu-aarch64 and aarch64-linux-gnu-gcc")
 def test_plugin_cache_counts_what_misses(tmp_path):
-    """A buffer read twice: what fits the simulated cache is fetched once, what does not twice."""
+    """A buffer read twice: what fits the simulated cache is fetched once, what does not twice; and
+    the block profile names the function that ran."""
     sys.path.insert(0, str(REPO / "tools"))
     import arm_instruction_counts as arm
 
@@ -74,3 +75,8 @@ def test_plugin_cache_counts_what_misses(tmp_path):
     assert 2 * (8 << 20) <= fetched[8 << 20] < 2 * (8 << 20) * 1.1
     counts, _, err, _ = arm.counted(plugin, "cortex-a57", program, [str(1 << 20)], {})
     assert set(counts) == {"instructions"} and not re.search("cache_miss", err)
+    profile = tmp_path / "profile.txt"
+    counts, _, _, _ = arm.counted(plugin, "cortex-a57", program, [str(1 << 20)], {}, profile=profile)
+    by_function = arm.symbol_profile(profile)
+    assert sum(by_function.values()) == counts["instructions"]
+    assert max(by_function, key=by_function.get) == "sweep:main"
