@@ -18,7 +18,11 @@ llama.cpp source tree is an argument (``pip download llama-cpp-python --no-deps 
 
     python tools/arm_llama_cpp_peer.py --llama-cpp build-native/llama.cpp-src \\
         [--model smollm2=bundles/smollm2-demo:4:8] [--model qwen2.5-coder-1.5b=bundles/qwen-pair:2:2] \\
-        [--cpus cortex-a57,neoverse-n1,max] [--cache 4194304] [--json OUT.json] [--markdown OUT.md]
+        [--cpus cortex-a57,neoverse-n1,max] [--cache 4194304] [--profile-cpu neoverse-n1]
+        [--json OUT.json] [--markdown OUT.md]
+
+With ``--profile-cpu`` it also counts, on that CPU model, where each side's instructions per token
+go by function (the plugin's block profile, named through the libraries' symbol tables).
 """
 
 from __future__ import annotations
