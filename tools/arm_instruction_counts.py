@@ -54,10 +54,15 @@ def build(tmp: Path) -> tuple[Path, Path]:
     example = tmp / "generate"
     subprocess.run([cross, "-std=gnu11", "-O2", f"-I{NATIVE / 'include'}", str(REPO / "examples" / "c" / "generate.c"),
                     "-o", str(example), f"-L{library.parent}", "-ledgeroute", "-lm", "-fopenmp"], check=True)
-    plugin = tmp / "libinsn_count.so"
+    return example, build_plugin(tmp)
+
+
+def build_plugin(directory: Path) -> Path:
+    """tools/qemu/insn_count.c built for the host (qemu loads it)."""
+    plugin = directory / "libinsn_count.so"
     subprocess.run([shutil.which("cc") or need("gcc"), "-shared", "-fPIC", "-O2",
                     str(REPO / "tools" / "qemu" / "insn_count.c"), "-o", str(plugin)], check=True)
-    return example, plugin
+    return plugin
 
 
 def prompt_ids(bundle: Path) -> list[int]:
@@ -69,21 +74,97 @@ def prompt_ids(bundle: Path) -> list[int]:
 def counted_run(example: Path, plugin: Path, cpu: str, bundle: Path, kernels: str, tokens: int,
                 ids: list[int]) -> tuple[int, list[int], float]:
     """(instructions retired, the tokens decoded, seconds) of one run of the example."""
-    command = [need("qemu-aarch64"), "-cpu", cpu, "-L", str(SYSROOT), "-plugin", str(plugin),
-               "-E", f"LD_LIBRARY_PATH={example.parent / 'lib'}", "-E", "OMP_NUM_THREADS=1",
-               str(example), str(bundle), "-n", str(tokens), "-k", kernels, "-t", "1", "-c", "f16", *map(str, ids)]
+    counts, tokens_out, seconds, _ = counted_example(example, plugin, cpu, bundle, kernels, tokens, ids)
+    return counts["instructions"], tokens_out, seconds
+
+
+def counted_example(example: Path, plugin: Path, cpu: str, bundle: Path, kernels: str, tokens: int, ids: list[int],
+                    cache: int = 0, profile: Path | None = None) -> tuple[dict[str, int], list[int], float, str]:
+    """counted() of one run of the C example on ``kernels``, checked to have run them."""
+    counts, out, err, seconds = counted(plugin, cpu, example, [str(bundle), "-n", str(tokens), "-k", kernels, "-t", "1",
+                                                               "-c", "f16", *map(str, ids)],
+                                        {"LD_LIBRARY_PATH": str(example.parent / "lib"), "OMP_NUM_THREADS": "1"}, cache, profile)
+    ran = re.search(r"^(\S+) kernels", err, re.M)
+    if not ran or ran.group(1) != kernels:
+        raise SystemExit(f"asked for the {kernels} kernels, the example ran {ran.group(1) if ran else '?'}: {err}")
+    return counts, [int(t) for t in out.split()], seconds, err
+
+
+def counted(plugin: Path, cpu: str, program: Path, arguments: list[str], env: dict[str, str],
+            cache: int = 0, profile: Path | None = None) -> tuple[dict[str, int], str, str, float]:
+    """One run of an aarch64 program under ``qemu-aarch64 -cpu CPU`` with the counting plugin:
+    ({"instructions": N, and with ``cache`` (bytes of a simulated last-level cache) "mem_bytes",
+    "cache_miss_bytes"}, stdout, stderr, seconds). With ``profile`` the plugin writes its block
+    profile there (symbol_profile() reads it)."""
+    options = "".join([f",cache={cache}" if cache else "", f",profile={profile}" if profile else ""])
+    command = [need("qemu-aarch64"), "-cpu", cpu, "-L", str(SYSROOT), "-plugin", f"{plugin}{options}",
+               *(x for k, v in env.items() for x in ("-E", f"{k}={v}")), str(program), *arguments]
     start = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True)
     seconds = time.perf_counter() - start
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(command)}\n{done.stderr}")
-    ran = re.search(r"^(\S+) kernels", done.stderr, re.M)
-    if not ran or ran.group(1) != kernels:
-        raise SystemExit(f"asked for the {kernels} kernels, the example ran {ran.group(1) if ran else '?'}: {done.stderr}")
     count = re.search(r"insn_count: (\d+)", done.stderr)
     if not count:
         raise SystemExit(f"the plugin printed no count (qemu without plugin support?): {done.stderr}")
-    return int(count.group(1)), [int(t) for t in done.stdout.split()], seconds
+    counts = {"instructions": int(count.group(1))}
+    for name in ("mem_bytes", "cache_miss_bytes") if cache else ():
+        counts[name] = int(re.search(rf"{name}: (\d+)", done.stderr).group(1))
+    return counts, done.stdout, done.stderr, seconds
+
+
+def symbol_profile(path: Path) -> dict[str, int]:
+    """Instructions per function ("library:function") of a run counted with a profile: each block's
+    host address placed in the guest file qemu mapped there, that file's offset turned into the
+    ELF address its LOAD segment gives it, the nearest symbol at or below (nm; static functions
+    included where the file keeps its symbol table)."""
+    import bisect
+    import collections
+
+    maps, blocks, in_blocks = [], [], False
+    for line in path.read_text().splitlines():
+        if line == "blocks":
+            in_blocks = True
+        elif in_blocks:
+            haddr, insns, execs = line.split()
+            blocks.append((int(haddr, 16), int(insns) * int(execs)))
+        else:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith("/"):
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                maps.append((start, end, int(fields[2], 16), fields[5]))
+    maps.sort()
+    symbols: dict[str, tuple[list[int], list[str], list[tuple[int, int, int]]]] = {}
+
+    def table(file: str):
+        if file not in symbols:
+            nm = subprocess.run(["aarch64-linux-gnu-nm", "--defined-only", "-n", "-C", file], capture_output=True,
+                                text=True).stdout
+            if not nm.strip():  # stripped (the sysroot's libc): its dynamic symbols
+                nm = subprocess.run(["aarch64-linux-gnu-nm", "-D", "--defined-only", "-n", "-C", file],
+                                    capture_output=True, text=True).stdout
+            rows = [(int(a, 16), n) for a, t, n in (line.split(maxsplit=2) for line in nm.splitlines() if line.count(" ") >= 2)
+                    if t.lower() in "tw"]
+            heads = subprocess.run(["aarch64-linux-gnu-readelf", "-lW", file], capture_output=True, text=True).stdout
+            loads = [(int(o, 16), int(v, 16), int(fs, 16)) for o, v, fs in
+                     re.findall(r"^\s*LOAD\s+0x([0-9a-f]+) 0x([0-9a-f]+) 0x[0-9a-f]+ 0x([0-9a-f]+)", heads, re.M)]
+            symbols[file] = ([a for a, _ in rows], [n for _, n in rows], loads)
+        return symbols[file]
+
+    totals: collections.Counter = collections.Counter()
+    starts = [m[0] for m in maps]
+    for haddr, count in blocks:
+        i = bisect.bisect_right(starts, haddr) - 1
+        if i < 0 or haddr >= maps[i][1]:
+            totals["?"] += count
+            continue
+        start, _, offset, file = maps[i]
+        at = haddr - start + offset
+        addresses, names, loads = table(file)
+        at = next((at - o + v for o, v, size in loads if o <= at < o + size), at)
+        j = bisect.bisect_right(addresses, at) - 1
+        totals[f"{Path(file).name}:{names[j] if j >= 0 else '?'}"] += count
+    return dict(totals)
 
 
 def load_tool(path: Path):

@@ -154,19 +154,23 @@ INLINE void dot_packed_q4_k(const er_matrix *m, int g, const er_q8 *x, const int
         for (int q = 0; q < 4; q++) vst1q_f32(y + (size_t)i * ldy + 4 * q, acc[i][q]);
 }
 
-/* rows 16g..16g+15 of packed Q6_K: value = d * scale_j * (u - 32), 16-value sub-blocks */
+/* rows 16g..16g+15 of packed Q6_K: value = d * scale_j * (u - 32), 16-value sub-blocks. The codes
+ * stay unsigned (0..63: the low nibble and the two high bits joined by one SLI) and the -32 is
+ * taken once per sub-block from the activations' sums, as the generic kernel does
+ * (sum scale_j * (dot_j - 32 * bsum_j)): the integer sums are the same, 2 of the 7 operations per
+ * code vector fewer (after llama.cpp's repacked Q6_K GEMV, docs/measured/2026-12-05-arm-llama-cpp-peer.md;
+ * the neon set's 16-bit lanes hold 4 products of 63 x 127 = 32004). */
 INLINE void dot_packed_q6_k(const er_matrix *m, int g, const er_q8 *x, const int mt, float *y, int ldy) {
     const int nsb = m->cols / 256;
-    const uint8x16_t m4 = vdupq_n_u8(0x0F), m3 = vdupq_n_u8(0x03);
-    const int8x16_t z32 = vdupq_n_s8(32);
+    const uint8x16_t m3 = vdupq_n_u8(0x03);
     float32x4_t acc[PACK_TILE][4];
     for (int i = 0; i < mt; i++)
         for (int q = 0; q < 4; q++) acc[i][q] = vdupq_n_f32(0.0f);
     for (int sb = 0; sb < nsb; sb++) {
         const uint8_t *blk = m->packed + ((size_t)g * nsb + sb) * PACK_Q6_K_BYTES;
         for (int q = 0; q < 4; q++) {
-            int32x4_t total[PACK_TILE];
-            for (int i = 0; i < mt; i++) total[i] = vdupq_n_s32(0);
+            int32x4_t total[PACK_TILE], bias[PACK_TILE];
+            for (int i = 0; i < mt; i++) total[i] = bias[i] = vdupq_n_s32(0);
             for (int ch = 0; ch < 8; ch++) { /* 32 values: sub-blocks 2ch, 2ch + 1 */
                 const uint8_t *chunk = blk + 384 * ch;
                 if (q == 0)
@@ -175,22 +179,29 @@ INLINE void dot_packed_q6_k(const er_matrix *m, int g, const er_q8 *x, const int
                 for (int k = 0; k < 4; k++) low[k] = vld1q_u8(chunk + 64 * k + 16 * q);
                 for (int h = 0; h < 2; h++) high[h] = vld1q_u8(chunk + 256 + 64 * h + 16 * q);
                 int8x16_t c[8];
-                for (int k = 0; k < 8; k++) {
-                    const uint8x16_t nib = k & 1 ? vshrq_n_u8(low[k / 2], 4) : vandq_u8(low[k / 2], m4);
-                    const uint8x16_t hb = k % 4 == 0 ? high[k / 4] : k % 4 == 1 ? vshrq_n_u8(high[k / 4], 2)
-                                        : k % 4 == 2 ? vshrq_n_u8(high[k / 4], 4) : vshrq_n_u8(high[k / 4], 6);
-                    c[k] = vsubq_s8(vreinterpretq_s8_u8(vorrq_u8(nib, vshlq_n_u8(vandq_u8(hb, m3), 4))), z32);
+                for (int k = 0; k < 8; k++) { /* SLI keeps the first operand's low nibble, puts (hb & 3) << 4 above */
+                    const uint8x16_t nib = k & 1 ? vshrq_n_u8(low[k / 2], 4) : low[k / 2];
+                    const uint8x16_t hb = k % 4 == 0 ? vandq_u8(high[k / 4], m3)
+                                        : k % 4 == 1 ? vandq_u8(vshrq_n_u8(high[k / 4], 2), m3)
+                                        : k % 4 == 2 ? vandq_u8(vshrq_n_u8(high[k / 4], 4), m3) : vshrq_n_u8(high[k / 4], 6);
+                    c[k] = vreinterpretq_s8_u8(vsliq_n_u8(nib, hb, 4));
                 }
                 const int32x4_t s0 = s8x4(blk + 3072 + 16 * (2 * ch) + 4 * q), s1 = s8x4(blk + 3072 + 16 * (2 * ch + 1) + 4 * q);
                 int32x4_t lo[PACK_TILE], hi[PACK_TILE];
                 tile_dots(c, 4, x, mt, 1, (size_t)256 * sb + 32 * ch, 0, lo);
                 tile_dots(c + 4, 4, x, mt, 1, (size_t)256 * sb + 32 * ch + 16, 0, hi);
                 UNROLL_TILE
-                for (int i = 0; i < mt; i++) total[i] = vmlaq_s32(vmlaq_s32(total[i], lo[i], s0), hi[i], s1);
+                for (int i = 0; i < mt; i++) {
+                    const int16_t *bs = x[i].bsum + 16 * sb + 2 * ch;
+                    total[i] = vmlaq_s32(vmlaq_s32(total[i], lo[i], s0), hi[i], s1);
+                    bias[i] = vmlaq_n_s32(vmlaq_n_s32(bias[i], s0, bs[0]), s1, bs[1]);
+                }
             }
             const float32x4_t d = f16x4(blk + 3328 + 8 * q);
             UNROLL_TILE
-            for (int i = 0; i < mt; i++) acc[i][q] = vfmaq_f32(acc[i][q], vcvtq_f32_s32(total[i]), vmulq_n_f32(d, x[i].dk[sb]));
+            for (int i = 0; i < mt; i++)
+                acc[i][q] = vfmaq_f32(acc[i][q], vcvtq_f32_s32(vsubq_s32(total[i], vshlq_n_s32(bias[i], 5))),
+                                      vmulq_n_f32(d, x[i].dk[sb]));
         }
     }
     for (int i = 0; i < mt; i++)

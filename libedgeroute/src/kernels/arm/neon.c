@@ -12,9 +12,10 @@
 /* 8 bytes of products per half: rows 0-1 in `lo`, rows 2-3 in `hi` (4 codes each) */
 #define MLAL(lo, hi, c, b) (lo = vmlal_s8(lo, vget_low_s8(c), vget_low_s8(b)), hi = vmlal_high_s8(hi, c, b))
 
-/* 4 rows x 4n codes against 4n activations. Narrow codes (|code| <= 32: the 4- and 5-bit formats,
- * Q6_K's 16-value sub-blocks) keep up to 8 products per 16-bit lane (at most 8 x 16 x 127 or
- * 4 x 32 x 127 = 16256); Q8_0's (|q| <= 128) two (32512) before the lanes are widened. */
+/* 4 rows x 4n codes against 4n activations. Narrow codes (|code| <= 32: the 4- and 5-bit formats;
+ * Q6_K's unsigned 0..63 in 16-value sub-blocks) keep up to 8 products per 16-bit lane (at most
+ * 8 x 16 x 127 = 16256, or Q6_K's 4 x 63 x 128 = 32256); Q8_0's (|q| <= 128) two (32512) before the
+ * lanes are widened. */
 static inline __attribute__((always_inline)) int32x4_t quad_dot(const int8x16_t *c, const int n, const int8_t *a,
                                                                  const int wide) {
     const int8x16_t a0 = vld1q_s8(a), a1 = n == 8 ? vld1q_s8(a + 16) : a0;
