@@ -15,7 +15,7 @@ NATIVE_LIB := edgeroute/libedgeroute.so
 .PHONY: setup native native-aarch64 wheels c-test fuzz-native example pair demo demo-pair test lint bench-export clean \
 	records bench-smollm2 bench-qwen bench-task-speed bench-tree bench-pair bench-avx2 bench-structured \
 	bench-calibration bench-kv bench-quality \
-	bench-memory bench-size bench-arm voice-demo voice-demo-pair bench-voice
+	bench-memory bench-size bench-arm bench-arm-peer voice-demo voice-demo-pair bench-voice
 
 setup: $(VENV)/.installed $(NATIVE_LIB)
 
@@ -180,6 +180,10 @@ bench-size: setup pair
 # under qemu (tools/qemu/, docs/measured/2026-12-02-arm-kernels.md)
 bench-arm: setup $(BUNDLE)/manifest.json
 	$(RECORD) arm-kernels
+
+# needs llama.cpp's source in build-native/llama.cpp-src (docs/measured/2026-12-05-arm-llama-cpp-peer.md)
+bench-arm-peer: setup $(BUNDLE)/manifest.json $(PAIR_BUNDLE)/manifest.json
+	$(RECORD) arm-llama-cpp-peer
 
 clean:
 	rm -rf $(VENV) bundles build-native $(NATIVE_LIB)
