@@ -9,7 +9,6 @@
  * Ends with "N passed, N failed" and exits non-zero on a failure. */
 #include <math.h>
 #include <signal.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -17,22 +16,7 @@
 #include <unistd.h>
 
 #include "edgeroute_kernels.h"
-
-static int passed, failed;
-
-static void check(int ok, const char *format, ...) {
-    if (ok) {
-        passed++;
-        return;
-    }
-    failed++;
-    va_list args;
-    va_start(args, format);
-    fprintf(stderr, "FAILED: ");
-    vfprintf(stderr, format, args);
-    fprintf(stderr, " (last error: %s)\n", er_last_error());
-    va_end(args);
-}
+#include "check.h"
 
 static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
 static uint32_t next_random(void) {

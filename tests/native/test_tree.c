@@ -14,10 +14,10 @@
  *   test_tree WORKDIR
  *
  * Ends with "N passed, N failed" and exits non-zero on a failure. */
-#include <stdarg.h>
 #include <unistd.h>
 
 #include "native_file_gen.h"
+#include "check.h"
 
 enum { CONTEXT = 600, MAX_PASS = 16, TREE = 10, VOCAB = G_VOCAB };
 
@@ -25,22 +25,6 @@ enum { CONTEXT = 600, MAX_PASS = 16, TREE = 10, VOCAB = G_VOCAB };
  * in an order that interleaves the branches: most tokens' ancestors lie among other rows. */
 static const int32_t PARENTS[TREE] = {-1, 0, 0, 1, 2, -1, 5, 3, 3, 6};
 static const int32_t TREE_IDS[TREE] = {7, 11, 3, 40, 22, 9, 31, 2, 45, 17};
-
-static int passed, failed;
-
-static void check(int ok, const char *format, ...) {
-    if (ok) {
-        passed++;
-        return;
-    }
-    failed++;
-    va_list args;
-    va_start(args, format);
-    fprintf(stderr, "FAILED: ");
-    vfprintf(stderr, format, args);
-    fprintf(stderr, " (last error: %s)\n", er_last_error());
-    va_end(args);
-}
 
 /* the fuzzers' valid tiny model with its context set to CONTEXT (a header value: the data's digest holds) */
 static void write_model(const char *path) {
