@@ -14,7 +14,7 @@ NATIVE_LIB := edgeroute/libedgeroute.so
 
 .PHONY: setup native native-aarch64 wheels c-test fuzz-native example pair demo demo-pair test lint bench-export clean \
 	records bench-smollm2 bench-qwen bench-task-speed bench-tree bench-pair bench-avx2 bench-structured \
-	bench-calibration bench-kv bench-quality \
+	bench-calibration bench-demo-calibration bench-kv bench-quality \
 	bench-memory bench-size bench-arm bench-arm-peer voice-demo voice-demo-pair bench-voice
 
 setup: $(VENV)/.installed $(NATIVE_LIB)
@@ -164,6 +164,9 @@ bench-structured: setup $(PAIR_BUNDLE)/manifest.json
 
 bench-calibration: setup $(PAIR_BUNDLE)/manifest.json
 	$(RECORD) pair-calibration
+
+bench-demo-calibration: setup $(BUNDLE)/manifest.json
+	$(RECORD) demo-calibration
 
 bench-kv: setup $(BUNDLE)/manifest.json $(PAIR_BUNDLE)/manifest.json
 	$(RECORD) kv-formats

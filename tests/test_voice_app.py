@@ -194,6 +194,22 @@ def test_listen_ahead_in_the_app_gives_the_cold_prefills_answer(tiny_engine):
     assert parts["first_token"] >= 0 and parts["total"] is None or parts["total"] >= parts["first_token"]
 
 
+@pytest.mark.parametrize("asr_delay", [0.2, 0.0])
+def test_answering_ahead_gives_the_cold_answer_whether_the_last_partial_was_the_final_or_not(tiny_engine, asr_delay):
+    cold_chat = tiny_engine.chat(system=SYSTEM, max_new_tokens=12)
+    cold = cold_chat.generate(FINAL)
+    assistant = VoiceAssistant(tiny_engine, NullSpeaker(), system=SYSTEM, tools=None, max_new_tokens=12,
+                               share_prefix=False, answer_ahead=True)
+    # with an endpointer's delay the whole text is the last partial: its answer is kept; without,
+    # the final carries a word no partial had: every answer begun ahead is dropped
+    script = timed_partials(FINAL, revisions=[(3, "Navigate to 21")], asr_delay=asr_delay)
+    [record] = asyncio.run(assistant.run(ScriptedRecognizer([script], speed=0.1)))
+    assert record.ahead_kept == (asr_delay > 0) and 1 <= record.answered_ahead <= len(script.partials)
+    assert record.tokens == cold.tokens and record.answer == cold.text
+    assert assistant.chat.messages == cold_chat.messages  # the dropped guesses left nothing behind
+    assert record.breakdown()["first_token"] >= 0  # nothing is released before the final transcript
+
+
 def test_the_answer_is_spoken_chunk_by_chunk_while_it_is_decoded(tiny_engine):
     speaker = NullSpeaker()
     assistant = VoiceAssistant(tiny_engine, speaker, system=SYSTEM, tools=None, max_new_tokens=40, share_prefix=False,
@@ -285,6 +301,20 @@ def test_listen_ahead_with_tools_gives_the_cold_prefills_calls(tool_engine):
     assert roles == ["system", "user", "assistant", "tool", "assistant"] and assistant.chat.messages[2]["tool_calls"]
     parts = record.breakdown()
     assert parts["tools"] > 0 and record.first_token_at <= record.tools_done_at
+
+
+def test_answering_ahead_runs_no_tool_before_the_final_transcript_and_makes_the_cold_calls(tool_engine):
+    tool_engine.share_prefix(SYSTEM, tools=TOOLS)
+    _, cold = cold_turn(tool_engine, FINAL, tool_choice="required")
+    assistant = VoiceAssistant(tool_engine, NullSpeaker(), system=SYSTEM, tools=TOOLS, tool_choice="required",
+                               max_new_tokens=40, answer_ahead=True)
+    script = timed_partials(FINAL, revisions=[(3, "Navigate to 21")], asr_delay=0.2)
+    [record] = asyncio.run(assistant.run(ScriptedRecognizer([script], speed=0.1)))
+    assert record.ahead_kept and record.answered_ahead > 1 and record.tokens == cold.tokens
+    assert [(c["name"], c["arguments"]) for c in record.tool_calls] == [(c.name, c.arguments) for c in cold.tool_calls]
+    assert len(assistant.car.log) == len(cold.tool_calls)  # the calls of answers dropped on partials never ran
+    roles = [m["role"] for m in assistant.chat.messages]
+    assert roles == ["system", "user", "assistant", "tool", "assistant"] and assistant.chat.messages[1]["content"] == FINAL
 
 
 def test_a_named_tool_runs_and_the_template_confirmation_is_spoken_first(tool_engine):
@@ -390,16 +420,20 @@ def test_the_benchmark_runs_end_to_end_and_writes_json_markdown_and_a_plot(tiny_
 
     # the tiny model's 256 positions do not hold the car's five tools: words only (tools: the next test)
     assert main(["--bundle", str(tiny_slm_bundle), "--commands", "2", "--modes", "full,speculate,auto", "--no-tools",
-                 "--speed", "0.05", "--tts", "none", "--max-new-tokens", "8", "--warmup", "0", "--out", str(tmp_path)]) == 0
+                 "--listen", "off,on,answer", "--asr-delay", "0.2", "--speed", "0.05", "--tts", "none",
+                 "--max-new-tokens", "8", "--warmup", "0", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "voice.json").read_text())
     assert result["settings"]["modes"] == ["full", "speculate"]  # auto: the tiny bundle is not calibrated
     assert any("auto left out" in note for note in result["notes"])
-    assert len(result["samples"]) == 2 * 2 * 2 and result["commit"]["commit"] and result["machine"]["cpu_count"]
-    assert result["summary"]["listen_ahead_same_tokens"] == {"full": {"same": 2, "of": 2}, "speculate": {"same": 2, "of": 2}}
-    on = [s for s in result["samples"] if s["listen_ahead"]]
-    assert all(s["listened"] > 0 for s in on)
+    assert len(result["samples"]) == 2 * 2 * 3 and result["commit"]["commit"] and result["machine"]["cpu_count"]
+    assert result["summary"]["listen_ahead_same_tokens"] == {
+        f"{mode} {setting}": {"same": 2, "of": 2} for mode in ("full", "speculate")
+        for setting in ("listen-on", "answer-ahead")}
+    assert all(s["listened"] > 0 for s in result["samples"] if s["listen_ahead"] == "on")
+    assert all(s["ahead_kept"] and s["answered_ahead"] > 0 for s in result["samples"] if s["listen_ahead"] == "answer")
     table = (tmp_path / "voice.md").read_text()
     assert "| full listen-on | full | 2 |" in table and "| speculate listen-off | speculate+slm | 2 |" in table
+    assert "| full answer-ahead | full | 2 |" in table and "kept at the final transcript: full answer-ahead 2/2" in table
     assert (tmp_path / "voice.png").stat().st_size > 1000
 
 

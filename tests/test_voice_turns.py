@@ -83,3 +83,20 @@ def test_barge_in_refuses_what_it_cannot_do(tiny_engine):
     chat.generate("Call Anna.")
     with pytest.raises(InputError, match="start of the last answer"):
         chat.barge_in("something never said")
+
+
+@pytest.mark.parametrize("mode", ["full", "speculate"])
+def test_a_forgotten_message_asked_again_reuses_its_rows_and_answers_as_a_cold_chat(tiny_engine, mode):
+    cold = tiny_engine.chat(system=SYSTEM, mode=mode, light="slm", max_new_tokens=12).generate(FINAL)
+    chat = tiny_engine.chat(system=SYSTEM, mode=mode, light="slm", max_new_tokens=12)
+    first = chat.generate(FINAL)
+    chat.barge_in(None)  # an answer begun on a guess of the message, forgotten
+    again = chat.generate(FINAL)
+    assert again.tokens == cold.tokens == first.tokens
+    assert again.stats.prompt_tokens == 1 < first.stats.prompt_tokens  # the message's rows were kept
+    chat.barge_in(None)
+    other = chat.generate("Call Anna.")  # another message computes from where they part
+    assert other.tokens == tiny_engine.chat(system=SYSTEM, mode=mode, light="slm", max_new_tokens=12).generate(
+        "Call Anna.").tokens
+    assert chat.messages == [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Call Anna."},
+                             {"role": "assistant", "content": other.text}]

@@ -65,6 +65,7 @@ ROOT = Path(__file__).resolve().parents[1]
 COMMANDS = Path(__file__).with_name("voice_commands.json")
 COMPONENTS = ("asr", "first_token", "prefill", "tools", "first_clause", "audio", "total")
 SUMMARIZED = (*COMPONENTS, "speech_to_token")
+LISTEN = {"off": "listen-off", "on": "listen-on", "answer": "answer-ahead"}  # --listen values: the rows' names
 
 
 def machine_info() -> dict[str, Any]:
@@ -104,15 +105,16 @@ def available_modes(engine, wanted: list[str]) -> tuple[list[str], list[str]]:
     return modes, notes
 
 
-async def one_turn(engine, command: dict[str, Any], mode: str, listen: bool, args: argparse.Namespace,
+async def one_turn(engine, command: dict[str, Any], mode: str, listen: str, args: argparse.Namespace,
                    speaker_factory) -> dict[str, Any]:
     utterance = timed_partials(command["text"], args.wpm, [tuple(r) for r in command.get("revisions", [])],
                                asr_delay=args.asr_delay)
     speaker = speaker_factory()
-    assistant = VoiceAssistant(engine, speaker, tools=None if args.no_tools else CAR_TOOLS, listen_ahead=listen,
+    assistant = VoiceAssistant(engine, speaker, tools=None if args.no_tools else CAR_TOOLS, listen_ahead=listen != "off",
+                               answer_ahead=listen == "answer",
                                max_new_tokens=args.max_new_tokens, tool_choice=args.tool_choice, confirm=args.confirm,
                                mode=mode, share_prefix=True, **({} if mode == "auto" else {"light": args.light}))
-    if not listen:  # nothing happens while the words are spoken: not waited for (the ASR's delay still is)
+    if listen == "off":  # nothing happens while the words are spoken: not waited for (the ASR's delay still is)
         utterance = Utterance(utterance.final, [], 0.0, utterance.asr_delay)
     [record] = await assistant.run(ScriptedRecognizer([utterance], speed=args.speed))
     check = check_calls(command["expect"], record.tool_calls, CAR_TOOLS)
@@ -121,12 +123,13 @@ async def one_turn(engine, command: dict[str, Any], mode: str, listen: bool, arg
             "ran": f"{resolved.mode}" + (f"+{resolved.light}" if resolved.mode not in ("full", "slm") else ""),
             "seconds": record.breakdown(), "listened": record.listened, "listen_tokens": record.listen_tokens,
             "listen_seconds": record.listen_seconds, "listen_wait": record.listen_wait,
+            "answered_ahead": record.answered_ahead, "ahead_kept": record.ahead_kept,
             "prompt_tokens": record.prompt_tokens, "tokens": record.tokens, "finish_reason": record.finish_reason,
             "tool_calls": record.tool_calls, "answer": record.answer,
             "check": {"right_tool": check.right_tool, "right_arguments": check.right_arguments, "reason": check.reason}}
 
 
-def summarize(samples: list[dict[str, Any]], modes: list[str], listens: list[bool]) -> dict[str, Any]:
+def summarize(samples: list[dict[str, Any]], modes: list[str], listens: list[str]) -> dict[str, Any]:
     rows = {}
     for mode in modes:
         for listen in listens:
@@ -138,14 +141,17 @@ def summarize(samples: list[dict[str, Any]], modes: list[str], listens: list[boo
                 row[component] = percentiles([r["seconds"][component] for r in runs])
             row["right_tool"] = sum(r["check"]["right_tool"] for r in runs)
             row["right_calls"] = sum(r["check"]["right_tool"] and r["check"]["right_arguments"] for r in runs)
-            rows[f"{mode} listen-{'on' if listen else 'off'}"] = row
+            if listen == "answer":
+                row["ahead_kept"] = sum(r["ahead_kept"] for r in runs)
+            rows[f"{mode} {LISTEN[listen]}"] = row
     exact = {}
-    for mode in modes:  # listen-ahead is lossless: the same tokens as the cold prefill
-        off = {s["command"]: s["tokens"] for s in samples if s["mode"] == mode and not s["listen_ahead"]}
-        on = {s["command"]: s["tokens"] for s in samples if s["mode"] == mode and s["listen_ahead"]}
-        both = set(on) & set(off)
-        if both:
-            exact[mode] = {"same": sum(on[c] == off[c] for c in both), "of": len(both)}
+    for mode in modes:  # listening and answering ahead are lossless: the same tokens as the cold prefill
+        off = {s["command"]: s["tokens"] for s in samples if s["mode"] == mode and s["listen_ahead"] == "off"}
+        for listen in listens:
+            ahead = {s["command"]: s["tokens"] for s in samples if s["mode"] == mode and s["listen_ahead"] == listen}
+            both = set(ahead) & set(off) if listen != "off" else set()
+            if both:
+                exact[f"{mode} {LISTEN[listen]}"] = {"same": sum(ahead[c] == off[c] for c in both), "of": len(both)}
     return {"rows": rows, "listen_ahead_same_tokens": exact}
 
 
@@ -169,16 +175,21 @@ def markdown(result: dict[str, Any]) -> str:
         total, *parts = [f"{ms(row[c]['p50'])} / {ms(row[c]['p95'])}" for c in ("total", *COMPONENTS[:-1])]
         lines.append(f"| {name} | {', '.join(row['ran'])} | {row['n']} | {total} | {' | '.join(parts)} | "
                      f"{row['right_tool']}/{row['n']} | {row['right_calls']}/{row['n']} |")
-    lines += ["", "Listen-ahead answers equal to the cold prefill's (tokens): " + ", ".join(
-        f"{mode} {v['same']}/{v['of']}" for mode, v in summary["listen_ahead_same_tokens"].items())]
-    speedups = []
-    for mode in result["settings"]["modes"]:
-        on, off = summary["rows"].get(f"{mode} listen-on"), summary["rows"].get(f"{mode} listen-off")
-        if on and off and on["speech_to_token"]["p50"] and off["speech_to_token"]["p50"]:
-            speedups.append(f"{mode} {ms(off['speech_to_token']['p50'])} / {ms(on['speech_to_token']['p50'])} ms = "
-                            f"{off['speech_to_token']['p50'] / on['speech_to_token']['p50']:.1f}x")
-    if speedups:
-        lines.append("End of speech to the first token, listen-ahead off / on (p50): " + ", ".join(speedups))
+    lines += ["", "Answers equal to the cold prefill's (tokens): " + ", ".join(
+        f"{name} {v['same']}/{v['of']}" for name, v in summary["listen_ahead_same_tokens"].items())]
+    kept = [f"{name} {row['ahead_kept']}/{row['n']}" for name, row in summary["rows"].items() if "ahead_kept" in row]
+    if kept:
+        lines.append("Answers begun on the last partial and kept at the final transcript: " + ", ".join(kept))
+    for part, what in (("speech_to_token", "End of speech"), ("first_token", "Final transcript")):
+        cuts = []
+        for name, row in summary["rows"].items():
+            mode, _, listen = name.partition(" ")
+            off = summary["rows"].get(f"{mode} {LISTEN['off']}")
+            if listen != LISTEN["off"] and off and row[part]["p50"] and off[part]["p50"]:
+                cuts.append(f"{name} {ms(off[part]['p50'])} / {ms(row[part]['p50'])} ms = "
+                            f"{off[part]['p50'] / row[part]['p50']:.1f}x")
+        if cuts:
+            lines.append(f"{what} to the first token, listen-off against (p50): " + ", ".join(cuts))
     if result["settings"]["tools"] and result["settings"]["tool_choice"] == "required":
         wordy = sum(not c["expect"] for c in load_commands(Path(result["settings"]["commands_file"]), None)
                     [:result["settings"]["commands"]])
@@ -187,7 +198,7 @@ def markdown(result: dict[str, Any]) -> str:
     wrong = [s for s in result["samples"] if not (s["check"]["right_tool"] and s["check"]["right_arguments"])]
     if wrong:
         lines += ["", "Wrong tool calls:", ""]
-        lines += [f"- {s['mode']} listen-{'on' if s['listen_ahead'] else 'off'}: {s['command']!r}: {s['check']['reason']}"
+        lines += [f"- {s['mode']} {LISTEN[s['listen_ahead']]}: {s['command']!r}: {s['check']['reason']}"
                   for s in wrong]
     return "\n".join(lines) + "\n"
 
@@ -213,9 +224,8 @@ def plot(result: dict[str, Any], path: Path) -> Path | None:
     stack.legend(fontsize=8)
     stack.invert_yaxis()
     for name in names:
-        mode, listen = name.rsplit(" listen-", 1)
         totals = sorted(s["seconds"]["total"] * 1000 for s in result["samples"]
-                        if s["mode"] == mode and s["listen_ahead"] == (listen == "on") and s["seconds"]["total"] is not None)
+                        if f"{s['mode']} {LISTEN[s['listen_ahead']]}" == name and s["seconds"]["total"] is not None)
         if totals:
             cdf.step(totals, [(i + 1) / len(totals) for i in range(len(totals))], where="post", label=name)
     cdf.axvline(400, color="grey", linestyle=":", linewidth=1)
@@ -237,7 +247,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--commands", type=int, default=None, help="the first N commands (default: all)")
     parser.add_argument("--modes", default="full,speculate,auto", help="decoding modes; auto where the bundle is calibrated")
     parser.add_argument("--light", default=None, help="speculate's light path (default: slm where the bundle has one)")
-    parser.add_argument("--listen", default="off,on", help="listen-ahead settings to run: off, on or both")
+    parser.add_argument("--listen", default="off,on",
+                        help="listen-ahead settings to run, comma-separated: off, on (prefill the partials), answer "
+                             "(answer each partial, held back until the final transcript confirms it)")
     parser.add_argument("--profile", default=None, help="device profile (its threads; e.g. jetson-orin-nano-8gb)")
     parser.add_argument("--threads", type=int, default=None, help="threads (default: $EDGEROUTE_THREADS, the profile's)")
     parser.add_argument("--backend", default="auto")
@@ -269,7 +281,9 @@ def main(argv: list[str] | None = None) -> int:
     engine = Engine(args.bundle, profile=args.profile, task="voice-command", backend=args.backend, verify=False)
     args.light = args.light or ("slm" if engine.use_slm else "ngram")
     modes, notes = available_modes(engine, [m.strip() for m in args.modes.split(",") if m.strip()])
-    listens = [{"on": True, "off": False}[v.strip()] for v in args.listen.split(",")]
+    listens = [v.strip() for v in args.listen.split(",") if v.strip()]
+    if not listens or set(listens) - set(LISTEN):
+        raise SystemExit(f"--listen: comma-separated {', '.join(LISTEN)} (got {args.listen!r})")
     tts = "espeak-ng" if args.tts == "espeak" or (args.tts == "auto" and espeak_available()) else "none"
     if tts == "espeak-ng":
         def speaker_factory():
@@ -284,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     for mode in modes:
         for command in commands[:args.warmup]:  # warm the caches, the grammars and the prefix of this mode's path
-            asyncio.run(one_turn(engine, command, mode, False, args, speaker_factory))
+            asyncio.run(one_turn(engine, command, mode, "off", args, speaker_factory))
         if not args.no_tools:
             VoiceAssistant(engine, NullSpeaker(), tool_choice=args.tool_choice, mode=mode).warm_up()
         for number, command in enumerate(commands, 1):
@@ -292,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
                 sample = asyncio.run(one_turn(engine, command, mode, listen, args, speaker_factory))
                 samples.append(sample)
                 total = sample["seconds"]["total"]
-                print(f"[{mode} listen-{'on' if listen else 'off'} {number}/{len(commands)}] {command['text']!r}: "
+                print(f"[{mode} {LISTEN[listen]} {number}/{len(commands)}] {command['text']!r}: "
                       f"{ms(total)} ms to audio, first token {ms(sample['seconds']['first_token'])} ms, "
                       f"{'ok' if sample['check']['right_tool'] and sample['check']['right_arguments'] else 'WRONG'} "
                       f"{[c['name'] for c in sample['tool_calls']]}", flush=True)

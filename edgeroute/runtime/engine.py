@@ -116,6 +116,7 @@ class Engine:
             check_fit(self.bundle, self.context_length, options.memory_budget,
                       max(caches, key=lambda c: kv_row_bytes(INT8_GROUP, c)), slm=self.use_slm)
         self.tokenizer = open_tokenizer(self.bundle)
+        self._markup_tokens: dict[str, int | None] = {}
         self.backend_notes: dict[str, str] = {}  # role -> why backend "auto" runs it on ONNX Runtime
         self.llm = self._open("llm", options.exact_steps)
         if self.context_length > self.llm.capacity:  # TensorRT engines are built for a context of their own
@@ -224,8 +225,11 @@ class Engine:
 
     def markup_token(self, text: str) -> int | None:
         """The id of the one added token that ``text`` is (Qwen2.5's ``<tool_call>``), else None."""
-        ids = self.encode(text)
-        return ids[0] if len(ids) == 1 and ids[0] in self.tokenizer.get_added_tokens_decoder() else None
+        if text not in self._markup_tokens:  # asked on every tool turn; the vocabulary never changes
+            ids = self.encode(text)
+            added = len(ids) == 1 and ids[0] in self.tokenizer.get_added_tokens_decoder()
+            self._markup_tokens[text] = ids[0] if added else None
+        return self._markup_tokens[text]
 
     def encode_prompt(self, prompt: str | Messages, tools: Tools | None = None) -> list[int]:
         if isinstance(prompt, str) and not prompt.strip():
@@ -281,6 +285,10 @@ class Engine:
         computed once too, for the first session that needs it). The K/V stays in memory for
         the engine's life. Returns the prefix length in tokens."""
         tokens = tuple(self.encode_prompt([{"role": "system", "content": system}], tools))
+        if len(tokens) >= self.context_length:
+            raise InputError(f"the system prompt needs {len(tokens)} tokens (its tools included) but the context holds "
+                             f"{self.context_length}: a shared prefix must leave room for the turns; shorten it or "
+                             "export with a larger --context-length")
         with self._prefix_lock:
             if tokens not in self._prefixes:
                 self._prefixes[tokens] = {"llm": self._prefill(self.llm, tokens)}
@@ -408,6 +416,7 @@ class Session:
         with self._exclusive():
             self.state.reset()
             self.messages = list(self._opening)
+            self._held = None
 
     # -- voice: listen ahead, barge in ------------------------------------------------------------
 
@@ -452,24 +461,28 @@ class Session:
         finished but not yet all spoken): keep the answer as far as ``spoken`` (the start of its
         text that was said) or, with None, forget the whole exchange (the user's message too).
         History and cache then hold exactly what a chat whose answer ended there (or that never
-        had the exchange) holds, so the next turn gives the same tokens."""
+        had the exchange) holds, so the next turn gives the same tokens (a forgotten message's
+        K/V rows are kept aside, as ``listen`` keeps a partial's: a next turn that begins the
+        same way does not compute them again)."""
         with self._exclusive():
             last, state = self.last, self.state
             if last is None or not self.messages or self.messages[-1]["role"] != "assistant":
                 raise InputError("barge_in cuts the chat's last answer, and this session has none")
             if spoken is None:
+                held = self._cached_tokens()
                 del state.tokens[self._turn_start:]
                 del self.messages[-2:]
-            else:
-                if not last.text.startswith(spoken):
-                    raise InputError(f"spoken must be the start of the last answer's text (got {spoken[:40]!r}, "
-                                     f"the answer begins {last.text[:40]!r})")
-                kept = 0
-                while kept < len(last.tokens) and spoken.startswith(self.engine.decode(last.tokens[:kept + 1])) \
-                        and last.tokens[kept] not in self.engine.eos_ids:
-                    kept += 1
-                del state.tokens[self._answer_start + kept:]
-                self.messages[-1] = {"role": "assistant", "content": self.engine.decode(last.tokens[:kept])}
+                self._held = held  # the forgotten message's rows stay: a retry of it (or listen) shares them
+                return
+            if not last.text.startswith(spoken):
+                raise InputError(f"spoken must be the start of the last answer's text (got {spoken[:40]!r}, "
+                                 f"the answer begins {last.text[:40]!r})")
+            kept = 0
+            while kept < len(last.tokens) and spoken.startswith(self.engine.decode(last.tokens[:kept + 1])) \
+                    and last.tokens[kept] not in self.engine.eos_ids:
+                kept += 1
+            del state.tokens[self._answer_start + kept:]
+            self.messages[-1] = {"role": "assistant", "content": self.engine.decode(last.tokens[:kept])}
             state.llm_cache.truncate(min(state.llm_cache.length, len(state.tokens)))
             self._held = None
 

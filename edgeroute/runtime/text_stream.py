@@ -50,7 +50,7 @@ class IncrementalDetokenizer:
         return piece
 
 
-def _stop_prefix(text: str, stops: Sequence[str]) -> int:
+def stop_prefix(text: str, stops: Sequence[str]) -> int:
     """Length of the longest tail of ``text`` that begins one of the stop strings."""
     return max((k for s in stops for k in range(len(s) - 1, 0, -1) if text.endswith(s[:k])), default=0)
 
@@ -74,7 +74,7 @@ class StopFilter:
             self.stopped = True
             released, self.pending = self.pending[:at], ""
             return released
-        keep = _stop_prefix(self.pending, self.stops)
+        keep = stop_prefix(self.pending, self.stops)
         released, self.pending = self.pending[:len(self.pending) - keep], self.pending[len(self.pending) - keep:]
         return released
 

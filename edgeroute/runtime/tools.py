@@ -25,6 +25,7 @@ from typing import Any
 
 from edgeroute.chat_format import ToolFormat
 from edgeroute.errors import InputError
+from edgeroute.runtime.text_stream import stop_prefix
 
 TOOL_CHOICES = ("auto", "required", "none")
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
@@ -174,8 +175,7 @@ class ContentFilter:
         if (at := self.pending.find(self.opening)) >= 0:
             self.calling = True
             return self.pending[:at].rstrip()
-        keep = max((k for k in range(len(self.opening) - 1, 0, -1) if self.pending.endswith(self.opening[:k])),
-                   default=0)
+        keep = stop_prefix(self.pending, (self.opening,))
         # a separator before a call is not content either: hold trailing whitespace back too
         keep = max(keep, len(self.pending) - len(self.pending[:len(self.pending) - keep].rstrip()))
         released, self.pending = self.pending[:len(self.pending) - keep], self.pending[len(self.pending) - keep:]

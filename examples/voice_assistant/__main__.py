@@ -34,6 +34,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--mode", default="speculate", help="decoding mode (full, speculate, auto, ...)")
     parser.add_argument("--light", default=None, help="light path of speculate (default: slm when the bundle has one)")
     parser.add_argument("--no-listen-ahead", action="store_true", help="do not prefill partial transcripts")
+    parser.add_argument("--answer-ahead", action="store_true",
+                        help="answer each partial transcript, held back until the final one confirms it")
     parser.add_argument("--no-tools", action="store_true", help="chat without the car's tools")
     parser.add_argument("--tool-choice", default="required",
                         help="required (every command calls a tool: the demo's and the pair's models do not write a "
@@ -79,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
                 utterance.pause = args.pause
         recognizer = ScriptedRecognizer(utterances)
     assistant = VoiceAssistant(engine, speaker, tools=None if args.no_tools else CAR_TOOLS,
-                               listen_ahead=not args.no_listen_ahead, max_new_tokens=args.max_new_tokens,
+                               listen_ahead=not args.no_listen_ahead, answer_ahead=args.answer_ahead,
+                               max_new_tokens=args.max_new_tokens,
                                tool_choice=tool_choice(args.tool_choice), confirm=args.confirm, mode=args.mode,
                                **({} if args.mode == "auto" else {"light": light}))
     assistant.warm_up()
@@ -90,11 +93,14 @@ def main(argv: list[str] | None = None) -> int:
     else:
         records = asyncio.run(assistant.run(recognizer))
     print(f"{args.bundle}: backend {engine.llm.flavour}, mode {args.mode} ({light}), "
-          f"listen-ahead {'off' if args.no_listen_ahead else 'on'}")
+          f"listen-ahead {'off' if args.no_listen_ahead else 'answer' if args.answer_ahead else 'on'}")
     for record in records:
         print(f"\ndriver: {record.final}")
         if record.listened:
             print(f"  listened ahead: {record.listened} partials, {record.listen_tokens} tokens")
+        if record.answered_ahead:
+            print(f"  answered ahead: {record.answered_ahead} partials, the last one's answer "
+                  f"{'kept' if record.ahead_kept else 'dropped (the final differed)'}")
         for call, result in zip(record.tool_calls, record.tool_results, strict=True):
             print(f"  tool: {call['name']}({json.dumps(call['arguments'])}) -> {json.dumps(result)}")
         said = record.spoken if record.barged_in else record.answer

@@ -47,6 +47,8 @@ class TurnRecord:
     listen_tokens: int = 0  # tokens they computed
     listen_seconds: float = 0.0
     listen_wait: float = 0.0  # after the final transcript, waiting for a listen in flight
+    answered_ahead: int = 0  # answers begun on partial transcripts (answer-ahead)
+    ahead_kept: bool = False  # the final transcript was the last partial's: its answer was kept
     begin_at: float | None = None  # the first generation asked for (after the listen in flight)
     first_token_at: float | None = None  # the first generation's first token the model picked (a tool call's too)
     tools_done_at: float | None = None  # tool calls decoded and run
@@ -71,7 +73,10 @@ class TurnRecord:
         and its decode), ``audio`` (from that chunk to its first audio sample) and ``total``
         (end of speech to the first audio sample); ``speech_to_token``: end of speech to the
         first token (``asr`` + ``first_token``). ``prefill``: the part of ``first_token``
-        after the generation was asked for (the listen in flight is the rest)."""
+        after the generation was asked for (the listen in flight is the rest). An answer begun
+        ahead on the last partial and kept counts its first token from the final transcript
+        when it was picked before (nothing is released before the driver is known to have
+        finished), and its ``prefill`` from when it began."""
         def span(a: float | None, b: float | None) -> float | None:
             return b - a if a is not None and b is not None else None
 
@@ -88,12 +93,31 @@ class TurnRecord:
         return {**asdict(self), "breakdown": self.breakdown()}
 
 
+@dataclass
+class _AnswerAhead:
+    """The first generation begun on a partial transcript: its pieces wait, unspoken and its
+    tool calls not run, until the final transcript says whether the driver said exactly that."""
+
+    text: str
+    number: int  # its generation's number
+    pieces: asyncio.Queue = field(default_factory=asyncio.Queue)  # str pieces, then None
+    task: asyncio.Task | None = None
+    begin_at: float | None = None
+    first_token_at: float | None = None
+
+
 class VoiceAssistant:
     """A chat with the car's tools on an engine, driven by a recognizer, spoken by a speaker.
 
     ``listen_ahead``: partial transcripts are prefilled while the driver speaks
     (``Session.listen``; the latest partial wins when one arrives while another is being
-    prefilled). ``keep_interrupted``: a barge-in keeps what was said of the answer (else the
+    prefilled). ``answer_ahead`` (with ``listen_ahead``): each partial is answered instead,
+    held back: when the final transcript is the last partial's text (an endpointer's delay
+    after the last word), its answer is already under way and is released as it stands;
+    otherwise it is cancelled and forgotten (``Session.barge_in(None)``: the message's K/V
+    rows stay for the retry) and the final is answered. The output is the same either way;
+    a wrong guess costs the cancel (one decode step), and a partial that is answered and
+    superseded costs the decode it ran. ``keep_interrupted``: a barge-in keeps what was said of the answer (else the
     exchange is forgotten). ``tool_choice``: the first generation's (auto, required, none or
     a named tool); after one round of calls (``max_tool_rounds``) the model answers in words.
     ``confirm``: "model", the model's words after the tool results are spoken; "template",
@@ -105,7 +129,8 @@ class VoiceAssistant:
     ``decoding``: the chat's DecodeOptions fields (mode, light, ...)."""
 
     def __init__(self, engine, speaker: Speaker, *, system: str = SYSTEM, tools: list[dict[str, Any]] | None = CAR_TOOLS,
-                 car: CarState | None = None, listen_ahead: bool = True, keep_interrupted: bool = True,
+                 car: CarState | None = None, listen_ahead: bool = True, answer_ahead: bool = False,
+                 keep_interrupted: bool = True,
                  tool_choice: Any = "auto", max_tool_rounds: int = 1, clause_chars: int | None = 24, max_chars: int | None = 160,
                  max_new_tokens: int = 64, share_prefix: bool = True, confirm: str = "model", context_policy: str = "drop_oldest",
                  **decoding: Any) -> None:
@@ -115,6 +140,7 @@ class VoiceAssistant:
         self.engine, self.speaker, self.car = engine, speaker, car if car is not None else CarState()
         self.tools, self.tool_choice, self.max_tool_rounds = tools, tool_choice, max_tool_rounds
         self.listen_ahead, self.keep_interrupted = listen_ahead, keep_interrupted
+        self.answer_ahead = listen_ahead and answer_ahead
         self.clause_chars, self.max_chars = clause_chars, max_chars  # the SentenceSplitter's
         if share_prefix:
             cache_system_prompt(engine, system, tools)
@@ -126,7 +152,8 @@ class VoiceAssistant:
         self._response: asyncio.Task | None = None
         self._listener: asyncio.Task | None = None
         self._pending: str | None = None
-        self._heard = {"listened": 0, "tokens": 0, "seconds": 0.0}
+        self._ahead: _AnswerAhead | None = None
+        self._heard = {"listened": 0, "tokens": 0, "seconds": 0.0, "answered": 0}
         self._generation = 0  # numbers the generations; _spoken: each one's chunks said so far
         self._spoken: dict[int, list[str]] = {0: []}
         self._before: dict[int, Any] = {}  # chat.last before each generation (it began when that changed)
@@ -151,11 +178,56 @@ class VoiceAssistant:
     async def _listen_loop(self) -> None:
         while self._pending is not None:
             text, self._pending = self._pending, None
+            if self.answer_ahead:
+                if self._ahead is None or self._ahead.text != text:
+                    await self._drop_answer_ahead()
+                    self._begin_answer_ahead(text)
+                continue
             start = time.perf_counter()
             computed = await asyncio.to_thread(self.chat.listen, text)
             self._heard["listened"] += 1
             self._heard["tokens"] += computed
             self._heard["seconds"] += time.perf_counter() - start
+
+    def _begin_answer_ahead(self, text: str) -> None:
+        self._generation += 1
+        ahead = _AnswerAhead(text, self._generation)
+        self._before[ahead.number], self._spoken[ahead.number] = self.chat.last, []
+        options = {"tool_choice": self.tool_choice} if self.tools else {}
+
+        def first_token(trace) -> None:  # on the decode's worker thread
+            if ahead.first_token_at is None and trace.source != "grammar":
+                ahead.first_token_at = time.perf_counter()
+
+        async def answer() -> None:
+            ahead.begin_at = time.perf_counter()
+            try:
+                async for piece in self.chat.astream(text, on_token=first_token, **options):
+                    ahead.pieces.put_nowait(piece)
+            finally:
+                ahead.pieces.put_nowait(None)
+
+        ahead.task = asyncio.create_task(answer())
+        self._ahead = ahead
+        self._heard["answered"] += 1
+
+    async def _drop_answer_ahead(self) -> None:
+        """Cancel the answer begun on a partial and forget its exchange (never spoken, no tool run)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return
+        ahead.task.cancel()
+        # an answer that failed on a partial (a message too long, say) goes too: the final's says why
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await ahead.task
+        began = self.chat.last is not self._before.get(ahead.number)
+        if began and self.chat.messages and self.chat.messages[-1]["role"] == "assistant":
+            self.chat.barge_in(None)
+
+    async def _kept_pieces(self, ahead: _AnswerAhead):
+        while (piece := await ahead.pieces.get()) is not None:
+            yield piece
+        await ahead.task  # its errors are the answer's
 
     async def _stop_listening(self) -> None:
         self._pending = None
@@ -172,22 +244,29 @@ class VoiceAssistant:
         async for event in recognizer.events():
             if event.utterance != current:  # the driver speaks: a new utterance begins
                 current = event.utterance
+                await self._drop_answer_ahead()  # an utterance that never had its final
                 if self._response is not None and not self._response.done():
                     await self.barge_in()
-                self._heard = {"listened": 0, "tokens": 0, "seconds": 0.0}
+                self._heard = {"listened": 0, "tokens": 0, "seconds": 0.0, "answered": 0}
             if not event.final:
                 if self.listen_ahead and event.text.strip():
                     self._listen(event.text)
                 continue
             waiting = time.perf_counter()
             await self._stop_listening()
+            ahead, self._ahead = self._ahead, None
+            if ahead is not None and ahead.text != event.text:
+                self._ahead = ahead
+                await self._drop_answer_ahead()
+                ahead = None
             if not event.text.strip():
                 continue  # the recognizer heard nothing
             record = TurnRecord(event.text, event.utterance, event.speech_end if event.speech_end is not None else event.at,
                                 event.at, listened=self._heard["listened"], listen_tokens=self._heard["tokens"],
-                                listen_seconds=self._heard["seconds"], listen_wait=time.perf_counter() - waiting)
+                                listen_seconds=self._heard["seconds"], listen_wait=time.perf_counter() - waiting,
+                                answered_ahead=self._heard["answered"], ahead_kept=ahead is not None)
             self.records.append(record)
-            self._response = asyncio.create_task(self._respond(record))
+            self._response = asyncio.create_task(self._respond(record, ahead))
         if self._response is not None:
             await self._response
         return self.records[first:]
@@ -196,7 +275,7 @@ class VoiceAssistant:
         """``run`` on scripted utterances (text spoken at 150 words a minute, or scripts)."""
         return await self.run(ScriptedRecognizer(list(utterances), speed=speed))
 
-    async def _respond(self, record: TurnRecord) -> None:
+    async def _respond(self, record: TurnRecord, ahead: _AnswerAhead | None = None) -> None:
         queue: asyncio.Queue = asyncio.Queue()
         speaking = asyncio.create_task(self._speak(queue, record))
         try:
@@ -206,9 +285,13 @@ class VoiceAssistant:
                 if self.tools:
                     options["tool_choice"] = (self.tool_choice if round_ == 0 else
                                               "none" if round_ == self.max_tool_rounds else "auto")
-                self._generation += 1
-                number = self._generation
-                self._before[number], self._spoken[number] = self.chat.last, []
+                kept = ahead if round_ == 0 else None
+                if kept is None:
+                    self._generation += 1
+                    number = self._generation
+                    self._before[number], self._spoken[number] = self.chat.last, []
+                else:
+                    number = kept.number
                 splitter = SentenceSplitter(self.clause_chars, self.max_chars)
                 silent = round_ > 0 and self.confirm == "template"
 
@@ -218,11 +301,15 @@ class VoiceAssistant:
                         record.first_token_at = time.perf_counter()
 
                 if round_ == 0:
-                    record.begin_at = time.perf_counter()
+                    record.begin_at = time.perf_counter() if kept is None else kept.begin_at
 
-                async for piece in self.chat.astream(prompt, on_token=first_token, **options):
+                pieces = (self.chat.astream(prompt, on_token=first_token, **options) if kept is None else
+                          self._kept_pieces(kept))
+                async for piece in pieces:
                     for chunk in [] if silent else splitter.push(piece):
                         self._queue(queue, number, chunk, record)
+                if kept is not None and kept.first_token_at is not None:  # released at the final, not before
+                    record.first_token_at = max(kept.first_token_at, record.final_at)
                 for chunk in [] if silent else splitter.flush():
                     self._queue(queue, number, chunk, record)
                 generation = self.chat.last
