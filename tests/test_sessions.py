@@ -372,3 +372,10 @@ def test_a_kv_cache_is_resident_from_its_allocation():
                                           check=True).stdout.split())
     assert size == 64 << 20
     assert grown >= 60 << 20
+
+
+def test_a_shared_prefix_the_context_cannot_hold_is_refused_with_the_sizes(tiny_engine):
+    before = dict(tiny_engine._prefixes)
+    with pytest.raises(InputError, match=rf"needs \d+ tokens .* the context holds {tiny_engine.context_length}"):
+        tiny_engine.share_prefix("word " * tiny_engine.context_length)
+    assert tiny_engine._prefixes == before  # nothing was computed
