@@ -171,6 +171,24 @@ def test_speculation_takes_its_first_token_from_the_llm_prefill_before_the_slm_r
     assert listened.generate(prompt).tokens == full[prompt]
 
 
+def test_speculation_after_tokens_a_grammar_forces_still_takes_the_first_pick_from_the_llm_prefill(tiny_engine,
+                                                                                                   monkeypatch):
+    fmt = {"type": "regex", "regex": "The answer is [a-z ]{3,30}"}  # a tool call's opening is forced likewise
+    want = tiny_engine.generate(PROMPTS[1], max_new_tokens=NEW, response_format=fmt)
+    chat = tiny_engine.session(mode="speculate", light="slm", max_new_tokens=NEW, response_format=fmt)
+    slm_passes, before_pick = [], []
+    monkeypatch.setattr(tiny_engine.slm, "hidden_states", lambda cache, ids, *a, _run=tiny_engine.slm.hidden_states, **k:
+                        slm_passes.append(len(ids)) or _run(cache, ids, *a, **k))
+
+    def first_pick(trace) -> None:
+        if trace.source != "grammar" and not before_pick:
+            before_pick.append(len(slm_passes))
+
+    text = "".join(chat.stream(PROMPTS[1], on_token=first_pick))
+    assert chat.last.tokens == want.tokens and text == want.text and chat.last.stats.forced > 0
+    assert before_pick == [0]
+
+
 @pytest.mark.parametrize("nothing", [dict(importance_threshold=0.0), dict(skip_ratio=0.0)])
 @pytest.mark.parametrize("granularity", ["layer", "mlp"])
 def test_skip_with_nothing_skipped_gives_exactly_fulls_tokens(nothing, granularity, tiny_engine, full):

@@ -221,15 +221,18 @@ def test_the_answer_is_spoken_chunk_by_chunk_while_it_is_decoded(tiny_engine):
     assert record.first_audio_at is not None and record.first_clause_at <= record.first_audio_at <= record.done_at
 
 
-def test_barge_in_while_speaking_keeps_what_was_said_and_the_chat_goes_on_as_one_that_ended_there(tiny_engine):
+@pytest.mark.parametrize("answer_ahead", [False, True])
+def test_barge_in_while_speaking_keeps_what_was_said_and_the_chat_goes_on_as_one_that_ended_there(tiny_engine,
+                                                                                                   answer_ahead):
     # the answer is spoken slowly (20 ms a character) in chunks of at most 16; the driver cuts in 0.5 s after
-    # the first command's end
+    # the first command's end (answering ahead: the first answer was begun on the last partial and kept)
     speaker = NullSpeaker(seconds_per_char=0.02)
     assistant = VoiceAssistant(tiny_engine, speaker, system=SYSTEM, tools=None, max_new_tokens=40, share_prefix=False,
-                               clause_chars=None, max_chars=16)
+                               clause_chars=None, max_chars=16, answer_ahead=answer_ahead)
     first, second = asyncio.run(assistant.run(ScriptedRecognizer(
-        [FINAL, Utterance("No, to the station.", [(0.1, "No,")], 0.2, pause=0.5)], speed=1.0)))
-    assert first.barged_in and not second.barged_in
+        [timed_partials(FINAL, asr_delay=0.1), Utterance("No, to the station.", [(0.1, "No,")], 0.2, pause=0.5)],
+        speed=1.0)))
+    assert first.barged_in and not second.barged_in and first.ahead_kept == answer_ahead
     full_answer = tiny_engine.chat(system=SYSTEM, max_new_tokens=40).generate(FINAL).text
     assert first.spoken and full_answer.startswith(first.spoken) and len(first.spoken) < len(full_answer)
     messages = assistant.chat.messages

@@ -451,12 +451,14 @@ class Decoder:
         return self._verify_draft()
 
     def _slm_unread_prompt(self) -> bool:
-        """The generation's first step, with a prompt the SLM has not read (no listen-ahead):
-        its first token comes from the LLM's prefill alone, as ``full``'s does, instead of
-        waiting for the SLM's prefill and a draft; the SLM catches up in the next step's draft."""
+        """The generation's first LLM pass (after any tokens a grammar forced at its start), with
+        a prompt the SLM has not read (no listen-ahead): its first token comes from the LLM's
+        prefill alone, as ``full``'s does, instead of waiting for the SLM's prefill and a draft;
+        the SLM catches up in the next step's draft."""
         drafter = self.state.slm_drafter
-        return (self.stats.new_tokens == 0 and drafter is not None and self.options.uses_slm
-                and len(self.state.tokens) - len(drafter.seen) > 1)
+        prompt_end = len(self.state.tokens) - self.stats.new_tokens
+        return (self.stats.llm_calls == 0 and drafter is not None and self.options.uses_slm
+                and prompt_end - len(drafter.seen) > 1)
 
     def step_route_verified(self) -> list[TokenTrace]:
         return self._verify_draft(self.judge)

@@ -225,9 +225,15 @@ class VoiceAssistant:
             self.chat.barge_in(None)
 
     async def _kept_pieces(self, ahead: _AnswerAhead):
-        while (piece := await ahead.pieces.get()) is not None:
-            yield piece
-        await ahead.task  # its errors are the answer's
+        try:
+            while (piece := await ahead.pieces.get()) is not None:
+                yield piece
+            await ahead.task  # its errors are the answer's
+        finally:
+            if not ahead.task.done():  # the response was cancelled (a barge-in): so is its decode
+                ahead.task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await ahead.task
 
     async def _stop_listening(self) -> None:
         self._pending = None
