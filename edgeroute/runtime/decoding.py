@@ -444,21 +444,18 @@ class Decoder:
         return traces
 
     def step_speculate(self) -> list[TokenTrace]:
-        if self._slm_unread_prompt():
+        if self._first_pick():
             return self.step_llm()
         if self.tree_branches > 1:
             return self._verify_tree()
         return self._verify_draft()
 
-    def _slm_unread_prompt(self) -> bool:
-        """The generation's first LLM pass (after any tokens a grammar forced at its start), with
-        a prompt the SLM has not read (no listen-ahead): its first token comes from the LLM's
-        prefill alone, as ``full``'s does, instead of waiting for the SLM's prefill and a draft;
-        the SLM catches up in the next step's draft."""
-        drafter = self.state.slm_drafter
-        prompt_end = len(self.state.tokens) - self.stats.new_tokens
-        return (self.stats.llm_calls == 0 and drafter is not None and self.options.uses_slm
-                and prompt_end - len(drafter.seen) > 1)
+    def _first_pick(self) -> bool:
+        """The generation's first LLM pass (after any tokens a grammar forced at its start) takes
+        no SLM draft: its token comes from the LLM's prefill alone, as ``full``'s does, instead
+        of waiting for the SLM to read the prompt (or, after listen-ahead, to draft); the SLM
+        drafts from the next step on. Time to first token is what a voice app waits for."""
+        return self.stats.llm_calls == 0 and self.options.uses_slm
 
     def step_route_verified(self) -> list[TokenTrace]:
         return self._verify_draft(self.judge)
