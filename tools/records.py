@@ -413,6 +413,9 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(problems) or "every figure stands on a record; every command parses")
         return 1 if problems else 0
     names = [p.stem for p in all_records() if load(p)["status"] == "pending"] if args.pending else args.names
+    if args.pending and not names:
+        print("no record is pending: every figure's record is measured (make bench-* measures one again)")
+        return 0
     if not names:
         parser.error("give record names or --pending")
     for name in names:
