@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -186,4 +187,16 @@ def record_forward(monkeypatch, model) -> list[ForwardCall]:
         return logits[-tail:] if tail is not None else logits[-1]
 
     monkeypatch.setattr(model, "forward", forward)
+    return calls
+
+
+def record_passes(monkeypatch, model) -> list[SimpleNamespace]:
+    """(cache start, ids) of every pass over the model, with or without its LM head (the SLM
+    drafter reads the hidden states behind its logits)."""
+    calls = []
+    for name in ("forward", "hidden_states"):
+        def recorded(cache, ids, *args, _original=getattr(model, name), **kwargs):
+            calls.append(SimpleNamespace(start=cache.length, ids=list(ids)))
+            return _original(cache, ids, *args, **kwargs)
+        monkeypatch.setattr(model, name, recorded)
     return calls

@@ -15,7 +15,7 @@ from edgeroute.runtime.decoding import DecodeOptions, Decoder, SequenceState
 from edgeroute.runtime.drafters import NgramDrafter, draft_lengths
 from edgeroute.runtime.layers import DROP, RUN, SKIP, SKIP_MLP
 from edgeroute.runtime.policies import FallbackMonitor, FallbackOptions
-from tests.conftest import OracleDrafter, record_forward, relative_error
+from tests.conftest import OracleDrafter, record_forward, record_passes, relative_error
 
 PROMPTS = [
     "The capital of France is",
@@ -162,9 +162,7 @@ def test_speculation_takes_its_first_token_from_the_llm_prefill_alone(light, lis
     chat = tiny_engine.session(mode="speculate", light=light, max_new_tokens=NEW)
     if listened:
         chat.listen(prompt)  # the SLM has read the prompt: still no draft step before the first pick
-    slm_passes, before_first = [], []
-    monkeypatch.setattr(tiny_engine.slm, "hidden_states", lambda cache, ids, *a, _run=tiny_engine.slm.hidden_states, **k:
-                        slm_passes.append(len(ids)) or _run(cache, ids, *a, **k))
+    slm_passes, before_first = record_passes(monkeypatch, tiny_engine.slm), []
     text = "".join(chat.stream(prompt, on_token=lambda trace: before_first or before_first.append(len(slm_passes))))
     assert chat.last.tokens == full[prompt] and text == chat.last.text
     assert before_first == [0] and chat.last.stats.drafted > 0  # the SLM drafted from the second step on
@@ -175,9 +173,7 @@ def test_speculation_after_tokens_a_grammar_forces_still_takes_the_first_pick_fr
     fmt = {"type": "regex", "regex": "The answer is [a-z ]{3,30}"}  # a tool call's opening is forced likewise
     want = tiny_engine.generate(PROMPTS[1], max_new_tokens=NEW, response_format=fmt)
     chat = tiny_engine.session(mode="speculate", light="slm", max_new_tokens=NEW, response_format=fmt)
-    slm_passes, before_pick = [], []
-    monkeypatch.setattr(tiny_engine.slm, "hidden_states", lambda cache, ids, *a, _run=tiny_engine.slm.hidden_states, **k:
-                        slm_passes.append(len(ids)) or _run(cache, ids, *a, **k))
+    slm_passes, before_pick = record_passes(monkeypatch, tiny_engine.slm), []
 
     def first_pick(trace) -> None:
         if trace.source != "grammar" and not before_pick:

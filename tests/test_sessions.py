@@ -4,7 +4,6 @@ shared system-prompt prefix, and one call at a time (SessionBusy, cancel semanti
 from __future__ import annotations
 
 import threading
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -13,7 +12,7 @@ from tokenizers import Tokenizer, decoders, models
 from edgeroute.errors import InputError, SessionBusy
 from edgeroute.runtime import Engine
 from edgeroute.runtime.text_stream import IncrementalDetokenizer, StopFilter
-from tests.conftest import record_forward, relative_error
+from tests.conftest import record_forward, record_passes, relative_error
 
 SYSTEM = ("You are the voice assistant of a car. Answer in one short sentence. You can navigate, call contacts, "
           "play music and set the climate. The driver is Anna; home is 12 Baker Street; the car is electric, "
@@ -170,18 +169,6 @@ def test_a_session_from_the_shared_prefix_equals_one_that_prefilled_it(tiny_slm_
         cache, reference = shared.state.llm_cache, prefilled.state.llm_cache
         np.testing.assert_allclose(cache.keys[:, :n], reference.keys[:, :n], rtol=1e-4, atol=1e-5)
         shared.generate(TURNS[1], max_new_tokens=8)  # writes past the prefix in its own copy
-
-
-def record_passes(monkeypatch, model) -> list[SimpleNamespace]:
-    """(cache start, ids) of every pass over the model, with or without its LM head (the SLM
-    drafter reads the hidden states behind its logits)."""
-    calls = []
-    for name in ("forward", "hidden_states"):
-        def recorded(cache, ids, *args, _original=getattr(model, name), **kwargs):
-            calls.append(SimpleNamespace(start=cache.length, ids=list(ids)))
-            return _original(cache, ids, *args, **kwargs)
-        monkeypatch.setattr(model, name, recorded)
-    return calls
 
 
 def test_the_slm_starts_from_the_shared_prefix_too(tiny_slm_bundle, monkeypatch):

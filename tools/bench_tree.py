@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -39,6 +38,7 @@ sys.path.insert(0, str(ROOT))  # tools.*, when run as a script
 from tools.bench_run import WORKLOAD_DIR, EdgerouteRunner, LlamaRunner, load_workloads, machine_info  # noqa: E402
 from tools.benchlib.llama import checked_gguf  # noqa: E402
 from tools.benchlib.metrics import tokens_per_second  # noqa: E402
+from tools.records import commit  # noqa: E402
 
 WORKLOADS = ("templated", "open", "json", "grounded", "intents")  # intents: the voice-command workload
 BUNDLES = (str(ROOT / "bundles" / "smollm2-demo"), str(ROOT / "bundles" / "qwen-pair"))
@@ -53,12 +53,6 @@ def configs(branches: int, tree_nodes: int | None) -> dict[str, dict]:
         named[f"{light} linear"] = {"mode": "speculate", "light": light}
         named[f"{light} tree"] = {"mode": "speculate", "light": light, **tree}
     return named
-
-
-def commit() -> str:
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=ROOT).stdout.strip()
-    return git("rev-parse", "HEAD") + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
 def sample(run, **where) -> dict:

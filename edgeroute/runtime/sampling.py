@@ -53,15 +53,8 @@ class Sampler:
         """Speculative-sampling check of one deterministic draft token against the target's
         logits: accept with probability p(draft), else sample from p with the draft removed.
         The result is distributed exactly as sampling from p (greedy: accept iff argmax)."""
-        if self.greedy:
-            best = int(np.argmax(logits))
-            return best == draft, best
-        p = self.probabilities(logits)
-        if self.rng.random() < p[draft]:
-            return True, draft
-        p[draft] = 0.0
-        total = p.sum()
-        return False, self.choose(p / total) if total > 0 else int(np.argmax(logits))
+        index, token = self.verify_candidates(logits, [draft])
+        return index == 0, token
 
     def verify_candidates(self, logits: np.ndarray, candidates: list[int]) -> tuple[int | None, int]:
         """Multi-draft speculative sampling over deterministic candidates (a draft tree's

@@ -93,6 +93,9 @@ class TurnRecord:
         return {**asdict(self), "breakdown": self.breakdown()}
 
 
+NOTHING_HEARD = {"listened": 0, "tokens": 0, "seconds": 0.0, "answered": 0}  # an utterance's listening, before it
+
+
 @dataclass
 class _AnswerAhead:
     """The first generation begun on a partial transcript: its pieces wait, unspoken and its
@@ -153,7 +156,7 @@ class VoiceAssistant:
         self._listener: asyncio.Task | None = None
         self._pending: str | None = None
         self._ahead: _AnswerAhead | None = None
-        self._heard = {"listened": 0, "tokens": 0, "seconds": 0.0, "answered": 0}
+        self._heard = dict(NOTHING_HEARD)
         self._generation = 0  # numbers the generations; _spoken: each one's chunks said so far
         self._spoken: dict[int, list[str]] = {0: []}
         self._before: dict[int, Any] = {}  # chat.last before each generation (it began when that changed)
@@ -253,18 +256,16 @@ class VoiceAssistant:
                 await self._drop_answer_ahead()  # an utterance that never had its final
                 if self._response is not None and not self._response.done():
                     await self.barge_in()
-                self._heard = {"listened": 0, "tokens": 0, "seconds": 0.0, "answered": 0}
+                self._heard = dict(NOTHING_HEARD)
             if not event.final:
                 if self.listen_ahead and event.text.strip():
                     self._listen(event.text)
                 continue
             waiting = time.perf_counter()
             await self._stop_listening()
-            ahead, self._ahead = self._ahead, None
-            if ahead is not None and ahead.text != event.text:
-                self._ahead = ahead
+            if self._ahead is not None and self._ahead.text != event.text:
                 await self._drop_answer_ahead()
-                ahead = None
+            ahead, self._ahead = self._ahead, None
             if not event.text.strip():
                 continue  # the recognizer heard nothing
             record = TurnRecord(event.text, event.utterance, event.speech_end if event.speech_end is not None else event.at,
