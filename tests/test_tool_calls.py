@@ -15,7 +15,7 @@ from tokenizers import Tokenizer
 from edgeroute.chat_format import FALLBACK_TOOL_FORMAT, ToolFormat, format_messages
 from edgeroute.errors import InputError
 from edgeroute.export.chat import derive_chat_format, derive_tool_format, render
-from edgeroute.runtime.tools import ContentFilter, parse_tools, split_tool_calls, tool_grammar
+from edgeroute.runtime.tools import CallNames, ContentFilter, parse_tools, split_tool_calls, tool_grammar
 from tests.conftest import export_tiny
 
 TOOLS = [
@@ -167,6 +167,25 @@ def test_a_stream_shows_text_until_a_call_opens_and_holds_back_what_may_open_one
     assert special.push(1, "Sure.") == "Sure." and special.push(7, "") == "" and special.push(2, "{") == ""
 
 
+
+def test_each_call_name_is_told_once_as_soon_as_its_closing_quote_is_decoded():
+    text = "On it. " + GOOD + "\n" + GOOD.replace("set_temperature", "navigate")
+    names, told = CallNames(FALLBACK_TOOL_FORMAT, None, None), []
+    for i in range(0, len(text), 3):  # three characters a token, markup and the name split across tokens
+        name = names.push(0, text[i:i + 3])
+        told.append((name, text[:i + 3]) if name else None)
+    told = [t for t in told if t]
+    assert [name for name, _ in told] == ["set_temperature", "navigate"]
+    for name, so_far in told:  # told by the token that closed the name, before any argument
+        assert so_far.rsplit('"name": ', 1)[1].startswith(f'"{name}"') and '"' in so_far[-3:]
+        assert so_far.count('"arguments"') == (0 if name == "set_temperature" else 1)
+    special = CallNames(FALLBACK_TOOL_FORMAT, 7, 8)  # markup as special tokens
+    said = [special.push(t, x) for t, x in [(1, "Sure."), (7, ""), (2, '\n{"name": "nav'), (3, 'igate", "a'),
+                                              (4, 'rguments": {}}\n'), (8, ""), (7, ""), (5, '{"name": "call"')]]
+    assert [s for s in said if s] == ["navigate", "call"]
+    assert CallNames(FALLBACK_TOOL_FORMAT, None, None).push(0, 'Say {"name": "navigate"} aloud.') is None
+
+
 # -- on a model ---------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -215,6 +234,21 @@ def test_an_auto_stream_carries_the_content_only_and_the_calls_come_with_the_gen
     assert len(generation.tool_calls) == raw.count("</tool_call>")
     for call in generation.tool_calls:
         _valid(call)
+
+
+def test_a_stream_tells_each_call_name_before_the_call_is_complete(tool_engine):
+    chat = tool_engine.chat(system=SYSTEM, tools=TOOLS, max_new_tokens=80)
+    decoded, told = [], []
+    chat.generate("Set the driver side to 21 degrees.", tool_choice="required", on_token=lambda t: decoded.append(t),
+                  on_tool_name=lambda name: told.append((name, len(decoded))))
+    generation = chat.last
+    if generation.finish_reason == "incomplete":
+        pytest.skip("the budget ended inside a call")
+    assert [name for name, _ in told] == [c.name for c in generation.tool_calls]
+    for name, at in told:  # told while the call's arguments were still to come
+        assert at < len(generation.tokens)
+        raw = tool_engine.tokenizer.decode(generation.tokens[:at], skip_special_tokens=False)
+        assert raw.rstrip(", ").endswith(f'"{name}"') and '"arguments"' not in raw.rsplit("<tool_call>", 1)[-1]
 
 
 def test_tool_results_continue_the_chat_as_a_cold_prefill_of_the_whole_conversation_would(tool_engine):

@@ -334,6 +334,40 @@ def test_a_named_tool_runs_and_the_template_confirmation_is_spoken_first(tool_en
     assert assistant.chat.messages[-1]["role"] == "assistant"  # the model's words are in the chat all the same
 
 
+
+@pytest.mark.parametrize("answer_ahead", [False, True])
+def test_an_acknowledgement_is_spoken_once_the_calls_name_is_decoded_and_the_confirmation_finishes_it(
+        tool_engine, answer_ahead):
+    _, cold = cold_turn(tool_engine, FINAL, tool_choice="required")
+    speaker = NullSpeaker()
+    assistant = VoiceAssistant(tool_engine, speaker, system=SYSTEM, tools=TOOLS, tool_choice="required",
+                               confirm="template", acknowledge=True, max_new_tokens=40, answer_ahead=answer_ahead)
+    assistant.warm_up()
+    script = timed_partials(FINAL, revisions=[(3, "Navigate to 21")], asr_delay=0.2)
+    [record] = asyncio.run(assistant.run(ScriptedRecognizer([script], speed=0.1)))
+    assert record.tokens == cold.tokens and [c["name"] for c in record.tool_calls] == ["navigate"]
+    destination = record.tool_calls[0]["arguments"]["destination"]
+    # the acknowledgement before the call ran, its rest after: one sentence, said once
+    assert [chunk for chunk, _ in speaker.said] == ["Navigating ", f"to {destination}. "]
+    assert record.acknowledgement == "Navigating" and len(assistant.car.log) == 1
+    assert record.acknowledged_at < record.tools_done_at and record.first_audio_at < record.answer_audio_at
+    if answer_ahead:  # released with the kept answer, not before the final transcript
+        assert record.ahead_kept and record.acknowledged_at >= record.final_at
+    parts = record.breakdown()
+    assert parts["total"] < parts["answer_total"]
+
+
+def test_an_answer_dropped_ahead_says_nothing_of_its_call(tool_engine):
+    speaker = NullSpeaker()
+    assistant = VoiceAssistant(tool_engine, speaker, system=SYSTEM, tools=TOOLS, tool_choice="required",
+                               confirm="template", acknowledge=True, max_new_tokens=40, answer_ahead=True)
+    # the final transcript is not the last partial's text: the answer begun on it is dropped
+    script = timed_partials(FINAL, revisions=[(len(FINAL.split()), FINAL + " please")], asr_delay=0.2)
+    [record] = asyncio.run(assistant.run(ScriptedRecognizer([script], speed=0.1)))
+    assert not record.ahead_kept and len(assistant.car.log) == len(record.tool_calls) == 1
+    assert [chunk for chunk, _ in speaker.said][0] == "Navigating " and len(speaker.said) == 2
+
+
 def test_barge_in_while_the_tool_result_is_spoken_keeps_the_chat_consistent(tool_engine):
     speaker = NullSpeaker(seconds_per_char=0.03)
     assistant = VoiceAssistant(tool_engine, speaker, system=SYSTEM, tools=TOOLS, tool_choice="required",

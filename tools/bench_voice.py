@@ -20,7 +20,11 @@ Per sample, seconds from the end of speech (TurnRecord.breakdown): asr, first_to
 transcript -> first token: a listen in flight, the prefill, the first pick; ``prefill`` is the
 runtime's part), tools (first token -> calls decoded and run), first_clause (-> the first
 speakable chunk of the answer: after tool results, their prefill and the decode of the
-clause), audio (-> its first sample), total. Tool calls are judged by
+clause), audio (-> its first sample), total. With ``--acknowledge`` the app says what it is
+doing as soon as the call's name is decoded ("Navigating"), and the template confirmation says
+the rest ("to the airport."): ``total`` is then the acknowledgement's first sample, and
+``answer_total`` (end of speech to the confirmation's first sample) is what ``total`` is
+without it. Tool calls are judged by
 tools/benchlib/voice.py's ``check_calls`` (right tool; right arguments, normalised). The first
 generation's ``tool_choice`` is ``required`` by default: the demo's and the pair's models do
 not write a call on their own (``--tool-choice auto`` shows it), so the three commands that
@@ -64,7 +68,7 @@ from tools.benchlib.voice import check_calls, percentiles
 ROOT = Path(__file__).resolve().parents[1]
 COMMANDS = Path(__file__).with_name("voice_commands.json")
 COMPONENTS = ("asr", "first_token", "prefill", "tools", "first_clause", "audio", "total")
-SUMMARIZED = (*COMPONENTS, "speech_to_token")
+SUMMARIZED = (*COMPONENTS, "answer_total", "speech_to_token")
 LISTEN = {"off": "listen-off", "on": "listen-on", "answer": "answer-ahead"}  # --listen values: the rows' names
 
 
@@ -113,6 +117,7 @@ async def one_turn(engine, command: dict[str, Any], mode: str, listen: str, args
     assistant = VoiceAssistant(engine, speaker, tools=None if args.no_tools else CAR_TOOLS, listen_ahead=listen != "off",
                                answer_ahead=listen == "answer",
                                max_new_tokens=args.max_new_tokens, tool_choice=args.tool_choice, confirm=args.confirm,
+                               acknowledge=args.acknowledge,
                                mode=mode, share_prefix=True, **({} if mode == "auto" else {"light": args.light}))
     if listen == "off":  # nothing happens while the words are spoken: not waited for (the ASR's delay still is)
         utterance = Utterance(utterance.final, [], 0.0, utterance.asr_delay)
@@ -125,7 +130,7 @@ async def one_turn(engine, command: dict[str, Any], mode: str, listen: str, args
             "listen_seconds": record.listen_seconds, "listen_wait": record.listen_wait,
             "answered_ahead": record.answered_ahead, "ahead_kept": record.ahead_kept,
             "prompt_tokens": record.prompt_tokens, "tokens": record.tokens, "finish_reason": record.finish_reason,
-            "tool_calls": record.tool_calls, "answer": record.answer,
+            "tool_calls": record.tool_calls, "answer": record.answer, "acknowledgement": record.acknowledgement,
             "check": {"right_tool": check.right_tool, "right_arguments": check.right_arguments, "reason": check.reason}}
 
 
@@ -161,19 +166,24 @@ def ms(value: float | None) -> str:
 
 def markdown(result: dict[str, Any]) -> str:
     summary = result["summary"]
+    acknowledged = result["settings"].get("acknowledge", False)
     lines = [f"Voice latency, {result['bundle']}, {result['settings']['commands']} commands, backend "
              f"{result['backend']}, {result['threads']} threads, TTS {result['tts']}, tools "
              + (f"tool_choice {result['settings']['tool_choice']}, confirm {result['settings']['confirm']}"
-                if result["settings"]["tools"] else "off") + f", {result['created']}",
+                + (", acknowledge" if acknowledged else "") if result["settings"]["tools"] else "off")
+             + f", {result['created']}",
              f"(`{result['command']}`; commit {(result['commit']['commit'] or '?')[:10]}"
              f"{' dirty' if result['commit']['dirty'] else ''}; {result['machine'].get('cpu')})", "",
-             "End of speech to the first audio sample, ms (p50 / p95), and its parts:", "",
-             "| configuration | runs as | n | total | asr | first token | (prefill) | tools | first clause | audio | "
-             "right tool | right calls |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "End of speech to the first audio sample, ms (p50 / p95)"
+             + (" (the acknowledgement's; `to confirmation`: the confirmation's first sample)" if acknowledged else "")
+             + ", and the parts of the answer's:", "",
+             "| configuration | runs as | n | total | " + ("to confirmation | " if acknowledged else "")
+             + "asr | first token | (prefill) | tools | first clause | audio | right tool | right calls |",
+             "|---|---|---|---|" + ("---|" if acknowledged else "") + "---|---|---|---|---|---|---|---|"]
+    shown = ("total", *(("answer_total",) if acknowledged else ()), *COMPONENTS[:-1])
     for name, row in summary["rows"].items():
-        total, *parts = [f"{ms(row[c]['p50'])} / {ms(row[c]['p95'])}" for c in ("total", *COMPONENTS[:-1])]
-        lines.append(f"| {name} | {', '.join(row['ran'])} | {row['n']} | {total} | {' | '.join(parts)} | "
+        cells = [f"{ms(row[c]['p50'])} / {ms(row[c]['p95'])}" for c in shown]
+        lines.append(f"| {name} | {', '.join(row['ran'])} | {row['n']} | {' | '.join(cells)} | "
                      f"{row['right_tool']}/{row['n']} | {row['right_calls']}/{row['n']} |")
     lines += ["", "Answers equal to the cold prefill's (tokens): " + ", ".join(
         f"{name} {v['same']}/{v['of']}" for name, v in summary["listen_ahead_same_tokens"].items())]
@@ -264,6 +274,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "that expect words cannot be right) or auto (whether the model calls on its own)")
     parser.add_argument("--confirm", choices=["model", "template"], default="model",
                         help="after a tool ran: the model's words are spoken, or the car's own confirmation at once")
+    parser.add_argument("--acknowledge", action="store_true",
+                        help="say what the car is doing as soon as a call's name is decoded (the app's acknowledge)")
     parser.add_argument("--no-tools", action="store_true", help="chat without the car's tools (latency of words alone)")
     parser.add_argument("--warmup", type=int, default=1, help="commands run first per mode and not counted")
     parser.add_argument("--out", type=Path, default=ROOT / "bench-results" / "voice")
@@ -316,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
               "commit": commit(), "machine": machine_info(), "notes": notes,
               "settings": {"commands": len(commands), "modes": modes, "light": args.light, "listen": args.listen,
                            "commands_file": str(args.commands_file), "tools": not args.no_tools,
-                           "tool_choice": args.tool_choice, "confirm": args.confirm,
+                           "tool_choice": args.tool_choice, "confirm": args.confirm, "acknowledge": args.acknowledge,
                            "wpm": args.wpm, "speed": args.speed, "asr_delay": args.asr_delay,
                            "max_new_tokens": args.max_new_tokens, "warmup": args.warmup},
               "wall_seconds": time.perf_counter() - started, "samples": samples}

@@ -45,7 +45,15 @@ from edgeroute.runtime.memory import check_fit
 from edgeroute.runtime.options import EngineOptions
 from edgeroute.runtime.routers import TrainedRouter
 from edgeroute.runtime.text_stream import IncrementalDetokenizer, StopFilter
-from edgeroute.runtime.tools import ContentFilter, ToolCall, parse_tool_choice, parse_tools, split_tool_calls, tool_grammar
+from edgeroute.runtime.tools import (
+    CallNames,
+    ContentFilter,
+    ToolCall,
+    parse_tool_choice,
+    parse_tools,
+    split_tool_calls,
+    tool_grammar,
+)
 from edgeroute.skip_options import SkipOptions
 
 Messages = Sequence[dict[str, Any]]
@@ -681,17 +689,23 @@ class Session:
                 self._finish(generation, self.engine.decode(generation.tokens), finish)
 
     def stream(self, prompt: str | Messages, on_token: Callable[[TokenTrace], None] | None = None,
-               tool_choice: ToolChoice = None, **overrides: Any) -> Iterator[str]:
+               tool_choice: ToolChoice = None, on_tool_name: Callable[[str], None] | None = None,
+               **overrides: Any) -> Iterator[str]:
         """Text pieces as they are decoded (a voice app speaks while the model writes). Each
         token's text is decoded once, from a short window; a tail that may begin a stop string
         is held back until it is known not to. With tools, only the content is streamed (the
-        calls come in ``self.last.tool_calls`` at the end)."""
+        calls come in ``self.last.tool_calls`` at the end); ``on_tool_name`` gets each call's
+        name as soon as it is decoded, before its arguments (on the decoding thread)."""
         options = self._options(overrides)
         with self._exclusive():
             generation, traces = self._begin(prompt, options, tool_choice)
             detokenizer, stops = IncrementalDetokenizer(self.engine.decode), StopFilter(options.stop)
+            fmt = self.engine.tool_format
             content = None if self._tool_choice is None else \
-                ContentFilter(self.engine.tool_format, self.engine.markup_token(self.engine.tool_format.call_open.strip()))
+                ContentFilter(fmt, self.engine.markup_token(fmt.call_open.strip()))
+            names = None if self._tool_choice is None or on_tool_name is None else \
+                CallNames(fmt, self.engine.markup_token(fmt.call_open.strip()),
+                          self.engine.markup_token(fmt.call_close.strip()))
             shown: list[str] = []
             finish, last_text = "length", None
             try:
@@ -703,6 +717,8 @@ class Session:
                         trace.text, last_text = detokenizer.add(trace.token), trace
                     if on_token is not None:  # the trace covers every generated token, the end marker too
                         on_token(trace)
+                    if names is not None and not ended and (name := names.push(trace.token, trace.text)):
+                        on_tool_name(name)
                     if ended:
                         finish = "eos"
                         break
@@ -732,12 +748,14 @@ class Session:
     # -- asyncio --------------------------------------------------------------------------------
 
     async def astream(self, prompt: str | Messages, on_token: Callable[[TokenTrace], None] | None = None,
-                      tool_choice: ToolChoice = None, **overrides: Any) -> AsyncIterator[str]:
+                      tool_choice: ToolChoice = None, on_tool_name: Callable[[str], None] | None = None,
+                      **overrides: Any) -> AsyncIterator[str]:
         """``stream`` for an event loop: the decode runs on a worker thread and its pieces are
         awaited here. Cancelling the awaiting task, or leaving the loop early, stops the decode
-        within one token (see :mod:`edgeroute.runtime.aio`); ``on_token`` runs on the worker."""
-        async for piece in iterate_in_thread(lambda: self.stream(prompt, on_token, tool_choice, **overrides),
-                                             self.cancel):
+        within one token (see :mod:`edgeroute.runtime.aio`); ``on_token`` and ``on_tool_name``
+        run on the worker."""
+        async for piece in iterate_in_thread(
+                lambda: self.stream(prompt, on_token, tool_choice, on_tool_name, **overrides), self.cancel):
             yield piece
 
     async def agenerate(self, prompt: str | Messages, tool_choice: ToolChoice = None, **overrides: Any) -> Generation:

@@ -9,7 +9,9 @@
   always parses and validates. With special-token markup (Qwen2.5's ``<tool_call>``) free text
   cannot contain it; with text markup, free text excludes it.
 - :func:`split_tool_calls` turns the answer into its content and :class:`ToolCall` objects;
-  :class:`ContentFilter` lets a stream show the content only (a voice app must not speak JSON).
+  :class:`ContentFilter` lets a stream show the content only (a voice app must not speak JSON);
+  :class:`CallNames` tells a stream each call's name as soon as it is decoded, before its
+  arguments (OpenAI's streamed calls send the name in their first delta the same way).
 
 The constraint is the same object as a ``response_format``'s, so every lossless mode gives the
 calls ``full`` gives.
@@ -184,3 +186,40 @@ class ContentFilter:
     def flush(self) -> str:
         released, self.pending = ("" if self.calling else self.pending), ""
         return released
+
+
+# a call's JSON as the grammar lets it begin: the name first (the schema lists it first)
+CALL_NAME = re.compile(r'\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_-]{1,64})"')
+
+
+class CallNames:
+    """The name of each call in a streamed answer, as soon as its closing quote is decoded
+    (a voice app can say what it is about to do while the arguments are still being written)."""
+
+    def __init__(self, fmt: ToolFormat, open_token: int | None, close_token: int | None) -> None:
+        self.opening, self.closing = fmt.call_open.strip(), fmt.call_close.strip()
+        self.open_token, self.close_token = open_token, close_token
+        self.text, self.call = "", None  # the text since the last markup; None: not inside a call
+        self.named = False
+
+    def push(self, token: int, text: str) -> str | None:
+        """The name completed by this token, if any."""
+        if token == self.open_token or token == self.close_token:
+            self.text, self.call, self.named = "", token == self.open_token, False
+            return None
+        self.text += text
+        if not self.call:
+            at = self.text.find(self.opening)
+            if at < 0:
+                self.text = self.text[-len(self.opening):]  # enough to find markup split across tokens
+                return None
+            self.text, self.call, self.named = self.text[at + len(self.opening):], True, False
+        if self.named:
+            if (at := self.text.find(self.closing)) >= 0:
+                self.text, self.call = self.text[at + len(self.closing):], False
+                return self.push(-1, "")  # the next call may open in the same piece
+            return None
+        if match := CALL_NAME.match(self.text):
+            self.named = True
+            return match.group(1)
+        return None

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from examples.voice_assistant.asr import Partial, Recognizer, ScriptedRecognizer, Utterance
-from examples.voice_assistant.car import CAR_TOOLS, CarState, confirmation
+from examples.voice_assistant.car import CAR_TOOLS, CarState, acknowledgement, confirmation
 from examples.voice_assistant.speech import SentenceSplitter, Speaker, speakable
 
 SYSTEM = ("You are the voice assistant of a car. When the driver asks for something a tool does, call the tool. "
@@ -52,8 +52,10 @@ class TurnRecord:
     begin_at: float | None = None  # the first generation asked for (after the listen in flight)
     first_token_at: float | None = None  # the first generation's first token the model picked (a tool call's too)
     tools_done_at: float | None = None  # tool calls decoded and run
+    acknowledged_at: float | None = None  # the first call's name decoded and its acknowledgement queued
     first_clause_at: float | None = None  # the first speakable chunk of the answer complete
-    first_audio_at: float | None = None  # its first audio sample
+    first_audio_at: float | None = None  # the first audio sample (the acknowledgement's, with one)
+    answer_audio_at: float | None = None  # the first audio sample of the answer proper (not the acknowledgement)
     done_at: float | None = None
     prompt_tokens: int = 0  # the first generation's prompt tokens after what the chat held (listen-ahead's included)
     tokens: list[int] = field(default_factory=list)  # the first generation's tokens
@@ -61,6 +63,7 @@ class TurnRecord:
     tool_calls: list[dict[str, Any]] = field(default_factory=list)  # {"id", "name", "arguments"}
     tool_results: list[dict[str, Any]] = field(default_factory=list)
     answer: str = ""  # the words of the answer (every generation's text)
+    acknowledgement: str = ""  # said when the first call's name was decoded (``acknowledge``)
     spoken: str = ""  # of the interrupted generation's text, what was said (barge-in)
     barged_in: bool = False
 
@@ -71,11 +74,13 @@ class TurnRecord:
         count), ``tools`` (from the first token to the calls decoded and run; 0 without),
         ``first_clause`` (to the first speakable chunk: the answer's prefill after tool results
         and its decode), ``audio`` (from that chunk to its first audio sample) and ``total``
-        (end of speech to the first audio sample); ``speech_to_token``: end of speech to the
-        first token (``asr`` + ``first_token``). ``prefill``: the part of ``first_token``
-        after the generation was asked for (the listen in flight is the rest). An answer begun
-        ahead on the last partial and kept counts its first token from the final transcript
-        when it was picked before (nothing is released before the driver is known to have
+        (end of speech to the first audio sample: with ``acknowledge``, the acknowledgement's);
+        ``answer_total``: end of speech to the first audio sample of the answer proper (the
+        confirmation or the model's words; ``total`` without an acknowledgement);
+        ``speech_to_token``: end of speech to the first token (``asr`` + ``first_token``).
+        ``prefill``: the part of ``first_token`` after the generation was asked for (the listen
+        in flight is the rest). An answer begun ahead on the last partial and kept counts its
+        first token from the final transcript when it was picked before (nothing is released before the driver is known to have
         finished), and its ``prefill`` from when it began."""
         def span(a: float | None, b: float | None) -> float | None:
             return b - a if a is not None and b is not None else None
@@ -85,8 +90,9 @@ class TurnRecord:
                 "prefill": span(self.begin_at, self.first_token_at),
                 "tools": span(self.first_token_at, self.tools_done_at) if self.tool_calls else 0.0,
                 "first_clause": span(after_token, self.first_clause_at),
-                "audio": span(self.first_clause_at, self.first_audio_at),
+                "audio": span(self.first_clause_at, self.answer_audio_at),
                 "total": span(self.speech_end, self.first_audio_at),
+                "answer_total": span(self.speech_end, self.answer_audio_at),
                 "speech_to_token": span(self.speech_end, self.first_token_at)}
 
     def as_dict(self) -> dict[str, Any]:
@@ -96,6 +102,13 @@ class TurnRecord:
 NOTHING_HEARD = {"listened": 0, "tokens": 0, "seconds": 0.0, "answered": 0}  # an utterance's listening, before it
 
 
+@dataclass(frozen=True)
+class _CallNamed:
+    """In an answer-ahead's pieces: the model chose to call ``name`` (acknowledged when released)."""
+
+    name: str
+
+
 @dataclass
 class _AnswerAhead:
     """The first generation begun on a partial transcript: its pieces wait, unspoken and its
@@ -103,7 +116,7 @@ class _AnswerAhead:
 
     text: str
     number: int  # its generation's number
-    pieces: asyncio.Queue = field(default_factory=asyncio.Queue)  # str pieces, then None
+    pieces: asyncio.Queue = field(default_factory=asyncio.Queue)  # str pieces and _CallNamed, then None
     task: asyncio.Task | None = None
     begin_at: float | None = None
     first_token_at: float | None = None
@@ -120,26 +133,29 @@ class VoiceAssistant:
     otherwise it is cancelled and forgotten (``Session.barge_in(None)``: the message's K/V
     rows stay for the retry) and the final is answered. The output is the same either way;
     a wrong guess costs the cancel (one decode step), and a partial that is answered and
-    superseded costs the decode it ran. ``keep_interrupted``: a barge-in keeps what was said of the answer (else the
-    exchange is forgotten). ``tool_choice``: the first generation's (auto, required, none or
+    superseded costs the decode it ran. ``keep_interrupted``: a barge-in keeps what was said
+    of the answer (else the exchange is forgotten). ``tool_choice``: the first generation's (auto, required, none or
     a named tool); after one round of calls (``max_tool_rounds``) the model answers in words.
     ``confirm``: "model", the model's words after the tool results are spoken; "template",
     the car's own confirmation (``car.confirmation``) is spoken as soon as the calls ran, and
     the model's words are kept in the chat unspoken (the first audio does not wait for a
-    second generation). ``context_policy``: the chat's ("drop_oldest": a conversation that
-    fills the context forgets its oldest exchanges; the system prompt stays). ``clause_chars``,
-    ``max_chars``: how the answer is cut into chunks (:class:`SentenceSplitter`).
+    second generation). ``acknowledge``: as soon as the first call's name is decoded, before
+    its arguments, say what the car is doing (``car.acknowledgement``: "Navigating"); the
+    template confirmation then says the rest ("to the airport."). ``context_policy``: the
+    chat's ("drop_oldest": a conversation that fills the context forgets its oldest
+    exchanges; the system prompt stays). ``clause_chars``, ``max_chars``: how the answer is
+    cut into chunks (:class:`SentenceSplitter`).
     ``decoding``: the chat's DecodeOptions fields (mode, light, ...)."""
 
     def __init__(self, engine, speaker: Speaker, *, system: str = SYSTEM, tools: list[dict[str, Any]] | None = CAR_TOOLS,
                  car: CarState | None = None, listen_ahead: bool = True, answer_ahead: bool = False,
                  keep_interrupted: bool = True,
                  tool_choice: Any = "auto", max_tool_rounds: int = 1, clause_chars: int | None = 24, max_chars: int | None = 160,
-                 max_new_tokens: int = 64, share_prefix: bool = True, confirm: str = "model", context_policy: str = "drop_oldest",
-                 **decoding: Any) -> None:
+                 max_new_tokens: int = 64, share_prefix: bool = True, confirm: str = "model", acknowledge: bool = False,
+                 context_policy: str = "drop_oldest", **decoding: Any) -> None:
         if confirm not in ("model", "template"):
             raise ValueError(f"confirm must be model or template (got {confirm!r})")
-        self.confirm, self.system = confirm, system
+        self.confirm, self.system, self.acknowledge = confirm, system, acknowledge and bool(tools)
         self.engine, self.speaker, self.car = engine, speaker, car if car is not None else CarState()
         self.tools, self.tool_choice, self.max_tool_rounds = tools, tool_choice, max_tool_rounds
         self.listen_ahead, self.keep_interrupted = listen_ahead, keep_interrupted
@@ -201,6 +217,14 @@ class VoiceAssistant:
         def first_token(trace) -> None:  # on the decode's worker thread
             if ahead.first_token_at is None and trace.source != "grammar":
                 ahead.first_token_at = time.perf_counter()
+
+        loop = asyncio.get_running_loop()
+
+        def named(name: str) -> None:  # on the decode's worker thread
+            loop.call_soon_threadsafe(ahead.pieces.put_nowait, _CallNamed(name))
+
+        if self.acknowledge:
+            options["on_tool_name"] = named
 
         async def answer() -> None:
             ahead.begin_at = time.perf_counter()
@@ -285,6 +309,7 @@ class VoiceAssistant:
     async def _respond(self, record: TurnRecord, ahead: _AnswerAhead | None = None) -> None:
         queue: asyncio.Queue = asyncio.Queue()
         speaking = asyncio.create_task(self._speak(queue, record))
+        loop = asyncio.get_running_loop()
         try:
             prompt: Any = record.final
             for round_ in range(self.max_tool_rounds + 1):
@@ -309,10 +334,16 @@ class VoiceAssistant:
 
                 if round_ == 0:
                     record.begin_at = time.perf_counter() if kept is None else kept.begin_at
+                    if self.acknowledge:
+                        options["on_tool_name"] = lambda name: loop.call_soon_threadsafe(
+                            self._acknowledge, queue, name, record)
 
                 pieces = (self.chat.astream(prompt, on_token=first_token, **options) if kept is None else
                           self._kept_pieces(kept))
                 async for piece in pieces:
+                    if isinstance(piece, _CallNamed):
+                        self._acknowledge(queue, piece.name, record)
+                        continue
                     for chunk in [] if silent else splitter.push(piece):
                         self._queue(queue, number, chunk, record)
                 if kept is not None and kept.first_token_at is not None:  # released at the final, not before
@@ -335,8 +366,10 @@ class VoiceAssistant:
                     results.append({"role": "tool", "tool_call_id": call.id, "content": json.dumps(result)})
                 record.tools_done_at = time.perf_counter()
                 if self.confirm == "template":
-                    said = " ".join(confirmation(c["name"], c["arguments"], r) for c, r in
-                                    zip(record.tool_calls[-len(calls):], record.tool_results[-len(calls):], strict=True))
+                    said = " ".join(confirmation(c["name"], c["arguments"], r, acknowledged=i == 0 and round_ == 0 and
+                                                 bool(record.acknowledgement))
+                                    for i, (c, r) in enumerate(zip(record.tool_calls[-len(calls):],
+                                                                   record.tool_results[-len(calls):], strict=True)))
                     self._queue(queue, 0, said + " ", record)  # generation 0: words of no generation
                 prompt = results
             queue.put_nowait(None)
@@ -351,15 +384,25 @@ class VoiceAssistant:
     def _queue(self, queue: asyncio.Queue, number: int, chunk: str, record: TurnRecord) -> None:
         if record.first_clause_at is None and speakable(chunk):
             record.first_clause_at = time.perf_counter()
-        queue.put_nowait((number, chunk))
+        queue.put_nowait((number, chunk, False))
+
+    def _acknowledge(self, queue: asyncio.Queue, name: str, record: TurnRecord) -> None:
+        """Say what the first call of the turn does, once (generation 0: words of no generation)."""
+        if record.acknowledgement or record.tool_calls:
+            return
+        record.acknowledgement, record.acknowledged_at = acknowledgement(name), time.perf_counter()
+        queue.put_nowait((0, record.acknowledgement + " ", True))
 
     async def _speak(self, queue: asyncio.Queue, record: TurnRecord) -> None:
-        def first_audio(t: float) -> None:
-            if record.first_audio_at is None:
-                record.first_audio_at = t
-
         while (item := await queue.get()) is not None:
-            number, chunk = item
+            number, chunk, acknowledging = item
+
+            def first_audio(t: float, answer: bool = not acknowledging) -> None:
+                if record.first_audio_at is None:
+                    record.first_audio_at = t
+                if answer and record.answer_audio_at is None:
+                    record.answer_audio_at = t
+
             await self.speaker.speak(chunk, first_audio)
             self._spoken[number].append(chunk)
 

@@ -121,20 +121,36 @@ class CarState:
         return {"ok": True, "reminder": text, "time": time}
 
 
-def confirmation(name: str, arguments: dict[str, Any], result: dict[str, Any]) -> str:
+# what the car says it is doing, from a call's name alone (the app's ``acknowledge``): the
+# confirmation's opening words, so the rest of it follows as one sentence
+ACKNOWLEDGEMENTS = {"navigate": "Navigating", "set_temperature": "Setting", "call": "Calling", "play_media": "Playing",
+                    "set_reminder": "Setting a reminder"}
+
+
+def acknowledgement(name: str) -> str:
+    """What to say as soon as the model has chosen to call ``name``, before its arguments."""
+    return ACKNOWLEDGEMENTS.get(name, "One moment")
+
+
+def confirmation(name: str, arguments: dict[str, Any], result: dict[str, Any], acknowledged: bool = False) -> str:
     """What the car says it did, from the call and its result (the app's ``confirm="template"``:
-    spoken as soon as the call ran, without waiting for the model's own words)."""
+    spoken as soon as the call ran, without waiting for the model's own words). ``acknowledged``:
+    the call's :func:`acknowledgement` was said already; this is the rest of the sentence."""
     if not result.get("ok"):
         return "Sorry, I could not do that."
     if name == "navigate":
-        return f"Navigating to {arguments['destination']}."
-    if name == "set_temperature":
+        rest = f"to {arguments['destination']}."
+    elif name == "set_temperature":
         zone = arguments.get("zone", "all")
         where = "the temperature" if zone == "all" else f"the {zone} side" if zone != "rear" else "the rear"
-        return f"Setting {where} to {arguments['temperature_c']:g} degrees."
-    if name == "call":
-        return f"Calling {arguments['contact']}."
-    if name == "play_media":
-        return f"Playing {arguments['query']}."
-    at = f" at {arguments['time']}" if arguments.get("time") else ""
-    return f"I will remind you to {arguments['text']}{at}."
+        rest = f"{where} to {arguments['temperature_c']:g} degrees."
+    elif name == "call":
+        rest = f"{arguments['contact']}."
+    elif name == "play_media":
+        rest = f"{arguments['query']}."
+    elif name == "set_reminder":
+        at = f" for {arguments['time']}" if arguments.get("time") else ""
+        rest = f"to {arguments['text']}{at}."
+    else:
+        return "Done." if acknowledged else f"Done: {name}."
+    return rest if acknowledged else f"{acknowledgement(name)} {rest}"
