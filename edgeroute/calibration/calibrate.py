@@ -24,12 +24,18 @@ import numpy as np
 
 from edgeroute import __version__
 from edgeroute.bundle import Bundle, Calibration, RouterCalibration
-from edgeroute.calibration.checks import prompt_case
+from edgeroute.calibration.checks import prompt_case, task_response_format
 from edgeroute.calibration.drafting import (
+    LINEAR,
+    DraftCosts,
     DraftFit,
     DraftSetting,
+    TreeFit,
+    TreeShape,
     fit_drafting,
     fit_per_task,
+    fit_tree,
+    fit_tree_per_task,
     measure_costs,
     runtime_default,
 )
@@ -85,7 +91,7 @@ from edgeroute.quality.runs import (
     run_cases,
     summarize,
 )
-from edgeroute.runtime.calibrated import AUTO_KEYS, SKIP_KEYS, router_key
+from edgeroute.runtime.calibrated import AUTO_KEYS, SKIP_KEYS, TREE_KEYS, router_key
 from edgeroute.runtime.decoding import VERIFIED_BASELINE
 from edgeroute.runtime.drafters import Proposal
 from edgeroute.runtime.engine import Engine
@@ -107,6 +113,7 @@ MIN_REPLAYED_SPEEDUP = 1.01  # a draft setting that replays slower than this is 
 FITTED_DRAFTS = "speculate/slm+fitted"  # the runtime runs' name for speculate/slm with the fitted draft setting
 OVERALL_DRAFTS = "speculate/slm+overall"  # the overall fitted setting on every task (confirms tasks' own settings)
 LOOKUP_THEN_SLM = "speculate/ngram+slm"  # prompt lookup where its match is long, the SLM (fitted drafts) elsewhere
+LOOKUP_TREES = "speculate/ngram+tree"  # speculate/ngram with the fitted tree shape (a task's own on its prompts)
 MIN_SPEEDUP = 1.05  # below this a configuration's gain over full is within the timing noise of a shared machine
 EXECUTORS = ("local", "ray")
 SLM_BASELINES = {"entropy": TOP_K, "top1": TOP_K + 1, "margin": TOP_K + 2}  # column after the hidden state
@@ -408,7 +415,7 @@ def choose_profiles(runs: dict[str, list[dict[str, Any]]], configs: list[RunConf
         best = max(qualified, key=lambda c: speed[c.name])
         if best.name != "full" and speed[best.name] < MIN_SPEEDUP:
             best = configs[0]
-        options = {k: v for k, v in best.options_for(task).items() if k in (*AUTO_KEYS, *SKIP_KEYS)}
+        options = {k: v for k, v in best.options_for(task).items() if k in (*AUTO_KEYS, *TREE_KEYS, *SKIP_KEYS)}
         if task == "json" and options["mode"] == "route":
             options["protect_format"] = True
         chosen = figures[best.name]
@@ -429,6 +436,7 @@ class DraftingResult:
     figures: dict[str, Any]
     per_task: dict[str, DraftFit] = field(default_factory=dict)  # tasks whose own setting replays faster
     default: DraftSetting = field(default_factory=runtime_default)  # the runtime's own on the measured backend
+    costs: DraftCosts | None = None  # what the fit read (the lookup's tree fit reads them too)
 
     def run_config(self) -> RunConfig | None:
         """speculate/slm with the fitted settings: the overall one, a task's own for its prompts."""
@@ -504,10 +512,81 @@ def calibrate_drafting(engine: Engine, slm: LightData) -> DraftingResult:
     if not pays:
         return DraftingResult(None, f"speculate/slm: no draft setting replayed faster than the defaults "
                                     f"({fit.speedup_vs_default:.3f}x on validation prompts): defaults kept{own}",
-                              figures, per_task, default)
+                              figures, per_task, default, costs)
     return DraftingResult(fit, f"speculate/slm: drafts of at most {setting.max_tokens} tokens, ending below SLM "
                                f"confidence {setting.confidence} (replayed {fit.speedup_vs_default:.3f}x the "
-                               f"defaults on validation prompts){own}", figures, per_task, default)
+                               f"defaults on validation prompts){own}", figures, per_task, default, costs)
+
+
+@dataclass
+class TreeResult:
+    fit: TreeFit | None  # None: no tree replayed faster than linear drafts, or the backend verifies none
+    why: str
+    figures: dict[str, Any]
+    per_task: dict[str, TreeShape] = field(default_factory=dict)  # tasks whose own shape replays faster
+
+    @property
+    def shape(self) -> TreeShape:
+        return self.fit.shape if self.fit is not None else LINEAR
+
+    def run_config(self) -> RunConfig | None:
+        """speculate/ngram with the fitted shapes: the overall one, a task's own for its prompts."""
+        if self.fit is None and not self.per_task:
+            return None
+        return RunConfig(LOOKUP_TREES, {"mode": "speculate", "light": "ngram", **self.shape.options()},
+                         {task: shape.options() for task, shape in self.per_task.items()})
+
+
+def lookup_answers(engine: Engine, labels: Labels, by_id: dict[str, CalibrationPrompt],
+                   ) -> tuple[list[tuple[list[int], list[int]]], list[str]]:
+    """Every labelled prompt's ids and the LLM's answer to it (in answer order): what the lookup's
+    drafts are replayed over (:func:`edgeroute.calibration.drafting.lookup_passes`); and its id."""
+    answers = []
+    for index, prompt_id in enumerate(labels.prompt_ids):
+        rows = np.flatnonzero(labels["prompt"] == index)
+        answer = labels["llm_token"][rows[np.argsort(labels["position"][rows])]].tolist()
+        answers.append((engine.encode_prompt([{"role": "user", "content": by_id[prompt_id].content}]), answer))
+    return answers, list(labels.prompt_ids)
+
+
+def calibrate_trees(answers: list[tuple[list[int], list[int]]], splits: np.ndarray, tasks: np.ndarray,
+                    costs: DraftCosts, runs_trees: bool) -> TreeResult:
+    """Fit the tree shape of speculate/ngram's lookup drafts (see ``drafting.fit_tree``) over all
+    answers and per task (``tasks``: each answer's index in TASKS); a tree is kept for the runtime
+    runs only where it replays at least MIN_REPLAYED_SPEEDUP faster than linear drafts on the
+    validation prompts (a task's own: than the overall shape), and only where the LLM's backend
+    verifies trees (``runs_trees``). A task whose profile constrains its output is left out: a
+    grammar keeps drafts linear."""
+    if not runs_trees:
+        return TreeResult(None, "speculate/ngram: the LLM's backend verifies no draft trees: drafts stay linear", {})
+    free = np.asarray([task_response_format(TASKS[t]) is None for t in tasks], bool)
+    if not free.any():
+        return TreeResult(None, "speculate/ngram: every task constrains its output: drafts stay linear", {})
+    kept = [a for a, f in zip(answers, free, strict=True) if f]
+    fit = fit_tree(kept, splits[free], costs)
+    figures = fit.to_dict()
+    pays = fit.shape != LINEAR and fit.speedup_vs_linear >= MIN_REPLAYED_SPEEDUP
+    overall = fit.shape if pays else LINEAR
+    per_task, notes = {}, []
+    for index, task_fit in fit_tree_per_task(kept, splits[free], tasks[free], costs).items():
+        task = TASKS[index]
+        validation = task_fit.curve[task_fit.shape.name]["validation"]
+        gain = validation / max(task_fit.curve[overall.name]["validation"], 1e-12)
+        figures.setdefault("per_task", {})[task] = {"shape": asdict(task_fit.shape), "replayed_vs_overall": gain,
+                                                   "replayed_tok_s": validation}
+        if task_fit.shape != overall and gain >= MIN_REPLAYED_SPEEDUP:
+            per_task[task] = task_fit.shape
+            notes.append(f"{task} {task_fit.shape.name} ({gain:.3f}x)")
+    if pays:  # constrained tasks run linear drafts anyway: their profiles say so
+        per_task.update({t: LINEAR for t in TASKS if task_response_format(t) is not None})
+    own = f"; a task's own (branches x tokens, replayed vs the overall): {', '.join(notes)}" if notes else ""
+    if not pays:
+        return TreeResult(None, f"speculate/ngram: no draft tree replayed faster than linear drafts "
+                                f"({fit.speedup_vs_linear:.3f}x on validation prompts): drafts stay linear{own}",
+                          figures, per_task)
+    return TreeResult(fit, f"speculate/ngram: draft trees of up to {overall.branches} lookup continuations, "
+                           f"{overall.nodes} tokens (replayed {fit.speedup_vs_linear:.3f}x linear drafts on "
+                           f"validation prompts){own}", figures, per_task)
 
 
 # -- skipping ----------------------------------------------------------------------------------------
@@ -581,6 +660,7 @@ class CalibrationRun:
     configs: list[RunConfig] = field(default_factory=list)
     drafting: DraftingResult | None = None
     fitted_drafts: RunConfig | None = None
+    trees: TreeResult | None = None  # speculate/ngram's draft trees
     skipping: list[SkipVerdict] = field(default_factory=list)
     held_out: list[TaskCase] = field(default_factory=list)  # what the runtime runs judge: never labelled
     runs: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
@@ -662,6 +742,15 @@ class CalibrationRun:
         overall_drafts = self.drafting.overall_config()
         if overall_drafts is not None:
             self.configs.append(overall_drafts)
+        with self.timed("tree fit"):
+            answers, ids = lookup_answers(self.engine, self.labels, self.by_id)
+            tasks = np.asarray([TASKS.index(self.by_id[i].task) for i in ids])
+            self.trees = calibrate_trees(answers, np.asarray([split_of(i) for i in ids]), tasks, self.drafting.costs,
+                                         self.engine.llm.tree_forwards)
+        self.messages.append(self.trees.why)
+        lookup_trees = self.trees.run_config()
+        if lookup_trees is not None:
+            self.configs.append(lookup_trees)
         if self.options.skip_prompts and decision_points(self.engine.llm.num_layers, SkipOptions()):
             with self.timed("skipping"):
                 self.skipping = calibrate_skipping(self.engine, self.labels, self.by_id, self.options, self.progress)
@@ -681,6 +770,7 @@ class CalibrationRun:
             plain, fitted = (summarize(self.runs[name], self.runs["full"]) for name in ("speculate/slm", FITTED_DRAFTS))
             self.drafting.figures["runtime"] = {"speculate/slm": plain["tok_s"], FITTED_DRAFTS: fitted["tok_s"]}
         self._confirm_drafting()
+        self._confirm_trees()
         self._confirm_skipping()
 
     def _confirm_drafting(self) -> None:
@@ -699,6 +789,25 @@ class CalibrationRun:
         else:
             self.messages.append(f"draft setting {drafting.fit.setting.name} did not speed up speculate/slm in the "
                                  f"runtime runs ({fitted['tok_s']:.1f} vs {plain['tok_s']:.1f} tok/s): defaults kept")
+
+    def _confirm_trees(self) -> None:
+        """The overall tree shape becomes explicit speculate/ngram's default (``decoding["lookup_tree"]``)
+        where its runtime runs were faster than linear drafts' on the prompts of tasks without a
+        shape of their own (with none, the replay alone decided)."""
+        trees, runs = self.trees, self.runs
+        if trees is None or trees.fit is None:
+            return
+        pick = [i for i, r in enumerate(runs["full"]) if r["task"] not in trees.per_task]
+        linear = tree = 0.0
+        if pick:
+            linear, tree = (summarize([runs[name][i] for i in pick], [runs["full"][i] for i in pick])["tok_s"]
+                            for name in ("speculate/ngram", LOOKUP_TREES))
+            trees.figures["runtime"] = {"speculate/ngram": linear, LOOKUP_TREES: tree}
+        if not pick or tree > linear:
+            self.decoding["lookup_tree"] = trees.shape.options()
+        else:
+            self.messages.append(f"draft trees {trees.shape.name} did not speed up speculate/ngram in the runtime "
+                                 f"runs ({tree:.1f} vs {linear:.1f} tok/s): drafts stay linear")
 
     def _confirm_skipping(self) -> None:
         """A skip setting becomes the skip modes' default only where it ran faster than full on
@@ -751,6 +860,7 @@ class CalibrationRun:
             device={**cpu_signature(), "backend": engine.llm.flavour, "kv_dtype": engine.llm.kv_dtype},
             figures={"labels": label_counts(self.labels), "seconds": dict(self.seconds),
                      "drafting": self.drafting.figures,
+                     "trees": self.trees.figures if self.trees is not None else {},
                      "routers": {light: {"candidates": r.figures["candidates"], "why": r.figures["why"]}
                                  for light, r in self.routers.items()},
                      "unreachable": [r.unreachable for r in self.routers.values() if r.unreachable],

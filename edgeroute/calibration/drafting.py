@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from edgeroute.runtime.drafters import FIRST_DRAFT, DraftLength, longest_draft
+from edgeroute.runtime.drafters import FIRST_DRAFT, DraftLength, NgramDrafter, draft_lengths, longest_draft
 from edgeroute.runtime.engine import Engine
 
 CONFIDENCES = (0.0, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
@@ -53,11 +53,17 @@ class DraftCosts:
     llm_row: float
     passes: tuple[float, ...] = ()
     pass_rows: int | None = None  # the LLM backend's rows per pass (what the runtime's longest draft follows)
+    trees: tuple[float, ...] = ()  # ``trees[k]``: a tree forward over k tokens and the one before them, where measured
 
     def pass_seconds(self, drafted: int) -> float:
         if drafted < len(self.passes):
             return self.passes[drafted]
         return self.llm_pass + drafted * self.llm_row
+
+    def tree_seconds(self, drafted: int) -> float:
+        """A tree forward over ``drafted`` tokens: measured, else a linear pass of as many rows
+        (a tree forward reads the weights once too)."""
+        return self.trees[drafted] if drafted < len(self.trees) else self.pass_seconds(drafted)
 
 
 def measure_costs(engine: Engine, repeats: int = 15, longest: int = max(MAX_DRAFT_TOKENS)) -> DraftCosts:
@@ -162,7 +168,8 @@ class DraftFit:
 
     def to_dict(self) -> dict:
         return {**asdict(self), "setting": asdict(self.setting),
-                "costs": {**asdict(self.costs), "passes": list(self.costs.passes)}}  # as JSON reads it back
+                "costs": {**asdict(self.costs), "passes": list(self.costs.passes),
+                                                             "trees": list(self.costs.trees)}}  # as JSON reads it back
 
 
 def fit_drafting(agree: np.ndarray, confidence: np.ndarray, answer_ids: np.ndarray, splits: np.ndarray,
@@ -195,4 +202,143 @@ def fit_per_task(agree: np.ndarray, confidence: np.ndarray, answer_ids: np.ndarr
         answers = {split: len(np.unique(answer_ids[mask & (splits == split)])) for split in ("calibration", "validation")}
         if min(answers.values()) >= min_answers:
             fits[int(task)] = fit_drafting(agree[mask], confidence[mask], answer_ids[mask], splits[mask], costs)
+    return fits
+
+
+# -- draft trees (speculate/ngram on a backend that verifies trees) ---------------------------------
+#
+# Only the prompt lookup's trees are fitted. Its drafts are a function of the token history, so
+# replaying them over the prompt and the LLM's labelled answer gives the runtime's trees exactly
+# (the LLM's tokens are full's, greedy). The SLM's trees branch into its second and third choices
+# where it is unsure, and the labels keep only its first (``slm_token``; ``slm_features`` has the
+# alternatives' probabilities, not their ids): replaying them would need new labels (a
+# LABELS_VERSION bump relabels every shard, calibration's slowest stage) for a replay that is an
+# approximation anyway after the SLM's first wrong token. So ``--light slm`` trees stay unfitted.
+
+TREE_BRANCHES = (2, 3)  # lookup continuations a tree may hold (1: linear drafts, the baseline)
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """How speculate/ngram drafts where the LLM's backend verifies trees: up to ``branches``
+    continuations of the lookup's disagreeing matches, at most ``nodes`` tokens in a tree
+    (``branches`` 1: linear drafts, ``nodes`` unused)."""
+
+    branches: int
+    nodes: int | None = None
+
+    @property
+    def name(self) -> str:
+        return "linear" if self.branches == 1 else f"{self.branches}x{self.nodes}"
+
+    def options(self) -> dict[str, int | None]:
+        """The DecodeOptions fields of this shape."""
+        return {"draft_branches": self.branches, "draft_tree_nodes": self.nodes}
+
+
+LINEAR = TreeShape(1)
+
+
+def tree_shapes(pass_rows: int | None) -> tuple[TreeShape, ...]:
+    """Linear drafts, then trees of 2 and 3 branches whose tokens fill one, two or three passes'
+    rows (a tree's pass is its tokens and the token before them, ``pass_rows`` rows a pass: the
+    measured pass costs step where a pass's rows run out, so a size between pays for rows it leaves
+    empty), up to the longest pass ``measure_costs`` times."""
+    rows = pass_rows or longest_draft(pass_rows) // 2
+    sizes = sorted({m * rows - 1 for m in (1, 2, 3)} & set(range(2, max(MAX_DRAFT_TOKENS) + 1)))
+    return (LINEAR, *(TreeShape(b, n) for b in TREE_BRANCHES for n in sizes))
+
+
+def lookup_passes(prompt: list[int], answer: list[int], shape: TreeShape,
+                  pass_rows: int | None) -> list[tuple[int, int, bool]]:
+    """The LLM passes of greedy speculate/ngram over ``answer`` after ``prompt``, as the decoder
+    runs them (``Decoder._verify_draft`` / ``_verify_tree``), each as (drafted tokens, accepted
+    tokens, verified as a tree): the lookup drafts from the history; a tree's accepted path is its
+    longest branch prefix that matches the answer; a tree of one branch, and the first pass (it
+    catches up on the prompt), are verified as the linear draft of its first branch; the draft
+    length adapts as the runtime's does, from its defaults. Acceptance ends at the answer's end."""
+    drafter, sequence = NgramDrafter(), [*prompt, *answer]
+    length = DraftLength(*draft_lengths(None, None, pass_rows))
+    passes, position = [], 0
+    while position < len(answer):
+        history, left = sequence[:len(prompt) + position], answer[position:]
+        if shape.branches == 1:
+            tokens, parents = drafter.propose(history, length.current).tokens, None
+        else:
+            tree = drafter.propose_tree(history, length.current, shape.branches, shape.nodes)
+            tokens, parents = tree.tokens, tree.parents
+            if tree.branches < 2 or (position == 0 and len(prompt) > 1):
+                tokens, parents = tree.first_branch(), None
+        if parents is None:  # a chain: accepted up to its first token that is not the answer's
+            pairs = enumerate(zip(tokens, left, strict=False))
+            accepted = next((i for i, (t, a) in pairs if t != a), min(len(tokens), len(left)))
+            depth = len(tokens)
+        else:
+            node, accepted = -1, 0
+            while accepted < len(left):
+                node = next((i for i, (t, p) in enumerate(zip(tokens, parents, strict=True))
+                             if p == node and t == left[accepted]), None)
+                if node is None:
+                    break
+                accepted += 1
+            depth = max(_depths(parents), default=0)
+        passes.append((len(tokens), accepted, parents is not None))
+        length.update(depth, accepted)
+        position += accepted + 1  # the accepted drafts and the LLM's own token
+    return passes
+
+
+def _depths(parents: list[int]) -> list[int]:
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(1 if parent < 0 else depths[parent] + 1)
+    return depths
+
+
+def replay_lookup(answers: list[tuple[list[int], list[int]]], shape: TreeShape,
+                  costs: DraftCosts) -> tuple[float, int]:
+    """(seconds, tokens) of greedy speculate/ngram over the (prompt, answer) pairs: each pass
+    costs the measured pass over its drafted tokens and the token before them
+    (``DraftCosts.tree_seconds`` for a tree: a tree forward reads the weights once, as a linear
+    pass of as many rows does); the lookup itself costs no model step."""
+    seconds = 0.0
+    for prompt, answer in answers:
+        for drafted, _, tree in lookup_passes(prompt, answer, shape, costs.pass_rows):
+            seconds += costs.tree_seconds(drafted) if tree else costs.pass_seconds(drafted)
+    return seconds, sum(len(answer) for _, answer in answers)
+
+
+@dataclass
+class TreeFit:
+    shape: TreeShape
+    curve: dict[str, dict[str, float]]  # shape name -> replayed tok/s on calibration / validation
+    speedup_vs_linear: float  # replayed on the validation split
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "shape": asdict(self.shape)}
+
+
+def fit_tree(answers: list[tuple[list[int], list[int]]], splits: np.ndarray, costs: DraftCosts) -> TreeFit:
+    """Pick the shape (linear drafts among them, first: it wins ties) with the most replayed
+    tokens per second on the calibration split; ``splits`` holds each answer's split."""
+    def rate(split: str, shape: TreeShape) -> float:
+        seconds, tokens = replay_lookup([a for a, s in zip(answers, splits, strict=True) if s == split], shape, costs)
+        return tokens / seconds if seconds else 0.0
+
+    shapes = tree_shapes(costs.pass_rows)
+    curve = {s.name: {"calibration": rate("calibration", s), "validation": rate("validation", s)} for s in shapes}
+    best = max(shapes, key=lambda s: curve[s.name]["calibration"])
+    return TreeFit(best, curve, curve[best.name]["validation"] / max(curve[LINEAR.name]["validation"], 1e-12))
+
+
+def fit_tree_per_task(answers: list[tuple[list[int], list[int]]], splits: np.ndarray, tasks: np.ndarray,
+                      costs: DraftCosts, min_answers: int = MIN_TASK_ANSWERS) -> dict[int, TreeFit]:
+    """:func:`fit_tree` on each task's answers alone (``tasks``: each answer's task index), for
+    tasks with at least ``min_answers`` answers in each split: how often an answer repeats its
+    request's spans with different values (a table's rows, a list's items) differs by task."""
+    fits = {}
+    for task in np.unique(tasks):
+        mask = tasks == task
+        if min((splits[mask] == split).sum() for split in ("calibration", "validation")) >= min_answers:
+            fits[int(task)] = fit_tree([a for a, m in zip(answers, mask, strict=True) if m], splits[mask], costs)
     return fits

@@ -118,6 +118,7 @@ def render(calibration: Calibration, bundle: Path, messages: list[str]) -> str:
                       "|---|---|---|---|---|"]
             lines += [f"| {task} | {f['setting']['confidence']} | {f['setting']['max_tokens']} | "
                       f"{f['replayed_tok_s']:.1f} | {f['replayed_vs_overall']:.3f}x |" for task, f in per_task.items()]
+    lines += _tree_section(c)
     skipping = c.figures.get("skipping")
     if skipping:
         lines += ["", "## Skipping, observed on this bundle (validation prompts)", "",
@@ -232,4 +233,30 @@ def _draft_table(curve: dict[str, dict[str, float]]) -> list[str]:
         row = [f"{cells[c, n]['calibration']:.1f} / {cells[c, n]['validation']:.1f}" if (c, n) in cells else "-"
                for n in lengths]
         lines.append(f"| {c} | " + " | ".join(row) + " |")
+    return lines
+
+
+def _tree_section(c) -> list[str]:
+    """The lookup's draft trees: the replayed curve, the fitted shape and where it went."""
+    trees = c.figures.get("trees")
+    if not trees or not trees.get("curve"):
+        return []
+    shape = trees["shape"]
+    fitted = "linear drafts" if shape["branches"] == 1 else f"{shape['branches']} branches, {shape['nodes']} tokens"
+    written = c.decoding.get("lookup_tree")
+    lines = ["", "## Draft trees of the prompt lookup (speculate/ngram)", "",
+             "Greedy speculate/ngram replayed over the labelled answers with the lookup's drafts as trees (its "
+             "continuations where earlier matches disagree; a pass costs the measured pass over the tree's tokens), "
+             "tok/s on calibration / validation prompts by shape (branches x tokens):", "",
+             "| shape | calibration | validation |", "|---|---|---|"]
+    lines += [f"| {name} | {v['calibration']:.1f} | {v['validation']:.1f} |" for name, v in trees["curve"].items()]
+    lines += ["", f"Fitted: {fitted}; replayed speed-up over linear drafts on validation prompts "
+                  f"{trees['speedup_vs_linear']:.3f}x; runtime runs (tok/s): {trees.get('runtime', '-')}; written to "
+                  f"the bundle: {f'decoding.lookup_tree {written}' if written else 'nothing (linear drafts kept)'}."]
+    per_task = trees.get("per_task", {})
+    if per_task:
+        lines += ["", "| task | branches | tokens | replayed tok/s (validation) | vs the overall shape |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {task} | {f['shape']['branches']} | {f['shape']['nodes'] or '-'} | {f['replayed_tok_s']:.1f} | "
+                  f"{f['replayed_vs_overall']:.3f}x |" for task, f in per_task.items()]
     return lines

@@ -7,6 +7,9 @@
   route check (a trained graph or a baseline; ``router_key``) and its fitted threshold.
 - ``speculate`` without an explicit ``draft_confidence`` takes the fitted one, and with its
   draft lengths left at their defaults the fitted ones (``draft_tokens``, ``max_draft_tokens``).
+- ``speculate --light ngram`` with no tree shape set (``draft_branches`` 1, ``draft_tree_nodes``
+  None) takes the fitted lookup trees (``calibration.decoding["lookup_tree"]``), and ``auto`` a
+  task profile's shape on the same condition: the fit replayed the lookup's trees only.
 - a skip mode whose skip options are all left at their defaults takes the calibrated ones,
   where calibration found a skip setting that paid (``calibration.decoding["skip"]``).
 An explicit option always wins; an uncalibrated bundle keeps the uncalibrated defaults.
@@ -30,6 +33,9 @@ AUTO_KEYS = ("mode", "light", "route_check", "draft_tokens", "max_draft_tokens",
 # skip options a calibrated profile or ``decoding["skip"]`` may set (flat SkipOptions fields)
 SKIP_KEYS = ("granularity", "scorer", "importance_threshold", "max_free_layers", "skip_ratio")
 DEFAULT_DRAFT_LENGTHS = (DecodeOptions.draft_tokens, DecodeOptions.max_draft_tokens)
+# a profile's draft tree shape (speculate/ngram+tree): taken where the caller set none
+TREE_KEYS = ("draft_branches", "draft_tree_nodes")
+UNSET_TREE = (DecodeOptions.draft_branches, DecodeOptions.draft_tree_nodes)
 
 
 def auto_options(options: DecodeOptions, calibration: Calibration | None) -> DecodeOptions:
@@ -41,7 +47,12 @@ def auto_options(options: DecodeOptions, calibration: Calibration | None) -> Dec
     if chosen is None:
         raise InputError(f"the bundle was not calibrated for task {task!r}; calibrated: "
                          f"{', '.join(sorted(calibration.profiles))}")
-    return options.updated(**{k: chosen[k] for k in (*AUTO_KEYS, *SKIP_KEYS) if k in chosen})
+    keys = (*AUTO_KEYS, *SKIP_KEYS, *(TREE_KEYS if _tree_unset(options) else ()))
+    return options.updated(**{k: chosen[k] for k in keys if k in chosen})
+
+
+def _tree_unset(options: DecodeOptions) -> bool:
+    return (options.draft_branches, options.draft_tree_nodes) == UNSET_TREE
 
 
 def calibrated_options(options: DecodeOptions, calibration: Calibration | None,
@@ -58,6 +69,9 @@ def calibrated_options(options: DecodeOptions, calibration: Calibration | None,
     if "max_draft_tokens" in fitted and (options.draft_tokens, options.max_draft_tokens) == DEFAULT_DRAFT_LENGTHS:
         options = dataclasses.replace(options, draft_tokens=fitted["draft_tokens"],
                                       max_draft_tokens=fitted["max_draft_tokens"])
+    tree = fitted.get("lookup_tree")
+    if tree is not None and options.mode == "speculate" and options.light == "ngram" and _tree_unset(options):
+        options = dataclasses.replace(options, **{k: tree[k] for k in TREE_KEYS})
     skip = fitted.get("skip")
     if skip is not None and "skip" in options.mode and options.skip == SkipOptions():
         options = options.updated(**{k: skip[k] for k in SKIP_KEYS if k in skip})
