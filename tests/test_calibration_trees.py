@@ -15,6 +15,7 @@ from edgeroute.calibration.drafting import (
     TreeShape,
     fit_tree,
     lookup_passes,
+    measure_costs,
     replay_lookup,
     tree_shapes,
 )
@@ -193,3 +194,16 @@ def test_the_report_shows_the_replayed_shapes_and_what_was_written():
     assert "## Draft trees of the prompt lookup" in shown and "| 2x7 |" in shown and "| linear |" in shown
     assert f"decoding.lookup_tree {result.shape.options()}" in shown
     assert _tree_section(calibration({})) == []  # no tree fit (an older calibration, no trees run): no section
+
+
+@pytest.mark.slow
+def test_tree_forwards_are_measured_beside_linear_passes_where_the_backend_runs_them(smollm2_bundles, tiny_engine):
+    from tests.test_tree_forward import unavailable
+
+    assert measure_costs(tiny_engine, repeats=1, longest=2).trees == ()  # ONNX Runtime verifies no trees
+    if unavailable("auto"):
+        pytest.skip(f"native kernels unavailable: {unavailable('auto')}")
+    engine = Engine(Bundle.open(smollm2_bundles["int4"][0]), backend="native")
+    costs = measure_costs(engine, repeats=1, longest=3)
+    assert len(costs.trees) == 4 and costs.trees[0] == costs.passes[0] and min(costs.trees) > 0
+    assert costs.tree_seconds(2) == costs.trees[2] and costs.tree_seconds(5) == costs.pass_seconds(5)

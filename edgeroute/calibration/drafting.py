@@ -71,7 +71,8 @@ def measure_costs(engine: Engine, repeats: int = 15, longest: int = max(MAX_DRAF
     (medians). They are timed in turn within every repeat, so a change of the machine's pace
     during the measurement (clock boost, another process) hits them alike: a row's cost is a
     difference of two of them, and unpaired timings moved the fitted draft length between runs
-    on one machine."""
+    on one machine. Where the LLM's backend verifies trees, tree forwards of 1 .. ``longest``
+    tokens (two branches) after the token before them are timed in the same loop."""
     prefix = (engine.encode("The driver asked for the route to the station and the assistant answered ") * 8)
     prefix = prefix[:MEASURED_CONTEXT]
     caches = {}  # one per model, the prefix in it: every pass starts from it (a cache is the whole context's K/V)
@@ -89,8 +90,24 @@ def measure_costs(engine: Engine, repeats: int = 15, longest: int = max(MAX_DRAF
         one()  # warm-up (first call of this shape)
         return one
 
+    def tree_after_prefix(tokens: int):
+        cache, llm = caches[engine.llm], engine.llm
+        ids = prefix[:tokens + 1]  # the tree's root (the token before the drafts) and its tokens
+        half = (tokens + 1) // 2  # two branches from the root: tokens 1..half and the rest
+        parents = [-1, *(i - 1 if i > 1 and i != half + 1 else 0 for i in range(1, tokens + 1))]
+
+        def one() -> None:
+            cache.truncate(len(prefix))
+            llm.forward_tree(cache, ids, parents)
+            llm.keep_path(cache, [])
+
+        one()
+        return one
+
     calls = {"slm": pass_after_prefix(engine.slm, 1),
              **{rows: pass_after_prefix(engine.llm, rows) for rows in range(1, longest + 2)}}
+    if engine.llm.tree_forwards:
+        calls.update({f"tree{tokens}": tree_after_prefix(tokens) for tokens in range(1, longest + 1)})
     samples: dict[str | int, list[float]] = {name: [] for name in calls}
     for _ in range(repeats):
         for name, call in calls.items():
@@ -98,9 +115,11 @@ def measure_costs(engine: Engine, repeats: int = 15, longest: int = max(MAX_DRAF
             call()
             samples[name].append(time.perf_counter() - start)
     passes = tuple(statistics.median(samples[rows]) for rows in range(1, longest + 2))
+    trees = tuple(statistics.median(samples[f"tree{tokens}"]) for tokens in range(1, longest + 1)
+                  if f"tree{tokens}" in samples)
     return DraftCosts(slm_step=statistics.median(samples["slm"]), llm_pass=passes[0],
                       llm_row=max(passes[-1] - passes[0], 0.0) / longest, passes=passes,
-                      pass_rows=engine.llm.pass_rows)
+                      pass_rows=engine.llm.pass_rows, trees=(passes[0], *trees) if trees else ())
 
 
 @dataclass(frozen=True)
