@@ -236,7 +236,7 @@ def _draft_table(curve: dict[str, dict[str, float]]) -> list[str]:
     return lines
 
 
-def _tree_section(c) -> list[str]:
+def _tree_section(c: Calibration) -> list[str]:
     """The lookup's draft trees: the replayed curve, the fitted shape and where it went."""
     trees = c.figures.get("trees")
     if not trees or not trees.get("curve"):
