@@ -108,3 +108,13 @@ def test_the_real_pair_calls_a_car_tool_with_the_right_arguments_in_its_own_form
         calls[mode] = chat.generate("Set the passenger side to 21 degrees please.", tool_choice="required").tool_calls
     assert [(c.name, c.arguments) for c in calls["full"]] == [("set_temperature", {"celsius": 21, "zone": "passenger"})]
     assert calls["speculate"] == calls["full"]
+    # under auto the 1.5B writes its call as a fenced JSON block, taken as a call: words where none fits
+    for mode in ("full", "speculate"):
+        chat = engine.chat(system="You are an in-car assistant. Use the tools to act.", tools=tools, mode=mode,
+                           light="slm", max_new_tokens=48)
+        called = chat.generate("Set the passenger side to 21 degrees please.", tool_choice="auto")
+        assert [(c.name, c.arguments) for c in called.tool_calls] == [(c.name, c.arguments) for c in calls["full"]], \
+            engine.tokenizer.decode(called.tokens, skip_special_tokens=False)
+        chat.reset()
+        joke = chat.generate("Tell me a short joke.", tool_choice="auto")
+        assert joke.tool_calls == [] and joke.text.strip() and "```" not in joke.text

@@ -10,7 +10,7 @@ import json
 import jsonschema
 import llguidance
 import pytest
-from tokenizers import Tokenizer
+from tokenizers import AddedToken, Tokenizer
 
 from edgeroute.chat_format import FALLBACK_TOOL_FORMAT, ToolFormat, format_messages
 from edgeroute.errors import InputError
@@ -146,6 +146,65 @@ def test_tool_choice_shapes_what_the_grammar_takes(smollm2_matcher):
     assert not smollm2_matcher("required", text) and smollm2_matcher("required", two)
     assert smollm2_matcher("set_temperature", GOOD) and not smollm2_matcher("set_temperature", two)
     assert not smollm2_matcher("navigate", GOOD)
+
+
+
+@pytest.fixture(scope="module")
+def hermes_matcher(smollm2_tokenizer_dir, tmp_path_factory):
+    """SmolLM2's tokenizer with <tool_call> and </tool_call> as special tokens (Qwen2.5's kind of
+    markup): the grammar under a choice, and whether a text fits it."""
+    tokenizer = Tokenizer.from_file(str(smollm2_tokenizer_dir / "tokenizer.json"))
+    tokenizer.add_special_tokens([AddedToken(t, special=True) for t in ("<tool_call>", "</tool_call>")])
+    path = tmp_path_factory.mktemp("hermes") / "tokenizer.json"
+    tokenizer.save(str(path))
+    compiled = llguidance.LLTokenizer(str(path), n_vocab=tokenizer.get_vocab_size(), eos_token=[0])
+
+    def fits(choice: str, text: str) -> bool:
+        grammar = tool_grammar(parse_tools(TOOLS), choice, FALLBACK_TOOL_FORMAT, tokenizer.token_to_id)
+        matcher = llguidance.LLMatcher(compiled, llguidance.grammar_from("lark", grammar), log_level=0)
+        return all(matcher.consume_token(t) for t in tokenizer.encode(text).ids) and matcher.is_accepting()
+    return fits
+
+
+# a call as Qwen2.5-Coder writes one under auto: a Markdown JSON block, pretty-printed
+FENCED = '```json\n{\n  "name": "set_temperature",\n  "arguments": {\n    "celsius": 21,\n    "zone": "driver"\n  }\n}\n```'
+
+
+@pytest.mark.parametrize("wrong", [
+    FENCED.replace("set_temperature", "set_temp"),  # no such tool
+    FENCED.replace("21", "35"),  # out of range
+    FENCED.replace('"driver"', '"rear"'),  # not in the enum
+    FENCED.replace(',\n    "zone": "driver"', ""),  # a required argument missing
+    FENCED.replace('"arguments"', '"args"'),  # not a call's shape
+    FENCED.removesuffix("```"),  # never closed
+])
+def test_under_auto_a_fenced_call_must_be_a_valid_call_where_the_markup_is_special(hermes_matcher, wrong):
+    assert hermes_matcher("auto", FENCED) and hermes_matcher("auto", "On it.\n" + FENCED + "\nDone.")
+    assert hermes_matcher("auto", FENCED.replace("```json", "```"))  # untagged fences too
+    assert hermes_matcher("auto", GOOD) and hermes_matcher("auto", "Sure.")
+    assert not hermes_matcher("auto", wrong)
+    # other fenced blocks stay free text; the other choices take no fenced call
+    assert hermes_matcher("auto", 'Like this:\n```json\n{"city": "Bonn"}\n```\n```python\nprint(1)\n```')
+    assert not hermes_matcher("required", FENCED) and hermes_matcher("required", GOOD)
+    assert hermes_matcher("none", "Sure.") and not hermes_matcher("none", GOOD)
+
+
+def test_fenced_calls_split_stream_and_tell_their_names_where_they_are_allowed():
+    ids = iter(range(10))
+    text = "On it.\n" + FENCED + "\n" + GOOD.replace("21", "22")
+    content, calls = split_tool_calls(text, FALLBACK_TOOL_FORMAT, lambda: f"call_{next(ids)}", fenced=True)
+    assert content == "On it." and [(c.name, c.arguments["celsius"]) for c in calls] == [("set_temperature", 21),
+                                                                                       ("set_temperature", 22)]
+    assert split_tool_calls(text, FALLBACK_TOOL_FORMAT, lambda: "x")[1][0].arguments["celsius"] == 22  # not fenced
+    cut = split_tool_calls("On it.\n" + FENCED[:40], FALLBACK_TOOL_FORMAT, lambda: "x", fenced=True)
+    assert cut == ("On it.", [])  # a call the budget cut short is dropped and ends the content
+    shown = ContentFilter(FALLBACK_TOOL_FORMAT, 7, fenced=True)
+    pieces = ["Use `ls`", " or ``", "`python\nprint(1)\n``", "`\nNow:\n``", "`json\n{\n", '  "na', 'me": "set']
+    assert "".join(shown.push(0, p) for p in pieces) + shown.flush() == "Use `ls` or ```python\nprint(1)\n```\nNow:"
+    names = CallNames(FALLBACK_TOOL_FORMAT, 7, 8, fenced=True)
+    told = [names.push(0, FENCED[i:i + 4]) for i in range(0, len(FENCED), 4)]
+    assert [t for t in told if t] == ["set_temperature"]
+    assert told.index("set_temperature") * 4 < FENCED.index('"arguments"')
 
 
 def test_an_answer_splits_into_its_content_and_typed_calls():

@@ -49,6 +49,7 @@ from edgeroute.runtime.tools import (
     CallNames,
     ContentFilter,
     ToolCall,
+    fenced_calls,
     parse_tool_choice,
     parse_tools,
     split_tool_calls,
@@ -392,6 +393,7 @@ class Session:
         self.last: Generation | None = None
         self._constraint: Constraint | None = None  # the running generation's response_format or tool grammar
         self._tool_choice: str | None = None  # the running generation's, None without tools
+        self._fenced = False  # the running generation may make fenced calls (tools.fenced_calls)
         self._held: list[int] | None = None  # what the LLM cache's rows hold after a listen(), beyond self.state
         self._turn_start = self._answer_start = 0  # where the last turn's message and its answer begin
 
@@ -577,6 +579,7 @@ class Session:
         """The request's response_format, or its tools' grammar (once per request)."""
         choice = parse_tool_choice(tool_choice, self.tools)
         self._tool_choice = choice
+        self._fenced = fenced_calls(choice, self.engine.tool_format, self.engine.markup_token)
         if choice is None:
             return self.engine.grammars.compile(options.response_format)
         if options.stop:
@@ -652,7 +655,7 @@ class Session:
             self._calls_made += 1
             return f"call_{self._calls_made - 1}"
 
-        content, generation.tool_calls = split_tool_calls(raw, self.engine.tool_format, new_id)
+        content, generation.tool_calls = split_tool_calls(raw, self.engine.tool_format, new_id, self._fenced)
         if generation.tool_calls:
             # the chat goes on from the calls as the template renders them: blank space the grammar
             # let the model write after them (and its end-of-turn token) is not history
@@ -702,10 +705,10 @@ class Session:
             detokenizer, stops = IncrementalDetokenizer(self.engine.decode), StopFilter(options.stop)
             fmt = self.engine.tool_format
             content = None if self._tool_choice is None else \
-                ContentFilter(fmt, self.engine.markup_token(fmt.call_open.strip()))
+                ContentFilter(fmt, self.engine.markup_token(fmt.call_open.strip()), self._fenced)
             names = None if self._tool_choice is None or on_tool_name is None else \
                 CallNames(fmt, self.engine.markup_token(fmt.call_open.strip()),
-                          self.engine.markup_token(fmt.call_close.strip()))
+                          self.engine.markup_token(fmt.call_close.strip()), self._fenced)
             shown: list[str] = []
             finish, last_text = "length", None
             try:

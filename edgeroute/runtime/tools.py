@@ -8,6 +8,11 @@
   against that tool's parameters, written as the chat template writes calls; a call therefore
   always parses and validates. With special-token markup (Qwen2.5's ``<tool_call>``) free text
   cannot contain it; with text markup, free text excludes it.
+- Fenced calls: under ``auto``, models whose template has special-token markup often write a
+  call as a Markdown JSON block instead (Qwen2.5-Coder: a fence, then the object pretty-printed).
+  There, a fence followed by ``{"name": "`` (:data:`FENCED_CALL`) opens a call too, as the
+  lazy grammar triggers of llama.cpp's tool parsers do: what follows must be a valid call of
+  one of the tools, in any JSON layout. Free text may still hold other fenced blocks.
 - :func:`split_tool_calls` turns the answer into its content and :class:`ToolCall` objects;
   :class:`ContentFilter` lets a stream show the content only (a voice app must not speak JSON);
   :class:`CallNames` tells a stream each call's name as soon as it is decoded, before its
@@ -33,6 +38,16 @@ TOOL_CHOICES = ("auto", "required", "none")
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
 # a call's JSON as templates render it (Python's separators), so the model writes what it saw
 CALL_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# a fenced call's arguments as the model lays them out (pretty-printed)
+FENCED_LAYOUT = {"whitespace_flexible": True}
+# what opens a fenced call: a Markdown fence (json or untagged) and the start of {"name": "
+_BLANK = r"[ \t\n]*"
+FENCED_CALL = rf'```(?:json)?{_BLANK}\{{{_BLANK}"name"{_BLANK}:{_BLANK}"'
+FENCED_OPENING = re.compile(FENCED_CALL)
+# text that may still grow into FENCED_CALL (a stream holds it back until it does or cannot)
+FENCED_PREFIX = re.compile(rf'`{{1,2}}|```(j(s(o(n)?)?)?)?|'
+                           rf'```(json)?{_BLANK}(\{{{_BLANK}("(n(a(m(e("{_BLANK}(:{_BLANK})?)?)?)?)?)?)?)?')
+FENCE_END = re.compile(rf"{_BLANK}```")
 
 
 @dataclass(frozen=True)
@@ -103,6 +118,11 @@ def _lark_string(text: str) -> str:
     return json.dumps(text)  # a JSON string literal is a Lark string literal
 
 
+def fenced_calls(choice: str | None, fmt: ToolFormat, special: Callable[[str], int | None]) -> bool:
+    """Whether an answer under ``choice`` may make fenced calls (``auto``, special-token markup)."""
+    return choice == "auto" and special(fmt.call_open.strip()) is not None
+
+
 def tool_grammar(tools: list[dict[str, Any]], choice: str, fmt: ToolFormat, special: Callable[[str], int | None]) -> str:
     """The Lark grammar of an answer under ``choice`` ("auto", "required", "none" or a tool's
     name). ``special`` gives the id of a markup string that is one special token (None if not)."""
@@ -114,7 +134,21 @@ def tool_grammar(tools: list[dict[str, Any]], choice: str, fmt: ToolFormat, spec
              f"close: {_markup(fmt.call_close, close_text, special(close_text))}",
              f"open: {_markup(fmt.call_open, open_text, open_id)}",
              f"separator: {_lark_string(fmt.call_separator)}"]
-    if open_id is not None:  # free text cannot produce the special token that opens a call
+    if open_id is not None and fenced_calls(choice, fmt, special):
+        # free text cannot produce the special token that opens a call, nor a fenced call's opening
+        # but as one: it ends lazily there, and a tool's name and arguments follow
+        rules += [f"TEXT: /(.|\\n)*/ & ~/(.|\\n)*{FENCED_CALL}(.|\\n)*/", f"fence_open[lazy]: /(.|\\n)*{FENCED_CALL}/",
+                  "fenced_call: " + " | ".join(f"fenced_{i}" for i in range(len(tools))),
+                  'FENCED_ARGUMENTS: /[ \\t\\n]*,[ \\t\\n]*"arguments"[ \\t\\n]*:[ \\t\\n]*/',
+                  "FENCE_CLOSE: /[ \\t\\n]*\\}[ \\t\\n]*```/"]
+        for i, tool in enumerate(tools):
+            function = tool["function"]
+            parameters = function.get("parameters", {"type": "object", "properties": {}})
+            name = _lark_string(function["name"] + '"')  # the name's closing quote: its opening one ended fence_open
+            rules += [f"fenced_{i}: {name} FENCED_ARGUMENTS arguments_{i} FENCE_CLOSE",
+                      f"arguments_{i}: %json {json.dumps({**parameters, 'x-guidance': FENCED_LAYOUT})}"]
+        auto = "(TEXT open call_json close | fence_open fenced_call)* TEXT"
+    elif open_id is not None:  # free text cannot produce the special token that opens a call
         rules.append("TEXT: /(.|\\n)*/")
         auto = "TEXT (open call_json close TEXT)*"
     else:  # free text must not contain the opening markup; the text before a call ends lazily at it
@@ -142,28 +176,49 @@ def _markup(whole: str, text: str, token: int | None) -> str:
                      *([_lark_string(after)] if after else [])])
 
 
-def split_tool_calls(text: str, fmt: ToolFormat, new_id: Callable[[], str]) -> tuple[str, list[ToolCall]]:
+def split_tool_calls(text: str, fmt: ToolFormat, new_id: Callable[[], str],
+                     fenced: bool = False) -> tuple[str, list[ToolCall]]:
     """The answer's content (before its first call) and its calls, from the raw text (markup
-    included). The grammar made every call parse; a call cut short (the token budget ran out)
-    is dropped and ends the content."""
+    included; with ``fenced``, fenced calls too). The grammar made every call parse; a call cut
+    short (the token budget ran out) is dropped and ends the content."""
     open_text, close_text = fmt.call_open.strip(), fmt.call_close.strip()
-    content, *blocks = text.split(open_text)
-    calls = []
-    for block in blocks:
-        body, closed, _ = block.partition(close_text)
+    calls: list[ToolCall] = []
+    first, at = None, 0
+    while True:
+        markup = text.find(open_text, at)
+        fence = FENCED_OPENING.search(text, at) if fenced else None
+        if markup < 0 and fence is None:
+            break
+        if fence is not None and (markup < 0 or fence.start() < markup):
+            opening = fence.start()
+            try:
+                data, body_end = json.JSONDecoder().raw_decode(text, text.index("{", opening))
+            except json.JSONDecodeError:
+                data, body_end = None, opening
+            closed = FENCE_END.match(text, body_end) if data is not None else None
+            after = closed.end() if closed else -1
+        else:
+            opening = markup
+            body, closed, _ = text[markup + len(open_text):].partition(close_text)
+            data = json.loads(body) if closed else None
+            after = markup + len(open_text) + len(body) + len(close_text)
+        first = opening if first is None else first
         if not closed:
             break
-        data = json.loads(body)
         calls.append(ToolCall(new_id(), data["name"], data["arguments"]))
-    return content.removesuffix(fmt.call_separator).rstrip() if calls or blocks else content, calls
+        at = after
+    if first is None:
+        return text, calls
+    return text[:first].removesuffix(fmt.call_separator).rstrip(), calls
 
 
 class ContentFilter:
     """What a stream may show of an answer with tools: the text before the first call. Text
-    that may begin a call's opening markup is held back until it is known not to."""
+    that may begin a call's opening markup (or, with ``fenced``, a fenced call's) is held back
+    until it is known not to."""
 
-    def __init__(self, fmt: ToolFormat, open_token: int | None) -> None:
-        self.opening, self.open_token = fmt.call_open.strip(), open_token
+    def __init__(self, fmt: ToolFormat, open_token: int | None, fenced: bool = False) -> None:
+        self.opening, self.open_token, self.fenced = fmt.call_open.strip(), open_token, fenced
         self.pending, self.calling = "", False
 
     def push(self, token: int, text: str) -> str:
@@ -174,10 +229,16 @@ class ContentFilter:
             self.pending = ""
             return ""
         self.pending += text
-        if (at := self.pending.find(self.opening)) >= 0:
+        at = self.pending.find(self.opening)
+        if self.fenced and (fence := FENCED_OPENING.search(self.pending)) and (at < 0 or fence.start() < at):
+            at = fence.start()
+        if at >= 0:
             self.calling = True
             return self.pending[:at].rstrip()
         keep = stop_prefix(self.pending, (self.opening,))
+        if self.fenced:  # from the first backtick that may still open a fenced call
+            ticks = (i for i, c in enumerate(self.pending) if c == "`" and FENCED_PREFIX.fullmatch(self.pending, i))
+            keep = max(keep, len(self.pending) - next(ticks, len(self.pending)))
         # a separator before a call is not content either: hold trailing whitespace back too
         keep = max(keep, len(self.pending) - len(self.pending[:len(self.pending) - keep].rstrip()))
         released, self.pending = self.pending[:len(self.pending) - keep], self.pending[len(self.pending) - keep:]
@@ -188,38 +249,24 @@ class ContentFilter:
         return released
 
 
-# a call's JSON as the grammar lets it begin: the name first (the schema lists it first)
-CALL_NAME = re.compile(r'\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_-]{1,64})"')
-
-
 class CallNames:
     """The name of each call in a streamed answer, as soon as its closing quote is decoded
     (a voice app can say what it is about to do while the arguments are still being written)."""
 
-    def __init__(self, fmt: ToolFormat, open_token: int | None, close_token: int | None) -> None:
-        self.opening, self.closing = fmt.call_open.strip(), fmt.call_close.strip()
-        self.open_token, self.close_token = open_token, close_token
-        self.text, self.call = "", None  # the text since the last markup; None: not inside a call
-        self.named = False
+    def __init__(self, fmt: ToolFormat, open_token: int | None, close_token: int | None, fenced: bool = False) -> None:
+        self.markup = {open_token: fmt.call_open.strip(), close_token: fmt.call_close.strip()}
+        self.markup.pop(None, None)
+        openings = [re.escape(fmt.call_open.strip()) + rf'{_BLANK}\{{{_BLANK}"name"{_BLANK}:{_BLANK}"']
+        if fenced:
+            openings.append(FENCED_CALL)
+        self.named = re.compile(f"(?:{'|'.join(openings)})([A-Za-z0-9_-]{{1,64}})\"")
+        self.text, self.told = "", 0
 
     def push(self, token: int, text: str) -> str | None:
         """The name completed by this token, if any."""
-        if token == self.open_token or token == self.close_token:
-            self.text, self.call, self.named = "", token == self.open_token, False
+        self.text += self.markup.get(token, text)
+        names = self.named.findall(self.text)
+        if len(names) <= self.told:
             return None
-        self.text += text
-        if not self.call:
-            at = self.text.find(self.opening)
-            if at < 0:
-                self.text = self.text[-len(self.opening):]  # enough to find markup split across tokens
-                return None
-            self.text, self.call, self.named = self.text[at + len(self.opening):], True, False
-        if self.named:
-            if (at := self.text.find(self.closing)) >= 0:
-                self.text, self.call = self.text[at + len(self.closing):], False
-                return self.push(-1, "")  # the next call may open in the same piece
-            return None
-        if match := CALL_NAME.match(self.text):
-            self.named = True
-            return match.group(1)
-        return None
+        self.told += 1
+        return names[self.told - 1]
