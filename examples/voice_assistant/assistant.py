@@ -68,20 +68,20 @@ class TurnRecord:
     barged_in: bool = False
 
     def breakdown(self) -> dict[str, float | None]:
-        """Seconds from the end of the speech: ``asr`` (to the final transcript),
-        ``first_token`` (from it to the first token the model picks: a listen in flight, the
-        prefill, the first pick; tokens a tool call's grammar forces take no step and do not
-        count), ``tools`` (from the first token to the calls decoded and run; 0 without),
-        ``first_clause`` (to the first speakable chunk: the answer's prefill after tool results
-        and its decode), ``audio`` (from that chunk to its first audio sample) and ``total``
-        (end of speech to the first audio sample: with ``acknowledge``, the acknowledgement's);
-        ``answer_total``: end of speech to the first audio sample of the answer proper (the
-        confirmation or the model's words; ``total`` without an acknowledgement);
-        ``speech_to_token``: end of speech to the first token (``asr`` + ``first_token``).
-        ``prefill``: the part of ``first_token`` after the generation was asked for (the listen
-        in flight is the rest). An answer begun ahead on the last partial and kept counts its
-        first token from the final transcript when it was picked before (nothing is released before the driver is known to have
-        finished), and its ``prefill`` from when it began."""
+        """Seconds from the end of the speech: ``asr`` (to the final transcript), ``first_token``
+        (from it to the first token the model picks: a listen in flight, the prefill, the first
+        pick; tokens a tool call's grammar forces take no step and do not count), ``tools``
+        (from the first token to the calls decoded and run; 0 without), ``first_clause`` (to the
+        first speakable chunk: the answer's prefill after tool results and its decode),
+        ``audio`` (from that chunk to its first audio sample) and ``total`` (end of speech to
+        the first audio sample: with ``acknowledge``, the acknowledgement's); ``answer_total``:
+        end of speech to the first audio sample of the answer proper (the confirmation or the
+        model's words; ``total`` without an acknowledgement); ``speech_to_token``: end of speech
+        to the first token (``asr`` + ``first_token``). ``prefill``: the part of ``first_token``
+        after the generation was asked for (the listen in flight is the rest). An answer begun
+        ahead on the last partial and kept counts its first token from the final transcript when
+        it was picked before (nothing is released before the driver is known to have finished),
+        and its ``prefill`` from when it began."""
         def span(a: float | None, b: float | None) -> float | None:
             return b - a if a is not None and b is not None else None
 
@@ -127,25 +127,25 @@ class VoiceAssistant:
 
     ``listen_ahead``: partial transcripts are prefilled while the driver speaks
     (``Session.listen``; the latest partial wins when one arrives while another is being
-    prefilled). ``answer_ahead`` (with ``listen_ahead``): each partial is answered instead,
-    held back: when the final transcript is the last partial's text (an endpointer's delay
-    after the last word), its answer is already under way and is released as it stands;
-    otherwise it is cancelled and forgotten (``Session.barge_in(None)``: the message's K/V
-    rows stay for the retry) and the final is answered. The output is the same either way;
-    a wrong guess costs the cancel (one decode step), and a partial that is answered and
-    superseded costs the decode it ran. ``keep_interrupted``: a barge-in keeps what was said
-    of the answer (else the exchange is forgotten). ``tool_choice``: the first generation's (auto, required, none or
-    a named tool); after one round of calls (``max_tool_rounds``) the model answers in words.
-    ``confirm``: "model", the model's words after the tool results are spoken; "template",
-    the car's own confirmation (``car.confirmation``) is spoken as soon as the calls ran, and
-    the model's words are kept in the chat unspoken (the first audio does not wait for a
-    second generation). ``acknowledge``: as soon as the first call's name is decoded, before
-    its arguments, say what the car is doing (``car.acknowledgement``: "Navigating"); the
-    template confirmation then says the rest ("to the airport."). ``context_policy``: the
-    chat's ("drop_oldest": a conversation that fills the context forgets its oldest
-    exchanges; the system prompt stays). ``clause_chars``, ``max_chars``: how the answer is
-    cut into chunks (:class:`SentenceSplitter`).
-    ``decoding``: the chat's DecodeOptions fields (mode, light, ...)."""
+    prefilled). ``answer_ahead`` (with ``listen_ahead``): each partial is answered instead, held
+    back: when the final transcript is the last partial's text (an endpointer's delay after the
+    last word), its answer is already under way and is released as it stands; otherwise it is
+    cancelled and forgotten (``Session.barge_in(None)``: the message's K/V rows stay for the
+    retry) and the final is answered. The output is the same either way; a wrong guess costs the
+    cancel (one decode step), and a partial that is answered and superseded costs the decode it
+    ran. ``keep_interrupted``: a barge-in keeps what was said of the answer (else the exchange
+    is forgotten). ``tool_choice``: the first generation's (auto, required, none or a named
+    tool); after one round of calls (``max_tool_rounds``) the model answers in words.
+    ``confirm``: "model", the model's words after the tool results are spoken; "template", the
+    car's own confirmation (``car.confirmation``) is spoken as soon as the calls ran, and the
+    model's words are kept in the chat unspoken (the first audio does not wait for a second
+    generation). ``acknowledge``: as soon as the first call's name is decoded, before its
+    arguments, say what the car is doing (``car.acknowledgement``: "Navigating"); the template
+    confirmation then says the rest ("to the airport."). ``context_policy``: the chat's
+    ("drop_oldest": a conversation that fills the context forgets its oldest exchanges; the
+    system prompt stays). ``clause_chars``, ``max_chars``: how the answer is cut into chunks
+    (:class:`SentenceSplitter`). ``decoding``: the chat's DecodeOptions fields (mode, light,
+    ...)."""
 
     def __init__(self, engine, speaker: Speaker, *, system: str = SYSTEM, tools: list[dict[str, Any]] | None = CAR_TOOLS,
                  car: CarState | None = None, listen_ahead: bool = True, answer_ahead: bool = False,
