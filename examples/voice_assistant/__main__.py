@@ -42,6 +42,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "call on their own), auto (for a model that does), none, or a tool's name")
     parser.add_argument("--confirm", choices=["model", "template"], default="model",
                         help="after a tool ran, speak the model's words (model) or the car's own confirmation at once")
+    parser.add_argument("--acknowledge", action="store_true",
+                        help="say what the car is doing as soon as a call's name is decoded (\"Navigating\")")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--tts", choices=["auto", "espeak", "none"], default="auto",
                         help="auto: espeak-ng where installed, else no audio (the time the first sample would come)")
@@ -83,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     assistant = VoiceAssistant(engine, speaker, tools=None if args.no_tools else CAR_TOOLS,
                                listen_ahead=not args.no_listen_ahead, answer_ahead=args.answer_ahead,
                                max_new_tokens=args.max_new_tokens,
-                               tool_choice=tool_choice(args.tool_choice), confirm=args.confirm, mode=args.mode,
+                               tool_choice=tool_choice(args.tool_choice), confirm=args.confirm,
+                               acknowledge=args.acknowledge, mode=args.mode,
                                **({} if args.mode == "auto" else {"light": light}))
     assistant.warm_up()
     if args.pause is None and not args.wav:  # one utterance after the other, each answer spoken to its end
