@@ -152,6 +152,14 @@ class Calibration:
                 and isinstance(device.get("backend", ""), str) and device.get("kv_dtype", "float32") in KV_DTYPES):
             raise ValueError("device must be {'machine': str, 'isa': [str, ...], 'backend': str, 'kv_dtype': "
                              f"{' | '.join(KV_DTYPES)}}} (got {device!r})")
+        tree = data.get("decoding", {}).get("lookup_tree")
+        if tree is not None:
+            branches, nodes = (tree.get(k) if isinstance(tree, dict) else None
+                               for k in ("draft_branches", "draft_tree_nodes"))
+            whole = [isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in (branches, nodes)]
+            if not (whole[0] and (nodes is None or whole[1])):
+                raise ValueError("decoding.lookup_tree must be {'draft_branches': int >= 1, 'draft_tree_nodes': "
+                                 f"int >= 1 or null}} (got {tree!r})")
         skip = data.get("decoding", {}).get("skip")
         if skip is not None:
             options = {k: v for k, v in skip.items() if k != "speed_vs_full"}

@@ -52,6 +52,7 @@ from edgeroute.cpu import cpu_signature
 from edgeroute.errors import BundleError, CalibrationDeviceWarning, InputError
 from edgeroute.runtime import Engine
 from edgeroute.runtime.calibrated import format_token_ids
+from edgeroute.runtime.decoding import DecodeOptions
 from edgeroute.runtime.drafters import Proposal
 from edgeroute.runtime.routers import (
     NGRAM_FEATURES,
@@ -453,6 +454,8 @@ def test_a_calibrated_bundles_defaults_are_used_by_run(slm_bundle_copy):
     assert (fitted.draft_tokens, fitted.max_draft_tokens) == (2, 3)
     own = engine.session(mode="speculate", light="slm", max_draft_tokens=6).options
     assert (own.draft_tokens, own.max_draft_tokens) == (None, 6)  # the first draft: the runtime's 4
+    lookup = engine.session(mode="speculate", light="ngram").options  # the lengths fitted are the SLM's drafts'
+    assert (lookup.draft_tokens, lookup.max_draft_tokens) == (DecodeOptions.draft_tokens, DecodeOptions.max_draft_tokens)
     auto = engine.session(mode="auto", task="json").options
     assert (auto.mode, auto.light, auto.protect_format) == ("route", "slm", True) and auto.protected_tokens
     traces = list(engine.session(mode="route", light="slm").generate_tokens("one two three", max_new_tokens=6))
@@ -529,6 +532,9 @@ def test_corrupt_calibration_section_is_a_clear_error(slm_bundle_copy):
                             (lambda c: c["decoding"].update(skip={"importance_threshold": 3}),
                              "decoding.skip is not a valid skip setting: importance_threshold"),
                             (lambda c: c["decoding"].update(skip={"layers": 3}), "decoding.skip is not a valid"),
+                            (lambda c: c["decoding"].update(lookup_tree={"draft_branches": 0}), "lookup_tree must be"),
+                            (lambda c: c["decoding"].update(lookup_tree={"draft_branches": 2, "draft_tree_nodes": "5"}),
+                             "lookup_tree must be"),
                             (lambda c: c.update(device={"machine": 3}), "device must be"),
                             (lambda c: c.update(device={"machine": "x86_64", "backend": 1}), "device must be"),
                             (lambda c: c.update(device={"machine": "x86_64", "kv_dtype": "int4"}), "device must be"),

@@ -5,8 +5,10 @@
   ran with there (the defaults below apply to explicit modes).
 - ``route`` without an explicit router takes the bundle's router for its light path and
   route check (a trained graph or a baseline; ``router_key``) and its fitted threshold.
-- ``speculate`` without an explicit ``draft_confidence`` takes the fitted one, and with its
-  draft lengths left at their defaults the fitted ones (``draft_tokens``, ``max_draft_tokens``).
+- ``speculate`` without an explicit ``draft_confidence`` takes the fitted one, and where the
+  SLM drafts (``slm``, ``ngram+slm``), with its draft lengths left at their defaults, the
+  fitted ones (``draft_tokens``, ``max_draft_tokens``); the prompt lookup alone keeps the
+  runtime's lengths (the lookup's tree fit replays those).
 - ``speculate --light ngram`` with no tree shape set (``draft_branches`` 1, ``draft_tree_nodes``
   None) takes the fitted lookup trees (``calibration.decoding["lookup_tree"]``), and ``auto`` a
   task profile's shape on the same condition: the fit replayed the lookup's trees only.
@@ -66,7 +68,9 @@ def calibrated_options(options: DecodeOptions, calibration: Calibration | None,
         options, fitted = auto_options(options, calibration), {}
     if options.draft_confidence is None and "draft_confidence" in fitted:
         options = dataclasses.replace(options, draft_confidence=fitted["draft_confidence"])
-    if "max_draft_tokens" in fitted and (options.draft_tokens, options.max_draft_tokens) == DEFAULT_DRAFT_LENGTHS:
+    # the fitted lengths are the SLM's (its drafts replayed): the prompt lookup alone keeps the defaults
+    if ("max_draft_tokens" in fitted and "slm" in (options.light or "")
+            and (options.draft_tokens, options.max_draft_tokens) == DEFAULT_DRAFT_LENGTHS):
         options = dataclasses.replace(options, draft_tokens=fitted["draft_tokens"],
                                       max_draft_tokens=fitted["max_draft_tokens"])
     tree = fitted.get("lookup_tree")
