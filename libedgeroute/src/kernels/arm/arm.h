@@ -3,6 +3,8 @@
  * it has defined its integer primitives:
  *   quad_dot(c, n, a, wide)   4 rows x 4n codes (n packed vectors c[g]: 4 codes of each of 4
  *                             rows) against 4n activations a -> the 4 rows' int32 sums
+ *   quad_dot_from(from, c, n, a, wide)   from + the same (the one-row kernels: dotprod starts
+ *                             its one SDOT chain at `from`)
  *   ARM_PAIRS, pair_dots      (i8mm) the same for a tile of 4 activation rows, as two pairs
  *   dot16(acc, k, q)          acc's 4 lanes + the products of 16 int8 pairs (int8 caches)
  * The integer sums are exact whatever instructions make them; each row's float arithmetic is
@@ -31,7 +33,8 @@
 /* The 16-row packed layout (formats.h, pack.c) read 4 rows at a time: 16 bytes of one 64-byte
  * vector are 4 codes of rows 4q..4q+3, which one SDOT by element multiplies by 4 broadcast
  * activations (vdotq_laneq_s32). Codes are made signed around the format's zero (Q4_0 u - 8,
- * Q5_0 u - 16, Q8_0 q, Q6_K u - 32) so no offset term is left but Q4_1's m and Q4_K's mins. */
+ * Q5_0 u - 16, Q8_0 q) so no offset term is left but Q4_1's m, Q4_K's mins and Q6_K's -32 (its
+ * codes stay unsigned; the offset comes from the activations' sums). */
 
 /* the 4n activations' sums with every activation row of the tile, s[i] */
 INLINE void tile_dots(const int8x16_t *c, const int n, const er_q8 *x, const int mt, const int k_form, size_t at,
@@ -111,10 +114,88 @@ INLINE void dot_packed_blocks32(const er_matrix *m, int g, const er_q8 *x, const
         for (int q = 0; q < 4; q++) vst1q_f32(y + (size_t)i * ldy + 4 * q, acc[i][q]);
 }
 
+/* 16 bytes (a sub-block's scales of rows 0..15), unsigned or signed -> int16 halves h[0] (rows
+ * 0..7), h[1] (8..15); quad_s32(h, q): rows 4q..4q+3 as int32 (widened where used, so only the
+ * halves stay live across the quads) */
+INLINE void u8x16_s16(const uint8_t *p, int16x8_t *h) {
+    const uint8x16_t v = vld1q_u8(p);
+    h[0] = vreinterpretq_s16_u16(vmovl_u8(vget_low_u8(v)));
+    h[1] = vreinterpretq_s16_u16(vmovl_high_u8(v));
+}
+INLINE void s8x16_s16(const uint8_t *p, int16x8_t *h) {
+    const int8x16_t v = vld1q_s8((const int8_t *)p);
+    h[0] = vmovl_s8(vget_low_s8(v));
+    h[1] = vmovl_high_s8(v);
+}
+INLINE int32x4_t quad_s32(const int16x8_t *h, int q) {
+    return q & 1 ? vmovl_high_s16(h[q / 2]) : vmovl_s16(vget_low_s16(h[q / 2]));
+}
+
+/* the 8 code vectors (0..15) of rows 4q..4q+3 in sub-block j of a packed Q4_K super-block */
+INLINE void q4k_codes(const uint8_t *blk, int j, int q, int8x16_t *c) {
+    const uint8x16_t m4 = vdupq_n_u8(0x0F);
+    for (int k = 0; k < 4; k++) {
+        const uint8x16_t v = vld1q_u8(blk + 64 * (4 * j + k) + 16 * q);
+        c[2 * k] = vreinterpretq_s8_u8(vandq_u8(v, m4));
+        c[2 * k + 1] = vreinterpretq_s8_u8(vshrq_n_u8(v, 4));
+    }
+}
+
+/* One activation row (a decode step) of packed Q4_K, rows 16g..16g+15: the sub-blocks outer and
+ * the 4 row quads inner, so each sub-block's 32 activations are loaded once (not once per quad),
+ * its 16 rows' scales loaded and widened once (one load and 6 widenings, not 4 x 4), the mins'
+ * term made for the 16 rows by 4 SMLAL by element per sub-block against the activations'
+ * 32-value sums (min <= 63, |sum| <= 32 x 127: products < 2^18, 8 of them per super-block), and
+ * one SDOT chain of 8 per quad from zero (quad_dot_from; the 4 quads' chains run side by side),
+ * multiplied once by the scale. The integer sums are the tile kernel's (below), so the floats are
+ * too. After llama.cpp's Q4_K GEMV, which widens its scales once per super-block
+ * (docs/measured/2026-12-05-arm-llama-cpp-peer.md: 454.7 -> 244.3 M instructions per token on
+ * the Qwen 1.5B, neoverse-n1). */
+INLINE void dot_packed_q4_k_row(const er_matrix *m, int g, const er_q8 *x, float *y) {
+    const int nsb = m->cols / 256;
+    float32x4_t acc[4];
+    for (int q = 0; q < 4; q++) acc[q] = vdupq_n_f32(0.0f);
+    for (int sb = 0; sb < nsb; sb++) {
+        const uint8_t *blk = m->packed + ((size_t)g * nsb + sb) * PACK_Q4_K_BYTES;
+        const int8_t *a = x->qk + (size_t)256 * sb;
+        const int16x8_t bs = vld1q_s16(x->bsum32_i16 + 8 * sb);
+        int32x4_t total[4], mins[4];
+        for (int q = 0; q < 4; q++) total[q] = mins[q] = vdupq_n_s32(0);
+        _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) { /* j a constant: the lane of bs */
+            int16x8_t mn[2];
+            u8x16_s16(blk + 2176 + 16 * j, mn);
+            mins[0] = vmlal_laneq_s16(mins[0], vget_low_s16(mn[0]), bs, j);
+            mins[1] = vmlal_high_laneq_s16(mins[1], mn[0], bs, j);
+            mins[2] = vmlal_laneq_s16(mins[2], vget_low_s16(mn[1]), bs, j);
+            mins[3] = vmlal_high_laneq_s16(mins[3], mn[1], bs, j);
+        }
+        _Pragma("GCC unroll 1") for (int j = 0; j < 8; j++) {
+            PREFETCH(blk + 2 * PACK_Q4_K_BYTES + 64 * 4 * j), PREFETCH(blk + 2 * PACK_Q4_K_BYTES + 64 * (4 * j + 2));
+            int16x8_t scale[2];
+            u8x16_s16(blk + 2048 + 16 * j, scale);
+            for (int q = 0; q < 4; q++) {
+                int8x16_t c[8];
+                q4k_codes(blk, j, q, c);
+                total[q] = vmlaq_s32(total[q], quad_dot_from(vdupq_n_s32(0), c, 8, a + 32 * j, 0), quad_s32(scale, q));
+            }
+        }
+        const float dx = x->dk[sb];
+        for (int q = 0; q < 4; q++) {
+            const float32x4_t d = f16x4(blk + 2304 + 8 * q), dmin = f16x4(blk + 2336 + 8 * q);
+            acc[q] = vfmaq_f32(acc[q], vcvtq_f32_s32(total[q]), vmulq_n_f32(d, dx));
+            acc[q] = vfmsq_f32(acc[q], vcvtq_f32_s32(mins[q]), vmulq_n_f32(dmin, dx));
+        }
+    }
+    for (int q = 0; q < 4; q++) vst1q_f32(y + 4 * q, acc[q]);
+}
+
 /* rows 16g..16g+15 of packed Q4_K: value = d * scale_j * u - dmin * min_j */
 INLINE void dot_packed_q4_k(const er_matrix *m, int g, const er_q8 *x, const int mt, float *y, int ldy) {
+    if (mt == 1) {
+        dot_packed_q4_k_row(m, g, x, y);
+        return;
+    }
     const int nsb = m->cols / 256;
-    const uint8x16_t m4 = vdupq_n_u8(0x0F);
     float32x4_t acc[PACK_TILE][4];
     for (int i = 0; i < mt; i++)
         for (int q = 0; q < 4; q++) acc[i][q] = vdupq_n_f32(0.0f);
@@ -126,11 +207,7 @@ INLINE void dot_packed_q4_k(const er_matrix *m, int g, const er_q8 *x, const int
             for (int j = 0; j < 8; j++) {
                 if (q == 0) PREFETCH(blk + 2 * PACK_Q4_K_BYTES + 64 * 4 * j), PREFETCH(blk + 2 * PACK_Q4_K_BYTES + 64 * (4 * j + 2));
                 int8x16_t c[8];
-                for (int k = 0; k < 4; k++) {
-                    const uint8x16_t v = vld1q_u8(blk + 64 * (4 * j + k) + 16 * q);
-                    c[2 * k] = vreinterpretq_s8_u8(vandq_u8(v, m4));
-                    c[2 * k + 1] = vreinterpretq_s8_u8(vshrq_n_u8(v, 4));
-                }
+                q4k_codes(blk, j, q, c);
                 const int32x4_t scale = u8x4(blk + 2048 + 16 * j + 4 * q), min = u8x4(blk + 2176 + 16 * j + 4 * q);
                 int32x4_t s[PACK_TILE];
                 tile_dots(c, 8, x, mt, 1, (size_t)256 * sb + 32 * j, 0, s);
@@ -154,15 +231,79 @@ INLINE void dot_packed_q4_k(const er_matrix *m, int g, const er_q8 *x, const int
         for (int q = 0; q < 4; q++) vst1q_f32(y + (size_t)i * ldy + 4 * q, acc[i][q]);
 }
 
-/* rows 16g..16g+15 of packed Q6_K: value = d * scale_j * (u - 32), 16-value sub-blocks. The codes
- * stay unsigned (0..63: the low nibble and the two high bits joined by one SLI) and the -32 is
- * taken once per sub-block from the activations' sums, as the generic kernel does
- * (sum scale_j * (dot_j - 32 * bsum_j)): the integer sums are the same, 2 of the 7 operations per
- * code vector fewer (after llama.cpp's repacked Q6_K GEMV, docs/measured/2026-12-05-arm-llama-cpp-peer.md;
- * the neon set's 16-bit lanes hold 4 products of 63 x 127 = 32004). */
-INLINE void dot_packed_q6_k(const er_matrix *m, int g, const er_q8 *x, const int mt, float *y, int ldy) {
+/* the 8 code vectors (0..63) of rows 4q..4q+3 in a 32-value chunk of packed Q6_K: low nibble |
+ * 2 high bits << 4. Per high vector (bits 2k..2k+1 of a byte: vector 4h + k's) and its two low
+ * vectors, 8 operations for 4 codes: with A = high & 0x33, SLI puts A's bits 0-1 above the first
+ * nibble (its bits 4-5 shift out); BSL keeps A's bits 4-5 over the third's nibble; with
+ * B = (high & 0xCC) << 2 (bits 2-3 at 4-5) and high >> 2 (bits 6-7 at 4-5, 0 above), SRI puts the
+ * second's and fourth's high nibbles below them. */
+INLINE void q6k_codes(const uint8_t *chunk, int q, int8x16_t *c) {
+    const uint8x16_t m33 = vdupq_n_u8(0x33), mcc = vdupq_n_u8(0xCC), m0f = vdupq_n_u8(0x0F);
+    for (int h = 0; h < 2; h++) {
+        const uint8x16_t l0 = vld1q_u8(chunk + 64 * (2 * h) + 16 * q), l1 = vld1q_u8(chunk + 64 * (2 * h + 1) + 16 * q);
+        const uint8x16_t high = vld1q_u8(chunk + 256 + 64 * h + 16 * q), a = vandq_u8(high, m33);
+        c[4 * h + 1] = vreinterpretq_s8_u8(vsriq_n_u8(vshlq_n_u8(vandq_u8(high, mcc), 2), l0, 4));
+        c[4 * h + 3] = vreinterpretq_s8_u8(vsriq_n_u8(vshrq_n_u8(high, 2), l1, 4));
+        c[4 * h] = vreinterpretq_s8_u8(vsliq_n_u8(l0, a, 4));
+        c[4 * h + 2] = vreinterpretq_s8_u8(vbslq_u8(m0f, l1, a));
+    }
+}
+
+/* One activation row (a decode step) of packed Q6_K, rows 16g..16g+15, as dot_packed_q4_k_row:
+ * chunks outer, quads inner (the activations loaded once per chunk, each sub-block's 16 scales
+ * widened once), and each sub-block's SDOT chain starts at -32 x its activations' sum (copied
+ * from one LD1R per sub-block where the tile kernel zeroes its chains), so the chain ends at
+ * sum (u - 32) a and the offset costs nothing per quad: |sum| <= 16 x 32 x 127 (the start
+ * 16 x 32 x 127 too, the codes' part at most 16 x 63 x 127 more on the way), times |scale| <= 128,
+ * 16 sub-blocks: < 2^27. The integer sums are the tile kernel's (Q6_K: 277.7 -> 143.8 M
+ * instructions per token on the Qwen 1.5B, neoverse-n1). */
+INLINE void dot_packed_q6_k_row(const er_matrix *m, int g, const er_q8 *x, float *y) {
     const int nsb = m->cols / 256;
-    const uint8x16_t m3 = vdupq_n_u8(0x03);
+    float32x4_t acc[4];
+    for (int q = 0; q < 4; q++) acc[q] = vdupq_n_f32(0.0f);
+    for (int sb = 0; sb < nsb; sb++) {
+        const uint8_t *blk = m->packed + ((size_t)g * nsb + sb) * PACK_Q6_K_BYTES;
+        const int8_t *a = x->qk + (size_t)256 * sb;
+        const int16x8_t b0 = vld1q_s16(x->bsum + 16 * sb), b1 = vld1q_s16(x->bsum + 16 * sb + 8);
+        int32_t start[16];
+        vst1q_s32(start, vmull_n_s16(vget_low_s16(b0), -32));
+        vst1q_s32(start + 4, vmull_high_n_s16(b0, -32));
+        vst1q_s32(start + 8, vmull_n_s16(vget_low_s16(b1), -32));
+        vst1q_s32(start + 12, vmull_high_n_s16(b1, -32));
+        int32x4_t total[4];
+        for (int q = 0; q < 4; q++) total[q] = vdupq_n_s32(0);
+        _Pragma("GCC unroll 1") for (int ch = 0; ch < 8; ch++) { /* sub-blocks 2ch, 2ch + 1 */
+            const uint8_t *chunk = blk + 384 * ch;
+            for (int at = 0; at < 384; at += 64) PREFETCH(chunk + 2 * PACK_Q6_K_BYTES + at);
+            int16x8_t s0[2], s1[2];
+            s8x16_s16(blk + 3072 + 16 * (2 * ch), s0);
+            s8x16_s16(blk + 3072 + 16 * (2 * ch + 1), s1);
+            const int32x4_t from0 = vld1q_dup_s32(start + 2 * ch), from1 = vld1q_dup_s32(start + 2 * ch + 1);
+            for (int q = 0; q < 4; q++) {
+                int8x16_t c[8];
+                q6k_codes(chunk, q, c);
+                total[q] = vmlaq_s32(total[q], quad_dot_from(from0, c, 4, a + 32 * ch, 0), quad_s32(s0, q));
+                total[q] = vmlaq_s32(total[q], quad_dot_from(from1, c + 4, 4, a + 32 * ch + 16, 0), quad_s32(s1, q));
+            }
+        }
+        const float dx = x->dk[sb];
+        for (int q = 0; q < 4; q++)
+            acc[q] = vfmaq_f32(acc[q], vcvtq_f32_s32(total[q]), vmulq_n_f32(f16x4(blk + 3328 + 8 * q), dx));
+    }
+    for (int q = 0; q < 4; q++) vst1q_f32(y + 4 * q, acc[q]);
+}
+
+/* rows 16g..16g+15 of packed Q6_K: value = d * scale_j * (u - 32), 16-value sub-blocks. The codes
+ * stay unsigned (0..63, q6k_codes) and the -32 is taken once per sub-block from the activations'
+ * sums, as the generic kernel does (sum scale_j * (dot_j - 32 * bsum_j)): the integer sums are the
+ * same (after llama.cpp's repacked Q6_K GEMV, docs/measured/2026-12-05-arm-llama-cpp-peer.md; the
+ * neon set's 16-bit lanes hold 4 products of 63 x 127 = 32004). */
+INLINE void dot_packed_q6_k(const er_matrix *m, int g, const er_q8 *x, const int mt, float *y, int ldy) {
+    if (mt == 1) {
+        dot_packed_q6_k_row(m, g, x, y);
+        return;
+    }
+    const int nsb = m->cols / 256;
     float32x4_t acc[PACK_TILE][4];
     for (int i = 0; i < mt; i++)
         for (int q = 0; q < 4; q++) acc[i][q] = vdupq_n_f32(0.0f);
@@ -175,17 +316,8 @@ INLINE void dot_packed_q6_k(const er_matrix *m, int g, const er_q8 *x, const int
                 const uint8_t *chunk = blk + 384 * ch;
                 if (q == 0)
                     for (int at = 0; at < 384; at += 64) PREFETCH(chunk + 2 * PACK_Q6_K_BYTES + at);
-                uint8x16_t low[4], high[2];
-                for (int k = 0; k < 4; k++) low[k] = vld1q_u8(chunk + 64 * k + 16 * q);
-                for (int h = 0; h < 2; h++) high[h] = vld1q_u8(chunk + 256 + 64 * h + 16 * q);
                 int8x16_t c[8];
-                for (int k = 0; k < 8; k++) { /* SLI keeps the first operand's low nibble, puts (hb & 3) << 4 above */
-                    const uint8x16_t nib = k & 1 ? vshrq_n_u8(low[k / 2], 4) : low[k / 2];
-                    const uint8x16_t hb = k % 4 == 0 ? vandq_u8(high[k / 4], m3)
-                                        : k % 4 == 1 ? vandq_u8(vshrq_n_u8(high[k / 4], 2), m3)
-                                        : k % 4 == 2 ? vandq_u8(vshrq_n_u8(high[k / 4], 4), m3) : vshrq_n_u8(high[k / 4], 6);
-                    c[k] = vreinterpretq_s8_u8(vsliq_n_u8(nib, hb, 4));
-                }
+                q6k_codes(chunk, q, c);
                 const int32x4_t s0 = s8x4(blk + 3072 + 16 * (2 * ch) + 4 * q), s1 = s8x4(blk + 3072 + 16 * (2 * ch + 1) + 4 * q);
                 int32x4_t lo[PACK_TILE], hi[PACK_TILE];
                 tile_dots(c, 4, x, mt, 1, (size_t)256 * sb + 32 * ch, 0, lo);

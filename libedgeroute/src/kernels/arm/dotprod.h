@@ -25,6 +25,21 @@ static inline __attribute__((always_inline)) int32x4_t quad_dot(const int8x16_t 
     return vaddq_s32(s0, s1);
 }
 
+/* from + the same sums, one chain of SDOT by element (n = 4 or 8) started at `from`: the one-row
+ * kernels run 4 quads' chains side by side, so one chain each needs no second zero and no ADD */
+static inline __attribute__((always_inline)) int32x4_t quad_dot_from(int32x4_t from, const int8x16_t *c, const int n,
+                                                                      const int8_t *a, const int wide) {
+    (void)wide;
+    for (int h = 0; h < n / 4; h++) {
+        const int8x16_t ah = vld1q_s8(a + 16 * h);
+        from = vdotq_laneq_s32(from, c[4 * h], ah, 0);
+        from = vdotq_laneq_s32(from, c[4 * h + 1], ah, 1);
+        from = vdotq_laneq_s32(from, c[4 * h + 2], ah, 2);
+        from = vdotq_laneq_s32(from, c[4 * h + 3], ah, 3);
+    }
+    return from;
+}
+
 static inline __attribute__((always_inline)) int32x4_t dot16(int32x4_t acc, int8x16_t k, int8x16_t q) {
     return vdotq_s32(acc, k, q);
 }

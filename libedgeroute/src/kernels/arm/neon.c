@@ -39,6 +39,12 @@ static inline __attribute__((always_inline)) int32x4_t quad_dot(const int8x16_t 
     return vpaddq_s32(lo32, hi32); /* lanes (row 0: 2), (row 1: 2) | (row 2), (row 3) -> rows 0..3 */
 }
 
+/* from + quad_dot (the one-row kernels' form, where the dotprod set starts its SDOT chain there) */
+static inline __attribute__((always_inline)) int32x4_t quad_dot_from(int32x4_t from, const int8x16_t *c, const int n,
+                                                                      const int8_t *a, const int wide) {
+    return vaddq_s32(from, quad_dot(c, n, a, wide));
+}
+
 /* acc + the products of 16 int8 pairs in 4 lanes (|k|, |q| <= 127: two per 16-bit lane fit) */
 static inline __attribute__((always_inline)) int32x4_t dot16(int32x4_t acc, int8x16_t k, int8x16_t q) {
     const int16x8_t p = vmlal_high_s8(vmull_s8(vget_low_s8(k), vget_low_s8(q)), k, q);
