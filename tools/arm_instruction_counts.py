@@ -15,7 +15,7 @@ taken, count(P) - count(1) added to the one-row cost (a decode step's count), so
 per row shows how far a multi-row pass reuses the weights it loads.
 
     python tools/arm_instruction_counts.py [--bundle bundles/smollm2-demo] [--cpu neoverse-n1]
-        [--kernels generic,neon,dotprod] [--decode 4] [--extra 8] [--passes 1,2,4,8]
+        [--kernels generic,neon,dotprod] [--decode 4] [--extra 8] [--passes 1,2,4,8] [--profile]
         [--json OUT.json]
 """
 
@@ -218,6 +218,8 @@ def main() -> None:
                         help="an emulated aarch64 Python (tools/qemu/arm_python.py build DIR): also count the runtime "
                              "run from Python on --python-backends")
     parser.add_argument("--python-backends", default="onnxruntime,native")
+    parser.add_argument("--profile", action="store_true",
+                        help="also say where each set's instructions per token go, by function (symbol_profile)")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args()
     if platform.machine() not in ("x86_64", "AMD64"):
@@ -230,10 +232,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         example, plugin = build(Path(tmp))
         for kernels in args.kernels.split(","):
-            short, _, t0 = counted_run(example, plugin, args.cpu, args.bundle, kernels, args.decode, ids)
-            long, tokens, t1 = counted_run(example, plugin, args.cpu, args.bundle, kernels, args.decode + args.extra, ids)
+            runs = []
+            for n in (args.decode, args.decode + args.extra):
+                profile = Path(tmp) / f"profile-{kernels}-{n}.txt" if args.profile else None
+                counts, tokens, seconds, _ = counted_example(example, plugin, args.cpu, args.bundle, kernels, n, ids,
+                                                             profile=profile)
+                runs.append((counts["instructions"], tokens, seconds, symbol_profile(profile) if profile else {}))
+            (short, _, t0, by_short), (long, tokens, t1, by_long) = runs
             row = {"kernels": kernels, "instructions_short": short, "instructions_long": long,
                    "per_token": (long - short) / args.extra, "tokens": tokens, "qemu_seconds": t0 + t1}
+            if args.profile:  # per token by function, the dearest 14
+                per = {f: (by_long[f] - by_short.get(f, 0)) / args.extra for f in by_long}
+                row["profile"] = sorted(((f, v) for f, v in per.items() if v > 0), key=lambda fv: -fv[1])[:14]
             if passes:
                 one, _, _ = counted_run(example, plugin, args.cpu, args.bundle, kernels, 1, ids[:1])
                 row["passes"] = {p: row["per_token"] + counted_run(example, plugin, args.cpu, args.bundle, kernels, 1,
@@ -262,6 +272,10 @@ def main() -> None:
         r["same_tokens_as_first"] = r["tokens"] == rows[0]["tokens"]
         ratio = f"{r['vs_generic']:.2f}x" if generic else "-"
         print(f"{r['kernels']:<{width}} {r['per_token'] / 1e6:>14.1f} {ratio:>11} {str(r['same_tokens_as_first']):>12}")
+    for r in (r for r in rows if "profile" in r):
+        print(f"{r['kernels']}, M instructions per token by function:")
+        for function, count in r["profile"]:
+            print(f"  {count / 1e6:>8.1f}  {function}")
     if passes:
         print("one pass of P rows (prefill of P tokens, one logits row): M instructions, and per row")
         print(f"{'kernels':<10} " + " ".join(f"{'P=' + str(p):>16}" for p in passes))
