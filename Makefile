@@ -186,7 +186,7 @@ bench-arm: setup $(BUNDLE)/manifest.json
 
 # needs llama.cpp's source in build-native/llama.cpp-src (docs/measured/2026-12-05-arm-llama-cpp-peer.md)
 bench-arm-peer: setup $(BUNDLE)/manifest.json $(PAIR_BUNDLE)/manifest.json
-	$(RECORD) arm-llama-cpp-peer
+	$(RECORD) arm-llama-cpp-peer arm-native-rows
 
 clean:
 	rm -rf $(VENV) bundles build-native $(NATIVE_LIB)
