@@ -138,7 +138,7 @@ records: setup $(BUNDLE)/manifest.json $(PAIR_BUNDLE)/manifest.json
 
 # end of speech to the first audio sample over tools/voice_commands.json (docs/guide/voice.md): the pair, then SmolLM2
 bench-voice: setup $(BUNDLE)/manifest.json $(PAIR_BUNDLE)/manifest.json
-	$(RECORD) voice-latency
+	$(RECORD) voice-latency voice-modes
 
 bench-smollm2: setup $(BUNDLE)/manifest.json
 	$(RECORD) smollm2-ttft smollm2-kept
