@@ -109,17 +109,22 @@ def test_pieces_that_do_not_reproduce_the_template_are_refused():
 
 # -- grammar, split and stream filter, without a model -------------------------------------------------
 
-@pytest.fixture(scope="module")
-def smollm2_matcher(smollm2_tokenizer_dir):
-    path = smollm2_tokenizer_dir / "tokenizer.json"
+def grammar_matcher(path, special):
+    """Whether a text fits the tools' grammar under a choice, on the tokenizer at ``path``
+    (``special``: the id of a markup string that is one special token, else None)."""
     tokenizer = Tokenizer.from_file(str(path))
     compiled = llguidance.LLTokenizer(str(path), n_vocab=tokenizer.get_vocab_size(), eos_token=[0])
 
     def fits(choice: str, text: str) -> bool:
-        grammar = tool_grammar(parse_tools(TOOLS), choice, FALLBACK_TOOL_FORMAT, lambda _: None)
+        grammar = tool_grammar(parse_tools(TOOLS), choice, FALLBACK_TOOL_FORMAT, special or (lambda _: None))
         matcher = llguidance.LLMatcher(compiled, llguidance.grammar_from("lark", grammar), log_level=0)
         return all(matcher.consume_token(t) for t in tokenizer.encode(text).ids) and matcher.is_accepting()
     return fits
+
+
+@pytest.fixture(scope="module")
+def smollm2_matcher(smollm2_tokenizer_dir):
+    return grammar_matcher(smollm2_tokenizer_dir / "tokenizer.json", None)
 
 
 GOOD = '<tool_call>\n{"name": "set_temperature", "arguments": {"celsius": 21, "zone": "driver"}}\n</tool_call>'
@@ -157,13 +162,7 @@ def hermes_matcher(smollm2_tokenizer_dir, tmp_path_factory):
     tokenizer.add_special_tokens([AddedToken(t, special=True) for t in ("<tool_call>", "</tool_call>")])
     path = tmp_path_factory.mktemp("hermes") / "tokenizer.json"
     tokenizer.save(str(path))
-    compiled = llguidance.LLTokenizer(str(path), n_vocab=tokenizer.get_vocab_size(), eos_token=[0])
-
-    def fits(choice: str, text: str) -> bool:
-        grammar = tool_grammar(parse_tools(TOOLS), choice, FALLBACK_TOOL_FORMAT, tokenizer.token_to_id)
-        matcher = llguidance.LLMatcher(compiled, llguidance.grammar_from("lark", grammar), log_level=0)
-        return all(matcher.consume_token(t) for t in tokenizer.encode(text).ids) and matcher.is_accepting()
-    return fits
+    return grammar_matcher(path, tokenizer.token_to_id)
 
 
 # a call as Qwen2.5-Coder writes one under auto: a Markdown JSON block, pretty-printed
