@@ -182,56 +182,85 @@ def draft_source(proposal: Proposal, light) -> str:
 
 
 class NgramDrafter:
+    """Prompt lookup over the sequence so far and, where ``memory`` holds earlier answers (an
+    :class:`~edgeroute.runtime.answer_memory.AnswerMemory` haystack, set per generation by the
+    session), over those too: the longer match drafts (the sequence's own on a tie)."""
+
     name = "ngram"
 
     def __init__(self, max_ngram: int = 8, min_ngram: int = 1) -> None:
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.memory: np.ndarray | None = None
 
     def propose(self, tokens: list[int], k: int) -> Proposal:
         """The k tokens that followed the most recent earlier occurrence of the longest
-        suffix (max_ngram down to min_ngram tokens) of ``tokens``."""
-        n, hits = self._matches(tokens)
+        suffix (max_ngram down to min_ngram tokens) of ``tokens``; where the memory matched a
+        longer suffix, the continuation most of its matches share."""
+        n, continuations = self._continuations(tokens, k, 1)
         if n == 0:
             return Proposal([], [], source=self.name if len(tokens) > self.min_ngram else "")
-        start = int(hits[-1]) + 1
-        continuation = tokens[start:start + k]
-        return Proposal(continuation, [None] * len(continuation), n, int(hits.size), source=self.name)
+        count, continuation = continuations[0]
+        return Proposal(continuation, [None] * len(continuation), n, count, source=self.name)
 
     def propose_tree(self, tokens: list[int], k: int, branches: int, nodes: int | None = None) -> DraftTree:
         """The k tokens after each of the most recent earlier occurrences of the longest suffix
-        (as ``propose``), up to ``branches`` different continuations, most recent first, merged
-        where they agree: where the matches disagree, the tree holds each. With ``nodes``, the
-        most recent continuation is cut to it and another is added only where it fits."""
-        n, hits = self._matches(tokens)
+        (as ``propose``; from the memory, the most frequent first), up to ``branches`` different
+        continuations, merged where they agree: where the matches disagree, the tree holds each.
+        With ``nodes``, the first continuation is cut to it and another is added only where it
+        fits."""
+        n, continuations = self._continuations(tokens, min(k, nodes or k), branches)
         tree = DraftTree(source=self.name, match_length=n)
-        seen: set[tuple[int, ...]] = set()
-        for end in hits[::-1]:
-            continuation = tuple(tokens[int(end) + 1:int(end) + 1 + min(k, nodes or k)])
-            if continuation not in seen:
-                seen.add(continuation)
-                tree.add_branch(list(continuation), nodes)
-            if len(seen) == branches:
-                break
+        for _, continuation in continuations:
+            tree.add_branch(continuation, nodes)
         return tree
 
-    def _matches(self, tokens: list[int]) -> tuple[int, np.ndarray]:
-        """The longest suffix length (max_ngram down to min_ngram) that occurred earlier, and
-        where those occurrences end (ascending); (0, none) without one."""
-        n_tokens = len(tokens)
-        longest = min(self.max_ngram, n_tokens - 1)
-        if longest < self.min_ngram:
-            return 0, np.empty(0, np.int64)
+    def _continuations(self, tokens: list[int], k: int, most: int) -> tuple[int, list[tuple[int, list[int]]]]:
+        """The longest matched suffix's length and up to ``most`` different continuations of at
+        most k tokens, each with how many matches it follows: the sequence's own, most recent
+        first, or the memory's where it matched longer, most frequent first."""
         seq = np.asarray(tokens, np.int64)
-        # Earlier places of the last token (each followed by at least one token) are the only
-        # places a match can end: one pass over the history, then at most max_ngram steps back
-        # over these few, instead of comparing every window of every length.
-        ends = np.flatnonzero(seq[:n_tokens - 1] == seq[-1])
+        n, ends = self._matches(seq, seq)  # an earlier place of the suffix: its last token is never one
+        if self.memory is not None and self.memory.size:
+            remembered, memory_ends = self._matches(self.memory, seq)
+            if remembered > n:
+                counts: dict[tuple[int, ...], int] = {}
+                for end in memory_ends:
+                    following = self.memory[end + 1:end + 1 + k]
+                    stop = np.flatnonzero(following < 0)
+                    key = tuple(int(t) for t in following[:stop[0] if stop.size else k])
+                    counts[key] = counts.get(key, 0) + 1
+                ranked = sorted(counts.items(), key=lambda item: -item[1])  # stable: older answers first on ties
+                return remembered, [(count, list(key)) for key, count in ranked[:most]]
+        continuations: list[tuple[int, list[int]]] = []
+        seen: set[tuple[int, ...]] = set()
+        for end in ends[::-1]:
+            key = tuple(tokens[int(end) + 1:int(end) + 1 + k])
+            if key not in seen:
+                seen.add(key)
+                continuations.append((int(ends.size), list(key)))
+            if len(continuations) == most:
+                break
+        return n, continuations
+
+    def _matches(self, haystack: np.ndarray, seq: np.ndarray) -> tuple[int, np.ndarray]:
+        """The longest suffix of ``seq`` (max_ngram down to min_ngram tokens) that ``haystack``
+        holds followed by a token (``seq`` itself: an earlier occurrence), and where those
+        occurrences end (ascending); (0, none) without one. Matches never cross a negative
+        separator (no token equals one)."""
+        longest = min(self.max_ngram, seq.size - 1)
+        if longest < self.min_ngram or haystack.size < 2:
+            return 0, np.empty(0, np.int64)
+        # Places of the last token (each followed by a token) are the only places a match can
+        # end: one pass over the haystack, then at most max_ngram steps back over these few,
+        # instead of comparing every window of every length.
+        ends = np.flatnonzero(haystack[:-1] == seq[-1])
+        ends = ends[haystack[ends + 1] >= 0]
         matched = np.ones(ends.size, np.int64)  # suffix tokens matched backwards from each end
         alive = np.ones(ends.size, bool)
         for back in range(1, longest):
             before = ends - back
             alive &= before >= 0
-            alive[alive] = seq[before[alive]] == seq[n_tokens - 1 - back]
+            alive[alive] = haystack[before[alive]] == seq[-1 - back]
             matched += alive
         for n in range(longest, self.min_ngram - 1, -1):
             hits = ends[matched >= n]

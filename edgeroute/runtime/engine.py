@@ -29,6 +29,7 @@ from edgeroute.cpu import cpu_signature, signature_difference
 from edgeroute.errors import BundleError, CalibrationDeviceWarning, InputError, SessionBusy, UnmeasuredQualityWarning
 from edgeroute.kv_formats import INT8_GROUP, KV_DTYPE_CHOICES, check_kv_dtype, kv_row_bytes
 from edgeroute.runtime.aio import iterate_in_thread
+from edgeroute.runtime.answer_memory import AnswerMemory
 from edgeroute.runtime.attention import KVCache
 from edgeroute.runtime.backend import ModelBackend, backend_for, open_model, resolve_kv_dtype
 from edgeroute.runtime.calibrated import calibrated_options, format_token_ids
@@ -110,6 +111,8 @@ class Engine:
             raise InputError("give Engine either options=EngineOptions(...) or profile/task/keyword settings, "
                              "not both: EngineOptions.from_profile(profile, task, **settings) merges them")
         self.settings = options
+        # earlier answers for speculation's prompt lookup to draft from (set one to use it)
+        self.answer_memory: AnswerMemory | None = None
         self.bundle = bundle if isinstance(bundle, Bundle) else Bundle.open(bundle, verify=verify)
         exported = int(self.bundle.generation["context_length"])
         self.context_length = options.session_context(exported)
@@ -396,6 +399,7 @@ class Session:
         self._fenced = False  # the running generation may make fenced calls (tools.fenced_calls)
         self._held: list[int] | None = None  # what the LLM cache's rows hold after a listen(), beyond self.state
         self._turn_start = self._answer_start = 0  # where the last turn's message and its answer begin
+        self._task: str | None = None  # the running generation's task: its answer memory's key
 
     # -- one call at a time ---------------------------------------------------------------------
 
@@ -624,6 +628,11 @@ class Session:
         if drafter is not None and not drafter.seen:
             sequence = state.tokens + turn.new
             drafter.seen = sequence[:self.engine._copy_shared_prefix(sequence, drafter.cache, "slm")]
+        memory = self.engine.answer_memory
+        # only exact speculation drafts from memory: routing would accept its drafts unchecked
+        speculating = options.mode.partition("+")[0] == "speculate"
+        state.ngram_drafter.memory = memory.haystack(options.task) if memory is not None and speculating else None
+        self._task = options.task
         decoder = Decoder(state, options, self._cancel, constraint)
         self._constraint = constraint
         self.last = Generation("", [], decoder.stats)
@@ -640,6 +649,9 @@ class Session:
         elif generation.tool_calls and finish == "eos":
             finish = "tool_calls"
         generation.finish_reason = finish
+        memory = self.engine.answer_memory
+        if memory is not None and memory.learning and finish != "cancelled":
+            memory.remember(self._task, [t for t in generation.tokens if t not in self.engine.eos_ids])
         if self.messages:
             answer: dict[str, Any] = {"role": "assistant", "content": text}
             if generation.tool_calls:

@@ -1,0 +1,108 @@
+"""Answers the engine wrote before, as more text for prompt lookup to draft from.
+
+An in-car assistant answers the same kinds of requests over and over: "Navigating to ...",
+```json {"intent": ...```, "Calling ... now." Prompt lookup drafts only what the prompt and the
+conversation hold; an :class:`AnswerMemory` also lets it continue the sequence's suffix where an
+earlier answer of the same task continued it (the idea of REST, He et al. 2023, and
+SuffixDecoding, Oliaro et al. 2024, over the engine's own answers). Drafts are verified, so
+``speculate`` stays exact: memory only changes how many tokens a pass accepts. Routing modes,
+which accept lookup drafts without the LLM's check, never draft from it.
+
+Each task (``DecodeOptions.task``; sessions without one share ``"default"``) keeps its latest
+answers up to ``max_tokens`` tokens; the oldest go first. ``save`` / ``load`` keep a memory
+across restarts (one ``.npz``, written atomically).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+from collections import deque
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from edgeroute.errors import InputError
+
+DEFAULT_TASK = "default"
+SEPARATOR = -1  # between answers in a task's haystack: no token id equals it, so no match spans two answers
+
+
+class AnswerMemory:
+    """The latest answers per task. ``learning``: whether finished generations are added (a
+    benchmark that must not draft a prompt's own earlier answer adds what it chooses instead)."""
+
+    def __init__(self, max_tokens: int = 32768, learning: bool = True) -> None:
+        if max_tokens < 1:
+            raise InputError(f"an answer memory holds at least 1 token per task (got max_tokens={max_tokens})")
+        self.max_tokens, self.learning = max_tokens, learning
+        self._answers: dict[str, deque[np.ndarray]] = {}
+        self._sizes: dict[str, int] = {}
+        self._haystacks: dict[str, np.ndarray] = {}
+        self._lock = threading.Lock()  # sessions on several threads share the engine's memory
+
+    def remember(self, task: str | None, tokens: Sequence[int]) -> None:
+        """Adds one answer (its tokens, the end-of-turn marker left out by the caller)."""
+        answer = np.asarray(tokens, np.int64)[-self.max_tokens:]
+        if answer.size < 2:  # nothing to continue from a single token
+            return
+        key = task or DEFAULT_TASK
+        with self._lock:
+            answers = self._answers.setdefault(key, deque())
+            answers.append(answer)
+            self._sizes[key] = self._sizes.get(key, 0) + answer.size
+            while self._sizes[key] > self.max_tokens:
+                self._sizes[key] -= answers.popleft().size
+            self._haystacks.pop(key, None)
+
+    def haystack(self, task: str | None) -> np.ndarray:
+        """The task's answers, oldest first, each followed by :data:`SEPARATOR` (empty without any)."""
+        key = task or DEFAULT_TASK
+        with self._lock:
+            if key not in self._haystacks:
+                parts = [np.append(answer, SEPARATOR) for answer in self._answers.get(key, ())]
+                self._haystacks[key] = np.concatenate(parts) if parts else np.empty(0, np.int64)
+            return self._haystacks[key]
+
+    def answers(self, task: str | None) -> int:
+        with self._lock:
+            return len(self._answers.get(task or DEFAULT_TASK, ()))
+
+    def clear(self) -> None:
+        with self._lock:
+            self._answers.clear()
+            self._sizes.clear()
+            self._haystacks.clear()
+
+    def save(self, path: str | Path) -> None:
+        """Writes every task's answers to ``path`` (.npz), replacing it only once complete."""
+        path = Path(path)
+        with self._lock:
+            arrays = {f"{task}/{i}": answer for task, answers in self._answers.items()
+                      for i, answer in enumerate(answers)}
+        fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".npz")
+        try:
+            with os.fdopen(fd, "wb") as file:
+                np.savez(file, **arrays)
+            os.replace(temporary, path)
+        except BaseException:
+            Path(temporary).unlink(missing_ok=True)
+            raise
+
+    @classmethod
+    def load(cls, path: str | Path, max_tokens: int = 32768, learning: bool = True) -> AnswerMemory:
+        """A memory with the answers ``save`` wrote to ``path``; a damaged file is a clear error."""
+        memory = cls(max_tokens, learning)
+        try:
+            with np.load(Path(path), allow_pickle=False) as arrays:
+                entries = sorted(((name.rpartition("/")[0], int(name.rpartition("/")[2]), arrays[name])
+                                  for name in arrays.files), key=lambda entry: entry[:2])
+        except (OSError, ValueError, KeyError) as error:
+            raise InputError(f"{path}: not an answer memory that AnswerMemory.save wrote ({error})") from error
+        for task, _, answer in entries:
+            if answer.ndim != 1 or answer.dtype.kind not in "iu" or (answer.size and answer.min() < 0):
+                raise InputError(f"{path}: task {task!r} holds an answer that is not a list of token ids")
+            memory.remember(task, answer)
+        return memory
