@@ -15,7 +15,7 @@ NATIVE_LIB := edgeroute/libedgeroute.so
 .PHONY: setup native native-aarch64 wheels c-test fuzz-native example pair demo demo-pair test lint bench-export clean \
 	records bench-smollm2 bench-qwen bench-task-speed bench-tree bench-pair bench-avx2 bench-structured \
 	bench-calibration bench-demo-calibration bench-kv bench-quality \
-	bench-memory bench-size bench-arm bench-arm-peer voice-demo voice-demo-pair bench-voice
+	bench-memory bench-answer-memory bench-size bench-arm bench-arm-peer voice-demo voice-demo-pair bench-voice
 
 setup: $(VENV)/.installed $(NATIVE_LIB)
 
@@ -145,6 +145,10 @@ bench-smollm2: setup $(BUNDLE)/manifest.json
 
 bench-tree: setup $(PAIR_BUNDLE)/manifest.json
 	$(RECORD) tree-speculation
+
+# speculation's lookup drafting from earlier answers (edgeroute.runtime.answer_memory), five workloads
+bench-answer-memory: setup $(PAIR_BUNDLE)/manifest.json
+	$(RECORD) answer-memory
 
 bench-task-speed: setup $(PAIR_BUNDLE)/manifest.json
 	$(RECORD) pair-task-speed

@@ -25,7 +25,7 @@ def test_ratios_are_medians_of_each_prompts_pair_and_the_table_keeps_the_configu
     assert tree["tokens_per_second"] == 30 and tree["identical"] == tree["samples"] == 3
     assert "| b | templated | 1 | avx2 | ngram tree | 30.0 | 1.00 | 1.50 | 2.00 | 50 | 3/3 |" in markdown(rows)
     assert list(configs(3, None)) == ["full", "ngram linear", "ngram tree", "slm linear", "slm tree",
-                                      "ngram+slm linear", "ngram+slm tree"]
+                                      "ngram+slm linear", "ngram+slm tree", "ngram memory", "ngram+slm memory"]
 
 
 @pytest.mark.slow

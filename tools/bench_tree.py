@@ -15,7 +15,15 @@ The table gives, per bundle, workload, threads and kernel set, the median over s
 configuration's tok/s and of its paired ratios (against ``full`` and llama.cpp on the same
 prompt in the same round).
 
+The ``memory`` configurations draft from an answer memory (``edgeroute.runtime.answer_memory``)
+that holds ``full``'s answers to the prompts run before in the same round, across workloads: an
+assistant that has answered those requests before. It starts empty each round and never holds
+the prompt being run, so the first prompts of a round draft from little.
+
     python tools/bench_tree.py --kernels auto avx2   # both bundles, five workloads: ~2.5-3 h alone on a 2-core box
+    python tools/bench_tree.py --bundles bundles/qwen-pair --workloads templated json intents open --prompts 0 \\
+        --rounds 1 --max-new-tokens 64 --threads 2 --configs "ngram linear" "ngram memory" "ngram+slm linear" \\
+        "ngram+slm memory"   # the answer memory on whole workloads
     python tools/bench_tree.py --bundles bundles/smollm2-demo --workloads templated --prompts 1 \\
         --rounds 1 --max-new-tokens 8 --threads 1 --out /tmp/tree-smoke   # a smoke run
 
@@ -45,13 +53,20 @@ BUNDLES = (str(ROOT / "bundles" / "smollm2-demo"), str(ROOT / "bundles" / "qwen-
 LLAMA_DRAFT_TOKENS = 4  # llama.cpp's draft model drafts this many tokens (bench_run's default)
 
 
+MEMORY_LIGHTS = ("ngram", "ngram+slm")  # the light paths whose lookup drafts from an answer memory
+
+
 def configs(branches: int, tree_nodes: int | None) -> dict[str, dict]:
-    """Each edgeroute configuration's session options: full, and each light path linear and as trees."""
+    """Each edgeroute configuration's session options: full, each light path linear and as trees,
+    and the lookup's linear drafts with the answer memory (``memory``: not a session option; the
+    engine's memory is set for the run)."""
     tree = {"draft_branches": branches, "draft_tree_nodes": tree_nodes}
     named = {"full": {"mode": "full"}}
     for light in ("ngram", "slm", "ngram+slm"):
         named[f"{light} linear"] = {"mode": "speculate", "light": light}
         named[f"{light} tree"] = {"mode": "speculate", "light": light, **tree}
+    for light in MEMORY_LIGHTS:
+        named[f"{light} memory"] = {"mode": "speculate", "light": light, "memory": True}
     return named
 
 
@@ -67,9 +82,13 @@ def sample(run, **where) -> dict:
 
 def bench_bundle(bundle: str, args: argparse.Namespace, workloads: dict[str, list[dict]], samples: list[dict],
                  log) -> None:
-    from edgeroute.runtime import Engine
+    from edgeroute.runtime import AnswerMemory, Engine
 
     named = configs(args.branches, args.tree_nodes)
+    # The memory holds full's answers to the round's earlier prompts (every workload): what an
+    # assistant that learns as it answers has seen. It never holds the prompt being run, and it
+    # starts empty each round, so a prompt's own answer from an earlier round is never drafted.
+    memory = AnswerMemory(learning=False)
     gguf = checked_gguf(bundle, "llm")
     slm_gguf = checked_gguf(bundle, "slm")
     groups = [(threads, kernels) for threads in args.threads for kernels in args.kernels]
@@ -82,11 +101,14 @@ def bench_bundle(bundle: str, args: argparse.Namespace, workloads: dict[str, lis
         for threads in args.threads:
             llamas[threads]["llama.cpp+draft-slm"] = LlamaRunner(gguf, threads, args.n_ctx, 0, layers, slm_gguf,
                                                                  LLAMA_DRAFT_TOKENS)
-    names = [*named, *llamas[args.threads[0]]]
+    keep = None if args.configs is None else {*args.configs, "full", "llama.cpp"}  # every ratio pairs with these
+    names = [name for name in [*named, *llamas[args.threads[0]]] if keep is None or name in keep]
 
     def generate(group, name: str, prompt: dict, ids: list[int], budget: int):
         if name in named:
-            return runners[group].run(prompt["messages"], named[name], budget)
+            options = dict(named[name])
+            engines[group].answer_memory = memory if options.pop("memory", False) else None
+            return runners[group].run(prompt["messages"], options, budget)
         return llamas[group[0]][name].run(ids, eos_ids, budget)
 
     first = next(iter(workloads.values()))[0]
@@ -95,6 +117,7 @@ def bench_bundle(bundle: str, args: argparse.Namespace, workloads: dict[str, lis
             generate(group, name, first, engine.encode_prompt(first["messages"]), 8)
     turn = 0
     for round_ in range(args.rounds):
+        memory.clear()
         for workload, prompts in workloads.items():
             for prompt in prompts:
                 ids = engine.encode_prompt(prompt["messages"])
@@ -110,6 +133,7 @@ def bench_bundle(bundle: str, args: argparse.Namespace, workloads: dict[str, lis
                         samples.append(sample(run, bundle=bundle, workload=workload, prompt=prompt["id"],
                                               round=round_, threads=group[0], kernels=engines[group].llm.kernels,
                                               config=name, identical=run.tokens == full))
+                memory.remember(None, [t for t in full if t not in eos_ids])
                 log(f"{bundle} round {round_ + 1}/{args.rounds} {workload} {prompt['id']}")
 
 
@@ -196,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="native kernel sets, each its own engine (auto, avx2: the forced AVX2 tier, ...)")
     parser.add_argument("--branches", type=int, default=3, help="the tree configurations' draft_branches")
     parser.add_argument("--tree-nodes", type=int, default=None, help="their draft_tree_nodes (default: per kernel set)")
+    parser.add_argument("--configs", nargs="+", default=None,
+                        help="run only these configurations (full and llama.cpp always stay: the ratios pair with them)")
     parser.add_argument("--n-ctx", type=int, default=2048)
     parser.add_argument("--out", type=Path, default=ROOT / "bench-results" / "tree")
     args = parser.parse_args(argv)

@@ -339,6 +339,8 @@ def commit() -> str:
 def _output(out: Path, stdout: str):
     if out.is_dir():
         files = sorted(out.glob("*.json"))
+        if len(files) == 1:  # a tool that writes its JSON beside its table and plot
+            return json.loads(files[0].read_text())
         return {f.name: json.loads(f.read_text()) for f in files} if files else None
     if out.is_file():
         return json.loads(out.read_text())
