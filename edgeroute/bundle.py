@@ -119,7 +119,8 @@ class Calibration:
     routers: dict[str, RouterCalibration]
     profiles: dict[str, dict[str, Any]]  # task -> decoding overrides (mode, light, ...) + figures
     figures: dict[str, Any] = field(default_factory=dict)
-    # fitted defaults of every mode: draft_confidence, draft_tokens + max_draft_tokens, skip
+    # fitted defaults of every mode: draft_confidence, draft_tokens + max_draft_tokens, skip, lookup_tree;
+    # answer_memory: the file of answers speculation's lookup drafts from (edgeroute.runtime.answer_memory)
     decoding: dict[str, Any] = field(default_factory=dict)
     # the CPU the timings were taken on (edgeroute.cpu.cpu_signature); empty before it was recorded
     device: dict[str, Any] = field(default_factory=dict)
@@ -160,6 +161,9 @@ class Calibration:
             if not (whole[0] and (nodes is None or whole[1])):
                 raise ValueError("decoding.lookup_tree must be {'draft_branches': int >= 1, 'draft_tree_nodes': "
                                  f"int >= 1 or null}} (got {tree!r})")
+        memory = data.get("decoding", {}).get("answer_memory")
+        if memory is not None and not (isinstance(memory, str) and memory.startswith(f"{CALIBRATION_DIR}/")):
+            raise ValueError(f"decoding.answer_memory must name a file under {CALIBRATION_DIR}/ (got {memory!r})")
         skip = data.get("decoding", {}).get("skip")
         if skip is not None:
             options = {k: v for k, v in skip.items() if k != "speed_vs_full"}
@@ -351,9 +355,10 @@ class Bundle:
         except (KeyError, TypeError, AttributeError, ValueError) as err:
             raise BundleError(f"the calibration section of {self.path / MANIFEST} is corrupt "
                               f"({type(err).__name__}: {err}): run `edgeroute calibrate {self.path}` again") from err
-        for router in calibration.routers.values():
-            if router.file is not None and router.file not in self.manifest["files"]:
-                raise BundleError(f"the calibration of {self.path} names {router.file}, which the manifest does "
+        named = [router.file for router in calibration.routers.values()] + [calibration.decoding.get("answer_memory")]
+        for file in named:
+            if file is not None and file not in self.manifest["files"]:
+                raise BundleError(f"the calibration of {self.path} names {file}, which the manifest does "
                                   f"not list: run `edgeroute calibrate {self.path}` again")
         return calibration
 

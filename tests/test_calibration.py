@@ -538,7 +538,9 @@ def test_corrupt_calibration_section_is_a_clear_error(slm_bundle_copy):
                             (lambda c: c.update(device={"machine": 3}), "device must be"),
                             (lambda c: c.update(device={"machine": "x86_64", "backend": 1}), "device must be"),
                             (lambda c: c.update(device={"machine": "x86_64", "kv_dtype": "int4"}), "device must be"),
-                            (lambda c: c["routers"]["slm"].update(file="calibration/gone.onnx"), "does not list")):
+                            (lambda c: c["routers"]["slm"].update(file="calibration/gone.onnx"), "does not list"),
+                            (lambda c: c["decoding"].update(answer_memory="/etc/passwd"), "answer_memory must name"),
+                            (lambda c: c["decoding"].update(answer_memory="calibration/gone.npz"), "does not list")):
         broken = json.loads(json.dumps(manifest))
         damage(broken["calibration"])
         (slm_bundle_copy / MANIFEST).write_text(json.dumps(broken))
@@ -602,6 +604,10 @@ def test_calibrate_end_to_end_writes_a_section_the_runtime_reads(slm_bundle_copy
     resolved = engine.resolve(engine.options.updated(mode="route", light="slm", route_check="verified"))
     assert resolved.route_threshold == verified.threshold
     assert (verified.file is None) == isinstance(resolved.router, str)
+    # the labelled answers ship as the answer memory speculation's lookup drafts from, per task
+    memory = engine.answer_memory
+    assert calibration.decoding["answer_memory"] in bundle.manifest["files"] and not memory.learning
+    assert set(memory.tasks()) == set(TASKS) and 0 < memory.answers() <= calibration.figures["labels"]["prompts"]
     drafting = calibration.figures["drafting"]
     assert set(drafting["curve"]) >= {"0.0/8", "0.5/2"} and drafting["costs"]["slm_step"] > 0
     assert "## How the SLM drafts" in report.report.read_text() and "| 0.5 | " in report.report.read_text()

@@ -525,3 +525,15 @@ def test_a_full_chat_never_runs_the_slm_whatever_its_light_path(tool_engine, mon
     assert counts == [] and chat.state.slm_drafter is None
     chat.generate("And back?", mode="speculate")  # a call that drafts with it brings it in
     assert counts and chat.state.slm_drafter is not None
+
+
+def test_the_apps_answer_memory_is_written_and_read_again_by_the_next_run(tiny_slm_bundle, tmp_path, capsys):
+    from examples.voice_assistant.__main__ import main
+
+    memory = tmp_path / "memory.npz"
+    command = ["--bundle", str(tiny_slm_bundle), "--say", "navigate to the airport", "--no-tools", "--tts", "none",
+               "--mode", "speculate", "--light", "ngram", "--max-new-tokens", "8", "--memory", str(memory)]
+    assert main(command) == 0
+    assert "answer memory: 1 answers" in capsys.readouterr().out
+    assert main(command) == 0  # the second run starts from the first one's answer
+    assert "answer memory: 2 answers" in capsys.readouterr().out

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from edgeroute import __version__
-from edgeroute.bundle import Bundle, Calibration, RouterCalibration
+from edgeroute.bundle import CALIBRATION_DIR, Bundle, Calibration, RouterCalibration
 from edgeroute.calibration.checks import prompt_case, task_response_format
 from edgeroute.calibration.drafting import (
     LINEAR,
@@ -91,6 +91,7 @@ from edgeroute.quality.runs import (
     run_cases,
     summarize,
 )
+from edgeroute.runtime.answer_memory import AnswerMemory
 from edgeroute.runtime.calibrated import AUTO_KEYS, SKIP_KEYS, TREE_KEYS, router_key
 from edgeroute.runtime.decoding import VERIFIED_BASELINE
 from edgeroute.runtime.drafters import Proposal
@@ -549,6 +550,15 @@ def lookup_answers(engine: Engine, labels: Labels, by_id: dict[str, CalibrationP
     return answers, list(labels.prompt_ids)
 
 
+def answer_memory(answers: list[tuple[list[int], list[int]]], tasks: list[str]) -> AnswerMemory:
+    """The LLM's answers to the labelled prompts, per task, as the bundle ships them: the runtime
+    runs judge held-out prompts, which are never labelled, so no run drafts its own answer."""
+    memory = AnswerMemory(max_tokens=sum(len(answer) for _, answer in answers) + 1, learning=False)
+    for (_, answer), task in zip(answers, tasks, strict=True):
+        memory.remember(task, answer)
+    return memory
+
+
 def calibrate_trees(answers: list[tuple[list[int], list[int]]], splits: np.ndarray, tasks: np.ndarray,
                     costs: DraftCosts, runs_trees: bool) -> TreeResult:
     """Fit the tree shape of speculate/ngram's lookup drafts (see ``drafting.fit_tree``) over all
@@ -661,6 +671,7 @@ class CalibrationRun:
     drafting: DraftingResult | None = None
     fitted_drafts: RunConfig | None = None
     trees: TreeResult | None = None  # speculate/ngram's draft trees
+    memory: AnswerMemory | None = None  # the labelled answers, shipped for speculation's lookup
     skipping: list[SkipVerdict] = field(default_factory=list)
     held_out: list[TaskCase] = field(default_factory=list)  # what the runtime runs judge: never labelled
     runs: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
@@ -744,6 +755,12 @@ class CalibrationRun:
             self.configs.append(overall_drafts)
         with self.timed("tree fit"):
             answers, ids = lookup_answers(self.engine, self.labels, self.by_id)
+            self.memory = answer_memory(answers, [self.by_id[i].task for i in ids])
+            # the runtime runs' speculation drafts from it as the calibrated bundle's will
+            self.engine.answer_memory = self.memory
+            self.messages.append(f"answer memory: {self.memory.answers()} labelled answers "
+                                 f"({', '.join(f'{t} {n}' for t, n in self.memory.tasks().items())}) for speculation's "
+                                 "lookup to draft from")
             tasks = np.asarray([TASKS.index(self.by_id[i].task) for i in ids])
             self.trees = calibrate_trees(answers, np.asarray([split_of(i) for i in ids]), tasks, self.drafting.costs,
                                          self.engine.llm.tree_forwards)
@@ -844,6 +861,11 @@ class CalibrationRun:
             entries[light] = RouterCalibration(light.partition(":")[0], result.router, result.choice.threshold, file,
                                                ROUTER_FEATURES[light] if file else None,
                                                {**result.figures, "bound": result.choice.to_dict()})
+        if self.memory is not None and self.memory.answers():
+            data = self.memory.to_bytes()
+            file = f"{CALIBRATION_DIR}/answers-{hashlib.sha256(data).hexdigest()[:12]}.npz"
+            files[file] = data
+            self.decoding["answer_memory"] = file
         self.seconds["total"] = sum(self.seconds.values())
         options, engine = self.options, self.engine
         provenance = json.dumps({"prompts": prompts_sha256(self.prompts), "labels": asdict(options.labels),

@@ -47,7 +47,8 @@ def run_cases(engine, cases: Sequence[TaskCase], configs: Sequence[RunConfig], m
             progress("runtime runs", done, len(cases))
         reference = None
         for config in configs:
-            options = {**config.options_for(case.task), **case.options}
+            # the task keys what the engine's answer memory drafts from (and what mode auto reads)
+            options = {"task": case.task, **config.options_for(case.task), **case.options}
             if case.response_format is not None:
                 options["response_format"] = case.response_format
             if options.get("mode") == "route" and options.get("response_format") is not None:

@@ -8,16 +8,18 @@ SuffixDecoding, Oliaro et al. 2024, over the engine's own answers). Drafts are v
 ``speculate`` stays exact: memory only changes how many tokens a pass accepts. Routing modes,
 which accept lookup drafts without the LLM's check, never draft from it.
 
-Each task (``DecodeOptions.task``; sessions without one share ``"default"``) keeps its latest
-answers up to ``max_tokens`` tokens; the oldest go first. ``save`` / ``load`` keep a memory
-across restarts (one ``.npz``, written atomically).
+Each task (``DecodeOptions.task``) keeps its latest answers up to ``max_tokens`` tokens; the
+oldest go first. A session without a task adds its answers under ``"default"`` and drafts from
+every task's. ``save`` / ``load`` keep a memory across restarts (one ``.npz``, written
+atomically); ``edgeroute calibrate`` ships one in the bundle with the LLM's answers to its
+labelled prompts, which the engine loads (not learning: see ``Engine.answer_memory``).
 """
 
 from __future__ import annotations
 
-import os
-import tempfile
+import io
 import threading
+import zipfile
 from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from edgeroute.errors import InputError
+from edgeroute.files import atomic_write
 
 DEFAULT_TASK = "default"
 SEPARATOR = -1  # between answers in a task's haystack: no token id equals it, so no match spans two answers
@@ -56,19 +59,30 @@ class AnswerMemory:
             while self._sizes[key] > self.max_tokens:
                 self._sizes[key] -= answers.popleft().size
             self._haystacks.pop(key, None)
+            self._haystacks.pop("", None)
 
     def haystack(self, task: str | None) -> np.ndarray:
-        """The task's answers, oldest first, each followed by :data:`SEPARATOR` (empty without any)."""
-        key = task or DEFAULT_TASK
+        """The task's answers (``None``: every task's), oldest first, each followed by
+        :data:`SEPARATOR`; empty without any."""
+        key = "" if task is None else task  # "": the cache entry of every task's answers
         with self._lock:
             if key not in self._haystacks:
-                parts = [np.append(answer, SEPARATOR) for answer in self._answers.get(key, ())]
+                tasks = list(self._answers) if task is None else [task]
+                parts = [np.append(answer, SEPARATOR) for name in tasks for answer in self._answers.get(name, ())]
                 self._haystacks[key] = np.concatenate(parts) if parts else np.empty(0, np.int64)
             return self._haystacks[key]
 
-    def answers(self, task: str | None) -> int:
+    def answers(self, task: str | None = None) -> int:
+        """How many answers the task holds (``None``: every task)."""
         with self._lock:
-            return len(self._answers.get(task or DEFAULT_TASK, ()))
+            if task is None:
+                return sum(len(answers) for answers in self._answers.values())
+            return len(self._answers.get(task, ()))
+
+    def tasks(self) -> dict[str, int]:
+        """Each task's number of answers."""
+        with self._lock:
+            return {task: len(answers) for task, answers in self._answers.items()}
 
     def clear(self) -> None:
         with self._lock:
@@ -76,33 +90,41 @@ class AnswerMemory:
             self._sizes.clear()
             self._haystacks.clear()
 
-    def save(self, path: str | Path) -> None:
-        """Writes every task's answers to ``path`` (.npz), replacing it only once complete."""
-        path = Path(path)
+    def to_bytes(self) -> bytes:
+        """Every task's answers as one ``.npz``."""
         with self._lock:
             arrays = {f"{task}/{i}": answer for task, answers in self._answers.items()
                       for i, answer in enumerate(answers)}
-        fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".npz")
-        try:
-            with os.fdopen(fd, "wb") as file:
-                np.savez(file, **arrays)
-            os.replace(temporary, path)
-        except BaseException:
-            Path(temporary).unlink(missing_ok=True)
-            raise
+        buffer = io.BytesIO()
+        np.savez(buffer, **arrays)
+        return buffer.getvalue()
+
+    def save(self, path: str | Path) -> None:
+        """Writes every task's answers to ``path`` (.npz), replacing it only once complete."""
+        atomic_write(path, self.to_bytes())
 
     @classmethod
     def load(cls, path: str | Path, max_tokens: int = 32768, learning: bool = True) -> AnswerMemory:
         """A memory with the answers ``save`` wrote to ``path``; a damaged file is a clear error."""
+        try:
+            data = Path(path).read_bytes()
+        except OSError as error:
+            raise InputError(f"{path}: cannot read the answer memory ({error.strerror or error})") from error
+        return cls.from_bytes(data, max_tokens, learning, str(path))
+
+    @classmethod
+    def from_bytes(cls, data: bytes, max_tokens: int = 32768, learning: bool = True,
+                   name: str = "answer memory") -> AnswerMemory:
+        """A memory with the answers ``to_bytes`` gave."""
         memory = cls(max_tokens, learning)
         try:
-            with np.load(Path(path), allow_pickle=False) as arrays:
-                entries = sorted(((name.rpartition("/")[0], int(name.rpartition("/")[2]), arrays[name])
-                                  for name in arrays.files), key=lambda entry: entry[:2])
-        except (OSError, ValueError, KeyError) as error:
-            raise InputError(f"{path}: not an answer memory that AnswerMemory.save wrote ({error})") from error
+            with np.load(io.BytesIO(data), allow_pickle=False) as arrays:
+                entries = sorted(((key.rpartition("/")[0], int(key.rpartition("/")[2]), arrays[key])
+                                  for key in arrays.files), key=lambda entry: entry[:2])
+        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as error:
+            raise InputError(f"{name}: not an answer memory that AnswerMemory.save wrote ({error})") from error
         for task, _, answer in entries:
             if answer.ndim != 1 or answer.dtype.kind not in "iu" or (answer.size and answer.min() < 0):
-                raise InputError(f"{path}: task {task!r} holds an answer that is not a list of token ids")
+                raise InputError(f"{name}: task {task!r} holds an answer that is not a list of token ids")
             memory.remember(task, answer)
         return memory

@@ -111,9 +111,13 @@ class Engine:
             raise InputError("give Engine either options=EngineOptions(...) or profile/task/keyword settings, "
                              "not both: EngineOptions.from_profile(profile, task, **settings) merges them")
         self.settings = options
-        # earlier answers for speculation's prompt lookup to draft from (set one to use it)
-        self.answer_memory: AnswerMemory | None = None
         self.bundle = bundle if isinstance(bundle, Bundle) else Bundle.open(bundle, verify=verify)
+        # earlier answers for speculation's prompt lookup to draft from: the calibration's (the LLM's
+        # answers to its labelled prompts), not learning, so a run never drafts a prompt's own earlier
+        # answer; an app sets AnswerMemory() (or AnswerMemory.load(path)) to learn as it answers
+        memory_file = self.bundle.calibration.decoding.get("answer_memory") if self.bundle.calibration else None
+        self.answer_memory: AnswerMemory | None = (
+            AnswerMemory.load(self.bundle.path / memory_file, learning=False) if memory_file else None)
         exported = int(self.bundle.generation["context_length"])
         self.context_length = options.session_context(exported)
         if not 1 <= self.context_length <= exported:

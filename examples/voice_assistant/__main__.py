@@ -44,6 +44,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="after a tool ran, speak the model's words (model) or the car's own confirmation at once")
     parser.add_argument("--acknowledge", action="store_true",
                         help="say what the car is doing as soon as a call's name is decoded (\"Navigating\")")
+    parser.add_argument("--memory", type=Path, default=None,
+                        help="keep the assistant's answers in this file (read if it exists, written at the end): "
+                             "speculation drafts from what it said before (edgeroute.runtime.answer_memory)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--tts", choices=["auto", "espeak", "none"], default="auto",
                         help="auto: espeak-ng where installed, else no audio (the time the first sample would come)")
@@ -64,9 +67,13 @@ def tool_choice(text: str):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from edgeroute.runtime import Engine
+    from edgeroute.runtime import AnswerMemory, Engine
 
     engine = Engine(args.bundle, profile=args.profile, task="voice-command")
+    if args.memory is not None:  # a learning memory, from the file or else from the calibration's answers
+        shipped = engine.answer_memory
+        engine.answer_memory = AnswerMemory.load(args.memory) if args.memory.exists() else \
+            AnswerMemory.from_bytes(shipped.to_bytes()) if shipped is not None else AnswerMemory()
     light = args.light or ("slm" if engine.use_slm else "ngram")
     if args.tts == "espeak" or (args.tts == "auto" and espeak_available()):
         speaker = EspeakSpeaker(realtime=True)
@@ -111,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  ms from the end of speech: {describe(record)}")
         if args.json:
             print(json.dumps(record.as_dict()))
+    if args.memory is not None:
+        engine.answer_memory.save(args.memory)
+        print(f"\nanswer memory: {engine.answer_memory.answers()} answers in {args.memory}")
     car = assistant.car
     print(f"\ncar: destination {car.destination}, temperature {car.temperature_c}, calling {car.calling}, "
           f"playing {car.playing}, reminders {car.reminders}")
