@@ -366,12 +366,14 @@ def run(
     trace: Path = typer.Option(None, help="write one JSON line per token"),
     tools: Path = typer.Option(None, help="tools the model may call (OpenAI JSON list)"),
     tool_choice: str = typer.Option(None, help="with --tools: auto|required|none|NAME"),
+    memory: Path = typer.Option(None, help="speculate: also draft from past answers, kept in FILE"),
+    no_memory: bool = typer.Option(False, "--no-memory", help="speculate: no answer memory (not the bundle's)"),
     no_verify: bool = typer.Option(False, "--no-verify", help="skip the files' and weights' checks"),
 ) -> None:
     """Generate text from a bundle, without torch. Every option: docs/guide/run.md."""
     import json
 
-    from edgeroute.runtime import Engine, EngineOptions
+    from edgeroute.runtime import AnswerMemory, Engine, EngineOptions
 
     with _clear_errors():
         if not prompt and not chat:
@@ -395,7 +397,13 @@ def run(
             raise EdgerouteError("--mode auto picks the calibrated configuration of a task profile: add "
                                  "--profile TASK (voice-command, templated, json, grounded, dialogue, code)")
         tool_list, choice = _tools(tools, tool_choice)
+        if memory is not None and no_memory:
+            raise EdgerouteError("--memory FILE and --no-memory contradict each other: give one")
         engine = Engine(bundle, options, verify=not no_verify)
+        if no_memory:
+            engine.answer_memory = None
+        elif memory is not None:
+            engine.answer_memory = AnswerMemory.kept_in(memory, engine.answer_memory)
         if raw or not engine.bundle.tokenizer.get("chat_format"):
             if system is not None or tool_list:
                 raise EdgerouteError(f"{'--system' if system is not None else '--tools'} needs the bundle's chat "
@@ -418,6 +426,8 @@ def run(
                 sys.stdout.write(json.dumps({"tool_call": {"id": call.id, "name": call.name,
                                                            "arguments": call.arguments}}) + "\n")
             sys.stdout.flush()  # the answer's end before the stats line on stderr
+            if memory is not None:
+                engine.answer_memory.save(memory)
             err_console.print(f"[dim]{session.last.stats.summary(session.options.mode, engine.llm.num_layers)} "
                               f"({_runs_on(engine.llm)}, {engine.llm.kv_dtype} KV cache)[/]")
             if session.last.finish_reason == "incomplete":

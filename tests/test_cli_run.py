@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from edgeroute.cli import app
 from edgeroute.errors import InputError
-from edgeroute.runtime import Engine, EngineOptions
+from edgeroute.runtime import AnswerMemory, Engine, EngineOptions
 
 runner = CliRunner()
 
@@ -23,6 +23,23 @@ def test_run_speculate_writes_one_trace_line_per_token_and_a_summary(tiny_slm_bu
     assert len(records) == 12
     assert {r["source"] for r in records} <= {"llm", "draft:ngram"}
     assert "mode speculate" in result.output.replace("\n", " ")
+
+
+def test_run_keeps_its_answers_in_a_memory_file_that_the_next_run_drafts_from(tiny_slm_bundle, tmp_path):
+    memory = tmp_path / "memory.npz"
+    command = ["run", str(tiny_slm_bundle), "--prompt", "one two three one two", "--raw", "--mode", "speculate",
+               "--light", "ngram", "--max-new-tokens", "12", "--memory", str(memory)]
+    first = runner.invoke(app, command)
+    assert first.exit_code == 0, first.output
+    again = runner.invoke(app, command)
+    assert again.exit_code == 0, again.output
+    assert AnswerMemory.load(memory).answers() == 2
+    assert first.output.splitlines()[0] == again.output.splitlines()[0]  # the same answer, exactly
+    drafted = [float(line.split("draft acceptance ")[1].split("%")[0]) if "draft acceptance" in line else 0.0
+               for line in (" ".join(r.output.split()) for r in (first, again))]
+    assert drafted[1] > drafted[0]  # the second run drafted the first one's answer
+    both = runner.invoke(app, [*command, "--no-memory"])
+    assert both.exit_code != 0 and "contradict" in both.output
 
 
 def test_run_output_equals_the_api_in_full_mode(tiny_slm_bundle, tiny_engine):
@@ -134,7 +151,7 @@ API_ONLY = {
 }
 # flags that fill no option field: what to say and how, not how to decode
 CLI_ONLY = {"bundle", "prompt", "chat", "raw", "system", "context_policy", "profile", "no_slm", "json_schema", "regex",
-            "grammar", "trace", "tools", "tool_choice", "no_verify"}
+            "grammar", "trace", "tools", "tool_choice", "no_verify", "memory", "no_memory"}
 
 
 def test_every_option_field_is_a_run_flag_or_named_api_only_and_every_flag_fills_one():

@@ -43,7 +43,7 @@ class AnswerMemory:
         self.max_tokens, self.learning = max_tokens, learning
         self._answers: dict[str, deque[np.ndarray]] = {}
         self._sizes: dict[str, int] = {}
-        self._haystacks: dict[str, np.ndarray] = {}
+        self._haystacks: dict[str | None, np.ndarray] = {}
         self._lock = threading.Lock()  # sessions on several threads share the engine's memory
 
     def remember(self, task: str | None, tokens: Sequence[int]) -> None:
@@ -59,15 +59,15 @@ class AnswerMemory:
             while self._sizes[key] > self.max_tokens:
                 self._sizes[key] -= answers.popleft().size
             self._haystacks.pop(key, None)
-            self._haystacks.pop("", None)
+            self._haystacks.pop(None, None)
 
     def haystack(self, task: str | None) -> np.ndarray:
         """The task's answers (``None``: every task's), oldest first, each followed by
         :data:`SEPARATOR`; empty without any."""
-        key = "" if task is None else task  # "": the cache entry of every task's answers
+        key = None if task is None else task or DEFAULT_TASK  # None: the cache entry of every task's answers
         with self._lock:
             if key not in self._haystacks:
-                tasks = list(self._answers) if task is None else [task]
+                tasks = list(self._answers) if key is None else [key]
                 parts = [np.append(answer, SEPARATOR) for name in tasks for answer in self._answers.get(name, ())]
                 self._haystacks[key] = np.concatenate(parts) if parts else np.empty(0, np.int64)
             return self._haystacks[key]
@@ -102,6 +102,15 @@ class AnswerMemory:
     def save(self, path: str | Path) -> None:
         """Writes every task's answers to ``path`` (.npz), replacing it only once complete."""
         atomic_write(path, self.to_bytes())
+
+    @classmethod
+    def kept_in(cls, path: str | Path, seed: AnswerMemory | None = None) -> AnswerMemory:
+        """A learning memory for an app to keep in ``path``: the answers there where the file
+        exists, else ``seed``'s (a calibrated bundle's, say), else none."""
+        path = Path(path)
+        if path.exists():
+            return cls.load(path)
+        return cls.from_bytes(seed.to_bytes()) if seed is not None else cls()
 
     @classmethod
     def load(cls, path: str | Path, max_tokens: int = 32768, learning: bool = True) -> AnswerMemory:

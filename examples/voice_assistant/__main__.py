@@ -71,9 +71,7 @@ def main(argv: list[str] | None = None) -> int:
 
     engine = Engine(args.bundle, profile=args.profile, task="voice-command")
     if args.memory is not None:  # a learning memory, from the file or else from the calibration's answers
-        shipped = engine.answer_memory
-        engine.answer_memory = AnswerMemory.load(args.memory) if args.memory.exists() else \
-            AnswerMemory.from_bytes(shipped.to_bytes()) if shipped is not None else AnswerMemory()
+        engine.answer_memory = AnswerMemory.kept_in(args.memory, engine.answer_memory)
     light = args.light or ("slm" if engine.use_slm else "ngram")
     if args.tts == "espeak" or (args.tts == "auto" and espeak_available()):
         speaker = EspeakSpeaker(realtime=True)
