@@ -366,8 +366,8 @@ def run(
     trace: Path = typer.Option(None, help="write one JSON line per token"),
     tools: Path = typer.Option(None, help="tools the model may call (OpenAI JSON list)"),
     tool_choice: str = typer.Option(None, help="with --tools: auto|required|none|NAME"),
-    memory: Path = typer.Option(None, help="speculate: also draft from past answers, kept in FILE"),
-    no_memory: bool = typer.Option(False, "--no-memory", help="speculate: no answer memory (not the bundle's)"),
+    memory: Path = typer.Option(None, help="speculate: draft from answers kept here"),
+    no_memory: bool = typer.Option(False, "--no-memory", help="speculate: no answer memory"),
     no_verify: bool = typer.Option(False, "--no-verify", help="skip the files' and weights' checks"),
 ) -> None:
     """Generate text from a bundle, without torch. Every option: docs/guide/run.md."""

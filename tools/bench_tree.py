@@ -18,12 +18,14 @@ prompt in the same round).
 The ``memory`` configurations draft from an answer memory (``edgeroute.runtime.answer_memory``)
 that holds ``full``'s answers to the prompts run before in the same round, across workloads: an
 assistant that has answered those requests before. It starts empty each round and never holds
-the prompt being run, so the first prompts of a round draft from little.
+the prompt being run, so the first prompts of a round draft from little. Every other
+configuration runs without one (a calibrated bundle's own memory is set aside), so ``ngram
+linear`` is the prompt's lookup alone.
 
     python tools/bench_tree.py --kernels auto avx2   # both bundles, five workloads: ~2.5-3 h alone on a 2-core box
-    python tools/bench_tree.py --bundles bundles/qwen-pair --workloads templated json intents open --prompts 0 \\
-        --rounds 1 --max-new-tokens 64 --threads 2 --configs "ngram linear" "ngram memory" "ngram+slm linear" \\
-        "ngram+slm memory"   # the answer memory on whole workloads
+    python tools/bench_tree.py --bundles bundles/qwen-pair --workloads templated json intents open grounded \\
+        --prompts 0 --rounds 1 --max-new-tokens 64 --threads 2 --configs "ngram linear" "ngram memory" \\
+        "ngram+slm linear" "ngram+slm memory"   # the answer memory on whole workloads: ~18 min
     python tools/bench_tree.py --bundles bundles/smollm2-demo --workloads templated --prompts 1 \\
         --rounds 1 --max-new-tokens 8 --threads 1 --out /tmp/tree-smoke   # a smoke run
 
