@@ -250,6 +250,13 @@ def _print_calibration(b) -> None:
                       + backend
                       + (f"; [yellow]{difference}[/]: timing-based choices may not be the fastest here" if difference else
                          "; this CPU is of the same kind"))
+    memory_file = c.decoding.get("answer_memory")
+    if memory_file:
+        from edgeroute.runtime.answer_memory import AnswerMemory
+
+        tasks = AnswerMemory.load(b.path / memory_file, learning=False).tasks()
+        console.print(f"answer memory: {sum(tasks.values())} answers ({', '.join(f'{t} {n}' for t, n in tasks.items())}) "
+                      "that speculation's prompt lookup drafts from")
     table = Table(title="calibrated routers (held out: validation prompts)")
     for column in ("light", "router", "threshold", "bound", "held-out TF agr.", "held-out LLM"):
         table.add_column(column)

@@ -608,6 +608,8 @@ def test_calibrate_end_to_end_writes_a_section_the_runtime_reads(slm_bundle_copy
     memory = engine.answer_memory
     assert calibration.decoding["answer_memory"] in bundle.manifest["files"] and not memory.learning
     assert set(memory.tasks()) == set(TASKS) and 0 < memory.answers() <= calibration.figures["labels"]["prompts"]
+    shown = runner.invoke(app, ["inspect", str(slm_bundle_copy)])
+    assert shown.exit_code == 0 and f"answer memory: {memory.answers()} answers" in " ".join(shown.output.split())
     drafting = calibration.figures["drafting"]
     assert set(drafting["curve"]) >= {"0.0/8", "0.5/2"} and drafting["costs"]["slm_step"] > 0
     assert "## How the SLM drafts" in report.report.read_text() and "| 0.5 | " in report.report.read_text()
