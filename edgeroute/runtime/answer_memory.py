@@ -51,7 +51,7 @@ class AnswerMemory:
         answer = np.asarray(tokens, np.int64)[-self.max_tokens:]
         if answer.size < 2:  # nothing to continue from a single token
             return
-        key = task or DEFAULT_TASK
+        key = _key(task)
         with self._lock:
             answers = self._answers.setdefault(key, deque())
             answers.append(answer)
@@ -64,7 +64,7 @@ class AnswerMemory:
     def haystack(self, task: str | None) -> np.ndarray:
         """The task's answers (``None``: every task's), oldest first, each followed by
         :data:`SEPARATOR`; empty without any."""
-        key = None if task is None else task or DEFAULT_TASK  # None: the cache entry of every task's answers
+        key = None if task is None else _key(task)  # None: the cache entry of every task's answers
         with self._lock:
             if key not in self._haystacks:
                 tasks = list(self._answers) if key is None else [key]
@@ -77,7 +77,7 @@ class AnswerMemory:
         with self._lock:
             if task is None:
                 return sum(len(answers) for answers in self._answers.values())
-            return len(self._answers.get(task, ()))
+            return len(self._answers.get(_key(task), ()))
 
     def tasks(self) -> dict[str, int]:
         """Each task's number of answers."""
@@ -137,3 +137,9 @@ class AnswerMemory:
                 raise InputError(f"{name}: task {task!r} holds an answer that is not a list of token ids")
             memory.remember(task, answer)
         return memory
+
+
+def _key(task: str | None) -> str:
+    """Where a task's answers are kept: a session without a task (or an empty name) adds under
+    :data:`DEFAULT_TASK`."""
+    return task or DEFAULT_TASK
