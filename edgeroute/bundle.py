@@ -119,7 +119,7 @@ class Calibration:
     routers: dict[str, RouterCalibration]
     profiles: dict[str, dict[str, Any]]  # task -> decoding overrides (mode, light, ...) + figures
     figures: dict[str, Any] = field(default_factory=dict)
-    # fitted defaults of every mode: draft_confidence, draft_tokens + max_draft_tokens, skip, lookup_tree;
+    # fitted defaults of every mode: draft_confidence, draft_tokens + max_draft_tokens, skip, lookup_tree, slm_tree;
     # answer_memory: the file of answers speculation's lookup drafts from (edgeroute.runtime.answer_memory)
     decoding: dict[str, Any] = field(default_factory=dict)
     # the CPU the timings were taken on (edgeroute.cpu.cpu_signature); empty before it was recorded
@@ -153,13 +153,15 @@ class Calibration:
                 and isinstance(device.get("backend", ""), str) and device.get("kv_dtype", "float32") in KV_DTYPES):
             raise ValueError("device must be {'machine': str, 'isa': [str, ...], 'backend': str, 'kv_dtype': "
                              f"{' | '.join(KV_DTYPES)}}} (got {device!r})")
-        tree = data.get("decoding", {}).get("lookup_tree")
-        if tree is not None:
+        for key in ("lookup_tree", "slm_tree"):
+            tree = data.get("decoding", {}).get(key)
+            if tree is None:
+                continue
             branches, nodes = (tree.get(k) if isinstance(tree, dict) else None
                                for k in ("draft_branches", "draft_tree_nodes"))
             whole = [isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in (branches, nodes)]
             if not (whole[0] and (nodes is None or whole[1])):
-                raise ValueError("decoding.lookup_tree must be {'draft_branches': int >= 1, 'draft_tree_nodes': "
+                raise ValueError(f"decoding.{key} must be {{'draft_branches': int >= 1, 'draft_tree_nodes': "
                                  f"int >= 1 or null}} (got {tree!r})")
         memory = data.get("decoding", {}).get("answer_memory")
         if memory is not None and not (isinstance(memory, str) and memory.startswith(f"{CALIBRATION_DIR}/")):

@@ -37,6 +37,7 @@ from edgeroute.calibration.labels import (
     DIVERGENT,
     NEUTRAL,
     UNCHECKED,
+    UNRANKED,
     Labels,
     LabelSettings,
     label_prompt,
@@ -169,6 +170,26 @@ def test_verified_routing_judges_each_difference_with_the_features_it_was_labell
         np.testing.assert_allclose(labels["verify_features"][j].astype(np.float32), features, rtol=2e-2, atol=5e-2)
 
 
+def test_labels_rank_the_llms_token_among_the_slms_choices_as_its_drafter_sees_them(tiny_engine):
+    """``slm_rank``: how many tokens the SLM's drafter, stepping over the LLM's answer, gives more
+    probability than the LLM's token (0 exactly where the SLM's own token is the LLM's): what its
+    draft trees are replayed from."""
+    from edgeroute.runtime.drafters import SlmDrafter
+    from edgeroute.runtime.sampling import softmax
+
+    prompt = next(p for p in builtin_prompts(2) if p.task == "dialogue")
+    labels = label_prompt(tiny_engine, prompt, LabelSettings(max_answer_tokens=16, path_window=4, path_checks=0))
+    ids, answer = tiny_engine.encode_prompt([{"role": "user", "content": prompt.content}]), labels["llm_token"].tolist()
+    drafter = SlmDrafter(tiny_engine.slm)
+    expected = []
+    for j, token in enumerate(answer):
+        p = softmax(drafter.next_logits(ids + answer[:j]))
+        expected.append(0 if p.argmax() == token else min(max(int((p > p[token]).sum()), 1), UNRANKED))
+    assert labels["slm_rank"].tolist() == expected
+    assert ((labels["slm_rank"] == 0) == (labels["slm_token"] == labels["llm_token"])).all()
+    assert (labels["slm_rank"] > 0).sum() > 0, "the SLM always agrees: the ranks would prove nothing"
+
+
 def test_verified_routing_is_full_at_threshold_zero_and_keeps_the_slms_tokens_at_one(tiny_engine):
     messages = [{"role": "user", "content": "Navigate to 12 Baker Street in London."}]
     full = tiny_engine.generate(messages, mode="full", max_new_tokens=16)
@@ -195,7 +216,8 @@ def test_the_slm_router_must_catch_divergent_differences_only_and_forced_positio
     path = np.array([UNCHECKED, NEUTRAL, DIVERGENT, UNCHECKED, UNCHECKED, UNCHECKED], np.int8)
     free = np.array([True, True, True, True, True, False])
     features = np.zeros((6, 4 + 11), np.float16)
-    labels = Labels({"llm_token": llm, "slm_token": slm, "slm_path": path, "free": free,
+    labels = Labels({"llm_token": llm, "slm_token": slm, "slm_rank": np.where(slm == llm, 0, 1), "slm_path": path,
+                     "free": free,
                      "slm_features": features, "prompt": np.zeros(6, np.int32), "task": np.zeros(6, np.int8),
                      "position": np.arange(6, dtype=np.int32), "ngram_token": np.full(6, -1),
                      "ngram_length": np.zeros(6, np.int32), "ngram_count": np.zeros(6, np.int32)}, ["p0"])
@@ -288,21 +310,26 @@ def test_unreachable_budget_names_the_best_achievable_figures():
         choose_threshold(scores, differ, forced, prompt, budget=0.999)
 
 
+def ranked(agree: np.ndarray) -> np.ndarray:
+    """Labels' ranks of the LLM's tokens where only whether the SLM's own token is it matters."""
+    return np.where(agree, 0, UNRANKED)
+
+
 def test_replayed_speculation_counts_accepted_prefixes_and_what_drafts_cost():
     costs = DraftCosts(slm_step=1.0, llm_pass=10.0, llm_row=0.5)
     agree = np.array([1, 1, 0, 1, 1, 1], bool)
     confidence = np.array([0.9, 0.9, 0.2, 0.9, 0.9, 0.9])
     # drafts of 2 without a stop: [0,1] both accepted (+ the LLM's token 2), then [3,4] accepted + 5
-    assert replay(agree, confidence, np.array([0]), DraftSetting(0.0, 2), costs) == (2 * (2 * 1.0 + 10.0 + 2 * 0.5), 6)
+    assert replay(ranked(agree), confidence, np.array([0]), DraftSetting(0.0, 2), costs) == (2 * (2 * 1.0 + 10.0 + 2 * 0.5), 6)
     # a stop at 0.5 changes nothing here: the unsure token 2 is never drafted in this answer
-    assert replay(agree, confidence, np.array([0]), DraftSetting(0.5, 2), costs)[0] == 2 * 13.0
+    assert replay(ranked(agree), confidence, np.array([0]), DraftSetting(0.5, 2), costs)[0] == 2 * 13.0
     # two answers of 3: the draft never runs past an answer's last token
-    seconds, tokens = replay(agree, confidence, np.array([0, 3]), DraftSetting(0.5, 4), costs)
+    seconds, tokens = replay(ranked(agree), confidence, np.array([0, 3]), DraftSetting(0.5, 4), costs)
     assert tokens == 6 and seconds == (2 * 1.0 + 11.0) + (2 * 1.0 + 11.0)
     # the unsure (and wrong) token at 0: drafted without a stop (both rejected: the draft
     # shrinks to 1), found unsure with one (an SLM step, then the LLM's own step)
     starts = np.array([0])
-    wrong_first = np.array([0, 1, 1], bool), np.array([0.2, 0.9, 0.9])
+    wrong_first = ranked(np.array([0, 1, 1], bool)), np.array([0.2, 0.9, 0.9])
     assert replay(*wrong_first, starts, DraftSetting(0.0, 2), costs)[0] == (2 * 1.0 + 11.0) + (1.0 + 10.5)
     assert replay(*wrong_first, starts, DraftSetting(0.5, 2), costs)[0] == (1.0 + 10.0) + (1.0 + 10.5)
 
@@ -311,12 +338,12 @@ def test_replayed_draft_length_adapts_like_the_runtime():
     rounds = DraftCosts(slm_step=0.0, llm_pass=1.0, llm_row=0.0)  # seconds = LLM passes
     right, wrong, sure = np.ones(40, bool), np.zeros(40, bool), np.full(40, 0.9)
     # all accepted: 4, 5, 6, 7, 8, then the 4 left before the answer's last token
-    assert replay(right, sure, np.array([0]), runtime_default(), rounds)[0] == 6
+    assert replay(ranked(right), sure, np.array([0]), runtime_default(), rounds)[0] == 6
     # drafts of at most 2: three tokens a pass
-    assert replay(right, sure, np.array([0]), DraftSetting(0.0, 2), rounds)[0] == 14
+    assert replay(ranked(right), sure, np.array([0]), DraftSetting(0.0, 2), rounds)[0] == 14
     # all rejected: 4, 3, 2, then 1 drafted token per pass; drafted rows cost what they cost
     rows = DraftCosts(slm_step=0.0, llm_pass=0.0, llm_row=1.0)
-    assert replay(wrong, sure, np.array([0]), runtime_default(), rows)[0] == 4 + 3 + 2 + 37 * 1 - 1
+    assert replay(ranked(wrong), sure, np.array([0]), runtime_default(), rows)[0] == 4 + 3 + 2 + 37 * 1 - 1
 
 
 def test_draft_fit_prefers_short_sure_drafts_when_verification_rows_are_costly():
@@ -326,15 +353,15 @@ def test_draft_fit_prefers_short_sure_drafts_when_verification_rows_are_costly()
     answer_ids = np.repeat(np.arange(100), 40)
     splits = np.where(answer_ids % 4 == 0, "validation", "calibration")
     costs = DraftCosts(slm_step=0.3, llm_pass=1.0, llm_row=0.4)  # the 2-core CPU's proportions
-    fit = fit_drafting(agree, confidence, answer_ids, splits, costs)
+    fit = fit_drafting(ranked(agree), confidence, answer_ids, splits, costs)
     assert fit.setting.confidence > 0.0 and fit.setting.max_tokens < runtime_default().max_tokens
     assert fit.speedup_vs_default > 1.05
     assert fit.curve[fit.setting.name]["calibration"] == max(v["calibration"] for v in fit.curve.values())
-    free_rows = fit_drafting(agree, confidence, answer_ids, splits, DraftCosts(0.01, 1.0, 0.0))
+    free_rows = fit_drafting(ranked(agree), confidence, answer_ids, splits, DraftCosts(0.01, 1.0, 0.0))
     assert free_rows.setting.max_tokens > fit.setting.max_tokens  # cheap drafts and rows: draft longer
     # the speed-up is over what the runtime drafts with on the measured backend: a native LLM whose
     # passes serve 4 rows drafts at most 3 tokens, one that does not say (ONNX Runtime) 8
-    tiled = fit_drafting(agree, confidence, answer_ids, splits, dataclasses.replace(costs, pass_rows=4))
+    tiled = fit_drafting(ranked(agree), confidence, answer_ids, splits, dataclasses.replace(costs, pass_rows=4))
     assert runtime_default(4) == DraftSetting(0.0, 3) and runtime_default(None) == DraftSetting(0.0, 8)
     best = tiled.curve[tiled.setting.name]["validation"]
     assert tiled.speedup_vs_default == pytest.approx(best / tiled.curve["0.0/3"]["validation"])
@@ -347,8 +374,8 @@ def test_measured_passes_replace_the_linear_row_cost():
     assert [tiled.pass_seconds(k) for k in range(5)] == [10.0, 10.5, 11.0, 15.0, 14.0]  # past the table: linear
     right, sure = np.ones(12, bool), np.full(12, 0.9)
     # drafts of 2 (3 tokens a pass, 3 passes + the last token's): the table's 11.0 per pass, not 12.0
-    assert replay(right, sure, np.array([0]), DraftSetting(0.0, 2), tiled)[0] < \
-        replay(right, sure, np.array([0]), DraftSetting(0.0, 2), linear)[0]
+    assert replay(ranked(right), sure, np.array([0]), DraftSetting(0.0, 2), tiled)[0] < \
+        replay(ranked(right), sure, np.array([0]), DraftSetting(0.0, 2), linear)[0]
 
 
 def test_each_task_gets_the_draft_setting_its_own_answers_favour():
@@ -359,12 +386,12 @@ def test_each_task_gets_the_draft_setting_its_own_answers_favour():
     confidence = np.where(agree, 0.9, 0.3)
     splits = np.where(answer_ids % 4 == 0, "validation", "calibration")
     costs = DraftCosts(slm_step=0.3, llm_pass=1.0, llm_row=0.15)
-    fits = fit_per_task(agree, confidence, answer_ids, splits, tasks, costs)
+    fits = fit_per_task(ranked(agree), confidence, answer_ids, splits, tasks, costs)
     assert set(fits) == {0, 1}
     assert fits[0].setting.max_tokens > fits[1].setting.max_tokens or fits[1].setting.confidence > 0.3
     assert fits[0].setting.max_tokens >= 4
     # a task with too few answers in a split gets none of its own
-    assert fit_per_task(agree, confidence, answer_ids, splits, tasks, costs, min_answers=31) == {}
+    assert fit_per_task(ranked(agree), confidence, answer_ids, splits, tasks, costs, min_answers=31) == {}
 
 
 def test_a_task_runs_and_keeps_its_own_options():
@@ -535,6 +562,7 @@ def test_corrupt_calibration_section_is_a_clear_error(slm_bundle_copy):
                             (lambda c: c["decoding"].update(lookup_tree={"draft_branches": 0}), "lookup_tree must be"),
                             (lambda c: c["decoding"].update(lookup_tree={"draft_branches": 2, "draft_tree_nodes": "5"}),
                              "lookup_tree must be"),
+                            (lambda c: c["decoding"].update(slm_tree={"draft_branches": True}), "slm_tree must be"),
                             (lambda c: c.update(device={"machine": 3}), "device must be"),
                             (lambda c: c.update(device={"machine": "x86_64", "backend": 1}), "device must be"),
                             (lambda c: c.update(device={"machine": "x86_64", "kv_dtype": "int4"}), "device must be"),

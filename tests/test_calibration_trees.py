@@ -1,6 +1,7 @@
-"""`edgeroute calibrate`'s draft trees for speculate/ngram: the lookup's trees replayed over the
-labelled answers exactly as the runtime drafts and verifies them, the shape fitted per task from
-the replay, and the fitted shape reaching the decode options only where the caller set none."""
+"""`edgeroute calibrate`'s draft trees: the lookup's trees (speculate/ngram) replayed over the
+labelled answers exactly as the runtime drafts and verifies them, the SLM's (speculate/slm) from
+the labels' ranks of the LLM's tokens among its choices, the shape fitted per task from the
+replay, and the fitted shape reaching the decode options only where the caller set none."""
 
 from __future__ import annotations
 
@@ -8,21 +9,37 @@ import numpy as np
 import pytest
 
 from edgeroute.bundle import Bundle, Calibration
-from edgeroute.calibration.calibrate import LOOKUP_TREES, RunConfig, calibrate_trees, choose_profiles
+from edgeroute.calibration.calibrate import (
+    LOOKUP_TREES,
+    SLM_TREES,
+    DraftingResult,
+    LightData,
+    RunConfig,
+    calibrate_slm_trees,
+    calibrate_trees,
+    choose_profiles,
+)
 from edgeroute.calibration.drafting import (
     LINEAR,
     DraftCosts,
+    DraftSetting,
     TreeShape,
+    fit_slm_tree,
     fit_tree,
     lookup_passes,
     measure_costs,
+    memories_without_own,
+    replay,
     replay_lookup,
     tree_shapes,
 )
+from edgeroute.calibration.labels import UNRANKED
 from edgeroute.calibration.prompts import TASKS
 from edgeroute.runtime import Engine
+from edgeroute.runtime.answer_memory import SEPARATOR, AnswerMemory
 from edgeroute.runtime.calibrated import calibrated_options
 from edgeroute.runtime.decoding import DecodeOptions
+from edgeroute.runtime.routers import TOP_K
 
 # a native LLM's passes of 4 rows (AVX2 tiles): rows cheap within a pass, the pass itself the cost
 COSTS = DraftCosts(slm_step=0.0, llm_pass=1.0, llm_row=0.05, pass_rows=4)
@@ -67,6 +84,41 @@ def test_the_lookup_replay_follows_the_runtimes_linear_drafts_token_for_token(ti
         assert len(passes) == generation.stats.llm_calls
         checked += sum(accepted for _, accepted, _ in passes)
     assert checked, "no lookup draft was ever accepted: the test would prove nothing"
+
+
+def test_the_lookup_replay_drafts_from_the_answer_memory_as_the_runtime_does(tiny_engine):
+    """With an answer memory (the engine's, as a calibrated bundle ships it), the replay given the
+    memory's haystack drafts, accepts and adapts as the decoder did; the memory made a difference."""
+    messages = [{"role": "user", "content": "please list the stations on the red line"}]
+    prompt = tiny_engine.encode_prompt(messages)
+    first = tiny_engine.generate(messages, mode="speculate", light="ngram", max_new_tokens=40)
+    memory = AnswerMemory(learning=False)
+    memory.remember("templated", first.tokens)
+    tiny_engine.answer_memory = memory
+    try:
+        again = tiny_engine.generate(messages, mode="speculate", light="ngram", max_new_tokens=40, task="templated")
+    finally:
+        tiny_engine.answer_memory = None
+    assert again.tokens == first.tokens  # greedy: the memory changes the passes, never the tokens
+    passes = lookup_passes(prompt, again.tokens, LINEAR, tiny_engine.llm.pass_rows, memory.haystack("templated"))
+    assert sources(passes, len(again.tokens)) == [t.source for t in again.trace]
+    assert len(passes) == again.stats.llm_calls < first.stats.llm_calls
+
+
+def test_each_answer_replays_with_its_tasks_other_answers_in_memory_never_its_own():
+    answers = [([1], [10, 11, 12]), ([2], [20, 21]), ([3], [30]), ([4], [40, 41]), ([5], [50, 51])]
+    tasks = np.array([0, 0, 0, 1, 2])
+    memories = memories_without_own(answers, tasks)
+    assert memories[0].tolist() == [20, 21, SEPARATOR]  # one token is no answer to continue (remember() drops it)
+    assert memories[1].tolist() == [10, 11, 12, SEPARATOR]
+    assert memories[2].tolist() == [10, 11, 12, SEPARATOR, 20, 21, SEPARATOR]
+    assert memories[3].size == 0 and memories[4].size == 0  # no other answer of the task
+    # answers that share a span their prompts lack: the memory drafts it, the prompt alone cannot
+    span = list(range(600, 620))
+    shared = [([7000 + i], [8000 + i, *span, 9000 + i]) for i in range(6)]
+    memories = memories_without_own(shared, np.zeros(len(shared), int))
+    with_memory, tokens = replay_lookup(shared, LINEAR, COSTS, memories)
+    assert with_memory < replay_lookup(shared, LINEAR, COSTS)[0] and tokens == sum(len(a) for _, a in shared)
 
 
 def test_a_tree_replays_as_linear_drafts_where_the_lookups_matches_never_disagree():
@@ -136,6 +188,73 @@ def test_each_task_gets_the_tree_shape_its_own_answers_favour():
     assert set(result.figures["per_task"]) == {"templated", "grounded"}
 
 
+# -- the SLM's trees -----------------------------------------------------------------------------
+
+SURE, UNSURE = [0.9, 0.05, 0.05], [0.5, 0.4, 0.1]  # the SLM's top-3 probabilities at a position
+
+
+def test_an_slm_tree_keeps_the_llms_second_choice_where_a_linear_draft_loses_the_pass():
+    """One answer of 4 tokens; at position 1 the SLM is unsure and the LLM takes its second choice.
+    A 2x3 tree: its chain's token at 0, then both choices at 1 as leaves (3 tokens: the budget):
+    2 accepted in one tree forward. A linear draft of 3 keeps 1, and shrinks."""
+    rank, top_p = np.array([0, 1, 0, 0]), np.array([SURE, UNSURE, SURE, SURE])
+    costs = DraftCosts(slm_step=1.0, llm_pass=10.0, llm_row=1.0, pass_rows=4)
+    setting, starts = DraftSetting(0.0, 3), np.array([0])
+    # tree: 2 SLM steps + a 3-token tree forward; then the answer's last token, a plain step
+    assert replay(rank, top_p, starts, setting, costs, TreeShape(2, 3)) == ((2 + 13) + 10, 4)
+    # linear: 3 steps + a 3-token pass keeping 1; then a 1-token draft (the answer's end) kept
+    assert replay(rank, top_p, starts, setting, costs) == ((3 + 13) + (1 + 11), 4)
+    # an alternative below SIBLING_FLOOR is no leaf: the tree is the linear draft, and costs as one
+    rare = np.array([SURE, [0.5, 0.05, 0.05], SURE, SURE])
+    assert replay(rank, rare, starts, setting, costs, TreeShape(2, 3)) == replay(rank, rare, starts, setting, costs)
+    # a leaf that is not the LLM's token is a rejected row
+    assert replay(np.array([0, 2, 0, 0]), top_p, starts, setting, costs, TreeShape(2, 3)) == ((2 + 13) + (1 + 11), 4)
+
+
+def slm_data(rank: np.ndarray, top_p: np.ndarray, answer_ids: np.ndarray, splits: np.ndarray,
+             tasks: np.ndarray) -> LightData:
+    n = len(rank)
+    features = np.zeros((n, 2 + TOP_K + 3), np.float32)  # a 2-wide hidden state, then the top-k log p
+    features[:, 2:2 + top_p.shape[1]] = np.log(top_p)
+    zeros = np.zeros(n, bool)
+    return LightData(rank > 0, rank > 0, ~zeros, zeros, answer_ids, splits, tasks, features, rank, {})
+
+
+def second_choices(seed: int, right: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """80 answers of 30 positions: the SLM unsure on 30% of them, where the LLM takes its second
+    choice with probability ``right`` (else its first); sure and right elsewhere."""
+    rng = np.random.default_rng(seed)
+    answer_ids = np.repeat(np.arange(80), 30)
+    unsure = rng.uniform(size=answer_ids.size) < 0.3
+    top_p = np.where(unsure[:, None], UNSURE, SURE)
+    rank = np.where(unsure & (rng.uniform(size=answer_ids.size) < right), 1, 0)
+    return rank, top_p, answer_ids, np.where(answer_ids % 2, "validation", "calibration")
+
+
+def test_the_slm_tree_fit_branches_where_the_llm_takes_its_second_choice_and_stays_linear_where_it_never_does():
+    costs = DraftCosts(slm_step=0.1, llm_pass=1.0, llm_row=0.05, pass_rows=4)
+    rank, top_p, answer_ids, splits = second_choices(0, right=0.6)
+    fit = fit_slm_tree(rank, top_p, answer_ids, splits, DraftSetting(0.0, 3), costs)
+    assert fit.shape.branches > 1 and fit.speedup_vs_linear > 1.05
+    never = np.where(rank == 1, UNRANKED, rank)  # the LLM's token is neither choice: leaves only cost rows
+    assert fit_slm_tree(never, top_p, answer_ids, splits, DraftSetting(0.0, 3), costs).shape == LINEAR
+
+
+def test_calibrate_keeps_slm_trees_per_task_with_the_fitted_draft_settings():
+    costs = DraftCosts(slm_step=0.1, llm_pass=1.0, llm_row=0.05, pass_rows=4)
+    rank, top_p, answer_ids, splits = second_choices(1, right=0.6)
+    tasks = np.full(rank.size, TASKS.index("dialogue"))
+    drafts = DraftingResult(None, "", {}, {}, DraftSetting(0.0, 3), costs)
+    result = calibrate_slm_trees(slm_data(rank, top_p, answer_ids, splits, tasks), drafts, runs_trees=True)
+    assert result.fit is not None and result.shape.branches > 1 and "speculate/slm: draft trees" in result.why
+    config = result.run_config()
+    assert config.name == SLM_TREES
+    assert config.options_for("dialogue") == {"mode": "speculate", "light": "slm", **result.shape.options()}
+    assert config.options_for("json")["draft_branches"] == 1  # a grammar keeps drafts linear
+    none = calibrate_slm_trees(slm_data(rank, top_p, answer_ids, splits, tasks), drafts, runs_trees=False)
+    assert none.fit is None and none.run_config() is None and "verifies no draft trees" in none.why
+
+
 def calibration(decoding: dict, profiles: dict | None = None, figures: dict | None = None) -> Calibration:
     return Calibration("2026-01-01T00:00:00Z", "test", "0" * 64, {"tf_agreement": 0.9, "bound": "crc"}, {},
                        profiles or {}, figures or {}, decoding=decoding)
@@ -151,7 +270,11 @@ def test_the_fitted_tree_shape_reaches_decode_options_only_where_the_caller_set_
     assert resolved(mode="speculate", light="ngram") == (3, 7)
     assert resolved(mode="speculate", light="ngram", draft_branches=2) == (2, None)
     assert resolved(mode="speculate", light="ngram", draft_tree_nodes=4) == (1, 4)
-    assert resolved(mode="speculate", light="slm") == (1, None)  # the fit replayed the lookup's trees only
+    assert resolved(mode="speculate", light="slm") == (1, None)  # the lookup's shape is the lookup's
+    slm = calibration({"slm_tree": {"draft_branches": 2, "draft_tree_nodes": 3}})
+    for light, shape in (("slm", (2, 3)), ("ngram", (1, None)), ("ngram+slm", (1, None))):
+        chosen = calibrated_options(DecodeOptions(mode="speculate", light=light), slm, lambda entry: None)
+        assert (chosen.draft_branches, chosen.draft_tree_nodes) == shape, light
     assert resolved(mode="route", light="ngram") == (1, None)
     # auto: the task profile's shape, chosen from the runtime runs (choose_profiles keeps it)
     tree = RunConfig(LOOKUP_TREES, {"mode": "speculate", "light": "ngram", "draft_branches": 2, "draft_tree_nodes": 5})

@@ -27,6 +27,7 @@ from edgeroute.bundle import CALIBRATION_DIR, Bundle, Calibration, RouterCalibra
 from edgeroute.calibration.checks import prompt_case, task_response_format
 from edgeroute.calibration.drafting import (
     LINEAR,
+    TREE_BRANCHES,
     DraftCosts,
     DraftFit,
     DraftSetting,
@@ -34,15 +35,19 @@ from edgeroute.calibration.drafting import (
     TreeShape,
     fit_drafting,
     fit_per_task,
+    fit_slm_tree,
     fit_tree,
     fit_tree_per_task,
     measure_costs,
+    memories_without_own,
     runtime_default,
+    tasks_with_answers,
 )
 from edgeroute.calibration.labels import (
     DIVERGENT,
     NEUTRAL,
     UNCHECKED,
+    UNRANKED,
     Labels,
     LabelSettings,
     LocalExecutor,
@@ -92,7 +97,7 @@ from edgeroute.quality.runs import (
     summarize,
 )
 from edgeroute.runtime.answer_memory import AnswerMemory
-from edgeroute.runtime.calibrated import AUTO_KEYS, SKIP_KEYS, TREE_KEYS, router_key
+from edgeroute.runtime.calibrated import AUTO_KEYS, SKIP_KEYS, TREE_DECODING, TREE_KEYS, router_key
 from edgeroute.runtime.decoding import VERIFIED_BASELINE
 from edgeroute.runtime.drafters import Proposal
 from edgeroute.runtime.engine import Engine
@@ -115,6 +120,8 @@ FITTED_DRAFTS = "speculate/slm+fitted"  # the runtime runs' name for speculate/s
 OVERALL_DRAFTS = "speculate/slm+overall"  # the overall fitted setting on every task (confirms tasks' own settings)
 LOOKUP_THEN_SLM = "speculate/ngram+slm"  # prompt lookup where its match is long, the SLM (fitted drafts) elsewhere
 LOOKUP_TREES = "speculate/ngram+tree"  # speculate/ngram with the fitted tree shape (a task's own on its prompts)
+SLM_TREES = "speculate/slm+tree"  # speculate/slm with the fitted draft settings and tree shape
+TREE_RUNS = {"ngram": LOOKUP_TREES, "slm": SLM_TREES}
 MIN_SPEEDUP = 1.05  # below this a configuration's gain over full is within the timing noise of a shared machine
 EXECUTORS = ("local", "ray")
 SLM_BASELINES = {"entropy": TOP_K, "top1": TOP_K + 1, "margin": TOP_K + 2}  # column after the hidden state
@@ -206,6 +213,7 @@ class LightData:
     split: np.ndarray
     task: np.ndarray
     features: np.ndarray
+    rank: np.ndarray  # the LLM token's rank among the light path's choices (0: its own token is the LLM's)
     scores: dict[str, np.ndarray]
 
     def only(self, keep: np.ndarray) -> LightData:
@@ -232,7 +240,7 @@ def light_data(labels: Labels, light: str, splits: np.ndarray) -> LightData:
         scores = {name: features[:, hidden + column] for name, column in SLM_BASELINES.items()}
         differ, path = labels["slm_token"] != llm, labels["slm_path"]
         data = LightData(differ, differ & (path != NEUTRAL), ~differ | (path != UNCHECKED), np.zeros(len(llm), bool),
-                         labels["prompt"], splits, labels["task"], features, scores)
+                         labels["prompt"], splits, labels["task"], features, labels["slm_rank"], scores)
         return data.only(free)
     token, length, count = labels["ngram_token"], labels["ngram_length"], labels["ngram_count"]
     features = np.stack([ngram_features(int(n), int(c), 0, int(p))
@@ -241,7 +249,7 @@ def light_data(labels: Labels, light: str, splits: np.ndarray) -> LightData:
                            for t, n, c in zip(token, length, count, strict=True)])
     differ = (token != llm) & (token >= 0)
     return LightData(differ, differ, np.ones(len(llm), bool), token < 0, labels["prompt"], splits, labels["task"],
-                     features, {"ngram": baseline}).only(free)
+                     features, np.where(differ, UNRANKED, 0), {"ngram": baseline}).only(free)
 
 
 @dataclass
@@ -488,19 +496,26 @@ def confirm_task_drafts(runs: dict[str, list[dict[str, Any]]], drafting: Draftin
     return messages
 
 
+def slm_top_p(slm: LightData) -> np.ndarray:
+    """The SLM's probabilities of its likeliest tokens at each position, descending: as many as a
+    draft tree branches into (slm_features' top-k log-probabilities)."""
+    start = _slm_stats_start(slm.features)
+    return np.exp(slm.features[:, start:start + max(TREE_BRANCHES)].astype(np.float64))
+
+
 def calibrate_drafting(engine: Engine, slm: LightData) -> DraftingResult:
     """Fit how speculate/slm drafts (see :mod:`edgeroute.calibration.drafting`) on the SLM
     labels, over all answers and per task; kept for the runtime runs only where the replay on
     validation prompts is faster than the defaults (a task's: than the overall setting)."""
-    confidence = np.exp(slm.features[:, _slm_stats_start(slm.features)])  # the top-1 log-probability
+    top_p = slm_top_p(slm)
     costs = measure_costs(engine)
-    fit = fit_drafting(~slm.differ, confidence, slm.prompt, slm.split, costs)
+    fit = fit_drafting(slm.rank, top_p, slm.prompt, slm.split, costs)
     figures = fit.to_dict()
     setting, default = fit.setting, runtime_default(costs.pass_rows)
     pays = setting != default and fit.speedup_vs_default >= MIN_REPLAYED_SPEEDUP
     overall = setting if pays else default
     per_task, notes = {}, []
-    for index, task_fit in fit_per_task(~slm.differ, confidence, slm.prompt, slm.split, slm.task, costs).items():
+    for index, task_fit in fit_per_task(slm.rank, top_p, slm.prompt, slm.split, slm.task, costs).items():
         task = TASKS[index]
         validation = task_fit.curve[task_fit.setting.name]["validation"]
         gain = validation / max(task_fit.curve[overall.name]["validation"], 1e-12)
@@ -521,21 +536,71 @@ def calibrate_drafting(engine: Engine, slm: LightData) -> DraftingResult:
 
 @dataclass
 class TreeResult:
+    light: str  # the light path whose drafts are trees: "ngram" (the lookup's) or "slm"
     fit: TreeFit | None  # None: no tree replayed faster than linear drafts, or the backend verifies none
     why: str
     figures: dict[str, Any]
     per_task: dict[str, TreeShape] = field(default_factory=dict)  # tasks whose own shape replays faster
+    drafts: RunConfig | None = None  # the SLM's fitted draft settings the trees were replayed with
 
     @property
     def shape(self) -> TreeShape:
         return self.fit.shape if self.fit is not None else LINEAR
 
+    @property
+    def name(self) -> str:
+        """The runtime runs' name of its configuration."""
+        return TREE_RUNS[self.light]
+
     def run_config(self) -> RunConfig | None:
-        """speculate/ngram with the fitted shapes: the overall one, a task's own for its prompts."""
+        """speculate with the fitted shapes (the overall one, a task's own for its prompts), the SLM
+        drafting with its fitted settings (a task's own too)."""
         if self.fit is None and not self.per_task:
             return None
-        return RunConfig(LOOKUP_TREES, {"mode": "speculate", "light": "ngram", **self.shape.options()},
-                         {task: shape.options() for task, shape in self.per_task.items()})
+        base = self.drafts.options if self.drafts is not None else {"mode": "speculate", "light": self.light}
+        drafts = self.drafts.per_task if self.drafts is not None else {}
+        per_task = {task: {**drafts.get(task, {}), **(self.per_task[task].options() if task in self.per_task else {})}
+                    for task in {*drafts, *self.per_task}}
+        return RunConfig(self.name, {**base, **self.shape.options()}, per_task)
+
+
+def keep_trees(light: str, fit: TreeFit, task_fits: dict[str, TreeFit], what: str,
+               drafts: RunConfig | None = None) -> TreeResult:
+    """A tree is kept for the runtime runs only where it replays at least MIN_REPLAYED_SPEEDUP
+    faster than linear drafts on the validation prompts (a task's own shape: than the overall
+    one). ``what``: what a tree's branches are, for the message."""
+    figures = fit.to_dict()
+    pays = fit.shape != LINEAR and fit.speedup_vs_linear >= MIN_REPLAYED_SPEEDUP
+    overall = fit.shape if pays else LINEAR
+    per_task, notes = {}, []
+    for task, task_fit in task_fits.items():
+        validation = task_fit.curve[task_fit.shape.name]["validation"]
+        gain = validation / max(task_fit.curve[overall.name]["validation"], 1e-12)
+        figures.setdefault("per_task", {})[task] = {"shape": asdict(task_fit.shape), "replayed_vs_overall": gain,
+                                                   "replayed_tok_s": validation}
+        if task_fit.shape != overall and gain >= MIN_REPLAYED_SPEEDUP:
+            per_task[task] = task_fit.shape
+            notes.append(f"{task} {task_fit.shape.name} ({gain:.3f}x)")
+    if pays:  # constrained tasks run linear drafts anyway: their profiles say so
+        per_task.update({t: LINEAR for t in TASKS if task_response_format(t) is not None})
+    own = f"; a task's own (branches x tokens, replayed vs the overall): {', '.join(notes)}" if notes else ""
+    if not pays:
+        return TreeResult(light, None, f"speculate/{light}: no draft tree replayed faster than linear drafts "
+                                       f"({fit.speedup_vs_linear:.3f}x on validation prompts): drafts stay linear{own}",
+                          figures, per_task, drafts)
+    return TreeResult(light, fit, f"speculate/{light}: draft trees of up to {overall.branches} {what}, "
+                                  f"{overall.nodes} tokens (replayed {fit.speedup_vs_linear:.3f}x linear drafts on "
+                                  f"validation prompts){own}", figures, per_task, drafts)
+
+
+def no_trees(light: str, runs_trees: bool, free: np.ndarray) -> TreeResult | None:
+    """Why no tree is fitted (None: one is): a backend that verifies none, or only constrained tasks."""
+    if not runs_trees:
+        return TreeResult(light, None, f"speculate/{light}: the LLM's backend verifies no draft trees: drafts stay "
+                                       "linear", {})
+    if not free.any():
+        return TreeResult(light, None, f"speculate/{light}: every task constrains its output: drafts stay linear", {})
+    return None
 
 
 def lookup_answers(engine: Engine, labels: Labels, by_id: dict[str, CalibrationPrompt],
@@ -562,41 +627,46 @@ def answer_memory(answers: list[tuple[list[int], list[int]]], tasks: list[str]) 
 def calibrate_trees(answers: list[tuple[list[int], list[int]]], splits: np.ndarray, tasks: np.ndarray,
                     costs: DraftCosts, runs_trees: bool) -> TreeResult:
     """Fit the tree shape of speculate/ngram's lookup drafts (see ``drafting.fit_tree``) over all
-    answers and per task (``tasks``: each answer's index in TASKS); a tree is kept for the runtime
-    runs only where it replays at least MIN_REPLAYED_SPEEDUP faster than linear drafts on the
-    validation prompts (a task's own: than the overall shape), and only where the LLM's backend
-    verifies trees (``runs_trees``). A task whose profile constrains its output is left out: a
-    grammar keeps drafts linear."""
-    if not runs_trees:
-        return TreeResult(None, "speculate/ngram: the LLM's backend verifies no draft trees: drafts stay linear", {})
+    answers and per task (``tasks``: each answer's index in TASKS), kept as :func:`keep_trees`
+    says, and only where the LLM's backend verifies trees (``runs_trees``). A task whose profile
+    constrains its output is left out: a grammar keeps drafts linear. Each answer's lookup also
+    drafts from the shipped answer memory less the answer itself
+    (``drafting.memories_without_own``), as a held-out prompt's does."""
     free = np.asarray([task_response_format(TASKS[t]) is None for t in tasks], bool)
-    if not free.any():
-        return TreeResult(None, "speculate/ngram: every task constrains its output: drafts stay linear", {})
-    kept = [a for a, f in zip(answers, free, strict=True) if f]
-    fit = fit_tree(kept, splits[free], costs)
-    figures = fit.to_dict()
-    pays = fit.shape != LINEAR and fit.speedup_vs_linear >= MIN_REPLAYED_SPEEDUP
-    overall = fit.shape if pays else LINEAR
-    per_task, notes = {}, []
-    for index, task_fit in fit_tree_per_task(kept, splits[free], tasks[free], costs).items():
+    unfitted = no_trees("ngram", runs_trees, free)
+    if unfitted is not None:
+        return unfitted
+    chosen = np.flatnonzero(free)
+    every_memory = memories_without_own(answers, tasks)
+    kept, memories = [answers[i] for i in chosen], [every_memory[i] for i in chosen]
+    fit = fit_tree(kept, splits[free], costs, memories)
+    task_fits = {TASKS[index]: task_fit
+                 for index, task_fit in fit_tree_per_task(kept, splits[free], tasks[free], costs, memories).items()}
+    return keep_trees("ngram", fit, task_fits, "lookup continuations")
+
+
+def calibrate_slm_trees(slm: LightData, drafting: DraftingResult, runs_trees: bool) -> TreeResult:
+    """Fit the tree shape of speculate/slm's drafts (``drafting.fit_slm_tree``: the SLM's next
+    likeliest tokens beside its chain where it is unsure) over all answers and per task, the SLM
+    drafting with its fitted setting (a task's own where it has one), kept as :func:`keep_trees`
+    says; as :func:`calibrate_trees`, only on a backend that verifies trees and on unconstrained
+    tasks."""
+    free = np.asarray([task_response_format(TASKS[t]) is None for t in slm.task], bool)
+    unfitted = no_trees("slm", runs_trees, free)
+    if unfitted is not None:
+        return unfitted
+    data = slm.only(free)
+    top_p, costs = slm_top_p(data), drafting.costs
+    overall = drafting.fit.setting if drafting.fit is not None else drafting.default
+    fit = fit_slm_tree(data.rank, top_p, data.prompt, data.split, overall, costs)
+    task_fits = {}
+    for index in tasks_with_answers(data.prompt, data.split, data.task):
         task = TASKS[index]
-        validation = task_fit.curve[task_fit.shape.name]["validation"]
-        gain = validation / max(task_fit.curve[overall.name]["validation"], 1e-12)
-        figures.setdefault("per_task", {})[task] = {"shape": asdict(task_fit.shape), "replayed_vs_overall": gain,
-                                                   "replayed_tok_s": validation}
-        if task_fit.shape != overall and gain >= MIN_REPLAYED_SPEEDUP:
-            per_task[task] = task_fit.shape
-            notes.append(f"{task} {task_fit.shape.name} ({gain:.3f}x)")
-    if pays:  # constrained tasks run linear drafts anyway: their profiles say so
-        per_task.update({t: LINEAR for t in TASKS if task_response_format(t) is not None})
-    own = f"; a task's own (branches x tokens, replayed vs the overall): {', '.join(notes)}" if notes else ""
-    if not pays:
-        return TreeResult(None, f"speculate/ngram: no draft tree replayed faster than linear drafts "
-                                f"({fit.speedup_vs_linear:.3f}x on validation prompts): drafts stay linear{own}",
-                          figures, per_task)
-    return TreeResult(fit, f"speculate/ngram: draft trees of up to {overall.branches} lookup continuations, "
-                           f"{overall.nodes} tokens (replayed {fit.speedup_vs_linear:.3f}x linear drafts on "
-                           f"validation prompts){own}", figures, per_task)
+        setting = drafting.per_task[task].setting if task in drafting.per_task else overall
+        mask = data.task == index
+        task_fits[task] = fit_slm_tree(data.rank[mask], top_p[mask], data.prompt[mask], data.split[mask], setting,
+                                       costs)
+    return keep_trees("slm", fit, task_fits, "SLM choices at a position", drafting.run_config())
 
 
 # -- skipping ----------------------------------------------------------------------------------------
@@ -671,6 +741,7 @@ class CalibrationRun:
     drafting: DraftingResult | None = None
     fitted_drafts: RunConfig | None = None
     trees: TreeResult | None = None  # speculate/ngram's draft trees
+    slm_trees: TreeResult | None = None  # speculate/slm's
     memory: AnswerMemory | None = None  # the labelled answers, shipped for speculation's lookup
     skipping: list[SkipVerdict] = field(default_factory=list)
     held_out: list[TaskCase] = field(default_factory=list)  # what the runtime runs judge: never labelled
@@ -764,10 +835,12 @@ class CalibrationRun:
             tasks = np.asarray([TASKS.index(self.by_id[i].task) for i in ids])
             self.trees = calibrate_trees(answers, np.asarray([split_of(i) for i in ids]), tasks, self.drafting.costs,
                                          self.engine.llm.tree_forwards)
-        self.messages.append(self.trees.why)
-        lookup_trees = self.trees.run_config()
-        if lookup_trees is not None:
-            self.configs.append(lookup_trees)
+            self.slm_trees = calibrate_slm_trees(self.data["slm"], self.drafting, self.engine.llm.tree_forwards)
+        for trees in (self.trees, self.slm_trees):
+            self.messages.append(trees.why)
+            config = trees.run_config()
+            if config is not None:
+                self.configs.append(config)
         if self.options.skip_prompts and decision_points(self.engine.llm.num_layers, SkipOptions()):
             with self.timed("skipping"):
                 self.skipping = calibrate_skipping(self.engine, self.labels, self.by_id, self.options, self.progress)
@@ -808,23 +881,26 @@ class CalibrationRun:
                                  f"runtime runs ({fitted['tok_s']:.1f} vs {plain['tok_s']:.1f} tok/s): defaults kept")
 
     def _confirm_trees(self) -> None:
-        """The overall tree shape becomes explicit speculate/ngram's default (``decoding["lookup_tree"]``)
-        where its runtime runs were faster than linear drafts' on the prompts of tasks without a
+        """Each light path's overall tree shape becomes its explicit speculate default
+        (``decoding["lookup_tree"]`` / ``["slm_tree"]``) where its runtime runs were faster than
+        linear drafts' (the SLM's: with the same draft settings) on the prompts of tasks without a
         shape of their own (with none, the replay alone decided)."""
-        trees, runs = self.trees, self.runs
-        if trees is None or trees.fit is None:
-            return
-        pick = [i for i, r in enumerate(runs["full"]) if r["task"] not in trees.per_task]
-        linear = tree = 0.0
-        if pick:
-            linear, tree = (summarize([runs[name][i] for i in pick], [runs["full"][i] for i in pick])["tok_s"]
-                            for name in ("speculate/ngram", LOOKUP_TREES))
-            trees.figures["runtime"] = {"speculate/ngram": linear, LOOKUP_TREES: tree}
-        if not pick or tree > linear:
-            self.decoding["lookup_tree"] = trees.shape.options()
-        else:
-            self.messages.append(f"draft trees {trees.shape.name} did not speed up speculate/ngram in the runtime "
-                                 f"runs ({tree:.1f} vs {linear:.1f} tok/s): drafts stay linear")
+        runs = self.runs
+        for trees in (self.trees, self.slm_trees):
+            if trees is None or trees.fit is None:
+                continue
+            linear_name = FITTED_DRAFTS if trees.light == "slm" and FITTED_DRAFTS in runs else f"speculate/{trees.light}"
+            pick = [i for i, r in enumerate(runs["full"]) if r["task"] not in trees.per_task]
+            linear = tree = 0.0
+            if pick:
+                linear, tree = (summarize([runs[name][i] for i in pick], [runs["full"][i] for i in pick])["tok_s"]
+                                for name in (linear_name, trees.name))
+                trees.figures["runtime"] = {linear_name: linear, trees.name: tree}
+            if not pick or tree > linear:
+                self.decoding[TREE_DECODING[trees.light]] = trees.shape.options()
+            else:
+                self.messages.append(f"draft trees {trees.shape.name} did not speed up speculate/{trees.light} in the "
+                                     f"runtime runs ({tree:.1f} vs {linear:.1f} tok/s): drafts stay linear")
 
     def _confirm_skipping(self) -> None:
         """A skip setting becomes the skip modes' default only where it ran faster than full on
@@ -883,6 +959,7 @@ class CalibrationRun:
             figures={"labels": label_counts(self.labels), "seconds": dict(self.seconds),
                      "drafting": self.drafting.figures,
                      "trees": self.trees.figures if self.trees is not None else {},
+                     "slm_trees": self.slm_trees.figures if self.slm_trees is not None else {},
                      "routers": {light: {"candidates": r.figures["candidates"], "why": r.figures["why"]}
                                  for light, r in self.routers.items()},
                      "unreachable": [r.unreachable for r in self.routers.values() if r.unreachable],

@@ -22,17 +22,31 @@ that ends at an unsure token paid the SLM step that found it unsure), with the c
 on this machine and this bundle; the fit picks the setting with the highest tokens per second
 on the calibration split and reports the replayed speed-up over the runtime's defaults on the
 validation split.
+
+Where the LLM's backend verifies trees, both light paths' trees are fitted the same way over
+shapes (branches x tokens): the SLM's from the labelled rank of the LLM's token among its
+choices (a leaf beside the chain is accepted where it is the LLM's token), the lookup's by
+running the lookup itself over each prompt and answer (``lookup_passes``).
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from edgeroute.runtime.drafters import FIRST_DRAFT, DraftLength, NgramDrafter, draft_lengths, longest_draft
+from edgeroute.runtime.answer_memory import SEPARATOR
+from edgeroute.runtime.drafters import (
+    FIRST_DRAFT,
+    SIBLING_FLOOR,
+    DraftLength,
+    NgramDrafter,
+    draft_lengths,
+    longest_draft,
+)
 from edgeroute.runtime.engine import Engine
 
 CONFIDENCES = (0.0, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
@@ -122,6 +136,67 @@ def measure_costs(engine: Engine, repeats: int = 15, longest: int = max(MAX_DRAF
                       pass_rows=engine.llm.pass_rows, trees=(passes[0], *trees) if trees else ())
 
 
+# -- draft trees, on a backend that verifies them ---------------------------------------------------
+#
+# A tree holds a light path's alternatives where it is unsure: the lookup's continuations where
+# its matches disagree, the SLM's next likeliest tokens beside its chain. Both are fitted from
+# replays on measured pass and tree-forward costs, per task, and kept only where they beat
+# linear drafts.
+
+TREE_BRANCHES = (2, 3)  # continuations (lookup) or choices at a position (SLM) a tree may hold (1: linear)
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """How speculate drafts where the LLM's backend verifies trees: up to ``branches`` continuations
+    of the lookup's disagreeing matches, or choices of the SLM at a position, at most ``nodes``
+    tokens in a tree (``branches`` 1: linear drafts, ``nodes`` unused)."""
+
+    branches: int
+    nodes: int | None = None
+
+    @property
+    def name(self) -> str:
+        return "linear" if self.branches == 1 else f"{self.branches}x{self.nodes}"
+
+    def options(self) -> dict[str, int | None]:
+        """The DecodeOptions fields of this shape."""
+        return {"draft_branches": self.branches, "draft_tree_nodes": self.nodes}
+
+
+LINEAR = TreeShape(1)
+
+
+def tree_shapes(pass_rows: int | None) -> tuple[TreeShape, ...]:
+    """Linear drafts, then trees of 2 and 3 branches whose tokens fill one, two or three passes'
+    rows (a tree's pass is its tokens and the token before them, ``pass_rows`` rows a pass: the
+    measured pass costs step where a pass's rows run out, so a size between pays for rows it leaves
+    empty), up to the longest pass ``measure_costs`` times."""
+    rows = pass_rows or longest_draft(pass_rows) // 2
+    sizes = sorted({m * rows - 1 for m in (1, 2, 3)} & set(range(2, max(MAX_DRAFT_TOKENS) + 1)))
+    return (LINEAR, *(TreeShape(b, n) for b in TREE_BRANCHES for n in sizes))
+
+
+@dataclass
+class TreeFit:
+    shape: TreeShape
+    curve: dict[str, dict[str, float]]  # shape name -> replayed tok/s on calibration / validation
+    speedup_vs_linear: float  # replayed on the validation split
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "shape": asdict(self.shape)}
+
+
+def pick_shape(rate: Callable[[str, TreeShape], float], pass_rows: int | None) -> TreeFit:
+    """The shape of :func:`tree_shapes` (linear drafts first: they win ties) with the most replayed
+    tokens per second on the calibration split (``rate(split, shape)``), and its replayed speed-up
+    over linear drafts on the validation split."""
+    shapes = tree_shapes(pass_rows)
+    curve = {s.name: {"calibration": rate("calibration", s), "validation": rate("validation", s)} for s in shapes}
+    best = max(shapes, key=lambda s: curve[s.name]["calibration"])
+    return TreeFit(best, curve, curve[best.name]["validation"] / max(curve[LINEAR.name]["validation"], 1e-12))
+
+
 @dataclass(frozen=True)
 class DraftSetting:
     """How speculate/slm drafts: the confidence that ends a draft and the longest draft (the
@@ -153,29 +228,52 @@ def runtime_default(pass_rows: int | None = None) -> DraftSetting:
 CANDIDATES = tuple(DraftSetting(c, n) for c in CONFIDENCES for n in MAX_DRAFT_TOKENS)
 
 
-def replay(agree: np.ndarray, confidence: np.ndarray, answers: np.ndarray, setting: DraftSetting,
-           costs: DraftCosts) -> tuple[float, int]:
-    """(seconds, tokens) of greedy speculation over the labelled answers: ``agree[i]`` the SLM's
-    token equals the LLM's at position i, ``confidence[i]`` the SLM's probability of its token,
-    ``answers`` the index where each answer starts (in order); the draft length adapts as in
-    the runtime, afresh for each answer."""
-    seconds, ends = 0.0, [*answers[1:], len(agree)]
+def replay(rank: np.ndarray, top_p: np.ndarray, answers: np.ndarray, setting: DraftSetting, costs: DraftCosts,
+           shape: TreeShape = LINEAR) -> tuple[float, int]:
+    """(seconds, tokens) of greedy speculate/slm over the labelled answers: ``rank[i]`` the rank of
+    the LLM's token among the SLM's choices at position i (0: the SLM's own token, accepted),
+    ``top_p[i]`` the SLM's probabilities of its likeliest tokens, descending (``top_p[i, 0]`` its
+    confidence; 1-D: that column alone), ``answers`` the index where each answer starts (in
+    order); the draft length adapts as in the runtime, afresh for each answer.
+
+    With a tree ``shape`` the SLM drafts as ``SlmDrafter.propose_tree`` does: beside each chain
+    token, its next likeliest tokens of at least SIBLING_FLOOR (``shape.branches`` in all) as
+    leaves, ``shape.nodes`` tokens at most; a draft below the confidence ends the tree after its
+    candidates where together they reach it. The walk takes the chain while it is the LLM's and
+    a leaf that is; a pass with no leaf is verified as the linear draft it is. After a wrong chain
+    token the SLM drafts from its own guess: as in a linear draft, those tokens are rejected
+    whatever they are, and what they cost is read from the labelled positions."""
+    top_p = top_p.reshape(len(top_p), -1)
+    width = min(shape.branches, top_p.shape[1])
+    budget = shape.nodes if shape.branches > 1 and shape.nodes else None  # linear drafts: the length alone
+    # per position, as Python numbers (the loop below runs per drafted token, for every candidate setting)
+    ranks, alternatives = rank.tolist(), (top_p[:, 1:width] >= SIBLING_FLOOR).sum(1).tolist()
+    reach = np.cumsum(top_p[:, :width], axis=1).tolist()  # reach[j][c - 1]: the first c candidates' probability
+    seconds, ends = 0.0, [*answers[1:], len(rank)]
     for start, end in zip(answers, ends, strict=True):
         position, length = start, DraftLength(setting.first_tokens, setting.max_tokens)  # as the decoder does
         while position < end:
-            drafted, unsure = 0, False
-            while drafted < length.current and position + drafted < end - 1:
-                if confidence[position + drafted] < setting.confidence:
-                    unsure = True
+            depth = nodes = steps = accepted = 0
+            on_path, leaves = True, False
+            while depth < length.current and position + depth < end - 1 and (budget is None or nodes < budget):
+                j = position + depth
+                steps += 1  # the SLM step that proposes this position's tokens
+                candidates = 1 + alternatives[j]
+                if budget is not None:
+                    candidates = min(candidates, budget - nodes)
+                sure = reach[j][0] >= setting.confidence
+                if not sure and reach[j][candidates - 1] < setting.confidence:
                     break
-                drafted += 1
-            accepted = 0
-            while accepted < drafted and agree[position + accepted]:
-                accepted += 1
-            seconds += (drafted + unsure) * costs.slm_step + costs.pass_seconds(drafted)
-            length.update(drafted, accepted)
+                depth, nodes, leaves = depth + 1, nodes + candidates, leaves or candidates > 1
+                if on_path:
+                    accepted += ranks[j] < candidates  # the chain's token (rank 0) or a leaf that is the LLM's
+                    on_path = ranks[j] == 0
+                if not sure:
+                    break
+            seconds += steps * costs.slm_step + (costs.tree_seconds(nodes) if leaves else costs.pass_seconds(depth))
+            length.update(depth, accepted)
             position += accepted + 1  # the accepted drafts and the LLM's own token
-    return seconds, len(agree)
+    return seconds, len(rank)
 
 
 @dataclass
@@ -191,15 +289,22 @@ class DraftFit:
                                                              "trees": list(self.costs.trees)}}  # as JSON reads it back
 
 
-def fit_drafting(agree: np.ndarray, confidence: np.ndarray, answer_ids: np.ndarray, splits: np.ndarray,
+def _replayed_rate(rank: np.ndarray, top_p: np.ndarray, answer_ids: np.ndarray, mask: np.ndarray,
+                   setting: DraftSetting, costs: DraftCosts, shape: TreeShape = LINEAR) -> float:
+    """Replayed tokens per second over the positions in ``mask`` (``answer_ids``: each
+    position's answer, contiguous runs)."""
+    starts = np.flatnonzero(np.diff(answer_ids[mask], prepend=-1) != 0)
+    seconds, tokens = replay(rank[mask], top_p[mask], starts, setting, costs, shape)
+    return tokens / seconds if seconds else 0.0
+
+
+def fit_drafting(rank: np.ndarray, top_p: np.ndarray, answer_ids: np.ndarray, splits: np.ndarray,
                  costs: DraftCosts) -> DraftFit:
     """Pick the candidate setting with the most replayed tokens per second on the calibration
-    split; ``answer_ids`` numbers each position's answer (contiguous runs)."""
+    split (linear drafts; ``rank`` and ``top_p`` as :func:`replay` reads them); ``answer_ids``
+    numbers each position's answer (contiguous runs)."""
     def rate(split: str, setting: DraftSetting) -> float:
-        mask = splits == split
-        starts = np.flatnonzero(np.diff(answer_ids[mask], prepend=-1) != 0)
-        seconds, tokens = replay(agree[mask], confidence[mask], starts, setting, costs)
-        return tokens / seconds if seconds else 0.0
+        return _replayed_rate(rank, top_p, answer_ids, splits == split, setting, costs)
 
     curve = {s.name: {"calibration": rate("calibration", s), "validation": rate("validation", s)}
              for s in CANDIDATES}  # the runtime's default among them
@@ -209,74 +314,54 @@ def fit_drafting(agree: np.ndarray, confidence: np.ndarray, answer_ids: np.ndarr
     return DraftFit(best, costs, curve, speedup)
 
 
-def fit_per_task(agree: np.ndarray, confidence: np.ndarray, answer_ids: np.ndarray, splits: np.ndarray,
+def fit_per_task(rank: np.ndarray, top_p: np.ndarray, answer_ids: np.ndarray, splits: np.ndarray,
                  tasks: np.ndarray, costs: DraftCosts, min_answers: int = MIN_TASK_ANSWERS) -> dict[int, DraftFit]:
     """:func:`fit_drafting` on each task's answers alone (``tasks``: each position's task
     index), for tasks with at least ``min_answers`` answers in each split: how sure the SLM is
     differs by task (it agrees with the LLM on ~96% of JSON-intent positions and ~72% of
     dialogue), and so does the draft length that pays."""
     fits = {}
-    for task in np.unique(tasks):
+    for task in tasks_with_answers(answer_ids, splits, tasks, min_answers):
         mask = tasks == task
-        answers = {split: len(np.unique(answer_ids[mask & (splits == split)])) for split in ("calibration", "validation")}
-        if min(answers.values()) >= min_answers:
-            fits[int(task)] = fit_drafting(agree[mask], confidence[mask], answer_ids[mask], splits[mask], costs)
+        fits[task] = fit_drafting(rank[mask], top_p[mask], answer_ids[mask], splits[mask], costs)
     return fits
 
 
-# -- draft trees (speculate/ngram on a backend that verifies trees) ---------------------------------
+def tasks_with_answers(answer_ids: np.ndarray, splits: np.ndarray, tasks: np.ndarray,
+                       min_answers: int = MIN_TASK_ANSWERS) -> list[int]:
+    """The tasks with at least ``min_answers`` answers in each of the calibration and validation
+    splits, enough for a fit of their own (``answer_ids``, ``splits`` and ``tasks`` given per
+    position, or per answer)."""
+    return [int(task) for task in np.unique(tasks)
+            if min(len(np.unique(answer_ids[(tasks == task) & (splits == split)]))
+                   for split in ("calibration", "validation")) >= min_answers]
+
+
+def fit_slm_tree(rank: np.ndarray, top_p: np.ndarray, answer_ids: np.ndarray, splits: np.ndarray,
+                 setting: DraftSetting, costs: DraftCosts) -> TreeFit:
+    """The shape of speculate/slm's draft trees (:func:`pick_shape`; :func:`replay` with a tree
+    shape) for the SLM drafting with ``setting`` (the fitted confidence and longest draft)."""
+    return pick_shape(lambda split, shape: _replayed_rate(rank, top_p, answer_ids, splits == split, setting, costs,
+                                                          shape), costs.pass_rows)
+
+
+# -- the lookup's draft trees (speculate/ngram) --------------------------------------------------
 #
-# Only the prompt lookup's trees are fitted. Its drafts are a function of the token history, so
-# replaying them over the prompt and the LLM's labelled answer gives the runtime's trees exactly
-# (the LLM's tokens are full's, greedy). The SLM's trees branch into its second and third choices
-# where it is unsure, and the labels keep only its first (``slm_token``; ``slm_features`` has the
-# alternatives' probabilities, not their ids): replaying them would need new labels (a
-# LABELS_VERSION bump relabels every shard, calibration's slowest stage) for a replay that is an
-# approximation anyway after the SLM's first wrong token. So ``--light slm`` trees stay unfitted.
+# Its drafts are a function of the token history (and of the answer memory), so replaying them
+# over the prompt and the LLM's labelled answer gives the runtime's trees exactly (the LLM's
+# tokens are full's, greedy).
 
-TREE_BRANCHES = (2, 3)  # lookup continuations a tree may hold (1: linear drafts, the baseline)
-
-
-@dataclass(frozen=True)
-class TreeShape:
-    """How speculate/ngram drafts where the LLM's backend verifies trees: up to ``branches``
-    continuations of the lookup's disagreeing matches, at most ``nodes`` tokens in a tree
-    (``branches`` 1: linear drafts, ``nodes`` unused)."""
-
-    branches: int
-    nodes: int | None = None
-
-    @property
-    def name(self) -> str:
-        return "linear" if self.branches == 1 else f"{self.branches}x{self.nodes}"
-
-    def options(self) -> dict[str, int | None]:
-        """The DecodeOptions fields of this shape."""
-        return {"draft_branches": self.branches, "draft_tree_nodes": self.nodes}
-
-
-LINEAR = TreeShape(1)
-
-
-def tree_shapes(pass_rows: int | None) -> tuple[TreeShape, ...]:
-    """Linear drafts, then trees of 2 and 3 branches whose tokens fill one, two or three passes'
-    rows (a tree's pass is its tokens and the token before them, ``pass_rows`` rows a pass: the
-    measured pass costs step where a pass's rows run out, so a size between pays for rows it leaves
-    empty), up to the longest pass ``measure_costs`` times."""
-    rows = pass_rows or longest_draft(pass_rows) // 2
-    sizes = sorted({m * rows - 1 for m in (1, 2, 3)} & set(range(2, max(MAX_DRAFT_TOKENS) + 1)))
-    return (LINEAR, *(TreeShape(b, n) for b in TREE_BRANCHES for n in sizes))
-
-
-def lookup_passes(prompt: list[int], answer: list[int], shape: TreeShape,
-                  pass_rows: int | None) -> list[tuple[int, int, bool]]:
+def lookup_passes(prompt: list[int], answer: list[int], shape: TreeShape, pass_rows: int | None,
+                  memory: np.ndarray | None = None) -> list[tuple[int, int, bool]]:
     """The LLM passes of greedy speculate/ngram over ``answer`` after ``prompt``, as the decoder
     runs them (``Decoder._verify_draft`` / ``_verify_tree``), each as (drafted tokens, accepted
-    tokens, verified as a tree): the lookup drafts from the history; a tree's accepted path is its
+    tokens, verified as a tree): the lookup drafts from the history and from ``memory`` (an answer
+    memory's haystack, as the session sets it: ``NgramDrafter.memory``); a tree's accepted path is its
     longest branch prefix that matches the answer; a tree of one branch, and the first pass (it
     catches up on the prompt), are verified as the linear draft of its first branch; the draft
     length adapts as the runtime's does, from its defaults. Acceptance ends at the answer's end."""
     drafter, sequence = NgramDrafter(), [*prompt, *answer]
+    drafter.memory = memory
     length = DraftLength(*draft_lengths(None, None, pass_rows))
     passes, position = [], 0
     while position < len(answer):
@@ -314,50 +399,61 @@ def _depths(parents: list[int]) -> list[int]:
     return depths
 
 
-def replay_lookup(answers: list[tuple[list[int], list[int]]], shape: TreeShape,
-                  costs: DraftCosts) -> tuple[float, int]:
-    """(seconds, tokens) of greedy speculate/ngram over the (prompt, answer) pairs: each pass
-    costs the measured pass over its drafted tokens and the token before them
-    (``DraftCosts.tree_seconds`` for a tree: a tree forward reads the weights once, as a linear
-    pass of as many rows does); the lookup itself costs no model step."""
+def memories_without_own(answers: list[tuple[list[int], list[int]]], tasks: np.ndarray) -> list[np.ndarray]:
+    """Each answer's lookup memory in the replay: the haystack of the answer memory calibrate ships
+    (``calibrate.answer_memory``: every labelled answer of the task, in order) less the answer
+    itself, which is what a new prompt of the task drafts from; a memory never holds the answer
+    being replayed, as the runtime runs' held-out prompts are never in it."""
+    by_task: dict[int, list[int]] = {}
+    for index, task in enumerate(tasks.tolist()):
+        by_task.setdefault(task, []).append(index)
+    kept = [np.append(np.asarray(answer, np.int64), SEPARATOR) if len(answer) >= 2 else None  # as remember() keeps
+            for _, answer in answers]
+    memories = []
+    for index, task in enumerate(tasks.tolist()):
+        parts = [kept[other] for other in by_task[task] if other != index and kept[other] is not None]
+        memories.append(np.concatenate(parts) if parts else np.empty(0, np.int64))
+    return memories
+
+
+def replay_lookup(answers: list[tuple[list[int], list[int]]], shape: TreeShape, costs: DraftCosts,
+                  memories: list[np.ndarray] | None = None) -> tuple[float, int]:
+    """(seconds, tokens) of greedy speculate/ngram over the (prompt, answer) pairs, each drafting
+    from its memory in ``memories`` where given: each pass costs the measured pass over its
+    drafted tokens and the token before them (``DraftCosts.tree_seconds`` for a tree: a tree
+    forward reads the weights once, as a linear pass of as many rows does); the lookup itself
+    costs no model step."""
     seconds = 0.0
-    for prompt, answer in answers:
-        for drafted, _, tree in lookup_passes(prompt, answer, shape, costs.pass_rows):
+    for index, (prompt, answer) in enumerate(answers):
+        memory = memories[index] if memories is not None else None
+        for drafted, _, tree in lookup_passes(prompt, answer, shape, costs.pass_rows, memory):
             seconds += costs.tree_seconds(drafted) if tree else costs.pass_seconds(drafted)
     return seconds, sum(len(answer) for _, answer in answers)
 
 
-@dataclass
-class TreeFit:
-    shape: TreeShape
-    curve: dict[str, dict[str, float]]  # shape name -> replayed tok/s on calibration / validation
-    speedup_vs_linear: float  # replayed on the validation split
-
-    def to_dict(self) -> dict:
-        return {**asdict(self), "shape": asdict(self.shape)}
-
-
-def fit_tree(answers: list[tuple[list[int], list[int]]], splits: np.ndarray, costs: DraftCosts) -> TreeFit:
+def fit_tree(answers: list[tuple[list[int], list[int]]], splits: np.ndarray, costs: DraftCosts,
+             memories: list[np.ndarray] | None = None) -> TreeFit:
     """Pick the shape (linear drafts among them, first: it wins ties) with the most replayed
-    tokens per second on the calibration split; ``splits`` holds each answer's split."""
+    tokens per second on the calibration split; ``splits`` holds each answer's split,
+    ``memories`` each answer's lookup memory (:func:`memories_without_own`; None: none)."""
     def rate(split: str, shape: TreeShape) -> float:
-        seconds, tokens = replay_lookup([a for a, s in zip(answers, splits, strict=True) if s == split], shape, costs)
+        chosen = np.flatnonzero(splits == split)
+        seconds, tokens = replay_lookup([answers[i] for i in chosen], shape, costs,
+                                        None if memories is None else [memories[i] for i in chosen])
         return tokens / seconds if seconds else 0.0
 
-    shapes = tree_shapes(costs.pass_rows)
-    curve = {s.name: {"calibration": rate("calibration", s), "validation": rate("validation", s)} for s in shapes}
-    best = max(shapes, key=lambda s: curve[s.name]["calibration"])
-    return TreeFit(best, curve, curve[best.name]["validation"] / max(curve[LINEAR.name]["validation"], 1e-12))
+    return pick_shape(rate, costs.pass_rows)
 
 
 def fit_tree_per_task(answers: list[tuple[list[int], list[int]]], splits: np.ndarray, tasks: np.ndarray,
-                      costs: DraftCosts, min_answers: int = MIN_TASK_ANSWERS) -> dict[int, TreeFit]:
+                      costs: DraftCosts, memories: list[np.ndarray] | None = None,
+                      min_answers: int = MIN_TASK_ANSWERS) -> dict[int, TreeFit]:
     """:func:`fit_tree` on each task's answers alone (``tasks``: each answer's task index), for
     tasks with at least ``min_answers`` answers in each split: how often an answer repeats its
     request's spans with different values (a table's rows, a list's items) differs by task."""
     fits = {}
-    for task in np.unique(tasks):
-        mask = tasks == task
-        if min((splits[mask] == split).sum() for split in ("calibration", "validation")) >= min_answers:
-            fits[int(task)] = fit_tree([a for a, m in zip(answers, mask, strict=True) if m], splits[mask], costs)
+    for task in tasks_with_answers(np.arange(len(answers)), splits, tasks, min_answers):
+        chosen = np.flatnonzero(tasks == task)
+        fits[task] = fit_tree([answers[i] for i in chosen], splits[chosen], costs,
+                              None if memories is None else [memories[i] for i in chosen])
     return fits

@@ -5,10 +5,12 @@ LLM's one-token steps rounded like multi-token passes, see ``OrtModel._pass``), 
 ``speculate`` with the SLM drafting, which gives exactly those tokens faster. Then, at
 prefill speed, the SLM runs teacher-forced over prompt + answer and the n-gram drafter looks
 up every answer prefix; each answer position keeps the light paths' tokens and features and
-two labels per light path:
+these labels:
 
 - ``token``: the light token differs from the LLM's (and there, the features verified routing
   reads after an LLM pass: both models' distributions at the difference);
+- ``rank`` (SLM): how many of the SLM's tokens it gives more probability than the LLM's (0: its
+  own token is the LLM's; capped at ``UNRANKED``), from which its draft trees are replayed;
 - ``path`` (SLM, on up to ``path_checks`` differing positions per prompt): R2R's refinement.
   The LLM continues from the light token for ``path_window`` tokens; if that continuation
   rejoins its own answer (``rejoin`` consecutive tokens equal, at most ``max_shift`` positions
@@ -56,7 +58,9 @@ from edgeroute.runtime.sampling import softmax
 
 Progress = Callable[[str, int, int], None]
 UNCHECKED, NEUTRAL, DIVERGENT = -1, 0, 1
-LABELS_VERSION = 2  # the arrays a shard holds (2: grammar-aware, with verified routing's features)
+UNRANKED = 127  # slm_rank where the SLM gives that many tokens or more probability than the LLM's (int8)
+LABELS_VERSION = 3  # the arrays a shard holds (2: grammar-aware, with verified routing's features;
+# 3: the LLM token's rank among the SLM's choices, which the SLM's draft trees are replayed from)
 
 
 @dataclass(frozen=True)
@@ -212,6 +216,9 @@ def label_prompt(engine: Engine, prompt: CalibrationPrompt, settings: LabelSetti
     free, probabilities, allowed = grammar_walk(_constraint_at(engine, response_format, []), answer,
                                                 softmax(slm.head(hidden)))
     slm_tokens = np.where(free, probabilities.argmax(-1), np.asarray(answer))  # forced: no light token to differ
+    # the SLM tokens likelier than the LLM's; at least 1 where the SLM's own token is another (a tie)
+    likelier = (probabilities > probabilities[np.arange(n), answer][:, None]).sum(-1)
+    slm_rank = np.where(slm_tokens == np.asarray(answer), 0, np.clip(likelier, 1, UNRANKED))
     cache.truncate(p - 1)  # the LLM teacher-forced over the answer: what a verification pass shows
     differences = difference_features(engine.llm.forward(cache, [ids[-1], *answer[:-1]], all_logits=True),
                                       probabilities, slm_tokens, answer, allowed)
@@ -232,6 +239,7 @@ def label_prompt(engine: Engine, prompt: CalibrationPrompt, settings: LabelSetti
         "position": np.arange(n, dtype=np.int32),
         "llm_token": np.asarray(answer, np.int64),
         "slm_token": slm_tokens.astype(np.int64),
+        "slm_rank": slm_rank.astype(np.int8),
         "slm_features": np.stack([slm_features(h, q) for h, q in zip(hidden, probabilities, strict=True)]
                                  ).astype(np.float16),
         "slm_path": path,

@@ -236,27 +236,37 @@ def _draft_table(curve: dict[str, dict[str, float]]) -> list[str]:
     return lines
 
 
+TREE_SECTIONS = {  # figures key: (light path, decoding key, heading, what the tree's branches are)
+    "trees": ("ngram", "lookup_tree", "Draft trees of the prompt lookup",
+              "the lookup's drafts as trees (its continuations where earlier matches disagree)"),
+    "slm_trees": ("slm", "slm_tree", "Draft trees of the SLM",
+                  "the SLM's drafts as trees (its next likeliest tokens beside its chain where it is unsure; "
+                  "its fitted draft settings)"),
+}
+
+
 def _tree_section(c: Calibration) -> list[str]:
-    """The lookup's draft trees: the replayed curve, the fitted shape and where it went."""
-    trees = c.figures.get("trees")
-    if not trees or not trees.get("curve"):
-        return []
-    shape = trees["shape"]
-    fitted = "linear drafts" if shape["branches"] == 1 else f"{shape['branches']} branches, {shape['nodes']} tokens"
-    written = c.decoding.get("lookup_tree")
-    lines = ["", "## Draft trees of the prompt lookup (speculate/ngram)", "",
-             "Greedy speculate/ngram replayed over the labelled answers with the lookup's drafts as trees (its "
-             "continuations where earlier matches disagree; a pass costs the measured pass over the tree's tokens), "
-             "tok/s on calibration / validation prompts by shape (branches x tokens):", "",
-             "| shape | calibration | validation |", "|---|---|---|"]
-    lines += [f"| {name} | {v['calibration']:.1f} | {v['validation']:.1f} |" for name, v in trees["curve"].items()]
-    lines += ["", f"Fitted: {fitted}; replayed speed-up over linear drafts on validation prompts "
-                  f"{trees['speedup_vs_linear']:.3f}x; runtime runs (tok/s): {trees.get('runtime', '-')}; written to "
-                  f"the bundle: {f'decoding.lookup_tree {written}' if written else 'nothing (linear drafts kept)'}."]
-    per_task = trees.get("per_task", {})
-    if per_task:
-        lines += ["", "| task | branches | tokens | replayed tok/s (validation) | vs the overall shape |",
-                  "|---|---|---|---|---|"]
-        lines += [f"| {task} | {f['shape']['branches']} | {f['shape']['nodes'] or '-'} | {f['replayed_tok_s']:.1f} | "
-                  f"{f['replayed_vs_overall']:.3f}x |" for task, f in per_task.items()]
+    """Each light path's draft trees: the replayed curve, the fitted shape and where it went."""
+    lines = []
+    for key, (light, decoding, heading, what) in TREE_SECTIONS.items():
+        trees = c.figures.get(key)
+        if not trees or not trees.get("curve"):
+            continue
+        shape = trees["shape"]
+        fitted = "linear drafts" if shape["branches"] == 1 else f"{shape['branches']} branches, {shape['nodes']} tokens"
+        written = c.decoding.get(decoding)
+        lines += ["", f"## {heading} (speculate/{light})", "",
+                  f"Greedy speculate/{light} replayed over the labelled answers with {what}; a pass costs the measured "
+                  "pass over the tree's tokens. Tok/s on calibration / validation prompts by shape (branches x tokens):",
+                  "", "| shape | calibration | validation |", "|---|---|---|"]
+        lines += [f"| {name} | {v['calibration']:.1f} | {v['validation']:.1f} |" for name, v in trees["curve"].items()]
+        lines += ["", f"Fitted: {fitted}; replayed speed-up over linear drafts on validation prompts "
+                      f"{trees['speedup_vs_linear']:.3f}x; runtime runs (tok/s): {trees.get('runtime', '-')}; written "
+                      f"to the bundle: {f'decoding.{decoding} {written}' if written else 'nothing (linear drafts kept)'}."]
+        per_task = trees.get("per_task", {})
+        if per_task:
+            lines += ["", "| task | branches | tokens | replayed tok/s (validation) | vs the overall shape |",
+                      "|---|---|---|---|---|"]
+            lines += [f"| {task} | {f['shape']['branches']} | {f['shape']['nodes'] or '-'} | "
+                      f"{f['replayed_tok_s']:.1f} | {f['replayed_vs_overall']:.3f}x |" for task, f in per_task.items()]
     return lines

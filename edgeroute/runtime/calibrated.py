@@ -9,9 +9,10 @@
   SLM drafts (``slm``, ``ngram+slm``), with its draft lengths left at their defaults, the
   fitted ones (``draft_tokens``, ``max_draft_tokens``); the prompt lookup alone keeps the
   runtime's lengths (the lookup's tree fit replays those).
-- ``speculate --light ngram`` with no tree shape set (``draft_branches`` 1, ``draft_tree_nodes``
-  None) takes the fitted lookup trees (``calibration.decoding["lookup_tree"]``), and ``auto`` a
-  task profile's shape on the same condition: the fit replayed the lookup's trees only.
+- ``speculate --light ngram`` (``slm``) with no tree shape set (``draft_branches`` 1,
+  ``draft_tree_nodes`` None) takes the fitted lookup (SLM) trees
+  (``calibration.decoding["lookup_tree"]`` / ``["slm_tree"]``), and ``auto`` a task profile's
+  shape on the same condition; ``ngram+slm`` keeps linear drafts (no fit replays its mix).
 - a skip mode whose skip options are all left at their defaults takes the calibrated ones,
   where calibration found a skip setting that paid (``calibration.decoding["skip"]``).
 An explicit option always wins; an uncalibrated bundle keeps the uncalibrated defaults.
@@ -38,6 +39,7 @@ DEFAULT_DRAFT_LENGTHS = (DecodeOptions.draft_tokens, DecodeOptions.max_draft_tok
 # a profile's draft tree shape (speculate/ngram+tree): taken where the caller set none
 TREE_KEYS = ("draft_branches", "draft_tree_nodes")
 UNSET_TREE = (DecodeOptions.draft_branches, DecodeOptions.draft_tree_nodes)
+TREE_DECODING = {"ngram": "lookup_tree", "slm": "slm_tree"}  # a light path's fitted tree shape in decoding
 
 
 def auto_options(options: DecodeOptions, calibration: Calibration | None) -> DecodeOptions:
@@ -73,8 +75,8 @@ def calibrated_options(options: DecodeOptions, calibration: Calibration | None,
             and (options.draft_tokens, options.max_draft_tokens) == DEFAULT_DRAFT_LENGTHS):
         options = dataclasses.replace(options, draft_tokens=fitted["draft_tokens"],
                                       max_draft_tokens=fitted["max_draft_tokens"])
-    tree = fitted.get("lookup_tree")
-    if tree is not None and options.mode == "speculate" and options.light == "ngram" and _tree_unset(options):
+    tree = fitted.get(TREE_DECODING.get(options.light or "", ""))
+    if tree is not None and options.mode == "speculate" and _tree_unset(options):
         options = dataclasses.replace(options, **{k: tree[k] for k in TREE_KEYS})
     skip = fitted.get("skip")
     if skip is not None and "skip" in options.mode and options.skip == SkipOptions():
