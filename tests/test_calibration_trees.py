@@ -317,6 +317,13 @@ def test_the_report_shows_the_replayed_shapes_and_what_was_written():
     assert "## Draft trees of the prompt lookup" in shown and "| 2x7 |" in shown and "| linear |" in shown
     assert f"decoding.lookup_tree {result.shape.options()}" in shown
     assert _tree_section(calibration({})) == []  # no tree fit (an older calibration, no trees run): no section
+    costs = DraftCosts(slm_step=0.1, llm_pass=1.0, llm_row=0.05, pass_rows=4)
+    rank, top_p, answer_ids, splits = second_choices(1, right=0.6)
+    slm = calibrate_slm_trees(slm_data(rank, top_p, answer_ids, splits, np.full(rank.size, TASKS.index("dialogue"))),
+                              DraftingResult(None, "", {}, {}, DraftSetting(0.0, 3), costs), runs_trees=True)
+    shown = "\n".join(_tree_section(calibration({"slm_tree": slm.shape.options()}, figures={"slm_trees": slm.figures})))
+    assert "## Draft trees of the SLM (speculate/slm)" in shown and "Draft trees of the prompt lookup" not in shown
+    assert f"decoding.slm_tree {slm.shape.options()}" in shown and "| dialogue |" in shown
 
 
 @pytest.mark.slow
