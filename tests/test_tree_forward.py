@@ -207,10 +207,10 @@ def test_slm_drafts_branch_into_its_likeliest_tokens_where_it_is_unsure():
     assert tree(3, 3, 8, 0.9995) == ([], [])  # the sure 0.95 (0.9993 of the table's mass) alone is below
 
 
-def test_a_trees_size_is_the_callers_else_per_kernel_set():
-    assert tree_nodes(7, "avx2", 4) == 7
-    assert tree_nodes(None, "avx512-vnni", 3) == 5
-    assert tree_nodes(None, "avx2", 4) == 3 and tree_nodes(None, "dotprod", 4) == 3  # the longest linear draft
+def test_a_trees_size_is_the_callers_else_what_one_pass_verifies():
+    assert tree_nodes(7, 4) == 7
+    assert tree_nodes(None, 3) == 2 and tree_nodes(None, 4) == 3  # the longest linear draft: pass_rows - 1
+    assert tree_nodes(None, None) == 8  # a backend that does not say (the runtime's longest draft)
 
 
 # a table that repeats its rows with other values: the lookup's matches disagree on the numbers

@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kernels", nargs="+", default=["auto"],
                         help="native kernel sets, each its own engine (auto, avx2: the forced AVX2 tier, ...)")
     parser.add_argument("--branches", type=int, default=3, help="the tree configurations' draft_branches")
-    parser.add_argument("--tree-nodes", type=int, default=None, help="their draft_tree_nodes (default: per kernel set)")
+    parser.add_argument("--tree-nodes", type=int, default=None, help="their draft_tree_nodes (default: one pass's rows)")
     parser.add_argument("--configs", nargs="+", default=None,
                         help="run only these configurations (full and llama.cpp always stay: the ratios pair with them)")
     parser.add_argument("--n-ctx", type=int, default=2048)

@@ -106,7 +106,7 @@ class DecodeOptions:
     lookup_tokens: int = 4
     # speculate: drafts as a tree verified in one pass where > 1: up to this many lookup continuations
     # where earlier matches disagree, up to this many SLM candidates where the SLM is unsure; at most
-    # draft_tree_nodes tokens in a tree (None: per kernel set, drafters.tree_nodes). Unconstrained,
+    # draft_tree_nodes tokens in a tree (None: one pass's rows, drafters.tree_nodes). Unconstrained,
     # without skipping, on a backend with tree_forwards; elsewhere linear drafts (a grammar's drafts
     # stay linear chains)
     draft_branches: int = 1
@@ -354,7 +354,7 @@ class Decoder:
         # tree forwards; grammars (masks per position, forced tokens) and skipping keep linear drafts
         self.tree_branches = options.draft_branches if (
             base == "speculate" and self.llm.tree_forwards and constraint is None and self.skipper is None) else 1
-        self.tree_nodes = tree_nodes(options.draft_tree_nodes, getattr(self.llm, "kernels", None), self.llm.pass_rows)
+        self.tree_nodes = tree_nodes(options.draft_tree_nodes, self.llm.pass_rows)
 
     # -- the steps ------------------------------------------------------------------------------
 

@@ -100,27 +100,23 @@ class DraftTree:
         return max(depths, default=0)
 
 
-# Tokens a draft tree may hold (its verification pass: these and the token before them), per
-# native kernel set, where the caller sets none. Not measured on trees yet (issue 46's bench,
-# tools/bench_tree.py): chosen from what rows cost in linear passes. With AVX-512 VNNI a row adds
-# ~6 ms to a 48 ms step of the 1.5B (3-row tiles; a 4-token pass 1.20x a 1-token one): 5 tokens,
-# two tiles, leave room for alternatives beside a 2-token chain. Elsewhere a row costs more
-# (AVX2: +20 ms on 53 ms; a 5-token pass 1.9-2.2x a step) or is unmeasured (generic, Arm): the
-# tokens of the longest linear draft (pass_rows - 1), so a tree never makes the pass longer than
-# a linear draft could; it spends unsure positions' rows on alternatives instead of deeper guesses.
-TREE_NODES = {"avx512-vnni": 5}
 # The SLM adds an alternative at a draft position where it gives the token at least this
 # probability: its top-1 is then unsure (below 1 - this), and a rarer alternative would
 # seldom be the LLM's choice to pay for its verification row.
 SIBLING_FLOOR = 0.1
 
 
-def tree_nodes(nodes: int | None, kernels: str | None, pass_rows: int | None) -> int:
-    """The most tokens a draft tree holds: ``nodes`` where set, else :data:`TREE_NODES` for the
-    kernel set, else the longest linear draft's (:func:`longest_draft`)."""
-    if nodes is not None:
-        return nodes
-    return TREE_NODES.get(kernels or "", longest_draft(pass_rows))
+def tree_nodes(nodes: int | None, pass_rows: int | None) -> int:
+    """The most tokens a draft tree holds: ``nodes`` where set, else the longest linear draft's
+    (:func:`longest_draft`), so that a tree spends the rows of one verification pass on
+    alternatives instead of deeper guesses and never makes the pass longer than a linear draft
+    could. Measured on the pair (2-core AVX-512 VNNI VM, 3-row passes): trees of 5 tokens (two
+    passes' rows) ran 0.79-1.03x linear drafts, medians of paired prompts per workload (five),
+    light path and thread count (docs/records/tree-speculation.json); the calibration replayed
+    the SLM's 2-token trees at 1.04x its linear drafts and 5- or 8-token ones at 0.87-0.89x
+    (docs/records/pair-calibration.json).
+    ``edgeroute calibrate`` fits the shape per task from the device's measured costs."""
+    return nodes if nodes is not None else longest_draft(pass_rows)
 
 
 FIRST_DRAFT = 4  # the first draft's length when the caller sets none
