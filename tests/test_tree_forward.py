@@ -233,12 +233,14 @@ def test_tree_speculation_decodes_fulls_tokens_in_fewer_passes(demo, monkeypatch
     full = engine.session(mode="full", max_new_tokens=60).generate(TABLE)
     linear = engine.session(mode="speculate", light="ngram", max_new_tokens=60).generate(TABLE)
     assert not trees
-    tree = engine.session(mode="speculate", light="ngram", draft_branches=4, max_new_tokens=60).generate(TABLE)
+    # room for the alternatives beside the chain: more than the default one pass's rows
+    tree = engine.session(mode="speculate", light="ngram", draft_branches=4, draft_tree_nodes=5,
+                          max_new_tokens=60).generate(TABLE)
     assert tree.tokens == linear.tokens == full.tokens
     assert trees and max(trees) >= 2  # trees verified, some branching at their first token
     assert tree.stats.llm_calls < linear.stats.llm_calls < full.stats.llm_calls
     trees.clear()  # sampling verifies trees too (multi-draft rejection: test_tree_walks_sample_as_the_llm_would)
-    engine.session(mode="speculate", light="ngram", draft_branches=4, temperature=0.7, seed=1,
+    engine.session(mode="speculate", light="ngram", draft_branches=4, draft_tree_nodes=5, temperature=0.7, seed=1,
                    max_new_tokens=20).generate(TABLE)
     assert trees
 
