@@ -255,6 +255,31 @@ def test_calibrate_keeps_slm_trees_per_task_with_the_fitted_draft_settings():
     assert none.fit is None and none.run_config() is None and "verifies no draft trees" in none.why
 
 
+def test_slm_trees_become_speculates_default_only_with_the_draft_setting_they_were_fitted_with(tmp_path):
+    """The trees won their runtime runs; they reach ``decoding`` where explicit speculate/slm
+    drafts as they were replayed: the runtime's defaults, or a fitted setting the runs kept."""
+    from edgeroute.calibration.calibrate import CalibrateOptions, CalibrationRun, DraftFit
+
+    costs = DraftCosts(slm_step=0.1, llm_pass=1.0, llm_row=0.05, pass_rows=4)
+    rank, top_p, answer_ids, splits = second_choices(1, right=0.6)
+    data = slm_data(rank, top_p, answer_ids, splits, np.full(rank.size, TASKS.index("dialogue")))
+    row = {"task": "dialogue", "tokens": 30, "llm_tokens": 10, "pass": True, "same_as_full": True}
+    runs = {"full": [{**row, "seconds": 1.0}], "speculate/slm": [{**row, "seconds": 0.8}],
+            SLM_TREES: [{**row, "seconds": 0.7}]}
+
+    def confirmed(fit: DraftFit | None, decoding: dict) -> dict:
+        drafting = DraftingResult(fit, "", {}, {}, DraftSetting(0.0, 3), costs)
+        run = CalibrationRun(None, None, CalibrateOptions(), [], tmp_path, None, None, runs=runs, decoding=decoding,
+                             drafting=drafting, slm_trees=calibrate_slm_trees(data, drafting, runs_trees=True))
+        run._confirm_trees()
+        return run.decoding
+
+    assert confirmed(None, {})["slm_tree"]["draft_branches"] > 1  # the defaults: replayed and run alike
+    fitted = DraftFit(DraftSetting(0.5, 2), costs, {}, 1.1)
+    assert "slm_tree" in confirmed(fitted, dict(fitted.setting.options()))
+    assert "slm_tree" not in confirmed(fitted, {})  # the runs did not keep the setting the trees were fitted with
+
+
 def calibration(decoding: dict, profiles: dict | None = None, figures: dict | None = None) -> Calibration:
     return Calibration("2026-01-01T00:00:00Z", "test", "0" * 64, {"tf_agreement": 0.9, "bound": "crc"}, {},
                        profiles or {}, figures or {}, decoding=decoding)

@@ -884,7 +884,8 @@ class CalibrationRun:
         """Each light path's overall tree shape becomes its explicit speculate default
         (``decoding["lookup_tree"]`` / ``["slm_tree"]``) where its runtime runs were faster than
         linear drafts' (the SLM's: with the same draft settings) on the prompts of tasks without a
-        shape of their own (with none, the replay alone decided)."""
+        shape of their own (with none, the replay alone decided); the SLM's only where explicit
+        speculate/slm drafts with the setting its trees were fitted with."""
         runs = self.runs
         for trees in (self.trees, self.slm_trees):
             if trees is None or trees.fit is None:
@@ -896,7 +897,12 @@ class CalibrationRun:
                 linear, tree = (summarize([runs[name][i] for i in pick], [runs["full"][i] for i in pick])["tok_s"]
                                 for name in (linear_name, trees.name))
                 trees.figures["runtime"] = {linear_name: linear, trees.name: tree}
-            if not pick or tree > linear:
+            if trees.light == "slm" and self.drafting.fit is not None and "max_draft_tokens" not in self.decoding:
+                # replayed with the fitted draft setting, which explicit speculate/slm will not run
+                self.messages.append(f"draft trees {trees.shape.name} were fitted with draft setting "
+                                     f"{self.drafting.fit.setting.name}, which the runtime runs did not keep: "
+                                     "speculate/slm drafts stay linear")
+            elif not pick or tree > linear:
                 self.decoding[TREE_DECODING[trees.light]] = trees.shape.options()
             else:
                 self.messages.append(f"draft trees {trees.shape.name} did not speed up speculate/{trees.light} in the "
