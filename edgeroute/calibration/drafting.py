@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from edgeroute.runtime.answer_memory import SEPARATOR
+from edgeroute.runtime.answer_memory import AnswerMemory
 from edgeroute.runtime.drafters import (
     FIRST_DRAFT,
     SIBLING_FLOOR,
@@ -404,15 +404,14 @@ def memories_without_own(answers: list[tuple[list[int], list[int]]], tasks: np.n
     (``calibrate.answer_memory``: every labelled answer of the task, in order) less the answer
     itself, which is what a new prompt of the task drafts from; a memory never holds the answer
     being replayed, as the runtime runs' held-out prompts are never in it."""
-    by_task: dict[int, list[int]] = {}
-    for index, task in enumerate(tasks.tolist()):
-        by_task.setdefault(task, []).append(index)
-    kept = [np.append(np.asarray(answer, np.int64), SEPARATOR) if len(answer) >= 2 else None  # as remember() keeps
-            for _, answer in answers]
+    every_token = sum(len(answer) for _, answer in answers) + 1  # as calibrate's: no answer evicted
     memories = []
     for index, task in enumerate(tasks.tolist()):
-        parts = [kept[other] for other in by_task[task] if other != index and kept[other] is not None]
-        memories.append(np.concatenate(parts) if parts else np.empty(0, np.int64))
+        memory = AnswerMemory(max_tokens=every_token, learning=False)
+        for other, ((_, answer), its_task) in enumerate(zip(answers, tasks.tolist(), strict=True)):
+            if other != index and its_task == task:
+                memory.remember(str(task), answer)
+        memories.append(memory.haystack(str(task)))
     return memories
 
 
