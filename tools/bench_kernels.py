@@ -80,12 +80,20 @@ def kernel_ids() -> dict[str, int]:
             for name in ("generic", "avx2", "avx512-vnni") if f"ER_KERNELS_{name.replace('-', '_').upper()}" in constants}
 
 
-def time_case(driver: Path, kernels: int, case: tuple[str, int, int], m: int, threads: int, seconds: float):
+UNSUPPORTED = 3  # the driver's exit status where this CPU does not run the kernel set
+
+
+def time_case(driver: Path, kernels: int, case: tuple[str, int, int], m: int, threads: int,
+              seconds: float) -> tuple[float, int] | None:
+    """The product's fastest time in ms and the bytes it reads; None where this CPU does not run
+    the kernel set. Any other failure of the driver is an error, not a skipped case."""
     fmt, rows, cols = case
     done = subprocess.run([str(driver), str(kernels), str(FORMATS[fmt]), str(rows), str(cols), str(m), str(threads),
                            str(seconds)], capture_output=True, text=True)
-    if done.returncode != 0:
+    if done.returncode == UNSUPPORTED:
         return None
+    if done.returncode != 0:
+        raise RuntimeError(f"bench_kernels {fmt} {rows}x{cols} M={m}: exit {done.returncode}: {done.stderr.strip()}")
     ms, read = done.stdout.split()
     return float(ms), int(read)
 

@@ -6,7 +6,8 @@
  *   bench_kernels KERNELS FORMAT ROWS COLS M THREADS SECONDS
  *
  * prints one line: "ms_per_product bytes_read" (the fastest of several trials, each over
- * copies of the matrix that stream from memory). */
+ * copies of the matrix that stream from memory). Exits 3 where this CPU does not run KERNELS,
+ * 2 on arguments it cannot take. */
 #include <omp.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -74,7 +75,7 @@ int main(int argc, char **argv) {
     uint8_t *packed = NULL;
     if (K->packs && er_pack_bytes(&m)) {
         packed = er_alloc_streamed(er_pack_bytes(&m));
-        m.packed_rows = er_pack(&m, packed);
+        m.packed_rows = er_pack(&m, packed, threads);
         m.packed = packed;
         read = er_pack_bytes(&m) + (size_t)(rows - m.packed_rows) * rb;
     }
