@@ -312,6 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     engine = Engine(args.bundle, verify=False)
     if engine.bundle.slm is None:
         configs = [c for c in configs if "slm" not in c]
+    if engine.bundle.calibration is None and any(EDGEROUTE_CONFIGS.get(c, {}).get("mode") == "auto" for c in configs):
+        console.print("[yellow]auto left out: the bundle is not calibrated (edgeroute calibrate)[/]")
+        configs = [c for c in configs if EDGEROUTE_CONFIGS.get(c, {}).get("mode") != "auto"]
     runner = EdgerouteRunner(engine, args.max_new_tokens, args.draft_tokens, args.max_draft_tokens, args.layout)
     llama = None
     if not args.no_llama and any(c in LLAMA_CONFIGS for c in configs):
