@@ -5,6 +5,8 @@ replay, and the fitted shape reaching the decode options only where the caller s
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -255,29 +257,42 @@ def test_calibrate_keeps_slm_trees_per_task_with_the_fitted_draft_settings():
     assert none.fit is None and none.run_config() is None and "verifies no draft trees" in none.why
 
 
-def test_slm_trees_become_speculates_default_only_with_the_draft_setting_they_were_fitted_with(tmp_path):
-    """The trees won their runtime runs; they reach ``decoding`` where explicit speculate/slm
-    drafts as they were replayed: the runtime's defaults, or a fitted setting the runs kept."""
-    from edgeroute.calibration.calibrate import CalibrateOptions, CalibrationRun, DraftFit
+def slm_trees_confirmed(tmp_path: Path, fit, decoding: dict, tree_seconds: float = 0.7) -> tuple[dict, list[str]]:
+    """``decoding`` and the messages after the runtime runs' confirmation of the SLM's trees, where
+    speculate/slm took 0.8 s for a dialogue prompt and its trees ``tree_seconds``."""
+    from edgeroute.calibration.calibrate import CalibrateOptions, CalibrationRun
 
     costs = DraftCosts(slm_step=0.1, llm_pass=1.0, llm_row=0.05, pass_rows=4)
     rank, top_p, answer_ids, splits = second_choices(1, right=0.6)
     data = slm_data(rank, top_p, answer_ids, splits, np.full(rank.size, TASKS.index("dialogue")))
     row = {"task": "dialogue", "tokens": 30, "llm_tokens": 10, "pass": True, "same_as_full": True}
     runs = {"full": [{**row, "seconds": 1.0}], "speculate/slm": [{**row, "seconds": 0.8}],
-            SLM_TREES: [{**row, "seconds": 0.7}]}
+            SLM_TREES: [{**row, "seconds": tree_seconds}]}
+    drafting = DraftingResult(fit, "", {}, {}, DraftSetting(0.0, 3), costs)
+    run = CalibrationRun(None, None, CalibrateOptions(), [], tmp_path, None, None, runs=runs, decoding=decoding,
+                         drafting=drafting, slm_trees=calibrate_slm_trees(data, drafting, runs_trees=True))
+    run._confirm_trees()
+    return run.decoding, run.messages
 
-    def confirmed(fit: DraftFit | None, decoding: dict) -> dict:
-        drafting = DraftingResult(fit, "", {}, {}, DraftSetting(0.0, 3), costs)
-        run = CalibrationRun(None, None, CalibrateOptions(), [], tmp_path, None, None, runs=runs, decoding=decoding,
-                             drafting=drafting, slm_trees=calibrate_slm_trees(data, drafting, runs_trees=True))
-        run._confirm_trees()
-        return run.decoding
 
-    assert confirmed(None, {})["slm_tree"]["draft_branches"] > 1  # the defaults: replayed and run alike
-    fitted = DraftFit(DraftSetting(0.5, 2), costs, {}, 1.1)
-    assert "slm_tree" in confirmed(fitted, dict(fitted.setting.options()))
-    assert "slm_tree" not in confirmed(fitted, {})  # the runs did not keep the setting the trees were fitted with
+def test_slm_trees_become_speculates_default_only_with_the_draft_setting_they_were_fitted_with(tmp_path):
+    """The trees won their runtime runs; they reach ``decoding`` where explicit speculate/slm
+    drafts as they were replayed: the runtime's defaults, or a fitted setting the runs kept."""
+    from edgeroute.calibration.calibrate import DraftFit
+
+    decoding, _ = slm_trees_confirmed(tmp_path, None, {})
+    assert decoding["slm_tree"]["draft_branches"] > 1  # the defaults: replayed and run alike
+    fitted = DraftFit(DraftSetting(0.5, 2), DraftCosts(0.1, 1.0, 0.05, 4), {}, 1.1)
+    assert "slm_tree" in slm_trees_confirmed(tmp_path, fitted, dict(fitted.setting.options()))[0]
+    # the runs did not keep the setting the trees were fitted with
+    assert "slm_tree" not in slm_trees_confirmed(tmp_path, fitted, {})[0]
+
+
+def test_trees_whose_runtime_win_is_within_the_timing_noise_stay_linear(tmp_path):
+    decoding, messages = slm_trees_confirmed(tmp_path, None, {}, tree_seconds=0.78)  # 1.03x linear drafts
+    assert "slm_tree" not in decoding
+    assert any("did not speed up speculate/slm by 1.05x in the runtime runs" in m for m in messages)
+    assert "slm_tree" in slm_trees_confirmed(tmp_path, None, {}, tree_seconds=0.76)[0]  # 1.05x
 
 
 def calibration(decoding: dict, profiles: dict | None = None, figures: dict | None = None) -> Calibration:
