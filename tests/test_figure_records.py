@@ -167,3 +167,32 @@ def test_running_the_pending_records_when_none_is_pending_says_so(monkeypatch, c
     monkeypatch.setattr(records, "all_records", lambda: [p for p in ALL if records.load(p)["status"] == "measured"])
     assert records.main(["run", "--pending"]) == 0
     assert "no record is pending" in capsys.readouterr().out
+
+
+def test_an_inspected_calibration_is_summarized_as_the_docs_quote_it():
+    def figures(speed: float, same: float, **quality) -> dict:
+        return {"prompts": 60, "speed_vs_full": speed, "same_as_full": same, **quality}
+
+    code = {"config": "route/slm+verified",
+            "figures": {"full": figures(1.0, 1.0, task_pass=0.9, pass_interval=[0.8, 0.96]),
+                        "speculate/ngram": figures(1.2, 1.0),
+                        "route/slm+verified": figures(1.3, 59 / 60, lost=0, gained=1, loss_bound=0.049, differ=1)}}
+    dialogue = {"config": "full", "figures": {"full": figures(1.0, 1.0), "speculate/ngram": figures(1.02, 1.0)}}
+    inspected = {"path": "b", "calibration": {
+        "profiles": {"code": code, "dialogue": dialogue},
+        "figures": {"seconds": {"labels": 5.0}, "drafting": {"costs": {"slm_step": 0.01}},
+                    "slm_trees": {"shape": {"branches": 2, "nodes": 2}, "speedup_vs_linear": 1.04,
+                                  "per_task": {"code": {"shape": {"branches": 1, "nodes": 2}}},
+                                  "runtime": {"speculate/slm": 38.5, "speculate/slm+tree": 39.0}}},
+        "decoding": {}}}
+    summary = records.summarize(["/venv/bin/edgeroute", "inspect", "b", "--json"], inspected)
+    assert summary["per_task"]["code"]["auto"] == "route/slm+verified"
+    assert summary["per_task"]["code"]["same_as_full"] == "59/60" and summary["per_task"]["code"]["lost"] == 0
+    assert summary["per_task"]["code"]["route/slm+verified"]["x_full"] == 1.3
+    assert summary["per_task"]["dialogue"]["candidates_x_full"] == {"speculate/ngram": 1.02}
+    assert summary["x_full_range"] == [1.3, 1.3]  # tasks that stay on full are no speedup
+    assert summary["slm_trees"]["written"] is None and summary["trees"] is None
+    assert summary["drafting_costs"] == {"slm_step": 0.01}
+    uncalibrated = {"path": "b", "calibration": None}
+    assert "no summary section" in records.summarize(["edgeroute", "inspect", "b", "--json"], uncalibrated)
+    assert records.summarize(["python", "-m", "tools.x"], {"summary": {"a": 1}}) == {"a": 1}

@@ -349,6 +349,19 @@ def _output(out: Path, stdout: str):
     return {"stdout_tail": stdout[-4000:]}
 
 
+def summarize(argv: list[str], result: object) -> object:
+    """A command's summary: the tool's own ``summary`` section; for ``edgeroute inspect --json``
+    of a calibrated bundle, the calibration's figures (tools/benchlib/calibration.py)."""
+    if isinstance(result, dict) and "summary" in result:
+        return result["summary"]
+    if Path(argv[0]).name == "edgeroute" and argv[1:2] == ["inspect"] and isinstance(result, dict) \
+            and result.get("calibration"):
+        from tools.benchlib.calibration import calibration_summary
+
+        return calibration_summary(result)
+    return "the tool writes no summary section: its figures are in the samples"
+
+
 def run_record(path: Path) -> dict:
     """Run ``path``'s commands here in sequence and rewrite it as measured: the tools' JSON as
     the samples, their ``summary`` sections as the summary (restate the docs from them)."""
@@ -373,8 +386,7 @@ def run_record(path: Path) -> dict:
                 raise SystemExit(f"{path.stem}: {command!r} failed (exit {done.returncode})")
             result = _output(out, done.stdout)
             samples[command] = result
-            summary[command] = (result["summary"] if isinstance(result, dict) and "summary" in result else
-                                "the tool writes no summary section: its figures are in the samples")
+            summary[command] = summarize(argv, result)
     record.update(status="measured", date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), machine=machine(),
                   cpu_flags=cpu_flags(), commit=commit(), samples=samples, summary=summary,
                   source={"tool_output": "samples", "wall_seconds": round(time.time() - started, 1),
