@@ -137,10 +137,15 @@ class DecodeOptions:
         return dataclasses.replace(self, **{"skip": skip, "fallback": fallback, **own})
 
     @property
+    def base_mode(self) -> str:
+        """The mode a combined one builds on: ``route`` of ``route+skip``."""
+        return self.mode.partition("+")[0]
+
+    @property
     def uses_slm(self) -> bool:
         """Whether decoding runs the SLM: mode slm, or route / speculate with a light path
         through it (``full`` and ``skip`` never do, whatever ``light`` says)."""
-        return self.mode == "slm" or (self.light in SLM_LIGHT_PATHS and self.mode.split("+")[0] in ("route", "speculate"))
+        return self.mode == "slm" or (self.light in SLM_LIGHT_PATHS and self.base_mode in ("route", "speculate"))
 
     def validate(self, num_layers: int, has_slm: bool) -> None:
         if self.mode == "auto":
@@ -149,7 +154,7 @@ class DecodeOptions:
             raise InputError(f"mode {self.mode!r} is not one of {', '.join(MODES)}, auto")
         if self.light not in LIGHT_PATHS:
             raise InputError(f"light path {self.light!r} is not one of {', '.join(LIGHT_PATHS)}")
-        base = self.mode.split("+")[0]
+        base = self.base_mode
         if self.uses_slm and not has_slm:
             raise InputError("this bundle has no SLM: use --light ngram, or export with --slm")
         if self.route_check not in ROUTE_CHECKS:
@@ -324,9 +329,8 @@ class Decoder:
         self.sampler = Sampler(options.temperature, options.top_p, options.seed)
         self.cancel = cancel or threading.Event()
         self.stats = GenerationStats()
-        base, _, extra = options.mode.partition("+")
-        self.base_mode = base
-        self.skipper = SkipController(options.skip, self.llm.num_layers) if "skip" in (base, extra) else None
+        base = self.base_mode = options.base_mode
+        self.skipper = SkipController(options.skip, self.llm.num_layers) if "skip" in options.mode.split("+") else None
         self.verified = base == "route" and options.route_check == "verified"
         # speculation is lossless, and verified routing has the LLM's pass on every token: nothing to guard
         risky = (base == "route" and not self.verified) or self.skipper is not None

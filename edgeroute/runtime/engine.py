@@ -634,8 +634,8 @@ class Session:
             drafter.seen = sequence[:self.engine._copy_shared_prefix(sequence, drafter.cache, "slm")]
         memory = self.engine.answer_memory
         # only exact speculation drafts from memory: routing would accept its drafts unchecked
-        speculating = options.mode.partition("+")[0] == "speculate"
-        state.ngram_drafter.memory = memory.haystack(options.task) if memory is not None and speculating else None
+        state.ngram_drafter.memory = (memory.haystack(options.task) if memory is not None
+                                      and options.base_mode == "speculate" else None)
         self._task = options.task
         decoder = Decoder(state, options, self._cancel, constraint)
         self._constraint = constraint
