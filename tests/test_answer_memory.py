@@ -125,3 +125,18 @@ def test_memory_that_is_not_learning_keeps_only_what_it_was_given(tiny_engine):
         assert tiny_engine.answer_memory.answers(None) == 0
     finally:
         tiny_engine.answer_memory = None
+
+
+def test_an_engine_refuses_a_memory_of_another_vocabulary_and_keeps_its_own(tiny_engine):
+    vocab = tiny_engine.bundle.llm.arch.vocab_size
+    own, foreign = AnswerMemory(), AnswerMemory()
+    own.remember("json", [1, vocab - 1])
+    foreign.remember("json", [1, vocab])
+    assert foreign.largest_id() == vocab and AnswerMemory().largest_id() == -1
+    tiny_engine.answer_memory = own
+    try:
+        with pytest.raises(InputError, match=f"token id {vocab}, outside this bundle's vocabulary of {vocab}"):
+            tiny_engine.answer_memory = foreign
+        assert tiny_engine.answer_memory is own
+    finally:
+        tiny_engine.answer_memory = None

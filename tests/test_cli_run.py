@@ -7,6 +7,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
+from edgeroute.bundle import Bundle
 from edgeroute.cli import app
 from edgeroute.errors import InputError
 from edgeroute.runtime import AnswerMemory, Engine, EngineOptions
@@ -40,6 +41,21 @@ def test_run_keeps_its_answers_in_a_memory_file_that_the_next_run_drafts_from(ti
     assert drafted[1] > drafted[0]  # the second run drafted the first one's answer
     both = runner.invoke(app, [*command, "--no-memory"])
     assert both.exit_code != 0 and "contradict" in both.output
+
+
+def test_run_refuses_a_memory_file_of_another_vocabulary_and_leaves_it_as_it_was(tiny_slm_bundle, tmp_path):
+    vocab = Bundle.open(tiny_slm_bundle).llm.arch.vocab_size
+    foreign = AnswerMemory()
+    foreign.remember(None, [5, vocab + 7, 6])
+    memory = tmp_path / "memory.npz"
+    foreign.save(memory)
+    kept = memory.read_bytes()
+    result = runner.invoke(app, ["run", str(tiny_slm_bundle), "--prompt", "one two", "--raw", "--mode", "speculate",
+                                 "--light", "ngram", "--max-new-tokens", "4", "--memory", str(memory)])
+    assert result.exit_code != 0
+    said = " ".join(result.output.split())
+    assert f"token id {vocab + 7}, outside this bundle's vocabulary of {vocab}" in said
+    assert memory.read_bytes() == kept
 
 
 def test_run_output_equals_the_api_in_full_mode(tiny_slm_bundle, tiny_engine):

@@ -79,6 +79,11 @@ class AnswerMemory:
                 return sum(len(answers) for answers in self._answers.values())
             return len(self._answers.get(_key(task), ()))
 
+    def largest_id(self) -> int:
+        """The largest token id of any answer (-1 without any)."""
+        with self._lock:
+            return max((int(answer.max()) for answers in self._answers.values() for answer in answers), default=-1)
+
     def tasks(self) -> dict[str, int]:
         """Each task's number of answers."""
         with self._lock:

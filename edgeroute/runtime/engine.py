@@ -116,8 +116,7 @@ class Engine:
         # answers to its labelled prompts), not learning, so a run never drafts a prompt's own earlier
         # answer; an app sets AnswerMemory() (or AnswerMemory.load(path)) to learn as it answers
         memory_file = self.bundle.calibration.decoding.get("answer_memory") if self.bundle.calibration else None
-        self.answer_memory: AnswerMemory | None = (
-            AnswerMemory.load(self.bundle.path / memory_file, learning=False) if memory_file else None)
+        self.answer_memory = AnswerMemory.load(self.bundle.path / memory_file, learning=False) if memory_file else None
         exported = int(self.bundle.generation["context_length"])
         self.context_length = options.session_context(exported)
         if not 1 <= self.context_length <= exported:
@@ -151,6 +150,22 @@ class Engine:
         self._format_tokens: frozenset[int] | None = None
         self.grammars = GrammarCompiler(self.bundle.file(self.bundle.tokenizer["file"]), self.bundle.llm.arch.vocab_size,
                                         self.bundle.tokenizer.get("eos_token_ids") or [])
+
+    @property
+    def answer_memory(self) -> AnswerMemory | None:
+        """The earlier answers ``speculate``'s prompt lookup drafts from (None: none)."""
+        return self._answer_memory
+
+    @answer_memory.setter
+    def answer_memory(self, memory: AnswerMemory | None) -> None:
+        """Refuses a memory learned with another vocabulary (another model's file, say) here,
+        instead of a draft of a token the model does not have in the middle of an answer."""
+        vocab = self.bundle.llm.arch.vocab_size
+        if memory is not None and (largest := memory.largest_id()) >= vocab:
+            raise InputError(f"the answer memory holds token id {largest}, outside this bundle's vocabulary of "
+                             f"{vocab}: it was learned with another model's tokenizer; give this bundle a memory "
+                             "of its own (another --memory file)")
+        self._answer_memory = memory
 
     @property
     def kv_dtype(self) -> str:
