@@ -35,6 +35,11 @@ class CalibrationDeviceWarning(UserWarning):
     not be the fastest here."""
 
 
+class DamagedShardWarning(UserWarning):
+    """A label shard in calibrate's work directory does not read back (damaged after it was
+    written): it is labelled again and replaced."""
+
+
 class UnmeasuredQualityWarning(UserWarning):
     """A lossy mode runs with settings no calibration measured (e.g. ``--mode skip`` on a bundle
     whose calibration kept no skip setting): it uses conservative defaults, and what it costs in

@@ -44,13 +44,14 @@ from edgeroute.calibration.labels import (
     label_prompts,
     plan_shards,
     rejoins,
+    shard_path,
 )
 from edgeroute.calibration.prompts import TASKS, builtin_prompts
 from edgeroute.calibration.thresholds import BudgetUnreachable, choose_threshold, prompt_risks
 from edgeroute.calibration.train import TrainSettings, router_onnx, train_router
 from edgeroute.cli import app
 from edgeroute.cpu import cpu_signature
-from edgeroute.errors import BundleError, CalibrationDeviceWarning, InputError
+from edgeroute.errors import BundleError, CalibrationDeviceWarning, DamagedShardWarning, InputError
 from edgeroute.runtime import Engine
 from edgeroute.runtime.calibrated import format_token_ids
 from edgeroute.runtime.decoding import DecodeOptions
@@ -102,6 +103,18 @@ def test_labelling_killed_and_resumed_equals_an_uninterrupted_run(tiny_engine, t
         np.testing.assert_array_equal(whole[key], resumed[key], err_msg=key)
     assert len(whole) == sum(len(p) for p in [whole["position"]])
     assert (whole["slm_token"] != whole["llm_token"]).any(), "the SLM always agrees: the labels would prove nothing"
+
+
+def test_a_damaged_label_shard_is_labelled_again_with_a_warning(tiny_engine, tmp_path):
+    prompts = builtin_prompts(2)
+    whole = label_prompts(tiny_engine, prompts, SMALL, tmp_path)
+    damaged = shard_path(tmp_path, plan_shards(tiny_engine, prompts, SMALL)[1])
+    data = damaged.read_bytes()
+    damaged.write_bytes(data[:len(data) // 2] + bytes(len(data) - len(data) // 2))  # its second half lost
+    with pytest.warns(DamagedShardWarning, match=f"1 label shard.*{damaged.name}.*labelled again"):
+        again = label_prompts(tiny_engine, prompts, SMALL, tmp_path)
+    for key in whole.arrays:
+        np.testing.assert_array_equal(whole[key], again[key], err_msg=key)
 
 
 def test_shard_ids_are_stable_and_change_with_the_settings(tiny_engine):

@@ -36,6 +36,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import warnings
+import zipfile
 from collections.abc import Callable, Iterator
 from contextlib import closing
 from dataclasses import asdict, dataclass
@@ -47,6 +49,7 @@ import numpy as np
 from edgeroute.bundle import CALIBRATION_DIR, Bundle
 from edgeroute.calibration.checks import task_response_format
 from edgeroute.calibration.prompts import TASKS, CalibrationPrompt
+from edgeroute.errors import DamagedShardWarning
 from edgeroute.files import atomic_path
 from edgeroute.runtime.attention import KVCache
 from edgeroute.runtime.backends.onnxruntime import OrtModel
@@ -269,6 +272,16 @@ def shard_path(directory: Path, shard: Shard) -> Path:
     return directory / f"{shard.id}.npz"
 
 
+def intact(path: Path) -> bool:
+    """Whether every array of the shard at ``path`` reads back (its checksums included): a file
+    damaged after it was written (a disk fault, an edit, a copy cut short) is not."""
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            return "prompt_ids" in data.files and all(data[key] is not None for key in data.files)
+    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile):
+        return False
+
+
 def write_shard(directory: Path, shard: Shard, arrays: dict[str, np.ndarray]) -> Path:
     """``directory/<id>.npz``, written to a temporary name and renamed: a reader (a resumed
     run) sees the whole shard or none of it."""
@@ -327,10 +340,16 @@ def load_labels(paths: list[Path]) -> Labels:
 
 def label_prompts(engine: Engine, prompts: list[CalibrationPrompt], settings: LabelSettings, directory: Path,
                   progress: Progress | None = None, executor: ShardExecutor | None = None) -> Labels:
-    """Label every shard not yet on disk (on ``executor``, default ``LocalExecutor``), then
-    load them all (in prompt order)."""
+    """Label every shard not yet on disk, or on disk but damaged (on ``executor``, default
+    ``LocalExecutor``), then load them all (in prompt order)."""
     shards = plan_shards(engine, prompts, settings)
-    pending = [shard for shard in shards if not shard_path(directory, shard).is_file()]
+    damaged = [shard_path(directory, shard).name for shard in shards
+               if shard_path(directory, shard).is_file() and not intact(shard_path(directory, shard))]
+    if damaged:
+        warnings.warn(f"{directory}: {len(damaged)} label shard(s) do not read back ({', '.join(damaged)}): "
+                      "labelled again", DamagedShardWarning, stacklevel=2)
+    pending = [shard for shard in shards if not shard_path(directory, shard).is_file()
+               or shard_path(directory, shard).name in damaged]
     done = len(shards) - len(pending)
     if progress is not None:
         progress("label shards", done, len(shards))
