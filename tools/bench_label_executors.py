@@ -116,6 +116,10 @@ def main() -> None:
     unknown = sorted(set(chosen) - set(CONFIGS))
     if unknown:
         parser.error(f"unknown configurations {unknown}; known: {list(CONFIGS)}")
+    in_flight = max(int(CONFIGS[name][1]) if CONFIGS[name][0] == "ray" else 1 for name in chosen)
+    if args.shards <= in_flight:
+        parser.error(f"--shards {args.shards} leaves no shard after the first round of {in_flight} in flight: the "
+                     f"steady per-shard rate needs more than {in_flight}")
     runs: dict[str, list[dict]] = {name: [] for name in chosen}
     reference = None
     with tempfile.TemporaryDirectory() as root:
