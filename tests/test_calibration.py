@@ -509,6 +509,26 @@ def test_a_calibrated_bundles_defaults_are_used_by_run(slm_bundle_copy):
     assert shown.exit_code == 0 and "calibrated routers" in shown.output and "route/slm" in shown.output
 
 
+def test_eval_says_what_auto_ran_on_each_task(slm_bundle_copy, tmp_path):
+    from edgeroute.quality.cases import load_cases
+    from edgeroute.quality.evaluation import evaluate
+
+    _calibration_with_trained_router(slm_bundle_copy)
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps({"id": f"{task}-{i}", "task": task, "prompt": "one two three",
+                                         "assert": [{"type": "regex", "value": "."}]}) + "\n"
+                             for task in ("json", "templated") for i in range(2)))
+    report = evaluate(Engine(slm_bundle_copy), load_cases(tasks), "full,auto", max_new_tokens=6)
+    assert report.per_task["json"]["auto"]["ran"] == ["route/slm"]
+    assert report.per_task["templated"]["auto"]["ran"] == ["speculate/ngram"]
+    assert report.overall["auto"]["ran"] == ["route/slm", "speculate/ngram"]
+    assert report.overall["full"]["ran"] == ["full"]
+    result = runner.invoke(app, ["eval", str(slm_bundle_copy), "--tasks", str(tasks), "--modes", "full,auto",
+                                 "--max-new-tokens", "6"])
+    assert result.exit_code == 0, result.output
+    assert "auto ran: json route/slm; templated speculate/ngram" in " ".join(result.output.split())
+
+
 def test_an_uncalibrated_bundle_says_so(tiny_slm_bundle):
     result = runner.invoke(app, ["inspect", str(tiny_slm_bundle)])
     assert result.exit_code == 0 and "uncalibrated" in result.output

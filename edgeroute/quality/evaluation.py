@@ -89,7 +89,7 @@ def _auto_config(engine, cases: Sequence[TaskCase]) -> RunConfig:
 def _auto_lossless(engine, tasks: Sequence[str]) -> bool:
     """Does auto run a lossless mode on every one of ``tasks`` (their profiles' chosen modes)?"""
     profiles = engine.bundle.calibration.profiles
-    return all(profiles.get(t, profiles["default"]).get("mode") in LOSSLESS_MODES for t in tasks)
+    return all((profiles[t] if t in profiles else profiles["default"]).get("mode") in LOSSLESS_MODES for t in tasks)
 
 
 def _llama_rows(engine, cases: Sequence[TaskCase], max_new_tokens: int, threads: int | None) -> list[dict[str, Any]]:
@@ -198,6 +198,9 @@ def print_report(report: EvalReport, console: Console) -> None:
     for name, figures in report.overall.items():
         if name != "full":
             console.print(f"{name}: {'may' if figures['eligible'] else 'may not'} replace full: {figures['why']}")
+        if figures.get("ran") and figures["ran"] != [name]:  # auto's choices, say
+            ran = "; ".join(f"{task} {', '.join(f[name]['ran'])}" for task, f in report.per_task.items())
+            console.print(f"{name} ran: {ran}")
     if len(report.per_task) > 1:
         table = Table(title="per task")
         for column in ("task / mode", *columns[1:]):

@@ -53,12 +53,14 @@ def run_cases(engine, cases: Sequence[TaskCase], configs: Sequence[RunConfig], m
                 options["response_format"] = case.response_format
             if options.get("mode") == "route" and options.get("response_format") is not None:
                 options.setdefault("protect_format", True)  # format tokens never come from the light path
-            generation = engine.generate(case.messages, max_new_tokens=case.max_new_tokens or max_new_tokens, **options)
+            session = engine.session(max_new_tokens=case.max_new_tokens or max_new_tokens, **options)
+            generation = session.generate(case.messages)
             reference = generation.text if reference is None else reference
             verdict = case.verdict(generation.text)
-            row = {"case": case.id, "task": case.task, "tokens": generation.stats.new_tokens,
-                   "seconds": generation.stats.decode_seconds, "llm_tokens": generation.stats.llm_tokens,
-                   "pass": verdict.passed, "reason": verdict.reason, "same_as_full": generation.text == reference}
+            row = {"case": case.id, "task": case.task, "ran": session.options.label,
+                   "tokens": generation.stats.new_tokens, "seconds": generation.stats.decode_seconds,
+                   "llm_tokens": generation.stats.llm_tokens, "pass": verdict.passed, "reason": verdict.reason,
+                   "same_as_full": generation.text == reference}
             if keep_text:
                 row["text"] = generation.text
             runs[config.name].append(row)
@@ -74,15 +76,17 @@ def _tok_s(rows: Sequence[dict[str, Any]]) -> float:
 
 def summarize(rows: Sequence[dict[str, Any]], full: Sequence[dict[str, Any]],
               confidence: float = DEFAULT_CONFIDENCE) -> dict[str, Any]:
-    """A configuration's rows against ``full``'s on the same cases: speed, LLM share, the pass
-    rate over judged cases with its interval, and the paired loss bound."""
+    """A configuration's rows against ``full``'s on the same cases: what decoded them (``auto``'s
+    choices), speed, LLM share, the pass rate over judged cases with its interval, and the paired
+    loss bound."""
     judged = [i for i, (r, f) in enumerate(zip(rows, full, strict=True))
               if r["pass"] is not None and f["pass"] is not None]
     comparison = compare_paired([bool(rows[i]["pass"]) for i in judged], [bool(full[i]["pass"]) for i in judged],
                                 confidence)
     low, high = interval(comparison.passed, comparison.n, confidence) if judged else (0.0, 1.0)
     differ = sum(not r["same_as_full"] for r in rows)
-    return {"prompts": len(rows), "judged": len(judged), "tok_s": _tok_s(rows),
+    return {"prompts": len(rows), "ran": sorted({r["ran"] for r in rows if "ran" in r}), "judged": len(judged),
+            "tok_s": _tok_s(rows),
             "speed_vs_full": _tok_s(rows) / max(_tok_s(full), 1e-9),
             "llm_share": sum(r["llm_tokens"] for r in rows) / max(sum(r["tokens"] for r in rows), 1),
             "task_pass": comparison.passed / comparison.n if judged else None,

@@ -142,6 +142,16 @@ class DecodeOptions:
         return self.mode.partition("+")[0]
 
     @property
+    def label(self) -> str:
+        """What decodes, as the calibration names its configurations: ``full``,
+        ``speculate/ngram``, ``speculate/slm+tree``, ``route/slm+verified``."""
+        if self.base_mode not in ("route", "speculate"):
+            return self.mode
+        verified = "+verified" if self.base_mode == "route" and self.route_check == "verified" else ""
+        tree = "+tree" if self.base_mode == "speculate" and self.draft_branches > 1 else ""
+        return f"{self.mode}/{self.light}{verified}{tree}"
+
+    @property
     def uses_slm(self) -> bool:
         """Whether decoding runs the SLM: mode slm, or route / speculate with a light path
         through it (``full`` and ``skip`` never do, whatever ``light`` says)."""
