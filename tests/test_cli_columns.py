@@ -63,6 +63,23 @@ def test_inspect_fits_80_columns_calibrated_or_not_and_gives_json(tiny_slm_bundl
     assert set(summary["models"]) == {"llm", "slm"} and summary["calibration"]["routers"]["slm"]["threshold"] == 0.42
 
 
+def test_eval_fits_80_columns_with_every_cell_whole(tiny_slm_bundle, tmp_path):
+    calibrated = Path(shutil.copytree(tiny_slm_bundle, tmp_path / "bundle"))
+    _calibration_with_trained_router(calibrated)
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps({"id": f"{task}-{i}", "task": task, "prompt": "one two three",
+                                         "assert": [{"type": "regex", "value": "."}]}) + "\n"
+                             for task in ("json", "templated") for i in range(2)))
+    shown = edgeroute("eval", str(calibrated), "--tasks", str(tasks), "--max-new-tokens", "4",
+                      "--modes", "full,speculate/ngram+slm,route/slm,auto")
+    assert shown.returncode == 0, shown.stderr
+    assert_fits(shown.stdout, "eval")
+    rows = [line.split()[:3] for line in shown.stdout.splitlines()]
+    for mode in ("full", "speculate/ngram+slm", "route/slm", "auto"):  # each mode's row whole, not folded
+        assert rows.count([mode, "4/4", "(40-100%)"]) == 1, shown.stdout  # over all cases
+        assert rows.count([mode, "2/2", "(16-100%)"]) == 2, shown.stdout  # per task
+
+
 def test_run_and_sources_fit_80_columns(tiny_slm_bundle):
     ran = edgeroute("run", str(tiny_slm_bundle), "--prompt", "Navigate to 221B Baker Street", "--max-new-tokens", "6",
                     "--profile", "cpu,voice-command")

@@ -174,26 +174,35 @@ def evaluate(engine, cases: Sequence[TaskCase], modes: str | Sequence[RunConfig]
                       len(cases), names, overall, per_task, runs, notes)
 
 
-def print_report(report: EvalReport, console: Console) -> None:
-    """The report as tables: every mode over all cases, then per task; eligibility reasons below."""
-    def row(table: Table, name: str, f: dict, label: str | None = None) -> None:
-        if f["task_pass"] is None:
-            passed = "no check"
-        else:
-            low, high = f["pass_interval"]
-            passed = f"{f['task_pass']:.0%} ({low:.0%}-{high:.0%})"
-        table.add_row(label or name, f"{f['judged']}/{f['prompts']}", passed, f"{f['lost']}/{f['gained']}",
-                      f"{f['loss_bound']:.1%}" if f["judged"] else "-", f"{f['same_as_full']:.0%}",
-                      f"{f['tok_s']:.1f}", f"{f['speed_vs_full']:.2f}x", f"{f['llm_share']:.0%}",
-                      "yes" if f["eligible"] else "no")
+def _figures_table(title: str, confidence: float) -> Table:
+    """One row per mode, borderless and compact: it fits an 80-column terminal unfolded."""
+    table = Table(title=title, title_justify="left", box=None, padding=(0, 1, 0, 0), header_style="bold")
+    for column, justify in (("mode", "left"), (f"pass\n({confidence:.0%} CI)", "left"), ("lost/\ngained", "right"),
+                            ("loss\nbound", "right"), ("same\ntext", "right"), ("tok/s", "right"),
+                            ("x\nfull", "right"), ("LLM", "right"), ("for\nfull", "left")):
+        table.add_column(column, justify=justify, no_wrap=True)
+    return table
 
-    columns = ("mode", "judged", f"pass ({report.confidence:.0%} CI)", "lost/ gained", "loss bound", "same as full",
-               "tok/s", "x full", "LLM", "for full")
-    table = Table(title=f"{report.cases} cases, {report.backend} backend, at most {report.max_new_tokens} new tokens")
-    for column in columns:
-        table.add_column(column, overflow="fold", no_wrap=column == "mode")
+
+def _figures_row(table: Table, label: str, f: dict) -> None:
+    if f["task_pass"] is None:
+        passed = f"no check ({f['prompts']})"
+    else:
+        low, high = f["pass_interval"]
+        passed = f"{f['task_pass'] * f['judged']:.0f}/{f['judged']} ({100 * low:.0f}-{high:.0%})"
+    tok_s = f"{f['tok_s']:.1f}" if f["tok_s"] < 1000 else f"{f['tok_s']:.0f}"
+    table.add_row(label, passed, f"{f['lost']}/{f['gained']}", f"{f['loss_bound']:.1%}" if f["judged"] else "-",
+                  f"{f['same_as_full']:.0%}", tok_s, f"{f['speed_vs_full']:.2f}x", f"{f['llm_share']:.0%}",
+                  "yes" if f["eligible"] else "no")
+
+
+def print_report(report: EvalReport, console: Console) -> None:
+    """The report as tables: every mode over all cases, then per task; eligibility reasons, and
+    what auto ran, below."""
+    table = _figures_table(f"{report.cases} cases, {report.backend} backend, at most {report.max_new_tokens} new "
+                           "tokens", report.confidence)
     for name, figures in report.overall.items():
-        row(table, name, figures)
+        _figures_row(table, name, figures)
     console.print(table)
     for name, figures in report.overall.items():
         if name != "full":
@@ -202,12 +211,11 @@ def print_report(report: EvalReport, console: Console) -> None:
             ran = "; ".join(f"{task} {', '.join(f[name]['ran'])}" for task, f in report.per_task.items())
             console.print(f"{name} ran: {ran}")
     if len(report.per_task) > 1:
-        table = Table(title="per task")
-        for column in ("task / mode", *columns[1:]):
-            table.add_column(column, overflow="fold")
+        table = _figures_table("per task", report.confidence)
         for task, figures in report.per_task.items():
+            table.add_row(f"[bold]{task}[/]")
             for name, f in figures.items():
-                row(table, name, f, f"{task} / {name}")
+                _figures_row(table, f"  {name}", f)
         console.print(table)
     for note in report.notes:
         console.print(f"note: {note}")
