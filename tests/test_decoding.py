@@ -63,6 +63,17 @@ LOSSLESS = {
 }
 
 
+@pytest.mark.parametrize("options, label", [
+    ({"mode": "full", "light": "slm"}, "full"), ({"mode": "skip"}, "skip"),
+    ({"mode": "speculate", "light": "ngram"}, "speculate/ngram"),
+    ({"mode": "speculate", "light": "slm", "draft_branches": 2}, "speculate/slm+tree"),
+    ({"mode": "route", "light": "slm", "route_check": "verified"}, "route/slm+verified"),
+    ({"mode": "route+skip", "light": "ngram"}, "route+skip/ngram")])
+def test_options_are_labelled_as_the_calibration_names_its_configurations(options, label):
+    assert DecodeOptions(**options).label == label
+    assert DecodeOptions(**options).base_mode == options["mode"].partition("+")[0]
+
+
 def test_unset_draft_lengths_follow_what_one_verification_pass_serves():
     assert draft_lengths(None, None, 4) == (3, 3)  # avx2, Arm, generic: 4 rows a pass
     assert draft_lengths(None, None, 3) == (2, 2)  # avx512-vnni
