@@ -196,3 +196,21 @@ def test_an_inspected_calibration_is_summarized_as_the_docs_quote_it():
     uncalibrated = {"path": "b", "calibration": None}
     assert "no summary section" in records.summarize(["edgeroute", "inspect", "b", "--json"], uncalibrated)
     assert records.summarize(["python", "-m", "tools.x"], {"summary": {"a": 1}}) == {"a": 1}
+
+
+def test_an_eval_report_is_summarized_per_task_with_what_auto_ran_and_its_ratio_to_llama_cpp():
+    def figures(tok_s: float, ran: list[str], judged: int = 6) -> dict:
+        return {"prompts": 6, "judged": judged, "tok_s": tok_s, "speed_vs_full": tok_s / 40.0, "ran": ran,
+                "same_as_full": 1.0, "task_pass": 5 / 6 if judged else None}
+
+    code = {"full": figures(40.0, ["full"]), "auto": figures(52.0, ["route/slm+verified"]),
+            "llama.cpp": figures(32.5, [])}
+    json_task = {"full": figures(40.0, ["full"]), "auto": figures(60.0, ["speculate/ngram"]),
+                 "llama.cpp": figures(0.0, [], judged=0)}  # llama.cpp ran no schema
+    report = {"overall": code, "per_task": {"code": code, "json": json_task}}
+    summary = records.summarize(["/venv/bin/edgeroute", "eval", "b", "--tasks", "builtin", "--json", "o"], report)
+    auto = summary["per_task"]["code"]["auto"]
+    assert auto == {"tok_s": 52.0, "x_full": 1.3, "ran": ["route/slm+verified"], "same_as_full": "6/6",
+                    "passed": "5/6", "x_llama_cpp": 1.6}
+    assert summary["per_task"]["code"]["llama.cpp"] == {"tok_s": 32.5}
+    assert "x_llama_cpp" not in summary["per_task"]["json"]["auto"]

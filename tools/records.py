@@ -351,14 +351,19 @@ def _output(out: Path, stdout: str):
 
 def summarize(argv: list[str], result: object) -> object:
     """A command's summary: the tool's own ``summary`` section; for ``edgeroute inspect --json``
-    of a calibrated bundle, the calibration's figures (tools/benchlib/calibration.py)."""
+    of a calibrated bundle, the calibration's figures (tools/benchlib/calibration.py); for
+    ``edgeroute eval --json``, each task's and mode's (tools/benchlib/evaluation.py)."""
     if isinstance(result, dict) and "summary" in result:
         return result["summary"]
-    if Path(argv[0]).name == "edgeroute" and argv[1:2] == ["inspect"] and isinstance(result, dict) \
-            and result.get("calibration"):
+    command = argv[1] if Path(argv[0]).name == "edgeroute" and len(argv) > 1 else None
+    if command == "inspect" and isinstance(result, dict) and result.get("calibration"):
         from tools.benchlib.calibration import calibration_summary
 
         return calibration_summary(result)
+    if command == "eval" and isinstance(result, dict) and "per_task" in result:
+        from tools.benchlib.evaluation import eval_summary
+
+        return eval_summary(result)
     return "the tool writes no summary section: its figures are in the samples"
 
 
