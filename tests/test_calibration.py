@@ -45,6 +45,7 @@ from edgeroute.calibration.labels import (
     plan_shards,
     rejoins,
     shard_path,
+    unused_shards,
 )
 from edgeroute.calibration.prompts import TASKS, builtin_prompts
 from edgeroute.calibration.thresholds import BudgetUnreachable, choose_threshold, prompt_risks
@@ -103,6 +104,16 @@ def test_labelling_killed_and_resumed_equals_an_uninterrupted_run(tiny_engine, t
         np.testing.assert_array_equal(whole[key], resumed[key], err_msg=key)
     assert len(whole) == sum(len(p) for p in [whole["position"]])
     assert (whole["slm_token"] != whole["llm_token"]).any(), "the SLM always agrees: the labels would prove nothing"
+
+
+def test_shard_files_of_no_planned_shard_are_found_and_left_where_they_are(tiny_engine, tmp_path):
+    prompts = builtin_prompts(2)
+    label_prompts(tiny_engine, prompts[:4], SMALL, tmp_path)
+    older = tmp_path / "0123456789abcdef.npz"  # an older label version's, say
+    older.write_bytes(b"old")
+    assert unused_shards(tmp_path, plan_shards(tiny_engine, prompts[:4], SMALL)) == [older]
+    fewer = plan_shards(tiny_engine, prompts[:2], SMALL)  # a run of other prompts: the first run's shard is unused
+    assert len(unused_shards(tmp_path, fewer)) == 2 and older.exists()
 
 
 def test_a_damaged_label_shard_is_labelled_again_with_a_warning(tiny_engine, tmp_path):

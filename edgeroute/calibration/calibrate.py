@@ -53,7 +53,9 @@ from edgeroute.calibration.labels import (
     LocalExecutor,
     ShardExecutor,
     label_prompts,
+    plan_shards,
     uncalibrated_engine,
+    unused_shards,
 )
 from edgeroute.calibration.prompts import (
     HELD_OUT_PER_TASK,
@@ -786,9 +788,16 @@ class CalibrationRun:
 
     def label(self) -> None:
         """The LLM's answers, and per position what each light path proposed (label shards)."""
+        shards = self.work / "shards"
         with self.timed("labels"):
-            self.labels = label_prompts(self.engine, self.prompts, self.options.labels, self.work / "shards",
-                                        self.progress, self.executor)
+            self.labels = label_prompts(self.engine, self.prompts, self.options.labels, shards, self.progress,
+                                        self.executor)
+        unused = unused_shards(shards, plan_shards(self.engine, self.prompts, self.options.labels))
+        if unused:
+            megabytes = sum(path.stat().st_size for path in unused) / 1e6
+            self.messages.append(f"labels: {len(unused)} shard file(s) in {shards} ({megabytes:.1f} MB) belong to no "
+                                 "prompt of this run (other prompts or settings, other weights, an older label "
+                                 "version): delete them to free the space, or keep them for a run that has them")
 
     def train(self) -> None:
         """A router per light path, trained and bounded, kept only where it beats the baselines."""

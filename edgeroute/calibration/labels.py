@@ -326,6 +326,13 @@ class Labels:
         return {key: value[mask] for key, value in self.arrays.items()}
 
 
+def unused_shards(directory: Path, shards: list[Shard]) -> list[Path]:
+    """The shard files in ``directory`` that none of ``shards`` is: other prompts, settings,
+    weights or an older label version. Never deleted here: another run may still want them."""
+    wanted = {shard_path(directory, shard).name for shard in shards}
+    return sorted(path for path in directory.glob("*.npz") if path.name not in wanted)
+
+
 def load_labels(paths: list[Path]) -> Labels:
     arrays: dict[str, list[np.ndarray]] = {}
     prompt_ids: list[str] = []
