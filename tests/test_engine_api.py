@@ -13,6 +13,7 @@ import pytest
 from edgeroute.bundle import FORMAT_VERSION, MANIFEST
 from edgeroute.errors import BundleError, EdgerouteError, InputError
 from edgeroute.runtime import Engine
+from edgeroute.runtime.decoding import DecodeOptions
 from tests.conftest import OracleDrafter, record_forward, relative_error
 
 PROMPT = "Navigate to 12 Baker Street"
@@ -248,6 +249,17 @@ def test_stop_strings_cut_the_text_and_the_generation(tiny_engine):
         assert len(generation.tokens) == n
         # no piece of the stop string is streamed before it is complete
         assert "".join(tiny_engine.stream(prompt, max_new_tokens=24, stop=(stop,))) == before
+
+
+def test_one_stop_string_is_a_stop_string_and_an_empty_one_is_refused(tiny_engine):
+    prompt, stop, before, _ = _stop_cases(tiny_engine, ["The capital of France is", PROMPT])[0]
+    assert tiny_engine.generate(prompt, max_new_tokens=24, stop=stop).text == before  # not its characters
+    assert DecodeOptions(stop="###").stop == ("###",)
+    assert DecodeOptions(stop=["a", "b"]).stop == ("a", "b") and DecodeOptions(stop=None).stop == ()
+    for bad, said in (("", "non-empty string .got ''"), (["x", ""], "non-empty string"), (5, "a list of strings"),
+                      ([5], "non-empty string .got 5")):
+        with pytest.raises(InputError, match=said):
+            tiny_engine.generate(prompt, max_new_tokens=4, stop=bad)
 
 
 @pytest.mark.parametrize("options", [dict(), dict(mode="speculate"), dict(mode="route"), dict(mode="slm"),

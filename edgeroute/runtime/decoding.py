@@ -64,6 +64,21 @@ LIGHT_PATHS = ("ngram", "slm", "ngram+slm")  # ngram+slm: speculation only (draf
 SLM_LIGHT_PATHS = ("slm", "ngram+slm")
 
 
+def stop_strings(stop: Any) -> tuple[str, ...]:
+    """``stop`` as a tuple: one string (OpenAI's API takes that too) or several. Not a bare
+    string's characters, and never an empty string, which would stop nowhere (or everywhere)."""
+    if isinstance(stop, str):
+        stop = (stop,)
+    try:
+        stops = tuple(stop or ())
+    except TypeError:
+        raise InputError(f"stop must be a string or a list of strings (got {stop!r})") from None
+    for string in stops:
+        if not isinstance(string, str) or not string:
+            raise InputError(f"a stop string must be a non-empty string (got {string!r})")
+    return stops
+
+
 def check_sampling(temperature: Any, top_p: Any) -> None:
     """Raise an InputError naming the value and its range unless ``temperature`` is a finite
     number >= 0 and ``top_p`` a number within (0, 1]. NaN passes every ``<`` test (and ended in
@@ -120,6 +135,7 @@ class DecodeOptions:
         # at once, so a profile's or a flag's bad value fails before any model loads (validate()
         # checks again: the fields may be set after construction)
         check_sampling(self.temperature, self.top_p)
+        self.stop = stop_strings(self.stop)
 
     def updated(self, **overrides: Any) -> DecodeOptions:
         """A copy with overrides; skip options may be given flat (``skip_ratio=0.2``)."""
