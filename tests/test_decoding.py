@@ -72,6 +72,7 @@ LOSSLESS = {
 def test_options_are_labelled_as_the_calibration_names_its_configurations(options, label):
     assert DecodeOptions(**options).label == label
     assert DecodeOptions(**options).base_mode == options["mode"].partition("+")[0]
+    assert DecodeOptions(**options).skips == options["mode"].endswith("skip")
 
 
 def test_unset_draft_lengths_follow_what_one_verification_pass_serves():

@@ -79,7 +79,7 @@ def calibrated_options(options: DecodeOptions, calibration: Calibration | None,
     if tree is not None and options.mode == "speculate" and _tree_unset(options):
         options = dataclasses.replace(options, **{k: tree[k] for k in TREE_KEYS})
     skip = fitted.get("skip")
-    if skip is not None and "skip" in options.mode and options.skip == SkipOptions():
+    if skip is not None and options.skips and options.skip == SkipOptions():
         options = options.updated(**{k: skip[k] for k in SKIP_KEYS if k in skip})
     entry = calibration.routers.get(router_key(options.light, options.route_check)) if calibration is not None else None
     if entry is None or options.router not in (None, entry.router):

@@ -158,6 +158,11 @@ class DecodeOptions:
         return self.mode.partition("+")[0]
 
     @property
+    def skips(self) -> bool:
+        """Whether the mode skips layers: ``skip``, ``route+skip``, ``speculate+skip``."""
+        return "skip" in self.mode.split("+")
+
+    @property
     def label(self) -> str:
         """What decodes, as the calibration names its configurations: ``full``,
         ``speculate/ngram``, ``speculate/slm+tree``, ``route/slm+verified``."""
@@ -220,7 +225,7 @@ class DecodeOptions:
             raise InputError("stop strings would cut a response_format's structure where it may be incomplete: "
                              "drop the stop strings (the structure's end ends the generation)")
         # ranges also outside skip modes (a bad value is a mistake either way); layer counts in them
-        self.skip.validate(num_layers if "skip" in self.mode else None)
+        self.skip.validate(num_layers if self.skips else None)
         if self.fallback is not None:
             self.fallback.validate()
 
@@ -356,7 +361,7 @@ class Decoder:
         self.cancel = cancel or threading.Event()
         self.stats = GenerationStats()
         base = self.base_mode = options.base_mode
-        self.skipper = SkipController(options.skip, self.llm.num_layers) if "skip" in options.mode.split("+") else None
+        self.skipper = SkipController(options.skip, self.llm.num_layers) if options.skips else None
         self.verified = base == "route" and options.route_check == "verified"
         # speculation is lossless, and verified routing has the LLM's pass on every token: nothing to guard
         risky = (base == "route" and not self.verified) or self.skipper is not None

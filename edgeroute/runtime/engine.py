@@ -222,8 +222,8 @@ class Engine:
         calibration = self.bundle.calibration
         # auto's choice was judged on held-out tasks, and so was a calibrated skip setting, which a
         # skip mode takes when its own skip options are left at their defaults
-        unmeasured = "skip" in options.mode and not (calibration is not None and calibration.decoding.get("skip")
-                                                     and options.skip == SkipOptions())
+        unmeasured = options.skips and not (calibration is not None and calibration.decoding.get("skip")
+                                            and options.skip == SkipOptions())
         options = calibrated_options(options, calibration, self._trained_router)
         if unmeasured:
             warnings.warn(f"{self.bundle.path}: mode {options.mode} skips layers with uncalibrated settings (at most "
