@@ -113,7 +113,7 @@ def tree_nodes(nodes: int | None, pass_rows: int | None) -> int:
     could. Measured on the pair (2-core AVX-512 VNNI VM, 3-row passes): trees of 5 tokens (two
     passes' rows) ran 0.79-1.03x linear drafts, medians of paired prompts per workload (five),
     light path and thread count (docs/records/tree-speculation.json); the calibration replayed
-    the SLM's 2-token trees at 1.04x its linear drafts and 5- or 8-token ones at 0.87-0.89x
+    the SLM's 2-token trees at 1.05x its linear drafts and 5- or 8-token ones at 0.95-0.96x
     (docs/records/pair-calibration.json).
     ``edgeroute calibrate`` fits the shape per task from the device's measured costs."""
     return nodes if nodes is not None else longest_draft(pass_rows)
