@@ -73,6 +73,25 @@ def _fields(title: str, pairs: list[tuple[str, str]]) -> None:
     console.print(grid)
 
 
+def _json_path(path: Path | None) -> Path | None:
+    """--json FILE, checked before the work whose results it takes: a folder is refused."""
+    if path is not None and path.is_dir():
+        raise EdgerouteError(f"--json {path} is a folder: give a file path, e.g. --json {path / 'results.json'}")
+    return path
+
+
+def _write_json(path: Path, data, what: str) -> None:
+    import json
+
+    with _clear_errors():
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(data, indent=1))
+        except OSError as err:
+            raise EdgerouteError(f"cannot write {path}: {err.strerror}") from None
+    console.print(f"{what}: {path}")
+
+
 def _read_text(path: Path, what: str) -> str:
     try:
         return path.read_text()
@@ -630,20 +649,18 @@ def bench(
 ) -> None:
     """Decode speed per backend and context vs memory bandwidth. Guide: docs/guide/bench.md."""
     import dataclasses
-    import json
 
     from edgeroute.measure.bench import BenchOptions, run_bench
 
     with _clear_errors():
+        _json_path(as_json)
         options = BenchOptions(contexts=_numbers(contexts, "contexts"), steps=steps, repeats=repeats, threads=threads,
                                clock=clock, profile=profile, backends=_names(backends) or (), roles=_names(roles),
                                kernels=kernels, verify=not no_verify, floor=not no_floor)
         report = run_bench(bundles, options, lambda line: err_console.print(Text(line, style="dim")))
     _print_bench(report)
     if as_json is not None:
-        as_json.parent.mkdir(parents=True, exist_ok=True)
-        as_json.write_text(json.dumps({"options": dataclasses.asdict(options), **report.to_dict()}, indent=1))
-        console.print(f"wrote {as_json}")
+        _write_json(as_json, {"options": dataclasses.asdict(options), **report.to_dict()}, "wrote")
 
 
 @app.command("eval")
@@ -666,8 +683,7 @@ def eval_tasks(
     """Judge modes on your task cases: pass rates, bounds, speed.
 
     Guide: docs/guide/eval.md."""
-    import json
-
+    from edgeroute.plots import png_path
     from edgeroute.quality.cases import load_cases
     from edgeroute.quality.evaluation import evaluate, plot_report, print_report
     from edgeroute.runtime import Engine, EngineOptions
@@ -684,17 +700,48 @@ def eval_tasks(
             cases = load_cases(tasks)
         if not 0.0 <= task_loss < 1.0:
             raise EdgerouteError(f"--task-loss must be within [0, 1) (got {task_loss})")
+        if plot is not None:
+            png_path(plot)
+        _json_path(as_json)
         engine = Engine(bundle, EngineOptions.from_profile(profile.split(",") if profile else None, backend=backend,
                                                            threads=threads))
         with _progress_bars() as update:
             report = evaluate(engine, cases, modes, max_new_tokens, confidence, task_loss, llama_cpp, threads, update)
     print_report(report, console)
     if as_json is not None:
-        as_json.parent.mkdir(parents=True, exist_ok=True)
-        as_json.write_text(json.dumps(report.to_dict(), indent=1))
-        console.print(f"report: {as_json}")
+        _write_json(as_json, report.to_dict(), "report")
     if plot is not None:
-        console.print(f"plot: {plot_report(report, plot)}")
+        with _clear_errors():
+            console.print(f"plot: {plot_report(report, plot)}")
+
+
+@app.command()
+def trace(
+    file: Path = typer.Argument(..., help="a trace from `edgeroute run --trace FILE`"),
+    png: Path = typer.Option(None, help="PNG: the cost heatmap (source, LLM layers, time per token)"),
+    turn: int = typer.Option(None, help="only this answer of a chat (1 = the first)"),
+    no_text: bool = typer.Option(False, "--no-text", help="leave the coloured answer out"),
+    as_json: Path = typer.Option(None, "--json", help="write the summary as JSON"),
+) -> None:
+    """Where each token came from and what it cost. Guide: docs/guide/run.md."""
+    from edgeroute.measure.traces import plot_trace, print_trace, read_trace, split_turns
+    from edgeroute.plots import png_path
+
+    with _clear_errors():
+        if png is not None:
+            png_path(png)
+        _json_path(as_json)
+        tokens = read_trace(file)
+        if turn is not None:
+            turns = split_turns(tokens)
+            if not 1 <= turn <= len(turns):
+                raise EdgerouteError(f"--turn {turn}: {file} holds {len(turns)} answer(s)")
+            tokens = turns[turn - 1]
+        summary = print_trace(tokens, console, show_text=not no_text)
+        if png is not None:
+            console.print(f"heatmap: {plot_trace(tokens, png, f'{file.name}' + (f', answer {turn}' if turn else ''))}")
+    if as_json is not None:
+        _write_json(as_json, summary.to_dict(), "summary")
 
 
 @app.command()

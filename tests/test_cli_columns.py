@@ -14,7 +14,7 @@ import pytest
 
 from tests.test_calibration import _calibration_with_trained_router
 
-COMMANDS = ("export", "inspect", "run", "calibrate", "eval", "sources", "build-engines", "bench")
+COMMANDS = ("export", "inspect", "run", "calibrate", "eval", "sources", "build-engines", "bench", "trace")
 WIDTH = 80
 
 

@@ -67,7 +67,7 @@ from edgeroute.calibration.prompts import (
     load_prompts,
     prompts_sha256,
 )
-from edgeroute.calibration.report import plot_generation, plot_tradeoff, render
+from edgeroute.calibration.report import plot_tradeoff, render
 from edgeroute.calibration.skipping import (
     FREE_LAYERS,
     GRANULARITIES,
@@ -88,6 +88,7 @@ from edgeroute.calibration.thresholds import (
 from edgeroute.calibration.train import TrainSettings, roc_auc, router_onnx, train_router
 from edgeroute.cpu import cpu_signature
 from edgeroute.errors import InputError, UnmeasuredQualityWarning
+from edgeroute.measure.traces import plot_trace
 from edgeroute.quality.cases import TaskCase, load_cases
 from edgeroute.quality.runs import (
     DEFAULT_CONFIDENCE,
@@ -1038,5 +1039,5 @@ def plot_sample_answer(engine: Engine, case: TaskCase, routing: dict[str, Any], 
     except InputError:  # a model too shallow for the default protected layers: routing alone
         mode = "route"
         generation = engine.generate(messages, **{**chosen, "mode": mode})
-    plot_generation(engine, generation, f"{case.id}: {mode}, light path {light} "
-                    f"({generation.stats.llm_share:.0%} LLM share)", path)
+    plot_trace(generation.trace, path, f"{case.id}: {mode}, light path {light} "
+               f"({generation.stats.llm_share:.0%} LLM share)")

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
-
 from edgeroute.bundle import Calibration
+from edgeroute.plots import pyplot
 
 
 def _pct(value, digits: int = 1) -> str:
@@ -146,11 +145,7 @@ def render(calibration: Calibration, bundle: Path, messages: list[str]) -> str:
 def plot_tradeoff(result, path: Path) -> None:
     """LLM share vs teacher-forced agreement on held-out prompts, every candidate router, and
     the chosen router's threshold."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, (share, agreement) in result.curves.items():
         ax.plot(share, agreement, label=name + (" (chosen)" if name == result.router else ""),
@@ -166,59 +161,6 @@ def plot_tradeoff(result, path: Path) -> None:
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-LAYER_COLOURS = {"r": 3, "m": 2, "s": 1, "d": 1, "": 0}  # run, attention only, skipped, dropped, no LLM pass
-SOURCE_ORDER = ("llm", "slm", "ngram", "draft:slm", "draft:ngram", "grammar")
-
-
-def plot_generation(engine, generation, title: str, path: Path) -> None:
-    """:func:`plot_token_layers` of an ``Engine``'s ``Generation``."""
-    plot_token_layers(generation.trace, [engine.decode([t.token]) for t in generation.trace], engine.llm.num_layers,
-                      title, path)
-
-
-def plot_token_layers(traces: list, texts: list[str], num_layers: int, title: str, path: Path) -> None:
-    """The token-tracking view of one answer: per token (x) which path wrote it and the
-    router's score (top), and per LLM layer (y) what the token's pass did: run, attention
-    only, skipped, or no LLM pass at all (a light-path token accepted without one)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.colors import ListedColormap
-    from matplotlib.patches import Patch
-
-    n = len(traces)
-    grid = np.zeros((num_layers, n))
-    for x, trace in enumerate(traces):
-        for layer, letter in enumerate(trace.layers):
-            grid[layer, x] = LAYER_COLOURS[letter]
-    sources = [SOURCE_ORDER.index(t.source) if t.source in SOURCE_ORDER else len(SOURCE_ORDER) for t in traces]
-    fig, (top, main) = plt.subplots(2, 1, figsize=(max(6.0, 0.22 * n + 2), 5.5), sharex=True,
-                                    gridspec_kw={"height_ratios": [1, 4]})
-    top.imshow([sources], aspect="auto", cmap="tab10", vmin=0, vmax=9, interpolation="nearest")
-    top.set_yticks([])
-    top.set_title(title, fontsize=9)
-    names = [*SOURCE_ORDER, "other"]
-    top.legend(handles=[Patch(color=plt.get_cmap("tab10")(i), label=names[i]) for i in sorted(set(sources))],
-               loc="upper left", bbox_to_anchor=(1.06, 1.0), fontsize=7, title="token from", title_fontsize=7)
-    scores = [t.router_score if t.router_score is not None else np.nan for t in traces]
-    if not all(np.isnan(scores)):
-        twin = top.twinx()
-        twin.plot(range(n), scores, color="black", linewidth=1)
-        twin.set_ylim(0, 1)
-        twin.set_ylabel("router", fontsize=8)
-    main.imshow(grid, aspect="auto", cmap=ListedColormap(["white", "#c6dbef", "#6baed6", "#08306b"]), vmin=0, vmax=3,
-                interpolation="nearest", origin="lower")
-    main.set_ylabel("LLM layer")
-    main.set_xlabel("answer token (white column: no LLM pass; light: skipped; mid: attention only; dark: run)")
-    if n <= 80:
-        main.set_xticks(range(n))
-        main.set_xticklabels([t.replace("\n", "\\n") for t in texts], rotation=90, fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110, bbox_inches="tight")  # the long x label and the legend stay inside
     plt.close(fig)
 
 

@@ -19,6 +19,7 @@ from rich.table import Table
 
 from edgeroute.cpu import cpu_signature
 from edgeroute.errors import InputError
+from edgeroute.plots import png_path, pyplot
 from edgeroute.quality.cases import TaskCase
 from edgeroute.quality.runs import (
     DEFAULT_CONFIDENCE,
@@ -223,11 +224,8 @@ def print_report(report: EvalReport, console: Console) -> None:
 
 def plot_report(report: EvalReport, path: str | Path) -> Path:
     """Pass rate (with its interval) against decode speed, one point per mode; full and llama.cpp marked."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    path = png_path(path)
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     for name, figures in report.overall.items():
         if figures["task_pass"] is None:
@@ -245,7 +243,6 @@ def plot_report(report: EvalReport, path: str | Path) -> Path:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="lower left")
     fig.tight_layout()
-    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
