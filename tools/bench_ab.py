@@ -42,10 +42,9 @@ def quartiles(values: list[float]) -> tuple[float, float, float]:
 
 
 def plot(path: Path, title: str, rows: list[dict]) -> None:
-    import matplotlib
+    from edgeroute.plots import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     figure, axis = plt.subplots(figsize=(6, 3.5))
     labels = [str(r["context"]) for r in rows]

@@ -134,10 +134,9 @@ def paired(args: argparse.Namespace, base: dict, runtimes: list[str], contexts: 
 
 def plot(path: Path, title: str, contexts: list[int], rates: dict[str, list[float]]) -> None:
     """Decode tok/s over context, a line per runtime."""
-    import matplotlib
+    from edgeroute.plots import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     figure, ax = plt.subplots(figsize=(7, 4.5))
     for runtime, values in rates.items():

@@ -45,10 +45,9 @@ def run_case(spec: dict) -> dict:
 
 
 def plot(path: Path, records: list[dict]) -> None:
-    import matplotlib
+    from edgeroute.plots import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     figure, axes = plt.subplots(figsize=(7, 4.2))
     for r in records:

@@ -556,12 +556,12 @@ def print_targets(targets: list[dict], console: Console) -> None:
 
 
 def make_plots(summary: dict, configs: list[Config], directory: Path, console: Console) -> list[str]:
-    try:
-        import matplotlib
+    from edgeroute.errors import EdgerouteError
+    from edgeroute.plots import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    try:
+        plt = pyplot()
+    except EdgerouteError:
         console.print("[yellow]matplotlib is not installed: no plots[/] (pip install -e '.[bench]')")
         return []
     directory.mkdir(parents=True, exist_ok=True)

@@ -185,10 +185,9 @@ def markdown(summary: list[dict]) -> str:
 
 
 def plot(path: Path, summary: list[dict]) -> None:
-    import matplotlib
+    from edgeroute.plots import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     panels = sorted({(r["bundle"], r["threads"], r["kernels"]) for r in summary})
     figure, axes = plt.subplots(len(panels), 1, figsize=(9, 3.2 * len(panels)), squeeze=False)

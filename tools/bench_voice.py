@@ -214,12 +214,12 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def plot(result: dict[str, Any], path: Path) -> Path | None:
-    try:
-        import matplotlib
+    from edgeroute.errors import EdgerouteError
+    from edgeroute.plots import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    try:
+        plt = pyplot()
+    except EdgerouteError:
         return None
     rows = result["summary"]["rows"]
     names = list(rows)

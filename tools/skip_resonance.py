@@ -123,10 +123,9 @@ def main(argv: list[str] | None = None) -> int:
 def plot_scores(observed: dict[str, SkipObservations], path: Path) -> None:
     """Each scorer's importance distribution, fp32 vs int4, per decision point (the quantile
     band 10-90% and the median): how far quantization moves what a threshold is compared with."""
-    import matplotlib
+    from edgeroute.plots import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     figure, axes = plt.subplots(1, len(SCORERS), figsize=(6 * len(SCORERS), 4), squeeze=False)
     for ax, scorer in zip(axes[0], SCORERS, strict=True):
@@ -146,10 +145,9 @@ def plot_scores(observed: dict[str, SkipObservations], path: Path) -> None:
 
 
 def plot(results: dict, path: Path) -> None:
-    import matplotlib
+    from edgeroute.plots import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     figure, axes = plt.subplots(1, len(results["rows"]), figsize=(6 * len(results["rows"]), 4), squeeze=False)
     for ax, (scorer, rows) in zip(axes[0], results["rows"].items(), strict=True):
