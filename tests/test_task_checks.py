@@ -293,3 +293,40 @@ def test_uncalibrated_skipping_is_conservative_and_says_its_quality_is_unmeasure
     with warnings.catch_warnings():
         warnings.simplefilter("error", UnmeasuredQualityWarning)
         tiny_engine.resolve(tiny_engine.options.updated(mode="speculate"))
+
+
+def test_routing_says_its_quality_is_unmeasured_unless_it_runs_the_calibrated_router(tiny_engine):
+    from types import SimpleNamespace
+
+    from edgeroute.errors import UnmeasuredQualityWarning
+    from edgeroute.runtime.calibrated import calibrated_route
+
+    with pytest.warns(UnmeasuredQualityWarning, match="route/slm routes with a router or threshold no calibration"):
+        tiny_engine.resolve(tiny_engine.options.updated(mode="route", light="slm"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnmeasuredQualityWarning)
+        # verified routing at threshold 0 keeps no difference: exact speculation
+        tiny_engine.resolve(tiny_engine.options.updated(mode="route", light="slm", route_check="verified",
+                                                        route_threshold=0.0))
+    fitted = SimpleNamespace(routers={"slm": SimpleNamespace(router="entropy", threshold=0.7)})
+    route = tiny_engine.options.updated(mode="route", light="slm")
+    assert calibrated_route(route, fitted)
+    assert calibrated_route(route.updated(router="entropy", route_threshold=0.7), fitted)
+    assert not calibrated_route(route.updated(route_threshold=0.9), fitted)
+    assert not calibrated_route(route.updated(router="top1"), fitted)
+    assert not calibrated_route(route.updated(light="ngram"), fitted)
+    assert not calibrated_route(route.updated(route_check="verified"), fitted)
+    assert not calibrated_route(route, None)
+
+
+def test_task_runs_measure_unmeasured_modes_without_warning_that_they_are_unmeasured(tiny_engine):
+    from edgeroute.errors import UnmeasuredQualityWarning
+    from edgeroute.quality.cases import TaskCase
+    from edgeroute.quality.runs import RunConfig, run_cases
+
+    case = TaskCase("c1", "dialogue", [{"role": "user", "content": "one two three"}])
+    configs = [RunConfig("full", {"mode": "full"}), RunConfig("route/slm", {"mode": "route", "light": "slm"})]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnmeasuredQualityWarning)
+        runs = run_cases(tiny_engine, [case], configs, 4)
+    assert [row["ran"] for row in runs["route/slm"]] == ["route/slm"]

@@ -861,8 +861,7 @@ class CalibrationRun:
 
     def confirm(self) -> None:
         """Every candidate run through the runtime on held-out prompts: what becomes a default."""
-        with self.timed("runtime runs"), warnings.catch_warnings():
-            warnings.simplefilter("ignore", UnmeasuredQualityWarning)  # measuring it is what these runs do
+        with self.timed("runtime runs"):
             self.runs = run_cases(self.engine, self.held_out, self.configs, self.options.labels.max_answer_tokens,
                                   self.progress)
         if self.fitted_drafts is not None:

@@ -12,10 +12,12 @@ When a configuration may stand in for ``full`` (:func:`eligibility`):
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from edgeroute.errors import UnmeasuredQualityWarning
 from edgeroute.quality.bounds import compare_paired, interval, upper_bound
 from edgeroute.quality.cases import TaskCase
 
@@ -42,28 +44,30 @@ def run_cases(engine, cases: Sequence[TaskCase], configs: Sequence[RunConfig], m
     """Every configuration on every case, interleaved case by case (machine noise hits all alike);
     the first configuration's answer is the reference ``same_as_full`` compares with."""
     runs: dict[str, list[dict[str, Any]]] = {c.name: [] for c in configs}
-    for done, case in enumerate(cases):
-        if progress is not None:
-            progress("runtime runs", done, len(cases))
-        reference = None
-        for config in configs:
-            # the task keys what the engine's answer memory drafts from (and what mode auto reads)
-            options = {"task": case.task, **config.options_for(case.task), **case.options}
-            if case.response_format is not None:
-                options["response_format"] = case.response_format
-            if options.get("mode") == "route" and options.get("response_format") is not None:
-                options.setdefault("protect_format", True)  # format tokens never come from the light path
-            session = engine.session(max_new_tokens=case.max_new_tokens or max_new_tokens, **options)
-            generation = session.generate(case.messages)
-            reference = generation.text if reference is None else reference
-            verdict = case.verdict(generation.text)
-            row = {"case": case.id, "task": case.task, "ran": session.options.label,
-                   "tokens": generation.stats.new_tokens, "seconds": generation.stats.decode_seconds,
-                   "llm_tokens": generation.stats.llm_tokens, "pass": verdict.passed, "reason": verdict.reason,
-                   "same_as_full": generation.text == reference}
-            if keep_text:
-                row["text"] = generation.text
-            runs[config.name].append(row)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnmeasuredQualityWarning)  # measuring it is what these runs do
+        for done, case in enumerate(cases):
+            if progress is not None:
+                progress("runtime runs", done, len(cases))
+            reference = None
+            for config in configs:
+                # the task keys what the engine's answer memory drafts from (and what mode auto reads)
+                options = {"task": case.task, **config.options_for(case.task), **case.options}
+                if case.response_format is not None:
+                    options["response_format"] = case.response_format
+                if options.get("mode", "").partition("+")[0] == "route" and options.get("response_format") is not None:
+                    options.setdefault("protect_format", True)  # format tokens never come from the light path
+                session = engine.session(max_new_tokens=case.max_new_tokens or max_new_tokens, **options)
+                generation = session.generate(case.messages)
+                reference = generation.text if reference is None else reference
+                verdict = case.verdict(generation.text)
+                row = {"case": case.id, "task": case.task, "ran": session.options.label,
+                       "tokens": generation.stats.new_tokens, "seconds": generation.stats.decode_seconds,
+                       "llm_tokens": generation.stats.llm_tokens, "pass": verdict.passed, "reason": verdict.reason,
+                       "same_as_full": generation.text == reference}
+                if keep_text:
+                    row["text"] = generation.text
+                runs[config.name].append(row)
     if progress is not None:
         progress("runtime runs", len(cases), len(cases))
     return runs

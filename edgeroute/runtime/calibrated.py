@@ -89,6 +89,17 @@ def calibrated_options(options: DecodeOptions, calibration: Calibration | None,
     return dataclasses.replace(options, router=router, route_threshold=threshold)
 
 
+def calibrated_route(options: DecodeOptions, calibration: Calibration | None) -> bool:
+    """Whether a route mode's quality was measured: it routes with the router the calibration fitted
+    for its light path, at the fitted threshold (the ones ``calibrated_options`` fills in where
+    unset). Verified routing at threshold 0 keeps no difference: exact speculation, lossless."""
+    if options.route_check == "verified" and options.route_threshold == 0:
+        return True
+    entry = calibration.routers.get(router_key(options.light, options.route_check)) if calibration is not None else None
+    return (entry is not None and options.router in (None, entry.router)
+            and options.route_threshold in (None, entry.threshold))
+
+
 def router_key(light: str, route_check: str = "ahead") -> str:
     """A calibration's routers by light path, ``slm:verified`` for verified routing's."""
     return light if route_check == "ahead" else f"{light}:{route_check}"

@@ -32,7 +32,7 @@ from edgeroute.runtime.aio import iterate_in_thread
 from edgeroute.runtime.answer_memory import AnswerMemory
 from edgeroute.runtime.attention import KVCache
 from edgeroute.runtime.backend import ModelBackend, backend_for, open_model, resolve_kv_dtype
-from edgeroute.runtime.calibrated import calibrated_options, format_token_ids
+from edgeroute.runtime.calibrated import calibrated_options, calibrated_route, format_token_ids
 from edgeroute.runtime.constraints import Constraint, GrammarCompiler
 from edgeroute.runtime.decoding import (
     DecodeOptions,
@@ -222,14 +222,20 @@ class Engine:
         calibration = self.bundle.calibration
         # auto's choice was judged on held-out tasks, and so was a calibrated skip setting, which a
         # skip mode takes when its own skip options are left at their defaults
-        unmeasured = options.skips and not (calibration is not None and calibration.decoding.get("skip")
-                                            and options.skip == SkipOptions())
+        unmeasured_skip = options.skips and not (calibration is not None and calibration.decoding.get("skip")
+                                                 and options.skip == SkipOptions())
+        # and so was a route mode's router and threshold, where they are the calibration's
+        unmeasured_route = options.base_mode == "route" and not calibrated_route(options, calibration)
         options = calibrated_options(options, calibration, self._trained_router)
-        if unmeasured:
+        if unmeasured_skip:
             warnings.warn(f"{self.bundle.path}: mode {options.mode} skips layers with uncalibrated settings (at most "
                           f"{options.skip.free_layers(self.llm.num_layers)} layers a decision, skip_ratio "
                           f"{options.skip.skip_ratio}): its quality is unmeasured until `edgeroute calibrate` keeps a "
                           "skip setting judged on held-out tasks", UnmeasuredQualityWarning, stacklevel=3)
+        if unmeasured_route:
+            warnings.warn(f"{self.bundle.path}: {options.label} routes with a router or threshold no calibration "
+                          "fitted: its quality is unmeasured until `edgeroute calibrate` keeps a router for it judged "
+                          "on held-out tasks", UnmeasuredQualityWarning, stacklevel=3)
         if options.protect_format and not options.protected_tokens:
             if self._format_tokens is None:
                 self._format_tokens = format_token_ids(self.tokenizer.get_vocab())
