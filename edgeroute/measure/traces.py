@@ -223,8 +223,9 @@ def plot_trace(traces: Sequence[TokenTrace], path: str | Path, title: str | None
                vmin=-0.5, vmax=len(sources) - 0.5, interpolation="nearest")
     top.set_yticks([])
     per_pass = summary.tokens_per_llm_pass
-    top.set_title(title or f"{n} tokens, {summary.llm_passes} LLM passes"
-                  + (f" ({per_pass:.2f} tokens per pass)" if per_pass is not None else ""), fontsize=9)
+    counts = f"{n} tokens, {summary.llm_passes} LLM passes" + (
+        f" ({per_pass:.2f} tokens per pass)" if per_pass is not None else "")
+    top.set_title(f"{title}: {counts}" if title else counts, fontsize=9)
     scores = [np.nan if trace.router_score is None else trace.router_score for trace in traces]
     scored = not np.isnan(scores).all()
     if scored:
@@ -252,7 +253,8 @@ def plot_trace(traces: Sequence[TokenTrace], path: str | Path, title: str | None
             for axis in (top, middle, bottom):
                 axis.axvline(column - 0.5, color="black", linewidth=1.0)
     if n <= MAX_LABELLED_TOKENS and any(trace.text for trace in traces):
-        bottom.set_xticks(range(n), [repr(trace.text)[1:-1] for trace in traces], rotation=90, fontsize=7)
+        bottom.set_xticks(range(n), [repr(trace.text)[1:-1] or f"[{trace.token}]" for trace in traces],
+                          rotation=90, fontsize=7)
     else:
         bottom.set_xlabel("answer token")
     fig.tight_layout()
