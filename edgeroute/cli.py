@@ -73,6 +73,21 @@ def _fields(title: str, pairs: list[tuple[str, str]]) -> None:
     console.print(grid)
 
 
+def _quantization(q: dict) -> str:
+    """What a model's weights are, as inspect says it: the method export ran, or, where the
+    source's own quantized blocks were carried over (the requested method then did nothing),
+    their kinds with their tensor counts ('int4/b32+offset (gguf:Q4_K)' in the graphs: Q4_K)."""
+    if not q.get("carried_over"):
+        return f"{q['method']}, head {q['head']}"
+    kinds: dict[str, int] = {}
+    for name, count in q.get("formats", {}).items():
+        kind = name.rpartition("(")[2].rstrip(")").removeprefix("gguf:") if "(" in name else name
+        if kind not in ("F32", "F16"):  # norms and biases stay float
+            kinds[kind] = kinds.get(kind, 0) + count
+    listed = ", ".join(f"{kind} ({count})" for kind, count in sorted(kinds.items()))
+    return f"{listed} carried over from the source; head {q['head']}"
+
+
 def _json_path(path: Path | None) -> Path | None:
     """--json FILE, checked before the work whose results it takes: a folder is refused."""
     if path is not None and path.is_dir():
@@ -188,7 +203,7 @@ def inspect(
                   f"opset {summary['opset']}, target {b.target.name}, created {summary['created']}")
     for role, m in summary["models"].items():
         s, q = m["source"], m["quantization"]
-        quant = q["method"] + (" (carried over)" if q.get("carried_over") else "") + f", head {q['head']}"
+        quant = _quantization(q)
         _fields(role, [("family", m["family"]), ("layers", str(m["layers"])), ("hidden", str(m["hidden"])),
                        ("heads (kv)", f"{m['heads']} ({m['kv_heads']})"), ("vocab", str(m["vocab"])),
                        ("quantization", quant), ("graphs", str(m["graphs"])),

@@ -56,6 +56,7 @@ def test_inspect_verifies_a_native_target_bundle(native_only):
     shown = CliRunner().invoke(app, ["inspect", str(native_only.out)])
     assert shown.exit_code == 0, shown.output
     assert "target native" in shown.output and "all 3 files match their sha256" in shown.output
+    assert "Q4_1 (84)" in shown.output and "carried over from the source; head Q8_0" in shown.output
     summary = json.loads(CliRunner().invoke(app, ["inspect", str(native_only.out), "--json"]).output)
     assert {m["graphs"] for m in summary["models"].values()} == {0}
     damaged = native_only.out / "slm" / "native.bin"
