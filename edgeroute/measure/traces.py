@@ -178,12 +178,15 @@ def print_trace(traces: Sequence[TokenTrace], console: Console, show_text: bool 
             legend.append(row.source, style=SOURCE_STYLES.get(row.source, OTHER_STYLE)).append("  ")
         console.print(legend)
     table = Table(box=None, padding=(0, 1), header_style="bold")
-    for heading in ("source", "tokens", "share", "seconds", "time", "ms/token"):
+    for heading in ("source", "tokens", "share", "waited s", "of time", "ms/token"):
         table.add_column(heading, justify="left" if heading == "source" else "right")
     for row in summary.sources:
         table.add_row(Text(row.source, style=SOURCE_STYLES.get(row.source, OTHER_STYLE)), str(row.tokens),
                       f"{row.share:.0%}", f"{row.seconds:.3f}", f"{row.time_share:.0%}", f"{row.ms_per_token:.1f}")
     console.print(table)
+    if any(row.source.startswith("draft:") for row in summary.sources):
+        console.print(Text("waited: the time before each token appeared; a verification pass's shows on the first "
+                           "token it yields, often a draft", style="dim"))
     layer_total = sum(summary.layers.values())
     if layer_total:
         console.print("LLM layers over its passes: " + ", ".join(
