@@ -357,6 +357,8 @@ def test_prompt_over_the_context_is_an_input_error_naming_the_sizes(tiny_engine)
     (dict(temperature=float("nan")), r"temperature must be a finite number >= 0 .*\(got nan\)"),
     (dict(temperature=float("inf")), r"temperature must be a finite number >= 0 .*\(got inf\)"),
     (dict(top_p=float("nan")), r"top_p must be a number within \(0, 1\] .*\(got nan\)"),
+    (dict(temperature=0.7, seed=-1), r"seed must be a whole number >= 0.*\(got -1\)"),
+    (dict(temperature=0.7, seed=1.5), r"seed must be a whole number >= 0.*\(got 1.5\)"),
     (dict(mode="speculate", draft_tokens=9), "draft_tokens"),
     (dict(max_new_tokens=0), "max_new_tokens"),
 ])

@@ -289,7 +289,8 @@ def test_uncalibrated_skipping_is_conservative_and_says_its_quality_is_unmeasure
     assert UNCALIBRATED_FREE_LAYERS <= 2 and SkipOptions().free_layers(28) == UNCALIBRATED_FREE_LAYERS
     assert SkipOptions().skip_ratio <= 0.1 and SkipOptions().protected_first >= 1 and SkipOptions().protected_last >= 1
     with pytest.warns(UnmeasuredQualityWarning, match="quality is unmeasured"):
-        tiny_engine.resolve(tiny_engine.options.updated(mode="skip"))
+        # the tiny model is too shallow for the default protected layers (2 + 2)
+        tiny_engine.resolve(tiny_engine.options.updated(mode="skip", protected_first=1, protected_last=1))
     with warnings.catch_warnings():
         warnings.simplefilter("error", UnmeasuredQualityWarning)
         tiny_engine.resolve(tiny_engine.options.updated(mode="speculate"))
@@ -298,7 +299,7 @@ def test_uncalibrated_skipping_is_conservative_and_says_its_quality_is_unmeasure
 def test_routing_says_its_quality_is_unmeasured_unless_it_runs_the_calibrated_router(tiny_engine):
     from types import SimpleNamespace
 
-    from edgeroute.errors import UnmeasuredQualityWarning
+    from edgeroute.errors import InputError, UnmeasuredQualityWarning
     from edgeroute.runtime.calibrated import calibrated_route
 
     with pytest.warns(UnmeasuredQualityWarning, match="route/slm routes with a router or threshold no calibration"):
@@ -308,6 +309,8 @@ def test_routing_says_its_quality_is_unmeasured_unless_it_runs_the_calibrated_ro
         # verified routing at threshold 0 keeps no difference: exact speculation
         tiny_engine.resolve(tiny_engine.options.updated(mode="route", light="slm", route_check="verified",
                                                         route_threshold=0.0))
+        with pytest.raises(InputError, match="route_threshold"):  # the error alone, no warning before it
+            tiny_engine.resolve(tiny_engine.options.updated(mode="route", light="slm", route_threshold=float("inf")))
     fitted = SimpleNamespace(routers={"slm": SimpleNamespace(router="entropy", threshold=0.7)})
     route = tiny_engine.options.updated(mode="route", light="slm")
     assert calibrated_route(route, fitted)

@@ -79,15 +79,18 @@ def stop_strings(stop: Any) -> tuple[str, ...]:
     return stops
 
 
-def check_sampling(temperature: Any, top_p: Any) -> None:
+def check_sampling(temperature: Any, top_p: Any, seed: Any = None) -> None:
     """Raise an InputError naming the value and its range unless ``temperature`` is a finite
-    number >= 0 and ``top_p`` a number within (0, 1]. NaN passes every ``<`` test (and ended in
-    numpy's "probabilities contain NaN"); an infinite temperature samples uniformly random tokens."""
+    number >= 0, ``top_p`` a number within (0, 1] and ``seed`` None or a whole number >= 0. NaN
+    passes every ``<`` test (and ended in numpy's "probabilities contain NaN"); an infinite
+    temperature samples uniformly random tokens; numpy refuses a negative seed mid-generation."""
     for name, value, fits, allowed in (
             ("temperature", temperature, lambda v: math.isfinite(v) and v >= 0.0, "a finite number >= 0 (0: greedy)"),
             ("top_p", top_p, lambda v: 0.0 < v <= 1.0, "a number within (0, 1] (1: no nucleus cut)")):
         if not isinstance(value, numbers.Real) or isinstance(value, bool) or not fits(value):
             raise InputError(f"{name} must be {allowed} (got {value!r})")
+    if seed is not None and (not isinstance(seed, numbers.Integral) or isinstance(seed, bool) or seed < 0):
+        raise InputError(f"seed must be a whole number >= 0, or unset for a fresh one each generation (got {seed!r})")
 
 
 @dataclass
@@ -134,7 +137,7 @@ class DecodeOptions:
     def __post_init__(self) -> None:
         # at once, so a profile's or a flag's bad value fails before any model loads (validate()
         # checks again: the fields may be set after construction)
-        check_sampling(self.temperature, self.top_p)
+        check_sampling(self.temperature, self.top_p, self.seed)
         self.stop = stop_strings(self.stop)
 
     def updated(self, **overrides: Any) -> DecodeOptions:
@@ -211,7 +214,7 @@ class DecodeOptions:
                              f"{VERIFIED_BASELINE} scores verified routing, {', '.join(ROUTERS)} routing ahead")
         if self.route_threshold is not None and not 0.0 <= self.route_threshold <= 1.0:
             raise InputError(f"route_threshold must be within [0, 1] (got {self.route_threshold})")
-        check_sampling(self.temperature, self.top_p)
+        check_sampling(self.temperature, self.top_p, self.seed)
         if self.draft_confidence is not None and not 0.0 <= self.draft_confidence < 1.0:
             raise InputError(f"draft_confidence must be within [0, 1) (got {self.draft_confidence})")
         if self.max_draft_tokens is not None and self.max_draft_tokens < 1:

@@ -227,6 +227,8 @@ class Engine:
         # and so was a route mode's router and threshold, where they are the calibration's
         unmeasured_route = options.base_mode == "route" and not calibrated_route(options, calibration)
         options = calibrated_options(options, calibration, self._trained_router)
+        if unmeasured_skip or unmeasured_route:  # a bad option is its error alone, with no warning before it
+            options.validate(self.llm.num_layers, self.use_slm)
         if unmeasured_skip:
             warnings.warn(f"{self.bundle.path}: mode {options.mode} skips layers with uncalibrated settings (at most "
                           f"{options.skip.free_layers(self.llm.num_layers)} layers a decision, skip_ratio "
