@@ -700,7 +700,7 @@ def eval_tasks(
     Guide: docs/guide/eval.md."""
     from edgeroute.plots import png_path
     from edgeroute.quality.cases import load_cases
-    from edgeroute.quality.evaluation import evaluate, plot_report, print_report
+    from edgeroute.quality.evaluation import eval_configs, evaluate, plot_report, print_report
     from edgeroute.runtime import Engine, EngineOptions
 
     with _clear_errors():
@@ -718,6 +718,7 @@ def eval_tasks(
         if plot is not None:
             png_path(plot)
         _json_path(as_json)
+        eval_configs(modes, max_new_tokens, confidence)  # before the bundle loads
         engine = Engine(bundle, EngineOptions.from_profile(profile.split(",") if profile else None, backend=backend,
                                                            threads=threads))
         with _progress_bars() as update:

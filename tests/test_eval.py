@@ -140,3 +140,13 @@ def test_auto_counts_as_lossless_only_where_every_task_it_covers_runs_a_lossless
     engine = SimpleNamespace(bundle=SimpleNamespace(calibration=SimpleNamespace(profiles=profiles)))
     assert _auto_lossless(engine, ["json"]) and _auto_lossless(engine, ["facts"])  # an uncalibrated task: default's
     assert not _auto_lossless(engine, ["code"]) and not _auto_lossless(engine, ["json", "code"])
+
+
+@pytest.mark.parametrize(("option", "message"), [
+    (["--confidence", "1.5"], "confidence must be within"),
+    (["--max-new-tokens", "0"], "max_new_tokens must be at least 1"),
+    (["--modes", "full,warp"], "mode 'warp' is not one of"),
+])
+def test_eval_checks_its_settings_before_it_loads_the_bundle(tmp_path, option, message):
+    result = CliRunner().invoke(app, ["eval", str(tmp_path / "no-bundle"), "--tasks", "builtin", *option])
+    assert result.exit_code == 2 and message in result.output and "no-bundle" not in result.output

@@ -127,6 +127,20 @@ def _llama_rows(engine, cases: Sequence[TaskCase], max_new_tokens: int, threads:
     return rows
 
 
+def eval_configs(modes: str | Sequence[RunConfig], max_new_tokens: int, confidence: float) -> list[RunConfig]:
+    """The configurations ``modes`` names, ``full`` first (every other mode is judged against its
+    answers), once the settings are valid: :func:`evaluate` checks them, and the CLI before it
+    loads the bundle."""
+    if not 0.5 <= confidence < 1.0:
+        raise InputError(f"confidence must be within [0.5, 1) (got {confidence})")
+    if max_new_tokens < 1:
+        raise InputError(f"max_new_tokens must be at least 1 (got {max_new_tokens})")
+    configs = parse_modes(modes) if isinstance(modes, str) else list(modes)
+    if not configs or configs[0].name != "full":
+        configs = [RunConfig("full", {"mode": "full"}), *(c for c in configs if c.name != "full")]
+    return configs
+
+
 def evaluate(engine, cases: Sequence[TaskCase], modes: str | Sequence[RunConfig] = DEFAULT_MODES,
              max_new_tokens: int = 64, confidence: float = DEFAULT_CONFIDENCE, tolerance: float = DEFAULT_TOLERANCE,
              llama_cpp: bool = False, threads: int | None = None, progress: Progress | None = None) -> EvalReport:
@@ -135,14 +149,8 @@ def evaluate(engine, cases: Sequence[TaskCase], modes: str | Sequence[RunConfig]
     them, or configurations. ``llama_cpp``: also run the bundle's source GGUF on llama.cpp."""
     if not cases:
         raise InputError("no task cases to evaluate")
-    if not 0.5 <= confidence < 1.0:
-        raise InputError(f"confidence must be within [0.5, 1) (got {confidence})")
-    if max_new_tokens < 1:
-        raise InputError(f"max_new_tokens must be at least 1 (got {max_new_tokens})")
-    configs = parse_modes(modes) if isinstance(modes, str) else list(modes)
-    if not configs or configs[0].name != "full":  # every other mode is judged against full's answers
-        configs = [RunConfig("full", {"mode": "full"}), *(c for c in configs if c.name != "full")]
-    configs = [_auto_config(engine, cases) if c.name == "auto" else c for c in configs]
+    configs = [_auto_config(engine, cases) if c.name == "auto" else c
+               for c in eval_configs(modes, max_new_tokens, confidence)]
     runs = run_cases(engine, cases, configs, max_new_tokens, progress, keep_text=True)
     notes = []
     if llama_cpp:
