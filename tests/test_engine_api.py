@@ -391,3 +391,31 @@ def test_bundle_from_a_newer_format_version_is_a_bundle_error(tiny_bundles, tmp_
     with pytest.raises(BundleError, match="newer than this runtime") as err:
         Engine(bundle)
     assert isinstance(err.value, EdgerouteError) and "upgrade edgeroute" in str(err.value)
+
+
+@pytest.mark.parametrize(("prompt", "message"), [
+    (123, "a prompt is a string or a list of messages"),
+    ([{"role": "user"}], r"message 0 \(user\) has no content"),
+    (["hi"], "message 0 is a str, not a"),
+    ([{"role": "user", "content": 5}], "message 0: content must be text"),
+    ("a\ud800b", "the prompt is not valid Unicode text: surrogates not allowed at character 1"),
+    ([{"role": "user", "content": "\udc80"}], "message 0 is not valid Unicode text"),
+])
+def test_a_prompt_that_is_not_text_or_messages_is_an_input_error_naming_it(prompt, message, tiny_engine):
+    session = tiny_engine.session()
+    with pytest.raises(InputError, match=message):
+        session.generate(prompt)
+    with pytest.raises(InputError, match=message):
+        tiny_engine.encode_prompt(prompt)
+    assert session.state.tokens == []
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    (dict(mode=None), "mode must be a string"),
+    (dict(light=3), "light must be a string"),
+    (dict(max_new_tokens=True), "max_new_tokens must be a whole number"),
+    (dict(max_new_tokens=2.5), "max_new_tokens must be a whole number"),
+])
+def test_options_of_the_wrong_type_are_input_errors(options, message, tiny_engine):
+    with pytest.raises(InputError, match=message):
+        tiny_engine.session(**options)

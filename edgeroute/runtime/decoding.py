@@ -138,6 +138,13 @@ class DecodeOptions:
         # at once, so a profile's or a flag's bad value fails before any model loads (validate()
         # checks again: the fields may be set after construction)
         check_sampling(self.temperature, self.top_p, self.seed)
+        for name in ("mode", "light"):
+            if not isinstance(getattr(self, name), str):
+                raise InputError(f"{name} must be a string, e.g. {getattr(DecodeOptions, name)!r} "
+                                 f"(got {getattr(self, name)!r})")
+        if self.max_new_tokens is not None and (not isinstance(self.max_new_tokens, numbers.Integral)
+                                                or isinstance(self.max_new_tokens, bool)):
+            raise InputError(f"max_new_tokens must be a whole number >= 1 (got {self.max_new_tokens!r})")
         self.stop = stop_strings(self.stop)
 
     def updated(self, **overrides: Any) -> DecodeOptions:

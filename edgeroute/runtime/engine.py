@@ -63,6 +63,36 @@ Tools = Sequence[dict[str, Any]]
 ToolChoice = str | dict[str, Any] | None  # "auto" (None) | "required" | "none" | {"type": "function", ...}
 
 
+def check_prompt(prompt: Any) -> None:
+    """An InputError naming what is wrong unless ``prompt`` is text or a list of OpenAI-style
+    messages (objects whose ``content`` is text, or None beside tool calls), all of it valid
+    Unicode: the tokenizer's own errors (a TypeError, a lone surrogate) name neither."""
+    if isinstance(prompt, str):
+        _check_text(prompt, "the prompt")
+        return
+    if not isinstance(prompt, list | tuple):
+        raise InputError(f"a prompt is a string or a list of messages ({{'role': 'user', 'content': ...}}), "
+                         f"got {type(prompt).__name__}")
+    for index, message in enumerate(prompt):
+        if not isinstance(message, dict):
+            raise InputError(f"message {index} is a {type(message).__name__}, not a {{'role': ..., 'content': ...}} "
+                             "object")
+        content = message.get("content")
+        if content is None and not message.get("tool_calls"):
+            raise InputError(f"message {index} ({message.get('role', 'no role')}) has no content")
+        if content is not None and not isinstance(content, str):
+            raise InputError(f"message {index}: content must be text (got {type(content).__name__})")
+        if content is not None:
+            _check_text(content, f"message {index}")
+
+
+def _check_text(text: str, what: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise InputError(f"{what} is not valid Unicode text: {err.reason} at character {err.start}") from None
+
+
 def _said(message: dict[str, Any]) -> bool:
     """A message that carries something: text, or tool calls."""
     return bool((message.get("content") or "").strip() or message.get("tool_calls"))
@@ -271,6 +301,7 @@ class Engine:
         return self._markup_tokens[text]
 
     def encode_prompt(self, prompt: str | Messages, tools: Tools | None = None) -> list[int]:
+        check_prompt(prompt)
         if isinstance(prompt, str) and not prompt.strip():
             raise InputError("the prompt is empty")
         if not isinstance(prompt, str) and not any(_said(m) for m in prompt):
@@ -532,6 +563,7 @@ class Session:
     def _next_turn(self, prompt: str | Messages) -> Turn:
         """The turn appended to the conversation as it is. Changes nothing: a rejected turn
         leaves no trace."""
+        check_prompt(prompt)
         engine, tokens = self.engine, self.state.tokens
         if isinstance(prompt, str) and not (self.chat or self.messages):
             if self.tools:
