@@ -537,3 +537,19 @@ def test_the_apps_answer_memory_is_written_and_read_again_by_the_next_run(tiny_s
     assert "answer memory: 1 answers" in capsys.readouterr().out
     assert main(command) == 0  # the second run starts from the first one's answer
     assert "answer memory: 2 answers" in capsys.readouterr().out
+
+
+def test_the_app_says_what_is_wrong_with_a_bundle_a_wav_or_a_command_in_one_line(tmp_path, capsys):
+    pytest.importorskip("pocketsphinx", reason="pocketsphinx is not installed (pip install pocketsphinx)")
+    from examples.voice_assistant.__main__ import main
+
+    (tmp_path / "text.wav").write_text("not audio")
+    for argv, said in [(["--bundle", str(tmp_path / "none"), "--say", "hi"], "bundle"),
+                       (["--wav", str(tmp_path / "missing.wav")], "cannot read the WAV"),
+                       (["--wav", str(tmp_path / "text.wav")], "is not a PCM WAV file")]:
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and said in err and "Traceback" not in err
+    with pytest.raises(SystemExit):
+        main(["--say", "  "])
+    assert "--say takes the words of a command" in capsys.readouterr().err

@@ -7,6 +7,7 @@ See README.md beside this file and docs/guide/voice.md.
 """
 
 from examples.voice_assistant.asr import (
+    AudioInputError,
     Partial,
     PocketsphinxRecognizer,
     Recognizer,
@@ -18,6 +19,6 @@ from examples.voice_assistant.assistant import SYSTEM, TurnRecord, VoiceAssistan
 from examples.voice_assistant.car import CAR_TOOLS, CarState
 from examples.voice_assistant.speech import EspeakSpeaker, NullSpeaker, SentenceSplitter, Speaker, espeak_available
 
-__all__ = ["CAR_TOOLS", "SYSTEM", "CarState", "EspeakSpeaker", "NullSpeaker", "Partial", "PocketsphinxRecognizer",
-           "Recognizer", "ScriptedRecognizer", "SentenceSplitter", "Speaker", "TurnRecord", "Utterance", "VoiceAssistant",
-           "cache_system_prompt", "espeak_available", "timed_partials"]
+__all__ = ["CAR_TOOLS", "SYSTEM", "AudioInputError", "CarState", "EspeakSpeaker", "NullSpeaker", "Partial",
+           "PocketsphinxRecognizer", "Recognizer", "ScriptedRecognizer", "SentenceSplitter", "Speaker", "TurnRecord",
+           "Utterance", "VoiceAssistant", "cache_system_prompt", "espeak_available", "timed_partials"]

@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from examples.voice_assistant.asr import PocketsphinxRecognizer, ScriptedRecognizer, timed_partials
+from examples.voice_assistant.asr import AudioInputError, PocketsphinxRecognizer, ScriptedRecognizer, timed_partials
 from examples.voice_assistant.assistant import VoiceAssistant, describe
 from examples.voice_assistant.car import CAR_TOOLS
 from examples.voice_assistant.speech import EspeakSpeaker, NullSpeaker, espeak_available
@@ -55,6 +55,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not args.say and not args.wav:
         parser.error("give at least one --say TEXT or --wav FILE")
+    if any(not text.split() for text in args.say):
+        parser.error("--say takes the words of a command (got an empty one)")
     return args
 
 
@@ -66,9 +68,21 @@ def tool_choice(text: str):
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The app; a bad bundle, option or WAV is one line on stderr and exit status 2, as the CLI's."""
+    from edgeroute.errors import EdgerouteError
+
     args = parse_args(argv)
+    try:
+        return run(args)
+    except (EdgerouteError, AudioInputError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+def run(args: argparse.Namespace) -> int:
     from edgeroute.runtime import AnswerMemory, Engine
 
+    recognizer = PocketsphinxRecognizer(args.wav) if args.wav else None  # the WAVs checked before the bundle loads
     engine = Engine(args.bundle, profile=args.profile, task="voice-command")
     if args.memory is not None:  # a learning memory, from the file or else from the calibration's answers
         engine.answer_memory = AnswerMemory.kept_in(args.memory, engine.answer_memory)
@@ -79,9 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.tts == "auto":
             print("espeak-ng is not installed (apt-get install espeak-ng): no audio, times are of the text", file=sys.stderr)
         speaker = NullSpeaker(seconds_per_char=0.06)
-    if args.wav:
-        recognizer = PocketsphinxRecognizer(args.wav)
-    else:
+    if recognizer is None:
         utterances = [timed_partials(text, args.wpm) for text in args.say]
         if args.pause is not None:
             for utterance in utterances[1:]:

@@ -23,6 +23,11 @@ import numpy as np
 WORDS_PER_MINUTE = 150
 
 
+class AudioInputError(ValueError):
+    """A WAV the recognizer cannot hear (missing, not a WAV, not 16-bit mono PCM), or no
+    pocketsphinx to hear it with: said before any audio is read."""
+
+
 @dataclass(frozen=True)
 class Partial:
     """One transcript of the utterance in progress: the whole message so far. The last of an
@@ -106,10 +111,8 @@ class ScriptedRecognizer(Recognizer):
 async def wav_chunks(path: str | Path, seconds: float = 0.1, realtime: bool = True) -> AsyncIterator[bytes]:
     """A WAV file's 16-bit mono PCM in chunks of ``seconds``, paced as a microphone delivers
     them when ``realtime``."""
+    check_wav(path)
     with wave.open(str(path), "rb") as wav:
-        if wav.getsampwidth() != 2 or wav.getnchannels() != 1:
-            raise ValueError(f"{path}: give 16-bit mono PCM (got {wav.getsampwidth() * 8}-bit, {wav.getnchannels()} "
-                             "channels); e.g. sox IN.wav -b 16 -c 1 OUT.wav")
         frames = max(1, int(wav.getframerate() * seconds))
         start = time.perf_counter()
         sent = 0
@@ -135,9 +138,18 @@ def resample(pcm: bytes, rate: int, to: int = MODEL_RATE) -> bytes:
     return np.interp(positions, np.arange(len(samples)), samples).round().astype("<i2").tobytes()
 
 
-def wav_rate(path: str | Path) -> int:
-    with wave.open(str(path), "rb") as wav:
-        return wav.getframerate()
+def check_wav(path: str | Path) -> int:
+    """The sample rate of ``path`` if it is a 16-bit mono PCM WAV, else an AudioInputError saying why."""
+    try:
+        with wave.open(str(path), "rb") as wav:
+            if wav.getsampwidth() != 2 or wav.getnchannels() != 1:
+                raise AudioInputError(f"{path}: give 16-bit mono PCM (got {wav.getsampwidth() * 8}-bit, "
+                                      f"{wav.getnchannels()} channels); e.g. sox IN.wav -b 16 -c 1 OUT.wav")
+            return wav.getframerate()
+    except OSError as err:
+        raise AudioInputError(f"cannot read the WAV {path}: {err.strerror or err}") from None
+    except (wave.Error, EOFError) as err:
+        raise AudioInputError(f"{path} is not a PCM WAV file ({err or 'it ends early'})") from None
 
 
 class PocketsphinxRecognizer(Recognizer):
@@ -152,9 +164,13 @@ class PocketsphinxRecognizer(Recognizer):
         try:
             import pocketsphinx
         except ImportError as err:
-            raise RuntimeError("PocketsphinxRecognizer needs the pocketsphinx package: pip install pocketsphinx") from err
+            raise AudioInputError("PocketsphinxRecognizer needs the pocketsphinx package: pip install pocketsphinx") \
+                from err
         self._pocketsphinx = pocketsphinx
         self.sources, self.sample_rate, self.realtime = list(sources), sample_rate, realtime
+        for source in self.sources:
+            if isinstance(source, (str, Path)):
+                check_wav(source)
         self.decoder_options = decoder_options
         self._decoders: dict[int, object] = {}
 
@@ -167,7 +183,7 @@ class PocketsphinxRecognizer(Recognizer):
     async def events(self) -> AsyncIterator[Partial]:
         for number, source in enumerate(self.sources):
             if isinstance(source, (str, Path)):
-                rate, chunks = wav_rate(source), wav_chunks(source, realtime=self.realtime)
+                rate, chunks = check_wav(source), wav_chunks(source, realtime=self.realtime)
             else:
                 rate, chunks = self.sample_rate, source
             decoder = self._decoder(MODEL_RATE)
