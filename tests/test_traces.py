@@ -96,6 +96,7 @@ def test_the_trace_command_shows_one_answer_of_a_chat(tmp_path):
     ("{not json", "line 2: not JSON"),
     ("[1, 2]", "line 2: a token is a JSON object"),
     ('{"token": 3, "source": "llm", "seconds": 0.1}', "line 2: no position"),
+    ('{"position": "3", "token": 3, "source": "llm", "seconds": 0.1}', "line 2: position must be a whole number"),
     ('{"position": 3, "token": 3, "source": "llm", "seconds": NaN}', "line 2: seconds must be a finite"),
     ('{"position": 3, "token": 3, "source": "llm", "seconds": -0.5}', "line 2: seconds must be a finite"),
     ('{"position": 3, "token": 3, "source": "llm", "seconds": 0.1, "layers": "rrx"}', "line 2: layers holds 'x'"),

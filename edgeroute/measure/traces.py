@@ -70,6 +70,9 @@ def _token(path: Path, number: int, line: str) -> TokenTrace:
     missing = [name for name in REQUIRED if name not in record]
     if missing:
         raise InputError(f"{where}: no {', '.join(missing)} (is this a trace from `edgeroute run --trace`?)")
+    for name in ("position", "token"):
+        if isinstance(record[name], bool) or not isinstance(record[name], int):
+            raise InputError(f"{where}: {name} must be a whole number, got {record[name]!r}")
     seconds = record["seconds"]
     if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not math.isfinite(seconds) or seconds < 0:
         raise InputError(f"{where}: seconds must be a finite number of at least 0, got {seconds!r}")
