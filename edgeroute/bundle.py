@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -369,6 +370,8 @@ class Bundle:
         """The bundle at ``path``, its manifest checked and (``verify``, the default) every file's
         sha256; ``verify=False`` (the opt-out: e.g. ``--no-verify``) checks sizes only, and the
         native backend then skips the weights' digest too."""
+        if not isinstance(path, str | os.PathLike):
+            raise BundleError(f"a bundle is a directory path, got {type(path).__name__} {path!r}")
         path = Path(path)
         if not path.exists():
             raise BundleError(f"bundle {path} does not exist: create one with `edgeroute export --out {path}`")

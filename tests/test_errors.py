@@ -554,3 +554,11 @@ def test_cli_run_with_more_threads_than_cpus_online_exits_2(tiny_slm_bundle):
     result = invoke("run", str(tiny_slm_bundle), "--prompt", "hi", "--raw", "--threads", str(online + 1))
     assert result.exit_code == 2, result.output
     assert f"within 1..{online}, the CPUs online (got {online + 1})" in words(result.output)
+
+
+def test_a_bundle_that_is_not_a_path_is_a_bundle_error():
+    from edgeroute.bundle import Bundle
+
+    for wrong in (123, None, ["bundles/smollm2-demo"]):
+        with pytest.raises(BundleError, match="a bundle is a directory path"):
+            Bundle.open(wrong)

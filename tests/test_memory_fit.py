@@ -124,8 +124,9 @@ def test_engine_context_length_sets_each_sessions_capacity(tiny_slm_bundle):
     assert session.state.llm_cache.capacity == 64 and session.state.slm_drafter.cache.capacity == 64
     with pytest.raises(InputError, match="context"):
         session.generate("word " * 60)
-    with pytest.raises(InputError, match="context_length 512 is outside 1..256.*--context-length 256"):
-        Engine(tiny_slm_bundle, context_length=512)
+    for wrong in (512, 0, "big", True):
+        with pytest.raises(InputError, match=r"context_length must be a whole number within 1..256 .*--context-length 256"):
+            Engine(tiny_slm_bundle, context_length=wrong)
 
 
 def test_run_with_a_device_profile_over_budget_is_a_clear_error(tiny_slm_bundle, tmp_path):

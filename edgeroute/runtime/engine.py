@@ -149,9 +149,10 @@ class Engine:
         self.answer_memory = AnswerMemory.load(self.bundle.path / memory_file, learning=False) if memory_file else None
         exported = int(self.bundle.generation["context_length"])
         self.context_length = options.session_context(exported)
-        if not 1 <= self.context_length <= exported:
-            raise InputError(f"context_length {self.context_length} is outside 1..{exported}: the bundle was exported "
-                             f"with --context-length {exported}; export again for a longer one")
+        if (isinstance(self.context_length, bool) or not isinstance(self.context_length, int)
+                or not 1 <= self.context_length <= exported):
+            raise InputError(f"context_length must be a whole number within 1..{exported} (got {self.context_length!r}): "
+                             f"the bundle was exported with --context-length {exported}; export again for a longer one")
         self.use_slm = options.slm and self.bundle.slm is not None
         check_kv_dtype(options.kv_dtype, KV_DTYPE_CHOICES)  # a wrong name fails before anything loads
         if options.memory_budget is not None:
