@@ -69,15 +69,24 @@ def test_memory_survives_save_and_load(tmp_path):
     assert loaded.haystack("voice-command").tolist() == [6, 7, -1]
 
 
-@pytest.mark.parametrize("damage", ["not a zip", "negative ids"])
+@pytest.mark.parametrize("damage", ["not a zip", "negative ids", "pickled objects"])
 def test_a_damaged_memory_file_is_a_clear_error(tmp_path, damage):
     path = tmp_path / "memory.npz"
     if damage == "not a zip":
         path.write_bytes(b"\x00garbage")
+    elif damage == "pickled objects":
+        np.save(path, np.asarray([{"a": 1}], dtype=object))
+        path = path.with_suffix(".npz.npy")
     else:
         np.savez(path, **{"json/0": np.asarray([1, -5, 2])})
-    with pytest.raises(InputError, match="memory"):
+    with pytest.raises(InputError, match="memory") as error:
         AnswerMemory.load(path)
+    assert "unsafely" not in str(error.value)  # numpy's advice to unpickle a file it distrusts is not passed on
+
+
+def test_an_engine_takes_an_answer_memory_or_none(tiny_engine):
+    with pytest.raises(InputError, match="answer_memory is an AnswerMemory or None"):
+        tiny_engine.answer_memory = "memory.npz"
 
 
 def test_memory_needs_room_for_a_token():

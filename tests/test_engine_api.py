@@ -419,3 +419,10 @@ def test_a_prompt_that_is_not_text_or_messages_is_an_input_error_naming_it(promp
 def test_options_of_the_wrong_type_are_input_errors(options, message, tiny_engine):
     with pytest.raises(InputError, match=message):
         tiny_engine.session(**options)
+
+
+def test_a_system_prompt_that_is_not_text_is_an_input_error(tiny_engine):
+    with pytest.raises(InputError, match="the system prompt must be text"):
+        tiny_engine.chat(system=5)
+    with pytest.raises(InputError, match="the system prompt must be text"):
+        tiny_engine.share_prefix(5)

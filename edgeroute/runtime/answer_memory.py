@@ -136,7 +136,9 @@ class AnswerMemory:
                 entries = sorted(((key.rpartition("/")[0], int(key.rpartition("/")[2]), arrays[key])
                                   for key in arrays.files), key=lambda entry: entry[:2])
         except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as error:
-            raise InputError(f"{name}: not an answer memory that AnswerMemory.save wrote ({error})") from error
+            # numpy's own words for a file of pickled objects suggest loading it unsafely: not said here
+            raise InputError(f"{name}: not an answer memory that AnswerMemory.save wrote (not an .npz of token "
+                             "id arrays)") from error
         for task, _, answer in entries:
             if answer.ndim != 1 or answer.dtype.kind not in "iu" or (answer.size and answer.min() < 0):
                 raise InputError(f"{name}: task {task!r} holds an answer that is not a list of token ids")

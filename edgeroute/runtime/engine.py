@@ -191,6 +191,9 @@ class Engine:
     def answer_memory(self, memory: AnswerMemory | None) -> None:
         """Refuses a memory learned with another vocabulary (another model's file, say) here,
         instead of a draft of a token the model does not have in the middle of an answer."""
+        if memory is not None and not isinstance(memory, AnswerMemory):
+            raise InputError(f"answer_memory is an AnswerMemory or None (got {type(memory).__name__}): "
+                             "AnswerMemory.load(path) reads a saved one")
         vocab = self.bundle.llm.arch.vocab_size
         if memory is not None and (largest := memory.largest_id()) >= vocab:
             raise InputError(f"the answer memory holds token id {largest}, outside this bundle's vocabulary of "
@@ -355,6 +358,8 @@ class Engine:
         token does not pay for the system prompt (the SLM's K/V, when a mode uses it, is
         computed once too, for the first session that needs it). The K/V stays in memory for
         the engine's life. Returns the prefix length in tokens."""
+        if not isinstance(system, str):
+            raise InputError(f"the system prompt must be text (got {type(system).__name__})")
         tokens = tuple(self.encode_prompt([{"role": "system", "content": system}], tools))
         if len(tokens) >= self.context_length:
             raise InputError(f"the system prompt needs {len(tokens)} tokens (its tools included) but the context holds "
@@ -440,6 +445,8 @@ class Session:
                  context_policy: str = "error", tools: Tools | None = None) -> None:
         if context_policy not in CONTEXT_POLICIES:
             raise InputError(f"context policy {context_policy!r} is not one of {', '.join(CONTEXT_POLICIES)}")
+        if system is not None and not isinstance(system, str):
+            raise InputError(f"the system prompt must be text (got {type(system).__name__})")
         if system is not None and not system.strip():
             raise InputError("the system prompt is empty: leave system=None for none")
         self.engine, self.options, self.chat, self.context_policy = engine, options, chat, context_policy
