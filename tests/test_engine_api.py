@@ -426,3 +426,8 @@ def test_a_system_prompt_that_is_not_text_is_an_input_error(tiny_engine):
         tiny_engine.chat(system=5)
     with pytest.raises(InputError, match="the system prompt must be text"):
         tiny_engine.share_prefix(5)
+
+
+def test_an_engine_refuses_bad_default_decoding_before_it_loads_the_models(tiny_slm_bundle):
+    with pytest.raises(InputError, match="mode 'warp' is not one of"):
+        Engine(tiny_slm_bundle, decoding={"mode": "warp"})

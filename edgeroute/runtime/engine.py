@@ -155,6 +155,8 @@ class Engine:
                              f"the bundle was exported with --context-length {exported}; export again for a longer one")
         self.use_slm = options.slm and self.bundle.slm is not None
         check_kv_dtype(options.kv_dtype, KV_DTYPE_CHOICES)  # a wrong name fails before anything loads
+        if options.decoding.mode != "auto":  # so do the sessions' defaults (auto is resolved per session)
+            options.decoding.validate(self.bundle.llm.arch.num_layers, self.use_slm)
         if options.memory_budget is not None:
             roles = ["llm", "slm"] if self.use_slm else ["llm"]
             caches = [resolve_kv_dtype(options.kv_dtype, backend_for(self.bundle.models[role], options)[0],
