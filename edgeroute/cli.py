@@ -499,6 +499,8 @@ def run(
         finally:
             if trace_file is not None:
                 trace_file.close()
+                err_console.print(f"[dim]trace: {escape(str(trace))} (read it with `edgeroute trace {escape(str(trace))}`)[/]",
+                                  soft_wrap=True)
     if incomplete:
         raise typer.Exit(3)
 

@@ -24,6 +24,7 @@ def test_run_speculate_writes_one_trace_line_per_token_and_a_summary(tiny_slm_bu
     assert len(records) == 12
     assert {r["source"] for r in records} <= {"llm", "draft:ngram"}
     assert "mode speculate" in result.output.replace("\n", " ")
+    assert f"edgeroute trace {trace}" in result.output.replace("\n", "")
 
 
 def test_run_keeps_its_answers_in_a_memory_file_that_the_next_run_drafts_from(tiny_slm_bundle, tmp_path):
