@@ -159,11 +159,12 @@ def coloured_text(traces: Sequence[TokenTrace]) -> Text:
     (``generate_tokens``' traces, a piece of a character) shows its id where the whole trace has none."""
     with_text = any(trace.text for trace in traces)
     text = Text()
-    for index, trace in enumerate(traces):
-        if index and trace.position != traces[index - 1].position + 1:
+    for number, turn in enumerate(split_turns(traces)):
+        if number:
             text.append("\n--- next turn ---\n", style="dim italic")
-        piece = trace.text if with_text else f"[{trace.token}]"
-        text.append(piece, style=SOURCE_STYLES.get(trace.source, OTHER_STYLE))
+        for trace in turn:
+            text.append(trace.text if with_text else f"[{trace.token}]",
+                        style=SOURCE_STYLES.get(trace.source, OTHER_STYLE))
     return text
 
 
@@ -254,10 +255,9 @@ def plot_trace(traces: Sequence[TokenTrace], path: str | Path, title: str | None
     bottom.bar(range(n), [1e3 * trace.seconds for trace in traces], width=0.9,
                color=[SOURCE_COLOURS.get(trace.source, OTHER_COLOUR) for trace in traces])
     bottom.set_ylabel("ms since the\nprevious token", fontsize=7)
-    for column in range(1, n):
-        if traces[column].position != traces[column - 1].position + 1:
-            for axis in (top, middle, bottom):
-                axis.axvline(column - 0.5, color="black", linewidth=1.0)
+    for start in np.cumsum([len(turn) for turn in split_turns(traces)])[:-1]:
+        for axis in (top, middle, bottom):
+            axis.axvline(start - 0.5, color="black", linewidth=1.0)
     if n <= MAX_LABELLED_TOKENS and any(trace.text for trace in traces):
         bottom.set_xticks(range(n), [repr(trace.text)[1:-1] or f"[{trace.token}]" for trace in traces],
                           rotation=90, fontsize=7)

@@ -81,7 +81,7 @@ def calibrated_options(options: DecodeOptions, calibration: Calibration | None,
     skip = fitted.get("skip")
     if skip is not None and options.skips and options.skip == SkipOptions():
         options = options.updated(**{k: skip[k] for k in SKIP_KEYS if k in skip})
-    entry = calibration.routers.get(router_key(options.light, options.route_check)) if calibration is not None else None
+    entry = _router_entry(options, calibration)
     if entry is None or options.router not in (None, entry.router):
         return options
     threshold = entry.threshold if options.route_threshold is None else options.route_threshold
@@ -95,9 +95,14 @@ def calibrated_route(options: DecodeOptions, calibration: Calibration | None) ->
     unset). Verified routing at threshold 0 keeps no difference: exact speculation, lossless."""
     if options.route_check == "verified" and options.route_threshold == 0:
         return True
-    entry = calibration.routers.get(router_key(options.light, options.route_check)) if calibration is not None else None
+    entry = _router_entry(options, calibration)
     return (entry is not None and options.router in (None, entry.router)
             and options.route_threshold in (None, entry.threshold))
+
+
+def _router_entry(options: DecodeOptions, calibration: Calibration | None) -> RouterCalibration | None:
+    """The calibration's router for the options' light path and route check, if it fitted one."""
+    return calibration.routers.get(router_key(options.light, options.route_check)) if calibration is not None else None
 
 
 def router_key(light: str, route_check: str = "ahead") -> str:

@@ -86,6 +86,11 @@ def check_prompt(prompt: Any) -> None:
             _check_text(content, f"message {index}")
 
 
+def check_system_prompt(system: Any) -> None:
+    if not isinstance(system, str):
+        raise InputError(f"the system prompt must be text (got {type(system).__name__})")
+
+
 def _check_text(text: str, what: str) -> None:
     try:
         text.encode("utf-8")
@@ -360,8 +365,7 @@ class Engine:
         token does not pay for the system prompt (the SLM's K/V, when a mode uses it, is
         computed once too, for the first session that needs it). The K/V stays in memory for
         the engine's life. Returns the prefix length in tokens."""
-        if not isinstance(system, str):
-            raise InputError(f"the system prompt must be text (got {type(system).__name__})")
+        check_system_prompt(system)
         tokens = tuple(self.encode_prompt([{"role": "system", "content": system}], tools))
         if len(tokens) >= self.context_length:
             raise InputError(f"the system prompt needs {len(tokens)} tokens (its tools included) but the context holds "
@@ -447,10 +451,10 @@ class Session:
                  context_policy: str = "error", tools: Tools | None = None) -> None:
         if context_policy not in CONTEXT_POLICIES:
             raise InputError(f"context policy {context_policy!r} is not one of {', '.join(CONTEXT_POLICIES)}")
-        if system is not None and not isinstance(system, str):
-            raise InputError(f"the system prompt must be text (got {type(system).__name__})")
-        if system is not None and not system.strip():
-            raise InputError("the system prompt is empty: leave system=None for none")
+        if system is not None:
+            check_system_prompt(system)
+            if not system.strip():
+                raise InputError("the system prompt is empty: leave system=None for none")
         self.engine, self.options, self.chat, self.context_policy = engine, options, chat, context_policy
         self.tools = parse_tools(tools)
         self._calls_made = 0  # tool call ids are call_0, call_1, ... over the session's life

@@ -109,9 +109,8 @@ class ScriptedRecognizer(Recognizer):
 
 
 async def wav_chunks(path: str | Path, seconds: float = 0.1, realtime: bool = True) -> AsyncIterator[bytes]:
-    """A WAV file's 16-bit mono PCM in chunks of ``seconds``, paced as a microphone delivers
-    them when ``realtime``."""
-    check_wav(path)
+    """A WAV file's 16-bit mono PCM (:func:`check_wav` has checked it) in chunks of ``seconds``,
+    paced as a microphone delivers them when ``realtime``."""
     with wave.open(str(path), "rb") as wav:
         frames = max(1, int(wav.getframerate() * seconds))
         start = time.perf_counter()
