@@ -123,6 +123,22 @@ def test_each_answer_replays_with_its_tasks_other_answers_in_memory_never_its_ow
     assert with_memory < replay_lookup(shared, LINEAR, COSTS)[0] and tokens == sum(len(a) for _, a in shared)
 
 
+def test_each_answers_memory_is_what_an_answer_memory_of_its_tasks_other_answers_holds():
+    rng = np.random.default_rng(7)
+    answers = [([1], rng.integers(0, 50, rng.integers(1, 9)).tolist()) for _ in range(40)]
+    tasks = rng.integers(0, 3, len(answers))
+    memories = memories_without_own(answers, tasks)
+    for index, task in enumerate(tasks.tolist()):
+        others = AnswerMemory(learning=False)
+        for other, ((_, answer), its_task) in enumerate(zip(answers, tasks.tolist(), strict=True)):
+            if other != index and its_task == task:
+                others.remember(str(task), answer)
+        assert memories[index].tolist() == others.haystack(str(task)).tolist()
+    chosen = np.flatnonzero(tasks == 1)[::-1]
+    assert [m.tolist() for m in (memories.subset(chosen)[i] for i in range(len(chosen)))] == \
+        [memories[i].tolist() for i in chosen]
+
+
 def test_a_tree_replays_as_linear_drafts_where_the_lookups_matches_never_disagree():
     """Each key occurs once: every tree has one branch, verified as the linear draft it is."""
     once = [(prompt[:len(prompt) // 2], answer) for prompt, answer in tables(10, older=True)]

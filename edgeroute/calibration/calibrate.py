@@ -641,7 +641,7 @@ def calibrate_trees(answers: list[tuple[list[int], list[int]]], splits: np.ndarr
         return unfitted
     chosen = np.flatnonzero(free)
     every_memory = memories_without_own(answers, tasks)
-    kept, memories = [answers[i] for i in chosen], [every_memory[i] for i in chosen]
+    kept, memories = [answers[i] for i in chosen], every_memory.subset(chosen)
     fit = fit_tree(kept, splits[free], costs, memories)
     task_fits = {TASKS[index]: task_fit
                  for index, task_fit in fit_tree_per_task(kept, splits[free], tasks[free], costs, memories).items()}

@@ -399,24 +399,49 @@ def _depths(parents: list[int]) -> list[int]:
     return depths
 
 
-def memories_without_own(answers: list[tuple[list[int], list[int]]], tasks: np.ndarray) -> list[np.ndarray]:
+class LookupMemories:
+    """Each answer's lookup memory in the replay, built when asked for: the answers of a task
+    share one haystack, and an answer's memory is that haystack less the answer's own span, so
+    the answers hold their task's tokens once rather than once each (calibrations labelled on a
+    cluster have thousands of answers per task)."""
+
+    def __init__(self, haystacks: dict[int, np.ndarray], spans: list[tuple[int, int, int]]) -> None:
+        self._haystacks, self._spans = haystacks, spans  # spans: (task, start, end) in the task's haystack
+
+    def __len__(self) -> int:
+        return len(self._spans)
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        task, start, end = self._spans[index]
+        haystack = self._haystacks[task]
+        return np.concatenate((haystack[:start], haystack[end:]))
+
+    def subset(self, indices: np.ndarray | list[int]) -> LookupMemories:
+        """The memories of the answers at ``indices``, in their order."""
+        return LookupMemories(self._haystacks, [self._spans[i] for i in indices])
+
+
+def memories_without_own(answers: list[tuple[list[int], list[int]]], tasks: np.ndarray) -> LookupMemories:
     """Each answer's lookup memory in the replay: the haystack of the answer memory calibrate ships
     (``calibrate.answer_memory``: every labelled answer of the task, in order) less the answer
     itself, which is what a new prompt of the task drafts from; a memory never holds the answer
     being replayed, as the runtime runs' held-out prompts are never in it."""
     every_token = sum(len(answer) for _, answer in answers) + 1  # as calibrate's: no answer evicted
-    memories = []
-    for index, task in enumerate(tasks.tolist()):
-        memory = AnswerMemory(max_tokens=every_token, learning=False)
-        for other, ((_, answer), its_task) in enumerate(zip(answers, tasks.tolist(), strict=True)):
-            if other != index and its_task == task:
-                memory.remember(str(task), answer)
-        memories.append(memory.haystack(str(task)))
-    return memories
+    memories: dict[int, AnswerMemory] = {}
+    ends: dict[int, int] = {}
+    spans = []
+    for (_, answer), task in zip(answers, tasks.tolist(), strict=True):
+        memory = memories.setdefault(task, AnswerMemory(max_tokens=every_token, learning=False))
+        kept, start = memory.answers(str(task)), ends.get(task, 0)
+        memory.remember(str(task), answer)
+        # the haystack holds each answer remember() kept, followed by SEPARATOR
+        ends[task] = start + (len(answer) + 1 if memory.answers(str(task)) > kept else 0)
+        spans.append((task, start, ends[task]))
+    return LookupMemories({task: memory.haystack(str(task)) for task, memory in memories.items()}, spans)
 
 
 def replay_lookup(answers: list[tuple[list[int], list[int]]], shape: TreeShape, costs: DraftCosts,
-                  memories: list[np.ndarray] | None = None) -> tuple[float, int]:
+                  memories: LookupMemories | None = None) -> tuple[float, int]:
     """(seconds, tokens) of greedy speculate/ngram over the (prompt, answer) pairs, each drafting
     from its memory in ``memories`` where given: each pass costs the measured pass over its
     drafted tokens and the token before them (``DraftCosts.tree_seconds`` for a tree: a tree
@@ -431,21 +456,21 @@ def replay_lookup(answers: list[tuple[list[int], list[int]]], shape: TreeShape, 
 
 
 def fit_tree(answers: list[tuple[list[int], list[int]]], splits: np.ndarray, costs: DraftCosts,
-             memories: list[np.ndarray] | None = None) -> TreeFit:
+             memories: LookupMemories | None = None) -> TreeFit:
     """Pick the shape (linear drafts among them, first: it wins ties) with the most replayed
     tokens per second on the calibration split; ``splits`` holds each answer's split,
     ``memories`` each answer's lookup memory (:func:`memories_without_own`; None: none)."""
     def rate(split: str, shape: TreeShape) -> float:
         chosen = np.flatnonzero(splits == split)
         seconds, tokens = replay_lookup([answers[i] for i in chosen], shape, costs,
-                                        None if memories is None else [memories[i] for i in chosen])
+                                        None if memories is None else memories.subset(chosen))
         return tokens / seconds if seconds else 0.0
 
     return pick_shape(rate, costs.pass_rows)
 
 
 def fit_tree_per_task(answers: list[tuple[list[int], list[int]]], splits: np.ndarray, tasks: np.ndarray,
-                      costs: DraftCosts, memories: list[np.ndarray] | None = None,
+                      costs: DraftCosts, memories: LookupMemories | None = None,
                       min_answers: int = MIN_TASK_ANSWERS) -> dict[int, TreeFit]:
     """:func:`fit_tree` on each task's answers alone (``tasks``: each answer's task index), for
     tasks with at least ``min_answers`` answers in each split: how often an answer repeats its
@@ -454,5 +479,5 @@ def fit_tree_per_task(answers: list[tuple[list[int], list[int]]], splits: np.nda
     for task in tasks_with_answers(np.arange(len(answers)), splits, tasks, min_answers):
         chosen = np.flatnonzero(tasks == task)
         fits[task] = fit_tree([answers[i] for i in chosen], splits[chosen], costs,
-                              None if memories is None else [memories[i] for i in chosen])
+                              None if memories is None else memories.subset(chosen))
     return fits
