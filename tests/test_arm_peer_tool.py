@@ -80,3 +80,18 @@ def test_plugin_cache_counts_what_misses(tmp_path):
     by_function = arm.symbol_profile(profile)
     assert sum(by_function.values()) == counts["instructions"]
     assert max(by_function, key=by_function.get) == "sweep:main"
+
+
+def test_instruction_counts_summary_names_each_set_and_the_python_backends():
+    sys.path.insert(0, str(REPO / "tools"))
+    import arm_instruction_counts as arm
+
+    rows = [{"kernels": "generic", "per_token": 1200e6}, {"kernels": "dotprod", "per_token": 40e6},
+            {"kernels": "python: onnxruntime (portable)", "per_token": 54e6},
+            {"kernels": "python: native (native dotprod)", "per_token": 36e6}]
+    summary = arm.summary(rows)
+    assert summary["million_instructions_per_token"]["dotprod"] == 40.0
+    assert summary["fewer_than_generic"] == {"dotprod": 30.0, "python: onnxruntime (portable)": 22.22,
+                                             "python: native (native dotprod)": 33.33}
+    assert summary["native_fewer_than_onnxruntime"] == 1.5
+    assert "native_fewer_than_onnxruntime" not in arm.summary(rows[:2]) and "fewer_than_generic" not in arm.summary(rows[1:])

@@ -256,7 +256,7 @@ def main() -> None:
             runs = [counted_python_run(args.python_rootfs, plugin, library, args.cpu, args.bundle, backend, n, ids)
                     for n in (args.decode, args.decode + args.extra)]
             (short, _, t0, ran), (long, tokens, t1, _) = runs
-            rows.append({"kernels": f"python: {ran}", "instructions_short": short, "instructions_long": long,
+            rows.append({"kernels": f"python: {backend} ({ran})", "instructions_short": short, "instructions_long": long,
                          "per_token": (long - short) / args.extra, "tokens": tokens, "qemu_seconds": t0 + t1})
             print(f"  python {backend} ({ran}): {(long - short) / args.extra / 1e6:.1f} M instructions per token "
                   f"({t0 + t1:.0f} s under qemu)", file=sys.stderr)
@@ -288,7 +288,22 @@ def main() -> None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"cpu": args.cpu, "bundle": str(args.bundle.name), "prompt_tokens": len(ids),
                                          "decode": args.decode, "extra": args.extra, "threads": 1, "kv": "float16",
-                                         "weight_bytes_per_token": weights, "results": rows}, indent=1) + "\n")
+                                         "weight_bytes_per_token": weights, "results": rows,
+                                         "summary": summary(rows)}, indent=1) + "\n")
+
+
+def summary(rows: list[dict]) -> dict:
+    """What the docs quote: millions of instructions per token by kernel set, each set's ratio to
+    the generic kernels, and in the emulated Python the native backend's to ONNX Runtime's."""
+    per_token = {r["kernels"]: r["per_token"] for r in rows}
+    result: dict = {"million_instructions_per_token": {k: round(v / 1e6, 1) for k, v in per_token.items()}}
+    if "generic" in per_token:
+        result["fewer_than_generic"] = {k: round(per_token["generic"] / v, 2) for k, v in per_token.items()
+                                        if k != "generic"}
+    in_python = {r["kernels"].split(" ")[1]: r["per_token"] for r in rows if r["kernels"].startswith("python: ")}
+    if {"onnxruntime", "native"} <= in_python.keys():
+        result["native_fewer_than_onnxruntime"] = round(in_python["onnxruntime"] / in_python["native"], 2)
+    return result
 
 
 if __name__ == "__main__":
