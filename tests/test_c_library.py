@@ -57,6 +57,50 @@ def _c_test_args(name: str, iterations: str) -> tuple[str, ...]:
     return (iterations,) if C_TESTS[name] else ()
 
 
+
+@needs_compiler
+def test_halves_convert_on_the_bits_as_the_compilers_float16_and_numpy(tmp_path):
+    """The bit-level half <-> float conversions (for compilers without _Float16: clang before 15
+    on x86-64) against the compiler's _Float16, bit for bit (a NaN quiet, with its payload's top
+    bits), and numpy for every number: all 65,536 halves read; written back, every half's value,
+    its float neighbours, each midpoint between two halves (ties to even) and its neighbours,
+    the overflow edge and random floats."""
+    halves = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+    finite = halves[np.isfinite(halves)]
+    ordered = np.unique(finite)
+    midpoints = (ordered[:-1].astype(np.float64) + ordered[1:]) / 2
+    floats = np.concatenate([halves, np.nextafter(finite, np.inf), np.nextafter(finite, -np.inf),
+                             midpoints.astype(np.float32), np.nextafter(midpoints.astype(np.float32), np.inf),
+                             np.nextafter(midpoints.astype(np.float32), -np.inf),
+                             np.float32([65504, 65519.99, 65520, 1e-8, -1e-8, 2.0 ** -25, 2.0 ** -24, np.inf, -np.inf]),
+                             np.random.default_rng(3).integers(0, 2 ** 32, 200_000, np.uint32).view(np.float32)])
+    floats_file = tmp_path / "floats.bin"
+    floats.astype(np.float32).tofile(floats_file)
+    source = tmp_path / "halves.c"
+    source.write_text(
+        '#include <stdio.h>\n#include "formats.h"\nint main(int argc, char **argv) {\n'
+        '  for (uint32_t h = 0; h < 65536; h++) {\n'
+        '    float a = f16_bits_to_f32((uint16_t)h), b = half_to_float((uint16_t)h);\n'
+        '    uint32_t x, y; memcpy(&x, &a, 4); memcpy(&y, &b, 4); printf("%08x %08x\\n", x, y); }\n'
+        '  FILE *f = fopen(argv[1], "rb"); float v;\n'
+        '  while (fread(&v, 4, 1, f) == 1) printf("%04x %04x\\n", f32_to_f16_bits(v), float_to_half(v));\n'
+        '  return 0; }\n')
+    program = tmp_path / "halves"
+    subprocess.run([COMPILER, "-std=gnu11", "-O2", f"-I{NATIVE / 'src'}", f"-I{NATIVE / 'include'}", str(source), "-o",
+                    str(program)], check=True, capture_output=True, text=True)
+    lines = subprocess.run([str(program), str(floats_file)], check=True, capture_output=True, text=True).stdout.split()
+    portable, compiled = (np.array([int(v, 16) for v in lines[i::2]], np.uint32) for i in (0, 1))
+    assert len(portable) == 65536 + len(floats) and np.array_equal(portable, compiled)
+    read, written = portable[:65536].view(np.float32), portable[65536:].astype(np.uint16).view(np.float16)
+    numbers = ~np.isnan(halves)
+    assert np.array_equal(read[numbers], halves[numbers]) and np.isnan(read[~numbers]).all()
+    with np.errstate(over="ignore"):
+        expected = floats.astype(np.float16)
+    numbers = ~np.isnan(floats)
+    assert np.array_equal(written[numbers].view(np.uint16), expected[numbers].view(np.uint16))
+    assert np.isnan(written[~numbers]).all()
+
+
 @needs_compiler
 @pytest.mark.parametrize("name", list(C_TESTS))
 def test_the_c_tests_pass_under_address_and_undefined_behaviour_sanitizers(tmp_path, asan_library, name):

@@ -12,15 +12,68 @@
 
 static inline int is_k_quant(int type) { return type == T_Q4_K || type == T_Q6_K; }
 
+/* IEEE half <-> float on the bits, for compilers without _Float16 on the target (clang before 15
+ * on x86-64: the fuzz build): the values F16C and _Float16 give, a NaN quiet with its payload's
+ * top bits, rounding to nearest even, overflow to infinity */
+static inline float f16_bits_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
+    uint32_t bits;
+    if (exponent == 0x1f) {
+        bits = sign | 0x7f800000u | (mantissa << 13) | (mantissa ? 0x400000u : 0);
+    } else if (exponent != 0) {
+        bits = sign | ((exponent + 112u) << 23) | (mantissa << 13); /* the bias 15 -> 127 */
+    } else {
+        const float subnormal = (float)mantissa * 0x1p-24f; /* exact: at most 10 significant bits */
+        memcpy(&bits, &subnormal, 4);
+        bits |= sign;
+    }
+    float value;
+    memcpy(&value, &bits, 4);
+    return value;
+}
+
+static inline uint16_t f32_to_f16_bits(float value) {
+    uint32_t bits;
+    memcpy(&bits, &value, 4);
+    const uint16_t sign = (uint16_t)((bits >> 16) & 0x8000u);
+    const uint32_t magnitude = bits & 0x7fffffffu;
+    if (magnitude > 0x7f800000u) return sign | 0x7e00u | (uint16_t)((magnitude >> 13) & 0x3ffu);
+    if (magnitude >= 0x477ff000u) return sign | 0x7c00u; /* 65520 and up round to infinity */
+    if (magnitude >= 0x38800000u) {                      /* a normal half: rebias, round at bit 13 */
+        const uint32_t rebiased = magnitude - 0x38000000u;
+        return sign | (uint16_t)((rebiased + 0xfffu + ((rebiased >> 13) & 1u)) >> 13);
+    }
+    if (magnitude < 0x33000000u) return sign; /* at most half the smallest subnormal, 2^-25: zero */
+    const uint32_t shift = 126u - (magnitude >> 23), mantissa = (magnitude & 0x7fffffu) | 0x800000u;
+    const uint32_t code = mantissa >> shift, rest = mantissa & ((1u << shift) - 1u), half = 1u << (shift - 1u);
+    return sign | (uint16_t)(code + (rest > half || (rest == half && (code & 1u))));
+}
+
+#if defined(__FLT16_MAX__)
+static inline float half_to_float(uint16_t h) {
+    _Float16 f;
+    memcpy(&f, &h, 2);
+    return (float)f;
+}
+
+static inline uint16_t float_to_half(float value) {
+    const _Float16 f = (_Float16)value;
+    uint16_t h;
+    memcpy(&h, &f, 2);
+    return h;
+}
+#else
+static inline float half_to_float(uint16_t h) { return f16_bits_to_f32(h); }
+static inline uint16_t float_to_half(float value) { return f32_to_f16_bits(value); }
+#endif
+
 static inline float read_f16(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
 #if defined(__F16C__)
     return _cvtsh_ss(h); /* one instruction where the kernel set may use it; the same value */
 #else
-    _Float16 f;
-    memcpy(&f, &h, 2);
-    return (float)f;
+    return half_to_float(h);
 #endif
 }
 

@@ -29,19 +29,12 @@ static inline float max_abs(const float *x, int n) {
 }
 
 INLINE void floats_to_halves(const float *from, size_t n, uint16_t *to) {
-    for (size_t c = 0; c < n; c++) {
-        const _Float16 h = (_Float16)from[c];
-        memcpy(to + c, &h, 2);
-    }
+    for (size_t c = 0; c < n; c++) to[c] = float_to_half(from[c]);
 }
 
 INLINE float kv_value(const uint8_t *row, int c, int hd, int format) {
     if (format == KV_F32) return ((const float *)row)[c];
-    if (format == KV_F16) {
-        _Float16 h;
-        memcpy(&h, row + 2 * c, 2);
-        return (float)h;
-    }
+    if (format == KV_F16) return read_f16(row + 2 * c);
     float d;
     memcpy(&d, row + hd + 4 * (c / 32), 4);
     return (float)((const int8_t *)row)[c] * d;
