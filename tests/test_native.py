@@ -623,3 +623,23 @@ def test_native_weights_without_the_gguf_container_are_refused_with_the_fix(demo
     (copy / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(NativeBackendUnavailable, match="predate the GGUF container.*re-export"):
         native.NativeModel(Bundle.open(copy, verify=False))
+
+
+@pytest.mark.slow
+def test_a_device_profiles_gpu_providers_this_onnx_runtime_lacks_leave_auto_on_the_native_backend(demo, monkeypatch):
+    """A Jetson module's profile names TensorRT's and CUDA's providers for onnxruntime-gpu; where
+    this ONNX Runtime lacks them it would run the graphs on its CPU provider, so auto runs the
+    native kernels; where it has one, auto runs ONNX Runtime and says why."""
+    if UNAVAILABLE is not None:
+        pytest.skip(f"native kernels unavailable: {UNAVAILABLE}")
+    from edgeroute.runtime import backend
+    from edgeroute.runtime.options import EngineOptions
+
+    monkeypatch.setattr(backend.ort, "get_available_providers", lambda: ["CPUExecutionProvider"])
+    engine = Engine(demo, slm=False, profile="jetson-orin-nano-8gb")
+    assert engine.llm.flavour == "native" and engine.backend_notes.get("llm") is None
+    entry = demo.models["llm"]
+    monkeypatch.setattr(backend.ort, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    chosen, why = backend.backend_for(entry, EngineOptions(providers=engine.settings.providers))
+    assert chosen == "onnxruntime" and "['CUDAExecutionProvider'] run the graphs through ONNX Runtime" in why
+    assert backend.backend_for(entry, EngineOptions(providers=(("CPUExecutionProvider", {}),)))[0] == "native"

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 import onnxruntime as ort
@@ -110,6 +110,16 @@ def cuda_providers(available: Sequence[str] | None = None) -> list[str]:
     return [p for p in GPU_PROVIDERS if p in available] + ["CPUExecutionProvider"]
 
 
+def providers_beyond_the_cpu(providers: Sequence[Any] | None) -> list[str]:
+    """The providers of ``providers`` (names, or [name, options]) other than the CPU's that this
+    ONNX Runtime has. A device profile names its GPU's (Jetson: TensorRT, CUDA); where this ONNX
+    Runtime lacks them, it would run the graphs on its CPU provider, which the native kernels beat,
+    so ``auto`` takes those (docs/guide/devices.md)."""
+    available = set(ort.get_available_providers())
+    names = (provider if isinstance(provider, str) else provider[0] for provider in providers or ())
+    return [name for name in names if name != "CPUExecutionProvider" and name in available]
+
+
 def native_blocker(entry: ModelEntry, options: EngineOptions) -> str | None:
     """Why the native backend cannot take this model with these settings (None: it can)."""
     if entry.native is None:
@@ -117,8 +127,8 @@ def native_blocker(entry: ModelEntry, options: EngineOptions) -> str | None:
             return (f"the {entry.role} model has no native weights: the bundle was exported for --target "
                     f"{entry.target.name}, which re-blocks the source's weights")
         return f"the {entry.role} model has no native weights (export writes them for GGUF sources)"
-    if options.providers and list(options.providers) != ["CPUExecutionProvider"]:
-        return f"providers {list(options.providers)} are ONNX Runtime's"
+    if entry.target.graphs and (others := providers_beyond_the_cpu(options.providers)):
+        return f"providers {others} run the graphs through ONNX Runtime"
     if options.attention != "auto":
         return f"attention={options.attention!r} chooses ONNX Runtime graphs"
     if options.activations != "int8":
