@@ -556,6 +556,16 @@ def test_cli_run_with_more_threads_than_cpus_online_exits_2(tiny_slm_bundle):
     assert f"within 1..{online}, the CPUs online (got {online + 1})" in words(result.output)
 
 
+def test_cli_run_an_int8_cache_on_a_named_onnx_runtime_names_the_backend_and_the_fix(tiny_slm_bundle):
+    """A named backend leaves auto no reason to give: the refusal said "here: None"."""
+    result = invoke("run", str(tiny_slm_bundle), "--prompt", "hi", "--raw", "--backend", "onnxruntime",
+                    "--kv-dtype", "int8")
+    assert result.exit_code == 2, result.output
+    said = words(result.output)
+    assert "kv_dtype='int8'" in said and "(backend='onnxruntime' was asked for)" in said, said
+    assert "kv_dtype='float16'" in said and "None" not in said, said
+
+
 def test_a_bundle_that_is_not_a_path_is_a_bundle_error():
     from edgeroute.bundle import Bundle
 

@@ -231,9 +231,11 @@ def open_model(bundle: Bundle, role: str, options: EngineOptions,
     if chosen == "native":
         return NativeModel(bundle, role, threads=options.model_threads(), kv_dtype=cache, kernels=options.kernels,
                            verify=bundle.verify), None
-    if cache not in GRAPH_KV_DTYPES:
-        raise InputError(f"a {cache} KV cache runs on the native backend only, which does not take the {role} "
-                         f"model here: {why_not}")
+    if cache not in GRAPH_KV_DTYPES:  # why_not is None where a graph backend was named: say that, not "None"
+        reason = why_not or f"backend={options.backend!r} was asked for"
+        raise InputError(f"kv_dtype={cache!r}: that KV cache runs on the native backend only, which does not "
+                         f"take the {role} model here ({reason}): use backend='auto' or 'native' on a model with "
+                         "native weights, or kv_dtype='float16'")
     steps = options.exact_steps if exact_steps is None else exact_steps
     return OrtModel(bundle, role, options.providers, options.activations, options.attention, exact_steps=steps,
                     kv_dtype=cache, threads=options.model_threads()), why_not
