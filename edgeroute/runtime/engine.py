@@ -416,6 +416,9 @@ class Engine:
 
 
 CONTEXT_POLICIES = ("error", "drop_oldest")
+# how long a call waits for a cancelled generation to stop (within one token: a prefill pass at
+# most) before it is refused as SessionBusy; longer means an on_token callback holds the decode
+CANCELLED_WAIT_S = 30.0
 
 
 @dataclass
@@ -445,6 +448,8 @@ class Session:
     ``stream`` / ``generate_tokens`` iterator is first advanced) until it returns; a cancel in
     that window before the first token ends it with no new tokens (finish_reason
     "cancelled"). A cancel while the session is idle does nothing: it never stops a later call.
+    A call from another thread after a cancel waits for the cancelled generation to stop
+    (within one token) instead of raising ``SessionBusy``.
     """
 
     def __init__(self, engine: Engine, options: DecodeOptions, chat: bool = False, system: str | None = None,
@@ -463,8 +468,9 @@ class Session:
         self._opening = [{"role": "system", "content": system}] if system is not None else []
         self.messages: list[dict[str, str]] = list(self._opening)
         self._cancel = threading.Event()
-        self._guard = threading.Lock()  # guards _busy and the cancel flag
+        self._guard = threading.Condition()  # guards _busy, the cancel flag and _owner; notified when idle
         self._busy = False
+        self._owner: int | None = None  # the thread running the generation in progress
         self.last: Generation | None = None
         self._constraint: Constraint | None = None  # the running generation's response_format or tool grammar
         self._tool_choice: str | None = None  # the running generation's, None without tools
@@ -478,17 +484,24 @@ class Session:
     @contextmanager
     def _exclusive(self) -> Iterator[None]:
         with self._guard:
+            # a cancelled generation stops within one token: a call from another thread waits for
+            # it instead of being refused, so a barge-in's cancel then barge_in() or the next turn
+            # (the awaiting task cancelled, or cancel() from another thread) runs as soon as it can.
+            # Its own thread (an on_token callback) would wait for itself: refused at once
+            if self._busy and self._cancel.is_set() and self._owner != threading.get_ident():
+                self._guard.wait_for(lambda: not self._busy, timeout=CANCELLED_WAIT_S)
             if self._busy:
                 raise SessionBusy("this Session is already generating (in another thread, or this call comes from "
                                   "its own on_token callback): give each thread its own engine.session() or "
                                   "engine.chat(), or wait until the running call returns")
-            self._busy = True
+            self._busy, self._owner = True, threading.get_ident()
             self._cancel.clear()
         try:
             yield
         finally:
             with self._guard:
                 self._busy = False
+                self._guard.notify_all()
 
     def cancel(self) -> None:
         """Stop the generation in progress within one token (callable from any thread; does
