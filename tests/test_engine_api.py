@@ -398,6 +398,8 @@ def test_bundle_from_a_newer_format_version_is_a_bundle_error(tiny_bundles, tmp_
     ([{"role": "user"}], r"message 0 \(user\) has no content"),
     (["hi"], "message 0 is a str, not a"),
     ([{"role": "user", "content": 5}], "message 0: content must be text"),
+    ([{"content": "Hi"}], "message 0 has role None: one of system, user, assistant, tool"),
+    ([{"role": "user", "content": "Hi"}, {"role": "driver", "content": "Hi"}], "message 1 has role 'driver'"),
     ("a\ud800b", "the prompt is not valid Unicode text: surrogates not allowed at character 1"),
     ([{"role": "user", "content": "\udc80"}], "message 0 is not valid Unicode text"),
 ])
@@ -408,6 +410,22 @@ def test_a_prompt_that_is_not_text_or_messages_is_an_input_error_naming_it(promp
     with pytest.raises(InputError, match=message):
         tiny_engine.encode_prompt(prompt)
     assert session.state.tokens == []
+
+
+@pytest.mark.parametrize("messages", [
+    [{"role": "system", "content": "Answer briefly."}],
+    [{"role": "user", "content": FIRST_USER}, {"role": "assistant", "content": "At the square."}],
+])
+def test_messages_that_end_without_a_user_message_are_refused_not_answered_as_the_user(messages, tiny_engine):
+    """The template opens the user's next turn after a system or assistant message: the model
+    would write the user's words."""
+    chat = tiny_engine.chat()
+    with pytest.raises(InputError, match="the messages end with a message of role .*add the user's message"):
+        chat.generate(messages, max_new_tokens=2)
+    with pytest.raises(InputError, match="the messages end with"):
+        tiny_engine.generate(messages, max_new_tokens=2)
+    assert chat.state.tokens == [] and chat.messages == []
+    assert len(chat.generate([*messages, *user(SECOND_USER)], max_new_tokens=2).tokens) == 2
 
 
 @pytest.mark.parametrize(("options", "message"), [

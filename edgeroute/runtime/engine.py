@@ -63,6 +63,9 @@ Tools = Sequence[dict[str, Any]]
 ToolChoice = str | dict[str, Any] | None  # "auto" (None) | "required" | "none" | {"type": "function", ...}
 
 
+ROLES = ("system", "user", "assistant", "tool")
+
+
 def check_prompt(prompt: Any) -> None:
     """An InputError naming what is wrong unless ``prompt`` is text or a list of OpenAI-style
     messages (objects whose ``content`` is text, or None beside tool calls), all of it valid
@@ -77,6 +80,8 @@ def check_prompt(prompt: Any) -> None:
         if not isinstance(message, dict):
             raise InputError(f"message {index} is a {type(message).__name__}, not a {{'role': ..., 'content': ...}} "
                              "object")
+        if message.get("role") not in ROLES:  # the chat format reads it (a KeyError's message is only 'role')
+            raise InputError(f"message {index} has role {message.get('role')!r}: one of {', '.join(ROLES)}")
         content = message.get("content")
         if content is None and not message.get("tool_calls"):
             raise InputError(f"message {index} ({message.get('role', 'no role')}) has no content")
@@ -606,6 +611,10 @@ class Session:
         if not tokens:
             if self._opening and messages[0].get("role") == "system":
                 raise InputError("this chat already has a system prompt (chat(system=...)): send user messages only")
+            # the template would open the user's next turn after them, and the model write the user's words
+            if messages[-1].get("role") not in ("user", "tool"):
+                raise InputError(f"the messages end with a message of role {messages[-1].get('role')!r}: an answer "
+                                 "follows a user message (or tool results); add the user's message")
             return Turn(0, engine.encode_prompt(self.messages + messages, self.tools), self.messages + messages)
         # a later chat turn: close the assistant's answer and append only the new message(s)
         drop_eos = tokens[-1] in engine.eos_ids  # the template's text below closes the turn
