@@ -433,10 +433,25 @@ def test_messages_that_end_without_a_user_message_are_refused_not_answered_as_th
     (dict(light=3), "light must be a string"),
     (dict(max_new_tokens=True), "max_new_tokens must be a whole number"),
     (dict(max_new_tokens=2.5), "max_new_tokens must be a whole number"),
+    (dict(mode="speculate", draft_tokens="3"), r"draft_tokens must be a whole number \(got '3'\)"),
+    (dict(mode="speculate", draft_branches=2.0), "draft_branches must be a whole number"),
+    (dict(mode="route", route_threshold="0.3"), "route_threshold must be a number"),
+    (dict(mode="speculate", light="slm", draft_confidence="high"), "draft_confidence must be a number"),
+    (dict(skip_ratio="0.2"), "skip_ratio must be a number"),
+    (dict(window="8"), "window must be a whole number"),
+    (dict(adaptive_draft="no"), "adaptive_draft must be True or False"),
+    (dict(skip="layer"), "skip and fallback take SkipOptions"),
+    (dict(mode="route", router=5), "router must be a router's name or a function"),
 ])
 def test_options_of_the_wrong_type_are_input_errors(options, message, tiny_engine):
     with pytest.raises(InputError, match=message):
         tiny_engine.session(**options)
+    chat = tiny_engine.chat()
+    chat.generate(FIRST_USER, max_new_tokens=2)
+    before = (list(chat.state.tokens), list(chat.messages))
+    with pytest.raises(InputError, match=message):  # per call too, before the turn changes anything
+        chat.generate(SECOND_USER, **options)
+    assert (chat.state.tokens, chat.messages) == before
 
 
 def test_a_system_prompt_that_is_not_text_is_an_input_error(tiny_engine):
