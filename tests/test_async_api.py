@@ -78,3 +78,31 @@ def test_a_bad_option_raises_in_the_awaiting_task(tiny_engine):
 
     with pytest.raises(InputError, match="temperature"):
         asyncio.run(bad())
+
+
+def test_a_task_cancelled_while_speaking_a_piece_stops_the_decode_and_the_chat_goes_on_in_the_same_loop(tiny_engine):
+    """The voice app's loop body awaits the speech (``await tts.say(piece)``): a cancel lands
+    there, outside the async generator, which stays suspended; held by the kept exception, it is
+    never closed. The decode stops anyway, and the chat's next calls run on the same loop."""
+    chat = tiny_engine.chat(max_new_tokens=400)
+    seen: list[str] = []
+
+    async def speak():
+        async for piece in chat.astream(PROMPT, on_token=lambda trace: time.sleep(0.01)):
+            seen.append(piece)
+            await asyncio.sleep(10)  # saying the piece when the driver cuts in
+
+    async def barge_in():
+        task = asyncio.create_task(speak())
+        while not seen:
+            await asyncio.sleep(0.001)
+        task.cancel()
+        kept = await asyncio.gather(task, return_exceptions=True)  # the exception, its frame and the stream live on
+        chat.barge_in(seen[0])  # at once: no SessionBusy
+        answer = await chat.agenerate("And then?", max_new_tokens=4)
+        return kept, answer
+
+    kept, answer = asyncio.run(barge_in())
+    assert isinstance(kept[0], asyncio.CancelledError)
+    assert chat.messages[1]["role"] == "assistant" and len(chat.messages) == 4
+    assert answer.finish_reason in ("length", "eos")

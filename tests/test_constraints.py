@@ -193,6 +193,10 @@ def test_chat_turns_each_follow_the_format(tiny_engine):
     ({"type": "json_schema"}, "needs a schema object"),
     ({"type": "regex", "regex": ""}, "regex needs its text"),
     ("json", "response_format type 'json' is not one of"),
+    ({"type": "json_schema", "schema": {"type": "string", "enum": {"driver", "passenger"}}},
+     r"the JSON schema is not JSON \(Object of type set"),
+    ({"type": "json_object", "layout": "model", "schema": {"type": "object", "x-guidance": True}},
+     '"x-guidance" must be an object of options'),
 ])
 def test_bad_formats_are_clear_input_errors_and_change_nothing(spec, message, tiny_engine):
     session = tiny_engine.session()

@@ -398,6 +398,8 @@ def test_bundle_from_a_newer_format_version_is_a_bundle_error(tiny_bundles, tmp_
     ([{"role": "user"}], r"message 0 \(user\) has no content"),
     (["hi"], "message 0 is a str, not a"),
     ([{"role": "user", "content": 5}], "message 0: content must be text"),
+    ([{"content": "Hi"}], "message 0 has role None: one of system, user, assistant, tool"),
+    ([{"role": "user", "content": "Hi"}, {"role": "driver", "content": "Hi"}], "message 1 has role 'driver'"),
     ("a\ud800b", "the prompt is not valid Unicode text: surrogates not allowed at character 1"),
     ([{"role": "user", "content": "\udc80"}], "message 0 is not valid Unicode text"),
 ])
@@ -410,15 +412,46 @@ def test_a_prompt_that_is_not_text_or_messages_is_an_input_error_naming_it(promp
     assert session.state.tokens == []
 
 
+@pytest.mark.parametrize("messages", [
+    [{"role": "system", "content": "Answer briefly."}],
+    [{"role": "user", "content": FIRST_USER}, {"role": "assistant", "content": "At the square."}],
+])
+def test_messages_that_end_without_a_user_message_are_refused_not_answered_as_the_user(messages, tiny_engine):
+    """The template opens the user's next turn after a system or assistant message: the model
+    would write the user's words."""
+    chat = tiny_engine.chat()
+    with pytest.raises(InputError, match="the messages end with a message of role .*add the user's message"):
+        chat.generate(messages, max_new_tokens=2)
+    with pytest.raises(InputError, match="the messages end with"):
+        tiny_engine.generate(messages, max_new_tokens=2)
+    assert chat.state.tokens == [] and chat.messages == []
+    assert len(chat.generate([*messages, *user(SECOND_USER)], max_new_tokens=2).tokens) == 2
+
+
 @pytest.mark.parametrize(("options", "message"), [
     (dict(mode=None), "mode must be a string"),
     (dict(light=3), "light must be a string"),
     (dict(max_new_tokens=True), "max_new_tokens must be a whole number"),
     (dict(max_new_tokens=2.5), "max_new_tokens must be a whole number"),
+    (dict(mode="speculate", draft_tokens="3"), r"draft_tokens must be a whole number \(got '3'\)"),
+    (dict(mode="speculate", draft_branches=2.0), "draft_branches must be a whole number"),
+    (dict(mode="route", route_threshold="0.3"), "route_threshold must be a number"),
+    (dict(mode="speculate", light="slm", draft_confidence="high"), "draft_confidence must be a number"),
+    (dict(skip_ratio="0.2"), "skip_ratio must be a number"),
+    (dict(window="8"), "window must be a whole number"),
+    (dict(adaptive_draft="no"), "adaptive_draft must be True or False"),
+    (dict(skip="layer"), "skip and fallback take SkipOptions"),
+    (dict(mode="route", router=5), "router must be a router's name or a function"),
 ])
 def test_options_of_the_wrong_type_are_input_errors(options, message, tiny_engine):
     with pytest.raises(InputError, match=message):
         tiny_engine.session(**options)
+    chat = tiny_engine.chat()
+    chat.generate(FIRST_USER, max_new_tokens=2)
+    before = (list(chat.state.tokens), list(chat.messages))
+    with pytest.raises(InputError, match=message):  # per call too, before the turn changes anything
+        chat.generate(SECOND_USER, **options)
+    assert (chat.state.tokens, chat.messages) == before
 
 
 def test_a_system_prompt_that_is_not_text_is_an_input_error(tiny_engine):

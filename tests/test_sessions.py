@@ -4,6 +4,7 @@ shared system-prompt prefix, and one call at a time (SessionBusy, cancel semanti
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -247,6 +248,36 @@ def test_a_call_from_its_own_token_callback_is_refused(tiny_engine):
 
     generation = session.generate("The capital of France is", on_token=on_token, max_new_tokens=4)
     assert len(refused) == 4 and generation.finish_reason == "length"
+
+
+def test_a_call_from_its_own_token_callback_after_a_cancel_is_refused_at_once(tiny_engine):
+    """Another thread's call waits for a cancelled generation to stop; its own callback's call
+    would wait for itself, so it is refused as before."""
+    session = tiny_engine.session()
+
+    def on_token(trace):
+        session.cancel()
+        with pytest.raises(SessionBusy):
+            session.generate("again", max_new_tokens=2)
+
+    assert session.generate("The capital of France is", on_token=on_token, max_new_tokens=4).finish_reason == "cancelled"
+
+
+def test_a_call_after_a_cancel_from_another_thread_waits_for_the_generation_to_stop(tiny_engine):
+    chat, started = tiny_engine.chat(), threading.Event()
+
+    def speak():
+        for _ in chat.stream(TURNS[0], on_token=lambda trace: (started.set(), time.sleep(0.02)), max_new_tokens=200):
+            pass
+
+    thread = threading.Thread(target=speak)
+    thread.start()
+    started.wait(60)
+    chat.cancel()
+    chat.barge_in(None)  # the barge-in right after the cancel: no SessionBusy
+    thread.join()
+    assert chat.last.finish_reason == "cancelled" and chat.messages == []
+    assert chat.generate(TURNS[1], max_new_tokens=2).finish_reason in ("length", "eos")
 
 
 def test_cancel_while_idle_does_nothing_and_cancel_before_the_first_token_yields_none(tiny_engine, monkeypatch):

@@ -15,7 +15,14 @@ from tokenizers import AddedToken, Tokenizer
 from edgeroute.chat_format import FALLBACK_TOOL_FORMAT, ToolFormat, format_messages
 from edgeroute.errors import InputError
 from edgeroute.export.chat import derive_chat_format, derive_tool_format, render
-from edgeroute.runtime.tools import CallNames, ContentFilter, parse_tools, split_tool_calls, tool_grammar
+from edgeroute.runtime.tools import (
+    CallNames,
+    ContentFilter,
+    parse_tool_choice,
+    parse_tools,
+    split_tool_calls,
+    tool_grammar,
+)
 from tests.conftest import export_tiny
 
 TOOLS = [
@@ -352,6 +359,17 @@ def test_bad_tools_choices_and_results_are_refused_with_the_fix(tool_engine):
     chat.generate("Home", tool_choice={"type": "function", "function": {"name": "navigate"}}, max_new_tokens=60)
     with pytest.raises(InputError, match="one of the last answer's calls"):
         chat.generate([{"role": "tool", "tool_call_id": "call_99", "content": "{}"}])
+
+
+@pytest.mark.parametrize("choice", [
+    {"type": "function", "function": "navigate"},  # the name where its object belongs
+    {"type": "function", "function": {"name": ["navigate"]}},
+    {"type": "function"},
+    {"function": {"name": "navigate"}},
+])
+def test_a_tool_choice_object_of_another_shape_is_an_input_error_showing_the_shape(choice):
+    with pytest.raises(InputError, match=r'is not \{"type": "function", "function": \{"name": \.\.\.\}\}'):
+        parse_tool_choice(choice, TOOLS)
 
 
 def test_run_with_tools_prints_each_call_as_a_json_line(tool_engine, tmp_path):

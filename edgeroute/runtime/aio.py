@@ -2,9 +2,13 @@
 decode on a worker thread, so a voice pipeline built on asyncio awaits tokens without a
 thread of its own and without blocking its loop (audio in and out keeps flowing).
 
-Cancelling the task that awaits the pieces (a barge-in), or leaving the ``async for`` early,
+Cancelling the task that consumes the pieces (a barge-in), or closing the iterator early,
 stops the decode within one token: the session's ``cancel()`` is called and the worker is
-awaited, so the session is idle (and its cache consistent) when the cancellation completes.
+awaited. A task cancelled while its ``async for`` body awaits (``await tts.say(piece)``) leaves
+the async generator suspended at a ``yield``, where no cancellation reaches it: Python closes
+an abandoned async generator only when it is garbage (later, or never while a traceback holds
+the task's frame). So the task's end stops the decode too, and the session's next call waits
+for that last token (``Session._exclusive``).
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ async def iterate_in_thread(make: Callable[[], Iterator[T]], cancel: Callable[[]
     loop = asyncio.get_running_loop()
     items: asyncio.Queue = asyncio.Queue()
     stop = threading.Event()  # a stop before the worker began: its first item ends it
+    # the iteration is over: a cancel() from here on (an abandoned generator closed late) would
+    # stop whatever call the session runs by then
+    over = threading.Event()
 
     def produce() -> None:
         try:
@@ -35,7 +42,18 @@ async def iterate_in_thread(make: Callable[[], Iterator[T]], cancel: Callable[[]
             loop.call_soon_threadsafe(items.put_nowait, (_ERROR, err))
         else:
             loop.call_soon_threadsafe(items.put_nowait, (_END, None))
+        finally:
+            over.set()
 
+    def halt(_task: asyncio.Task | None = None) -> None:
+        stop.set()
+        if not over.is_set():
+            cancel()
+
+    # the consuming task may end (cancelled, or raising) outside the generator's frame, in its loop body
+    consumer = asyncio.current_task()
+    if consumer is not None:
+        consumer.add_done_callback(halt)
     worker = loop.run_in_executor(None, produce)
     try:
         while True:
@@ -46,6 +64,7 @@ async def iterate_in_thread(make: Callable[[], Iterator[T]], cancel: Callable[[]
                 raise value
             yield value
     finally:
-        stop.set()
-        cancel()
+        if consumer is not None:
+            consumer.remove_done_callback(halt)
+        halt()
         await asyncio.shield(worker)  # the decode has stopped (within one token) when this returns

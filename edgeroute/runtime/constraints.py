@@ -53,7 +53,12 @@ class ResponseFormat:
         if layout not in JSON_LAYOUTS:
             raise InputError(f"response_format layout {layout!r} is not one of {', '.join(JSON_LAYOUTS)}: compact "
                              "(minified, fastest) or model (the model's own whitespace, a ```json fence allowed)")
-        return cls("json_schema", schema if isinstance(schema, str) else json.dumps(schema), layout)
+        try:
+            text = schema if isinstance(schema, str) else json.dumps(schema)
+        except (TypeError, ValueError) as err:  # a set, a class, NaN's cycle...: json's words name no field
+            raise InputError(f"response_format: the JSON schema is not JSON ({err}): give it as dicts, lists, "
+                             "strings, numbers, booleans and None") from None
+        return cls("json_schema", text, layout)
 
     @classmethod
     def parse(cls, spec: ResponseFormat | dict[str, Any] | None) -> ResponseFormat | None:
@@ -99,7 +104,10 @@ def model_layout_grammar(schema_text: str) -> str:
     except json.JSONDecodeError as err:
         raise InputError(f"response_format: the JSON schema is not JSON ({err})") from None
     if isinstance(schema, dict):
-        schema = {**schema, "x-guidance": {"whitespace_flexible": True, **schema.get("x-guidance", {})}}
+        options = schema.get("x-guidance", {})
+        if not isinstance(options, dict):
+            raise InputError(f'response_format: the schema\'s "x-guidance" must be an object of options (got {options!r})')
+        schema = {**schema, "x-guidance": {"whitespace_flexible": True, **options}}
     return ('start: fenced | body\nfenced: "```json\\n" body "\\n```"\n'
             f"body: %json {json.dumps(schema)}\n")
 

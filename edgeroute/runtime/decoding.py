@@ -93,6 +93,24 @@ def check_sampling(temperature: Any, top_p: Any, seed: Any = None) -> None:
         raise InputError(f"seed must be a whole number >= 0, or unset for a fresh one each generation (got {seed!r})")
 
 
+def check_field_types(options: Any) -> None:
+    """An InputError naming the field unless every number and flag of the dataclass ``options``
+    holds one (None where the field allows it): the range checks compare them, and a string
+    (from a config file or an environment variable) failed there with a TypeError, or, as a
+    flag, counted as true."""
+    for f in dataclasses.fields(options):
+        kind, value = f.type.split(" | ")[0], getattr(options, f.name)  # annotations are text here
+        if kind not in ("int", "float", "bool") or (value is None and f.type.endswith("| None")):
+            continue
+        if kind == "bool":
+            fits, wanted = isinstance(value, bool), "True or False"
+        else:
+            fits = not isinstance(value, bool) and isinstance(value, numbers.Integral if kind == "int" else numbers.Real)
+            wanted = "a whole number" if kind == "int" else "a number"
+        if not fits:
+            raise InputError(f"{f.name} must be {wanted} (got {value!r})")
+
+
 @dataclass
 class DecodeOptions:
     mode: str = "full"
@@ -189,6 +207,13 @@ class DecodeOptions:
         return self.mode == "slm" or (self.light in SLM_LIGHT_PATHS and self.base_mode in ("route", "speculate"))
 
     def validate(self, num_layers: int, has_slm: bool) -> None:
+        if not isinstance(self.skip, SkipOptions) or not isinstance(self.fallback, FallbackOptions | None):
+            raise InputError("skip and fallback take SkipOptions and FallbackOptions; their fields may be given flat "
+                             f"(skip_ratio=0.2, window=8) (got {self.skip!r:.60}, {self.fallback!r:.60})")
+        if not (self.router is None or isinstance(self.router, str) or callable(self.router)):
+            raise InputError(f"router must be a router's name or a function scoring a token (got {self.router!r})")
+        for options in (self, self.skip, self.fallback or FallbackOptions()):
+            check_field_types(options)
         if self.mode == "auto":
             raise InputError("mode auto is resolved by the engine from the bundle's calibration")
         if self.mode not in MODES:

@@ -63,6 +63,9 @@ Tools = Sequence[dict[str, Any]]
 ToolChoice = str | dict[str, Any] | None  # "auto" (None) | "required" | "none" | {"type": "function", ...}
 
 
+ROLES = ("system", "user", "assistant", "tool")
+
+
 def check_prompt(prompt: Any) -> None:
     """An InputError naming what is wrong unless ``prompt`` is text or a list of OpenAI-style
     messages (objects whose ``content`` is text, or None beside tool calls), all of it valid
@@ -77,6 +80,8 @@ def check_prompt(prompt: Any) -> None:
         if not isinstance(message, dict):
             raise InputError(f"message {index} is a {type(message).__name__}, not a {{'role': ..., 'content': ...}} "
                              "object")
+        if message.get("role") not in ROLES:  # the chat format reads it (a KeyError's message is only 'role')
+            raise InputError(f"message {index} has role {message.get('role')!r}: one of {', '.join(ROLES)}")
         content = message.get("content")
         if content is None and not message.get("tool_calls"):
             raise InputError(f"message {index} ({message.get('role', 'no role')}) has no content")
@@ -416,6 +421,9 @@ class Engine:
 
 
 CONTEXT_POLICIES = ("error", "drop_oldest")
+# how long a call waits for a cancelled generation to stop (within one token: a prefill pass at
+# most) before it is refused as SessionBusy; longer means an on_token callback holds the decode
+CANCELLED_WAIT_S = 30.0
 
 
 @dataclass
@@ -445,6 +453,8 @@ class Session:
     ``stream`` / ``generate_tokens`` iterator is first advanced) until it returns; a cancel in
     that window before the first token ends it with no new tokens (finish_reason
     "cancelled"). A cancel while the session is idle does nothing: it never stops a later call.
+    A call from another thread after a cancel waits for the cancelled generation to stop
+    (within one token) instead of raising ``SessionBusy``.
     """
 
     def __init__(self, engine: Engine, options: DecodeOptions, chat: bool = False, system: str | None = None,
@@ -463,8 +473,9 @@ class Session:
         self._opening = [{"role": "system", "content": system}] if system is not None else []
         self.messages: list[dict[str, str]] = list(self._opening)
         self._cancel = threading.Event()
-        self._guard = threading.Lock()  # guards _busy and the cancel flag
+        self._guard = threading.Condition()  # guards _busy, the cancel flag and _owner; notified when idle
         self._busy = False
+        self._owner: int | None = None  # the thread running the generation in progress
         self.last: Generation | None = None
         self._constraint: Constraint | None = None  # the running generation's response_format or tool grammar
         self._tool_choice: str | None = None  # the running generation's, None without tools
@@ -478,17 +489,24 @@ class Session:
     @contextmanager
     def _exclusive(self) -> Iterator[None]:
         with self._guard:
+            # a cancelled generation stops within one token: a call from another thread waits for
+            # it instead of being refused, so a barge-in's cancel then barge_in() or the next turn
+            # (the awaiting task cancelled, or cancel() from another thread) runs as soon as it can.
+            # Its own thread (an on_token callback) would wait for itself: refused at once
+            if self._busy and self._cancel.is_set() and self._owner != threading.get_ident():
+                self._guard.wait_for(lambda: not self._busy, timeout=CANCELLED_WAIT_S)
             if self._busy:
                 raise SessionBusy("this Session is already generating (in another thread, or this call comes from "
                                   "its own on_token callback): give each thread its own engine.session() or "
                                   "engine.chat(), or wait until the running call returns")
-            self._busy = True
+            self._busy, self._owner = True, threading.get_ident()
             self._cancel.clear()
         try:
             yield
         finally:
             with self._guard:
                 self._busy = False
+                self._guard.notify_all()
 
     def cancel(self) -> None:
         """Stop the generation in progress within one token (callable from any thread; does
@@ -593,6 +611,10 @@ class Session:
         if not tokens:
             if self._opening and messages[0].get("role") == "system":
                 raise InputError("this chat already has a system prompt (chat(system=...)): send user messages only")
+            # the template would open the user's next turn after them, and the model write the user's words
+            if messages[-1].get("role") not in ("user", "tool"):
+                raise InputError(f"the messages end with a message of role {messages[-1].get('role')!r}: an answer "
+                                 "follows a user message (or tool results); add the user's message")
             return Turn(0, engine.encode_prompt(self.messages + messages, self.tools), self.messages + messages)
         # a later chat turn: close the assistant's answer and append only the new message(s)
         drop_eos = tokens[-1] in engine.eos_ids  # the template's text below closes the turn

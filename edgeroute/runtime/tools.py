@@ -92,8 +92,9 @@ def parse_tool_choice(choice: str | dict[str, Any] | None, tools: list[dict[str,
     if choice is None:
         choice = "auto"
     if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
-        if name is None:
+        function = choice.get("function") if choice.get("type") == "function" else None
+        name = function.get("name") if isinstance(function, dict) else None  # "function": "f" is a common slip
+        if not isinstance(name, str):
             raise InputError(f'tool_choice {choice!r} is not {{"type": "function", "function": {{"name": ...}}}}')
         if name not in {t["function"]["name"] for t in tools}:
             raise InputError(f"tool_choice names {name!r}, which is not one of the tools")
