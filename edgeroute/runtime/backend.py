@@ -159,7 +159,8 @@ def backend_for(entry: ModelEntry, options: EngineOptions) -> tuple[str, str | N
     (only when named: its engines are built per GPU), without loading it; and why ``auto`` did
     not take the native backend (None where it did, or where a backend was named). ``auto``
     takes the native backend where the model has native weights, the settings are its own
-    (CPU, attention auto, int8 activations) and the library's best kernels here are not the
+    (attention auto, int8 activations, no provider beyond the CPU's that this ONNX Runtime has:
+    :func:`providers_beyond_the_cpu`) and the library's best kernels here are not the
     generic ones: an x86 set (AVX2, AVX-512 VNNI) or an Arm set (NEON, dotprod, i8mm, held to
     the generic kernels under qemu in the C tests); the generic kernels only when named.
     Otherwise ONNX Runtime."""
