@@ -406,7 +406,8 @@ def run(
     grammar: Path = typer.Option(None, help="answer in this grammar (Lark or GBNF)"),
     trace: Path = typer.Option(None, help="write one JSON line per token"),
     tools: Path = typer.Option(None, help="tools the model may call (OpenAI JSON list)"),
-    tool_choice: str = typer.Option(None, help="with --tools: auto|required|none|NAME"),
+    tool_choice: str = typer.Option(None, help="with --tools: auto|required|none|NAME (for your turns; a /result is "
+                                    "answered under auto)"),
     memory: Path = typer.Option(None, help="speculate: draft from answers kept here"),
     no_memory: bool = typer.Option(False, "--no-memory", help="speculate: no answer memory"),
     no_verify: bool = typer.Option(False, "--no-verify", help="skip the files' and weights' checks"),
@@ -458,8 +459,12 @@ def run(
             if trace_file is not None:
                 trace_file.write(json.dumps(record.to_dict()) + "\n")
 
-        def turn(text: str | list[dict]) -> None:
-            for piece in session.stream(text, on_token=on_token, **({"tool_choice": choice} if tool_list else {})):
+        # a tool's result is answered under "auto": "required" or a named tool would force another
+        # call after every result, and the model would never say the outcome
+        after_result = choice if choice in (None, "auto", "none") else "auto"
+
+        def turn(text: str | list[dict], tool_choice: str | dict | None) -> None:
+            for piece in session.stream(text, on_token=on_token, **({"tool_choice": tool_choice} if tool_list else {})):
                 sys.stdout.write(piece)
                 sys.stdout.flush()
             sys.stdout.write("\n")
@@ -479,7 +484,7 @@ def run(
         incomplete = []
         try:
             if prompt:
-                turn(prompt)
+                turn(prompt, choice)
             while chat:
                 try:
                     text = console.input("[bold]you>[/] ")
@@ -492,10 +497,10 @@ def run(
                     continue
                 if text.startswith("/result "):  # /result CALL_ID TEXT: a tool's result back to the model
                     _, call_id, result = (text.split(" ", 2) + [""])[:3]
-                    turn([{"role": "tool", "tool_call_id": call_id, "content": result}])
+                    turn([{"role": "tool", "tool_call_id": call_id, "content": result}], after_result)
                     continue
                 if text.strip():
-                    turn(text)
+                    turn(text, choice)
         finally:
             if trace_file is not None:
                 trace_file.close()

@@ -11,6 +11,7 @@ from edgeroute.bundle import Bundle
 from edgeroute.cli import app
 from edgeroute.errors import InputError
 from edgeroute.runtime import AnswerMemory, Engine, EngineOptions
+from tests.conftest import export_tiny
 
 runner = CliRunner()
 
@@ -190,3 +191,28 @@ def test_every_option_field_is_a_run_flag_or_named_api_only_and_every_flag_fills
     assert sorted(fields - flags - set(API_ONLY)) == [], "option fields without a run flag (add one, or to API_ONLY)"
     assert sorted(flags - fields - CLI_ONLY) == [], "run flags that fill no option field"
     assert not set(API_ONLY) & flags, "named API-only but a flag exists"
+
+
+def test_run_chat_answers_a_tool_result_under_auto_where_your_turns_force_a_call(tiny_models, tmp_path, monkeypatch):
+    """--tool-choice NAME (or required) forces a call on your turns; after a /result it would force
+    another call, and the model never say the outcome."""
+    from edgeroute.runtime.engine import Session
+
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps([{"type": "function", "function": {
+        "name": "navigate", "parameters": {"type": "object", "properties": {"to": {"enum": ["home", "work"]}},
+                                           "required": ["to"], "additionalProperties": False}}}]))
+    choices, stream = [], Session.stream
+
+    def recorded(self, prompt, **options):
+        choices.append(options.get("tool_choice"))
+        return stream(self, prompt, **options)
+
+    monkeypatch.setattr(Session, "stream", recorded)
+    bundle = tmp_path / "bundle"
+    export_tiny(tiny_models["llama"][0], bundle, context_length=640)  # room for the tools
+    result = runner.invoke(app, ["run", str(bundle), "--chat", "--tools", str(tools), "--tool-choice",
+                                 "navigate", "--max-new-tokens", "60"], input="Take me home\n/result call_0 route set\n/exit\n")
+    assert result.exit_code == 0, result.output
+    assert '"tool_call": {"id": "call_0", "name": "navigate"' in result.output
+    assert choices == [{"type": "function", "function": {"name": "navigate"}}, "auto"]
