@@ -406,8 +406,7 @@ def run(
     grammar: Path = typer.Option(None, help="answer in this grammar (Lark or GBNF)"),
     trace: Path = typer.Option(None, help="write one JSON line per token"),
     tools: Path = typer.Option(None, help="tools the model may call (OpenAI JSON list)"),
-    tool_choice: str = typer.Option(None, help="with --tools: auto|required|none|NAME (for your turns; a /result is "
-                                    "answered under auto)"),
+    tool_choice: str = typer.Option(None, help="auto|required|none|NAME; /result: auto"),
     memory: Path = typer.Option(None, help="speculate: draft from answers kept here"),
     no_memory: bool = typer.Option(False, "--no-memory", help="speculate: no answer memory"),
     no_verify: bool = typer.Option(False, "--no-verify", help="skip the files' and weights' checks"),

@@ -4,6 +4,7 @@ the decode within one token and leaves the session usable, errors reach the awai
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -106,3 +107,35 @@ def test_a_task_cancelled_while_speaking_a_piece_stops_the_decode_and_the_chat_g
     assert isinstance(kept[0], asyncio.CancelledError)
     assert chat.messages[1]["role"] == "assistant" and len(chat.messages) == 4
     assert answer.finish_reason in ("length", "eos")
+
+
+def test_a_stream_cancels_its_generation_once_though_its_abandoned_generator_closes_later():
+    """The consumer's end cancels the decode; the async generator it abandoned is closed later,
+    when the session may already run its next call, which that close must not cancel."""
+    from edgeroute.runtime.aio import iterate_in_thread
+
+    cancels, finishing = [], threading.Event()
+
+    def make():
+        yield "piece"
+        finishing.wait(5)  # the worker past its generation, not yet done
+
+    async def main():
+        stream = iterate_in_thread(make, lambda: cancels.append(len(cancels)))
+
+        async def consume():
+            async for _ in stream:
+                await asyncio.sleep(10)
+
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0.05)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        assert cancels == [0]  # the consumer's end
+        closing = asyncio.create_task(stream.aclose())  # what the garbage collector does, later
+        await asyncio.sleep(0.05)
+        assert cancels == [0]
+        finishing.set()
+        await closing
+
+    asyncio.run(main())

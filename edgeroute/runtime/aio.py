@@ -46,6 +46,10 @@ async def iterate_in_thread(make: Callable[[], Iterator[T]], cancel: Callable[[]
             over.set()
 
     def halt(_task: asyncio.Task | None = None) -> None:
+        # once: the consumer's end halts first, and the generator it abandoned is closed later
+        # (when it is garbage), by which time the session may run its next call
+        if stop.is_set():
+            return
         stop.set()
         if not over.is_set():
             cancel()

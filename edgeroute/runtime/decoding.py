@@ -210,8 +210,10 @@ class DecodeOptions:
         if not isinstance(self.skip, SkipOptions) or not isinstance(self.fallback, FallbackOptions | None):
             raise InputError("skip and fallback take SkipOptions and FallbackOptions; their fields may be given flat "
                              f"(skip_ratio=0.2, window=8) (got {self.skip!r:.60}, {self.fallback!r:.60})")
-        if not (self.router is None or isinstance(self.router, str) or callable(self.router)):
-            raise InputError(f"router must be a router's name or a function scoring a token (got {self.router!r})")
+        if not (self.router is None or isinstance(self.router, str) or callable(self.router)
+                or callable(getattr(self.router, "difference", None))):
+            raise InputError(f"router must be a router's name, a function scoring a token, or (verified routing) an "
+                             f"object whose difference() scores one (got {self.router!r})")
         for options in (self, self.skip, self.fallback or FallbackOptions()):
             check_field_types(options)
         if self.mode == "auto":
