@@ -361,6 +361,20 @@ def test_bad_tools_choices_and_results_are_refused_with_the_fix(tool_engine):
         chat.generate([{"role": "tool", "tool_call_id": "call_99", "content": "{}"}])
 
 
+@pytest.mark.parametrize("parameters, problem", [
+    ({"type": "object", "properties": {"speed": {"type": "fast"}}}, "Invalid type: fast"),
+    ({"type": "object", "properties": {"plate": {"type": "string", "pattern": "(("}}}, "unclosed group"),
+    ({"type": "object", "properties": {"stop": {"$ref": "#/$defs/Stop"}}}, "does not exist"),
+])
+def test_a_tool_whose_parameters_do_not_compile_is_refused_by_name_when_the_tools_are_given(tool_engine, parameters,
+                                                                                             problem):
+    tools = [TOOLS[0], {"type": "function", "function": {"name": "honk", "parameters": parameters}}]
+    for give in (lambda: tool_engine.chat(tools=tools), lambda: tool_engine.session(tools=tools),
+                 lambda: tool_engine.generate([{"role": "user", "content": "Hi"}], tools=tools)):
+        with pytest.raises(InputError, match=f"(?s)tool honk: its parameters are not a JSON schema that compiles .*{problem}"):
+            give()
+
+
 @pytest.mark.parametrize("choice", [
     {"type": "function", "function": "navigate"},  # the name where its object belongs
     {"type": "function", "function": {"name": ["navigate"]}},

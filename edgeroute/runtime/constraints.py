@@ -112,6 +112,19 @@ def model_layout_grammar(schema_text: str) -> str:
             f"body: %json {json.dumps(schema)}\n")
 
 
+def json_schema_error(schema: Any) -> str | None:
+    """What llguidance finds wrong with a JSON schema, or None where it compiles. Needs no
+    tokenizer, so a tool's parameters are checked when the tools are given (at the first
+    generate, the tools' grammar failed as a whole, naming no tool)."""
+    llg = _llguidance()
+    try:
+        grammar = llg.LLMatcher.grammar_from_json_schema(json.dumps(schema))
+    except (TypeError, ValueError) as err:  # not JSON (a set, NaN's cycle...), or not a schema at all
+        return str(err)
+    failed, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar)
+    return "; ".join(m.strip() for m in messages) if failed else None
+
+
 def _llguidance():
     try:
         import llguidance
@@ -140,7 +153,8 @@ class GrammarCompiler:
                 self._tokenizer = llg.LLTokenizer(self.tokenizer_file, n_vocab=self.vocab_size, eos_token=self.eos_ids)
         return self._tokenizer
 
-    def compile(self, spec: ResponseFormat | dict[str, Any] | None) -> Constraint | None:
+    def compile(self, spec: ResponseFormat | dict[str, Any] | None, what: str = "response_format") -> Constraint | None:
+        """``spec``'s constraint (None: none); ``what`` names it in errors (the tools' grammar is one too)."""
         fmt = ResponseFormat.parse(spec)
         if fmt is None:
             return None
@@ -155,10 +169,10 @@ class GrammarCompiler:
             else:
                 grammar = llg.grammar_from("grammar", fmt.text)  # Lark, or GBNF converted to Lark
         except ValueError as err:
-            raise InputError(f"response_format: the {fmt.describe()} cannot be read: {err}") from None
+            raise InputError(f"{what}: the {fmt.describe()} cannot be read: {err}") from None
         matcher = llg.LLMatcher(self.tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise InputError(f"response_format: the {fmt.describe()} does not compile: {matcher.get_error().strip()}")
+            raise InputError(f"{what}: the {fmt.describe()} does not compile: {matcher.get_error().strip()}")
         return Constraint(matcher, self.vocab_size, self.eos_ids[0])
 
 

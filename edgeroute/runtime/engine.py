@@ -687,7 +687,7 @@ class Session:
             raise InputError("response_format and tools together are not supported: give one (tool_choice='none' "
                              "for a plain answer in a chat with tools)")
         grammar = tool_grammar(self.tools, choice, self.engine.tool_format, self.engine.markup_token)
-        return self.engine.grammars.compile({"type": "grammar", "grammar": grammar})
+        return self.engine.grammars.compile({"type": "grammar", "grammar": grammar}, "tools")
 
     def _begin(self, prompt: str | Messages, options: DecodeOptions,
                tool_choice: ToolChoice = None) -> tuple[Generation, Iterator[TokenTrace]]:

@@ -1,8 +1,9 @@
 """Tool calls (OpenAI function calling): tools in, typed calls out, always parseable.
 
 - :func:`parse_tools` checks tools in the OpenAI shape (``{"type": "function", "function":
-  {"name", "description", "parameters"}}``) and :func:`parse_tool_choice` the choice: "auto",
-  "required", "none" or ``{"type": "function", "function": {"name": ...}}``.
+  {"name", "description", "parameters"}}``, the parameters a JSON schema that compiles) and
+  :func:`parse_tool_choice` the choice: "auto", "required", "none" or ``{"type": "function",
+  "function": {"name": ...}}``.
 - :func:`tool_grammar` is the Lark grammar (llguidance) an answer must fit: free text, and
   wherever the model opens a call, a JSON object ``{"name": ..., "arguments": ...}`` valid
   against that tool's parameters, written as the chat template writes calls; a call therefore
@@ -32,6 +33,7 @@ from typing import Any
 
 from edgeroute.chat_format import ToolFormat
 from edgeroute.errors import InputError
+from edgeroute.runtime.constraints import json_schema_error
 from edgeroute.runtime.text_stream import stop_prefix
 
 TOOL_CHOICES = ("auto", "required", "none")
@@ -63,7 +65,8 @@ class ToolCall:
 
 
 def parse_tools(tools: Sequence[dict[str, Any]] | None) -> list[dict[str, Any]]:
-    """The tools, checked; each keeps the caller's dict (the prompt lists it as given)."""
+    """The tools, checked (each one's parameters compiled, so a bad schema is refused when the
+    tools are given, by the tool's name); each keeps the caller's dict (the prompt lists it as given)."""
     if not tools:
         return []
     if isinstance(tools, (str, dict)) or not all(isinstance(t, dict) for t in tools):
@@ -81,6 +84,9 @@ def parse_tools(tools: Sequence[dict[str, Any]] | None) -> list[dict[str, Any]]:
         parameters = function.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
             raise InputError(f"tool {name}: parameters must be a JSON schema of an object (got {parameters!r:.60})")
+        if (problem := json_schema_error(_call_schema(tool))) is not None:
+            raise InputError(f"tool {name}: its parameters are not a JSON schema that compiles ({problem:.300}): "
+                             "fix the schema")
         names.append(name)
     if len(set(names)) != len(names):
         raise InputError(f"tool names must differ (got {', '.join(names)})")
