@@ -122,8 +122,8 @@ def grammar_matcher(path, special):
     tokenizer = Tokenizer.from_file(str(path))
     compiled = llguidance.LLTokenizer(str(path), n_vocab=tokenizer.get_vocab_size(), eos_token=[0])
 
-    def fits(choice: str, text: str) -> bool:
-        grammar = tool_grammar(parse_tools(TOOLS), choice, FALLBACK_TOOL_FORMAT, special or (lambda _: None))
+    def fits(choice: str, text: str, tools=TOOLS) -> bool:
+        grammar = tool_grammar(parse_tools(tools), choice, FALLBACK_TOOL_FORMAT, special or (lambda _: None))
         matcher = llguidance.LLMatcher(compiled, llguidance.grammar_from("lark", grammar), log_level=0)
         return all(matcher.consume_token(t) for t in tokenizer.encode(text).ids) and matcher.is_accepting()
     return fits
@@ -159,6 +159,16 @@ def test_tool_choice_shapes_what_the_grammar_takes(smollm2_matcher):
     assert smollm2_matcher("set_temperature", GOOD) and not smollm2_matcher("set_temperature", two)
     assert not smollm2_matcher("navigate", GOOD)
 
+
+
+def test_a_tool_whose_parameters_refer_to_their_own_defs_is_taken_and_its_calls_follow_them(smollm2_matcher):
+    # pydantic's model_json_schema() writes nested models as "$defs" and "#/$defs/..." references
+    route = [{"type": "function", "function": {"name": "route", "parameters": {
+        "type": "object", "properties": {"stop": {"$ref": "#/$defs/Stop"}}, "required": ["stop"],
+        "$defs": {"Stop": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}}}]
+    call = '<tool_call>\n{"name": "route", "arguments": {"stop": {"city": "Bonn"}}}\n</tool_call>'
+    assert smollm2_matcher("required", call, route)
+    assert not smollm2_matcher("required", call.replace('"Bonn"', "7"), route)
 
 
 @pytest.fixture(scope="module")

@@ -117,6 +117,9 @@ def parse_tool_choice(choice: str | dict[str, Any] | None, tools: list[dict[str,
 def _call_schema(tool: dict[str, Any]) -> dict[str, Any]:
     function = tool["function"]
     parameters = function.get("parameters", {"type": "object", "properties": {}})
+    # an $id makes the parameters their own document: their "#/$defs/..." references (pydantic's
+    # model_json_schema writes them) resolve against them, not against this wrapper
+    parameters = {"$id": f"urn:edgeroute:tool:{function['name']}", **parameters}
     return {"type": "object", "properties": {"name": {"const": function["name"]}, "arguments": parameters},
             "required": ["name", "arguments"], "additionalProperties": False}
 
