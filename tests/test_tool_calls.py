@@ -385,6 +385,29 @@ def test_a_tool_whose_parameters_do_not_compile_is_refused_by_name_when_the_tool
             give()
 
 
+SHAPE = r'tool call 0 is not \{"id": \.\.\., "type": "function", "function": \{"name": \.\.\., "arguments": '
+
+
+@pytest.mark.parametrize("calls, message", [
+    ([{"function": "navigate"}], SHAPE),  # the name where its object belongs
+    (["navigate"], SHAPE),
+    ([{"id": "call_0", "type": "function", "function": {"arguments": "{}"}}], SHAPE),
+    ("navigate", "tool_calls must be a list of"),
+    ([{"function": {"name": "navigate", "arguments": "to=home"}}], r"tool call 0 \(navigate\) has arguments 'to=home'"),
+    ([{"function": {"name": "navigate", "arguments": "[1]"}}], r"tool call 0 \(navigate\) has arguments '\[1\]'"),
+    ([{"function": {"name": "navigate"}}], r"tool call 0 \(navigate\) has arguments None: give a JSON object"),
+])
+def test_an_assistant_message_whose_tool_calls_have_another_shape_is_refused_naming_it_and_the_shape(tool_engine, calls,
+                                                                                                     message):
+    messages = [{"role": "user", "content": "Home"}, {"role": "assistant", "content": None, "tool_calls": calls},
+                {"role": "tool", "tool_call_id": "call_0", "content": "{}"}]
+    with pytest.raises(InputError, match="message 1 \\(assistant\\): " + message):
+        tool_engine.chat(tools=TOOLS, max_new_tokens=4).generate(messages, tool_choice="none")
+    messages[0]["tool_calls"] = messages[1].pop("tool_calls")  # calls in a user message
+    with pytest.raises(InputError, match="message 0 \\(user\\) has tool_calls: only an assistant message"):
+        tool_engine.chat(tools=TOOLS, max_new_tokens=4).generate(messages, tool_choice="none")
+
+
 @pytest.mark.parametrize("choice", [
     {"type": "function", "function": "navigate"},  # the name where its object belongs
     {"type": "function", "function": {"name": ["navigate"]}},

@@ -50,6 +50,7 @@ from edgeroute.runtime.tools import (
     CallNames,
     ContentFilter,
     ToolCall,
+    check_tool_calls,
     fenced_calls,
     parse_tool_choice,
     parse_tools,
@@ -89,6 +90,11 @@ def check_prompt(prompt: Any) -> None:
             raise InputError(f"message {index}: content must be text (got {type(content).__name__})")
         if content is not None:
             _check_text(content, f"message {index}")
+        if message.get("tool_calls"):
+            if message["role"] != "assistant":
+                raise InputError(f"message {index} ({message['role']}) has tool_calls: only an assistant message "
+                                 "calls tools")
+            check_tool_calls(message["tool_calls"], f"message {index} (assistant)")
 
 
 def check_system_prompt(system: Any) -> None:

@@ -25,6 +25,7 @@ calls ``full`` gives.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from collections.abc import Callable, Sequence
@@ -50,6 +51,8 @@ FENCED_OPENING = re.compile(FENCED_CALL)
 FENCED_PREFIX = re.compile(rf'`{{1,2}}|```(j(s(o(n)?)?)?)?|'
                            rf'```(json)?{_BLANK}(\{{{_BLANK}("(n(a(m(e("{_BLANK}(:{_BLANK})?)?)?)?)?)?)?)?')
 FENCE_END = re.compile(rf"{_BLANK}```")
+# an assistant message's tool call as OpenAI's API writes it (what check_tool_calls asks for)
+CALL_SHAPE = '{"id": ..., "type": "function", "function": {"name": ..., "arguments": "<JSON object as text>"}}'
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,28 @@ def parse_tools(tools: Sequence[dict[str, Any]] | None) -> list[dict[str, Any]]:
     if len(set(names)) != len(names):
         raise InputError(f"tool names must differ (got {', '.join(names)})")
     return list(tools)
+
+
+def check_tool_calls(calls: Any, where: str) -> None:
+    """An InputError naming ``where`` (the message) and the shape expected unless ``calls`` is a
+    list of OpenAI tool calls, each ``{"function": {"name": ..., "arguments": ...}}`` (its "id"
+    and "type" optional here) with the arguments a JSON object, as JSON text (OpenAI's form) or a
+    dict: rendering one of another shape failed with only Python's words ('function', "string
+    indices must be integers")."""
+    if not isinstance(calls, list | tuple):
+        raise InputError(f"{where}: tool_calls must be a list of {CALL_SHAPE} (got {type(calls).__name__})")
+    for i, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str):
+            raise InputError(f"{where}: tool call {i} is not {CALL_SHAPE} (got {call!r:.80})")
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            with contextlib.suppress(json.JSONDecodeError):  # text that is not JSON is refused below
+                arguments = json.loads(arguments)
+        if not isinstance(arguments, dict):
+            raise InputError(f"{where}: tool call {i} ({name}) has arguments {function.get('arguments')!r:.80}: give a "
+                             """JSON object, as text ('{"celsius": 21}', OpenAI's form) or a dict""")
 
 
 def parse_tool_choice(choice: str | dict[str, Any] | None, tools: list[dict[str, Any]]) -> str | None:
