@@ -197,6 +197,8 @@ def test_chat_turns_each_follow_the_format(tiny_engine):
      r"the JSON schema is not JSON \(Object of type set"),
     ({"type": "json_object", "layout": "model", "schema": {"type": "object", "x-guidance": True}},
      '"x-guidance" must be an object of options'),
+    ({"type": "json_schema", "json_schema": {"schema": False}}, "the JSON schema false allows no value at all"),
+    ({"type": "json_schema", "schema": False, "layout": "model"}, "the JSON schema false allows no value at all"),
 ])
 def test_bad_formats_are_clear_input_errors_and_change_nothing(spec, message, tiny_engine):
     session = tiny_engine.session()
@@ -326,3 +328,15 @@ def test_the_model_layout_still_holds_the_schema_and_the_compact_one_its_layout(
     assert not follow(tiny_engine.grammars.compile(FORMAT), tiny_engine, PRETTY)
     with pytest.raises(InputError, match="layout 'pretty'"):
         tiny_engine.grammars.compile({**FORMAT, "layout": "pretty"})
+
+
+@pytest.mark.parametrize("layout, texts", [
+    ("compact", ['{"a":[1,2]}', '[true,null]', '"left"', "21", "false"]),
+    ("model", ['{\n  "a": [1, 2]\n}', "[ true, null ]", '"left"', "```json\n21\n```"]),
+])
+def test_the_schema_true_takes_any_json_value_in_either_layout(layout, texts, tiny_engine):
+    for spec in ({"type": "json_schema", "json_schema": {"schema": True}, "layout": layout},
+                 ResponseFormat.json_schema("true", layout)):  # the schema as JSON text
+        for text in texts:
+            assert follow(tiny_engine.grammars.compile(spec), tiny_engine, text), (spec, text)
+        assert not follow(tiny_engine.grammars.compile(spec), tiny_engine, "left lane")

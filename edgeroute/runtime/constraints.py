@@ -53,6 +53,7 @@ class ResponseFormat:
         if layout not in JSON_LAYOUTS:
             raise InputError(f"response_format layout {layout!r} is not one of {', '.join(JSON_LAYOUTS)}: compact "
                              "(minified, fastest) or model (the model's own whitespace, a ```json fence allowed)")
+        schema = _object_schema(schema)
         try:
             text = schema if isinstance(schema, str) else json.dumps(schema)
         except (TypeError, ValueError) as err:  # a set, a class, NaN's cycle...: json's words name no field
@@ -66,7 +67,8 @@ class ResponseFormat:
         form; ``{"type": "json_schema", "schema": {...}}`` too), ``{"type": "json_object"}`` (any
         JSON object), ``{"type": "regex", "regex": "..."}``, ``{"type": "grammar", "grammar":
         "..."}`` (Lark or GBNF) or ``{"type": "text"}`` / None (no constraint). A JSON format may
-        add ``"layout": "model"`` (see :data:`JSON_LAYOUTS`)."""
+        add ``"layout": "model"`` (see :data:`JSON_LAYOUTS`). The schema ``true`` is any JSON
+        value; ``false`` is refused (no answer fits it)."""
         if spec is None or isinstance(spec, ResponseFormat):
             return spec
         if not isinstance(spec, dict) or spec.get("type") not in FORMAT_TYPES:
@@ -94,6 +96,17 @@ class ResponseFormat:
 
     def describe(self) -> str:
         return {"json_schema": "JSON schema", "regex": "regex", "grammar": "grammar"}[self.kind]
+
+
+def _object_schema(schema: dict[str, Any] | bool | str) -> dict[str, Any] | str:
+    """A boolean schema (or its JSON text) as what it means: true, any JSON value, as the empty
+    object schema (llguidance applies its layout options to object schemas only: true failed with
+    "Expecting object schema to apply options"); false, which no answer satisfies, refused."""
+    value = schema.strip() if isinstance(schema, str) else schema
+    if value is False or value == "false":
+        raise InputError("response_format: the JSON schema false allows no value at all, so no answer can fit it: "
+                         'give a schema an answer can satisfy (true or {} for any JSON value, {"type": "object"} ...)')
+    return {} if value is True or value == "true" else schema
 
 
 def model_layout_grammar(schema_text: str) -> str:
