@@ -79,6 +79,19 @@ def stop_strings(stop: Any) -> tuple[str, ...]:
     return stops
 
 
+def token_ids(tokens: Any, name: str) -> frozenset[int]:
+    """``tokens``, any iterable of token ids (a list, a set, a numpy array), as a frozenset of
+    ints; an InputError naming ``name`` for anything else (a string's characters are no ids)."""
+    try:
+        ids = frozenset(tokens)
+    except TypeError:
+        ids = None
+    if ids is None or isinstance(tokens, str) or not all(
+            isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise InputError(f"{name} must be token ids, whole numbers >= 0, e.g. [1, 2] (got {tokens!r:.80})")
+    return frozenset(int(t) for t in ids)
+
+
 def check_sampling(temperature: Any, top_p: Any, seed: Any = None) -> None:
     """Raise an InputError naming the value and its range unless ``temperature`` is a finite
     number >= 0, ``top_p`` a number within (0, 1] and ``seed`` None or a whole number >= 0. NaN
@@ -125,9 +138,13 @@ class DecodeOptions:
     router: str | Router | None = None
     route_threshold: float | None = None  # call the LLM above this score; None: calibrated, else 0.5
     route_check: str = "ahead"  # one of ROUTE_CHECKS
-    task: str | None = None  # the task profile (voice-command, templated, json, ...): what mode auto reads
+    # a task's name, a task profile's (voice-command, templated, json, ...) or the app's own: what
+    # mode auto takes the bundle's calibration for, and where the answer memory keeps the answers
+    task: str | None = None
     protect_format: bool = False  # never route a format-critical token (JSON brackets, quotes, ...)
-    protected_tokens: frozenset[int] = frozenset()  # filled by the engine from its tokenizer
+    # the token ids route never takes from the light path: any iterable of ids, kept as a
+    # frozenset; under protect_format, filled by the engine from its tokenizer where left empty
+    protected_tokens: frozenset[int] = frozenset()
     # the first draft's length and the longest (the length adapts to the acceptance rate between 1
     # and that); None: 4, and what one verification pass of the LLM serves (drafters.draft_lengths)
     draft_tokens: int | None = None
@@ -164,6 +181,10 @@ class DecodeOptions:
                                                 or isinstance(self.max_new_tokens, bool)):
             raise InputError(f"max_new_tokens must be a whole number >= 1 (got {self.max_new_tokens!r})")
         self.stop = stop_strings(self.stop)
+        if self.task is not None and not isinstance(self.task, str):  # a number names no profile, and 0 kept as 'default'
+            raise InputError(f"task must be a task's name, a task profile's (e.g. 'json') or your own, or None "
+                             f"(got {self.task!r})")
+        self.protected_tokens = token_ids(self.protected_tokens, "protected_tokens")
 
     def updated(self, **overrides: Any) -> DecodeOptions:
         """A copy with overrides; skip options may be given flat (``skip_ratio=0.2``)."""
