@@ -228,6 +228,19 @@ class DecodeOptions:
         return self.mode == "slm" or (self.light in SLM_LIGHT_PATHS and self.base_mode in ("route", "speculate"))
 
     def validate(self, num_layers: int, has_slm: bool) -> None:
+        """:meth:`check`, then what the bundle decides: mode auto resolved (the engine does it
+        from the calibration), the SLM there where decoding runs it, the skip options' layers."""
+        self.check()
+        if self.mode == "auto":
+            raise InputError("mode auto is resolved by the engine from the bundle's calibration")
+        if self.uses_slm and not has_slm:
+            raise InputError("this bundle has no SLM: use --light ngram, or export with --slm")
+        if self.skips:
+            self.skip.validate(num_layers)
+
+    def check(self) -> None:
+        """Every check that needs no bundle: types, names, ranges and combinations (mode auto
+        allowed), so a profile's decoding is checked when the profile loads, naming its file."""
         if not isinstance(self.skip, SkipOptions) or not isinstance(self.fallback, FallbackOptions | None):
             raise InputError("skip and fallback take SkipOptions and FallbackOptions; their fields may be given flat "
                              f"(skip_ratio=0.2, window=8) (got {self.skip!r:.60}, {self.fallback!r:.60})")
@@ -235,15 +248,11 @@ class DecodeOptions:
             raise InputError(f"router must be a router's name or a function scoring a token (got {self.router!r})")
         for options in (self, self.skip, self.fallback or FallbackOptions()):
             check_field_types(options)
-        if self.mode == "auto":
-            raise InputError("mode auto is resolved by the engine from the bundle's calibration")
-        if self.mode not in MODES:
+        if self.mode not in (*MODES, "auto"):
             raise InputError(f"mode {self.mode!r} is not one of {', '.join(MODES)}, auto")
         if self.light not in LIGHT_PATHS:
             raise InputError(f"light path {self.light!r} is not one of {', '.join(LIGHT_PATHS)}")
         base = self.base_mode
-        if self.uses_slm and not has_slm:
-            raise InputError("this bundle has no SLM: use --light ngram, or export with --slm")
         if self.route_check not in ROUTE_CHECKS:
             raise InputError(f"route_check {self.route_check!r} is not one of {', '.join(ROUTE_CHECKS)}")
         if self.route_check == "verified" and base == "route" and self.light != "slm":
@@ -280,8 +289,8 @@ class DecodeOptions:
         if ResponseFormat.parse(self.response_format) is not None and self.stop:
             raise InputError("stop strings would cut a response_format's structure where it may be incomplete: "
                              "drop the stop strings (the structure's end ends the generation)")
-        # ranges also outside skip modes (a bad value is a mistake either way); layer counts in them
-        self.skip.validate(num_layers if self.skips else None)
+        # ranges also outside skip modes (a bad value is a mistake either way); layer counts: validate()
+        self.skip.validate(None)
         if self.fallback is not None:
             self.fallback.validate()
 
