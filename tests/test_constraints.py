@@ -221,6 +221,13 @@ def test_a_structure_cut_by_max_tokens_is_reported_incomplete(mode, tiny_engine)
     assert plain.finish_reason == "length"
 
 
+def test_a_structure_that_ends_at_the_token_budget_is_whole_not_cut(tiny_engine):
+    whole = tiny_engine.generate(PROMPTS[0], max_new_tokens=NEW, response_format=FORMAT)
+    assert whole.finish_reason == "eos" and whole.trace[-1].source == "grammar"  # the end-of-sequence token forced
+    at_end = tiny_engine.generate(PROMPTS[0], max_new_tokens=len(whole.tokens) - 1, response_format=FORMAT)
+    assert at_end.finish_reason == "eos" and at_end.text == whole.text
+
+
 def test_response_format_parses_openai_and_short_forms():
     schema = {"type": "object"}
     assert ResponseFormat.parse({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}) == \

@@ -300,6 +300,21 @@ def test_a_named_tool_is_called_exactly_once_and_none_calls_nothing(tool_engine)
     assert quiet.tool_calls == [] and "<tool_call>" not in quiet.text
 
 
+def test_a_named_call_that_ends_at_the_token_budget_is_whole_and_one_cut_short_is_no_call(tool_engine):
+    named, prompt = {"type": "function", "function": {"name": "navigate"}}, "Take me home."
+
+    def answer(budget: int):
+        return tool_engine.chat(system=SYSTEM, tools=TOOLS, max_new_tokens=budget).generate(prompt, tool_choice=named)
+    whole = answer(60)
+    # the call's close ends the answer: the grammar forces the end-of-turn token, no model step
+    assert whole.finish_reason == "tool_calls" and whole.trace[-1].source == "grammar"
+    assert whole.tokens[-1] in tool_engine.eos_ids
+    at_close = answer(len(whole.tokens) - 1)  # the budget leaves the forced end-of-turn token out
+    assert at_close.finish_reason == "tool_calls" and at_close.tool_calls == whole.tool_calls
+    cut = answer(len(whole.tokens) - 2)  # the close itself cut: no call, the answer incomplete
+    assert cut.finish_reason == "incomplete" and cut.tool_calls == []
+
+
 def test_an_auto_stream_carries_the_content_only_and_the_calls_come_with_the_generation(tool_engine):
     chat = tool_engine.chat(system=SYSTEM, tools=TOOLS, max_new_tokens=80)
     pieces = list(chat.stream("Set the driver side to 21 degrees."))

@@ -234,6 +234,11 @@ class Constraint:
         """The text so far is a whole sentence of the grammar."""
         return self._matcher.is_accepting()
 
+    @property
+    def finished(self) -> bool:
+        """Nothing may follow but the end-of-sequence token: the structure is whole."""
+        return self._matcher.is_stopped()
+
     def allowed(self) -> np.ndarray:
         """Boolean mask over the vocabulary: the tokens the grammar allows next."""
         if self._allowed is None:
@@ -245,7 +250,7 @@ class Constraint:
         """The next token if the grammar forces it (the first of llguidance's fast-forward
         tokens, recomputed after each so that it is always the one the mask allows), or the
         end-of-sequence token once the structure is complete and nothing may follow."""
-        if self._matcher.is_stopped():
+        if self.finished:
             return self.eos_id
         tokens = self._timed(self._matcher.compute_ff_tokens)
         return tokens[0] if tokens else None

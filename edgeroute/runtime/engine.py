@@ -132,7 +132,8 @@ class Generation:
     stats: GenerationStats = field(default_factory=GenerationStats)
     trace: list[TokenTrace] = field(default_factory=list)
     # length | eos | stop | cancelled | incomplete (a response_format's structure is unfinished:
-    # the text is not valid output) | tool_calls (the answer ended after calling tools)
+    # the text is not valid output) | tool_calls (the answer ended after calling tools). A grammar
+    # that ended where the budget did ends with eos (tool_calls): only its forced end was left out
     finish_reason: str = "length"
     # the tools the answer called (chats with tools); ``text`` is then the content before them
     tool_calls: list[ToolCall] = field(default_factory=list)
@@ -747,6 +748,9 @@ class Session:
             finish = "cancelled"
         elif self._constraint is not None and not self._constraint.complete:
             finish = "incomplete"
+        elif finish == "length" and self._constraint is not None and self._constraint.finished:
+            # the budget ran out just before the end-of-sequence token the grammar forces: whole
+            finish = "tool_calls" if generation.tool_calls else "eos"
         elif generation.tool_calls and finish == "eos":
             finish = "tool_calls"
         generation.finish_reason = finish

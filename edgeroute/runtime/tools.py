@@ -191,10 +191,11 @@ def tool_grammar(tools: list[dict[str, Any]], choice: str, fmt: ToolFormat, spec
                   f"pre[lazy]: /(.|\\n)*{_regex(fmt.call_open)}/"]
         auto = "TEXT | (pre call_json close)+ TEXT"
     # after the calls, blank space may end the answer as well as the end-of-turn token does (a
-    # model that writes the separator must not be forced into another call), a little of it
+    # model that writes the separator must not be forced into another call), a little of it. A
+    # named tool's one call ends the answer at its close: the grammar forces the end-of-turn token
     rules.append("BLANK: /[ \\t\\n]{1,2}/")
     start = {"none": "TEXT", "auto": auto, "required": "open call_json close (separator open call_json close)* BLANK?"}
-    return "\n".join(["%llguidance {}", f"start: {start.get(choice, 'open call_json close BLANK?')}", *rules]) + "\n"
+    return "\n".join(["%llguidance {}", f"start: {start.get(choice, 'open call_json close')}", *rules]) + "\n"
 
 
 def _regex(text: str) -> str:
