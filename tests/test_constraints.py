@@ -197,6 +197,8 @@ def test_chat_turns_each_follow_the_format(tiny_engine):
      r"the JSON schema is not JSON \(Object of type set"),
     ({"type": "json_object", "layout": "model", "schema": {"type": "object", "x-guidance": True}},
      '"x-guidance" must be an object of options'),
+    ({"type": "json_schema", "json_schema": {"schema": False}}, "the JSON schema false allows no value at all"),
+    ({"type": "json_schema", "schema": False, "layout": "model"}, "the JSON schema false allows no value at all"),
 ])
 def test_bad_formats_are_clear_input_errors_and_change_nothing(spec, message, tiny_engine):
     session = tiny_engine.session()
@@ -217,6 +219,13 @@ def test_a_structure_cut_by_max_tokens_is_reported_incomplete(mode, tiny_engine)
     assert not parses_and_validates(got.text, INTENT)
     plain = tiny_engine.generate(PROMPTS[0], max_new_tokens=6, mode=mode)
     assert plain.finish_reason == "length"
+
+
+def test_a_structure_that_ends_at_the_token_budget_is_whole_not_cut(tiny_engine):
+    whole = tiny_engine.generate(PROMPTS[0], max_new_tokens=NEW, response_format=FORMAT)
+    assert whole.finish_reason == "eos" and whole.trace[-1].source == "grammar"  # the end-of-sequence token forced
+    at_end = tiny_engine.generate(PROMPTS[0], max_new_tokens=len(whole.tokens) - 1, response_format=FORMAT)
+    assert at_end.finish_reason == "eos" and at_end.text == whole.text
 
 
 def test_response_format_parses_openai_and_short_forms():
@@ -326,3 +335,15 @@ def test_the_model_layout_still_holds_the_schema_and_the_compact_one_its_layout(
     assert not follow(tiny_engine.grammars.compile(FORMAT), tiny_engine, PRETTY)
     with pytest.raises(InputError, match="layout 'pretty'"):
         tiny_engine.grammars.compile({**FORMAT, "layout": "pretty"})
+
+
+@pytest.mark.parametrize("layout, texts", [
+    ("compact", ['{"a":[1,2]}', '[true,null]', '"left"', "21", "false"]),
+    ("model", ['{\n  "a": [1, 2]\n}', "[ true, null ]", '"left"', "```json\n21\n```"]),
+])
+def test_the_schema_true_takes_any_json_value_in_either_layout(layout, texts, tiny_engine):
+    for spec in ({"type": "json_schema", "json_schema": {"schema": True}, "layout": layout},
+                 ResponseFormat.json_schema("true", layout)):  # the schema as JSON text
+        for text in texts:
+            assert follow(tiny_engine.grammars.compile(spec), tiny_engine, text), (spec, text)
+        assert not follow(tiny_engine.grammars.compile(spec), tiny_engine, "left lane")

@@ -442,6 +442,10 @@ def test_messages_that_end_without_a_user_message_are_refused_not_answered_as_th
     (dict(adaptive_draft="no"), "adaptive_draft must be True or False"),
     (dict(skip="layer"), "skip and fallback take SkipOptions"),
     (dict(mode="route", router=5), "router must be a router's name or a function"),
+    (dict(task=3), r"task must be a task's name, a task profile's \(e.g. 'json'\) or your own, or None \(got 3\)"),
+    (dict(protected_tokens="{}"), r"protected_tokens must be token ids, whole numbers >= 0, e.g. \[1, 2\]"),
+    (dict(protected_tokens=[1, "2"]), "protected_tokens must be token ids"),
+    (dict(protected_tokens=5), "protected_tokens must be token ids"),
 ])
 def test_options_of_the_wrong_type_are_input_errors(options, message, tiny_engine):
     with pytest.raises(InputError, match=message):
@@ -452,6 +456,12 @@ def test_options_of_the_wrong_type_are_input_errors(options, message, tiny_engin
     with pytest.raises(InputError, match=message):  # per call too, before the turn changes anything
         chat.generate(SECOND_USER, **options)
     assert (chat.state.tokens, chat.messages) == before
+
+
+def test_protected_tokens_take_any_iterable_of_ids_and_keep_them_as_a_frozenset(tiny_engine):
+    for given in ([5, 7, 5], (7, 5), np.array([5, 7]), range(5, 8, 2)):
+        ids = tiny_engine.session(protected_tokens=given).options.protected_tokens
+        assert ids == frozenset({5, 7}) and all(type(t) is int for t in ids), given
 
 
 def test_a_system_prompt_that_is_not_text_is_an_input_error(tiny_engine):

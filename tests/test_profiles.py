@@ -70,6 +70,12 @@ def test_a_profile_threads_apply_only_where_neither_the_caller_nor_the_environme
     ({"decoding": {"mode": "speculate", "draft_tokns": 4}}, "unknown decoding option.*draft_tokns"),
     ({"decoding": {"temperature": float("nan")}}, r"temperature must be a finite number >= 0 .*\(got nan\)"),
     ({"decoding": {"top_p": float("inf")}}, r"top_p must be a number within \(0, 1\] .*\(got inf\)"),
+    # values DecodeOptions checks without a bundle: at load, not when an engine starts on them
+    ({"decoding": {"draft_tokens": "4"}}, r"decoding: draft_tokens must be a whole number \(got '4'\)"),
+    ({"decoding": {"mode": "fast"}}, "decoding: mode 'fast' is not one of"),
+    ({"decoding": {"skip_ratio": 2}}, r"decoding: skip_ratio must be within \[0, 1\]"),
+    ({"decoding": {"window": "8"}}, "decoding: window must be a whole number"),
+    ({"decoding": {"task": 3}}, "decoding: task must be a task's name"),
     ({"memory": {"usable_gb": 4}}, "unknown memory key 'usable_gb'"),
     ({"memory": {"usable_gib": "4"}}, "memory.usable_gib has the wrong type"),
     ({"memory": {"usable_gib": -1}}, "usable_gib must be a finite number > 0"),
@@ -104,6 +110,17 @@ def test_invalid_json_and_a_cycle_of_extends_are_input_errors(tmp_path, monkeypa
         load_profile("a")
     with pytest.raises(InputError, match="broken.json is not valid JSON"):
         load_profile("broken")
+
+
+def test_a_profile_decoding_is_checked_over_the_one_it_extends_and_an_error_names_the_file(tmp_path, monkeypatch):
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "slm-routing.json").write_text('{"decoding": {"mode": "route", "light": "slm"}}')
+    (tmp_path / "tasks" / "verified.json").write_text('{"extends": "slm-routing", "decoding": {"route_check": "verified"}}')
+    (tmp_path / "tasks" / "lookup.json").write_text('{"extends": "verified", "decoding": {"light": "ngram"}}')
+    monkeypatch.setenv("EDGEROUTE_PROFILES", str(tmp_path))
+    assert load_profile("verified").decoding == {"mode": "route", "light": "slm", "route_check": "verified"}
+    with pytest.raises(InputError, match=r"profile .*lookup.json: decoding: verified routing judges the SLM's drafts"):
+        load_profile("lookup")
 
 
 def _wheel(tmp_path: Path) -> Path:

@@ -122,8 +122,8 @@ def grammar_matcher(path, special):
     tokenizer = Tokenizer.from_file(str(path))
     compiled = llguidance.LLTokenizer(str(path), n_vocab=tokenizer.get_vocab_size(), eos_token=[0])
 
-    def fits(choice: str, text: str) -> bool:
-        grammar = tool_grammar(parse_tools(TOOLS), choice, FALLBACK_TOOL_FORMAT, special or (lambda _: None))
+    def fits(choice: str, text: str, tools=TOOLS) -> bool:
+        grammar = tool_grammar(parse_tools(tools), choice, FALLBACK_TOOL_FORMAT, special or (lambda _: None))
         matcher = llguidance.LLMatcher(compiled, llguidance.grammar_from("lark", grammar), log_level=0)
         return all(matcher.consume_token(t) for t in tokenizer.encode(text).ids) and matcher.is_accepting()
     return fits
@@ -159,6 +159,16 @@ def test_tool_choice_shapes_what_the_grammar_takes(smollm2_matcher):
     assert smollm2_matcher("set_temperature", GOOD) and not smollm2_matcher("set_temperature", two)
     assert not smollm2_matcher("navigate", GOOD)
 
+
+
+def test_a_tool_whose_parameters_refer_to_their_own_defs_is_taken_and_its_calls_follow_them(smollm2_matcher):
+    # pydantic's model_json_schema() writes nested models as "$defs" and "#/$defs/..." references
+    route = [{"type": "function", "function": {"name": "route", "parameters": {
+        "type": "object", "properties": {"stop": {"$ref": "#/$defs/Stop"}}, "required": ["stop"],
+        "$defs": {"Stop": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}}}]
+    call = '<tool_call>\n{"name": "route", "arguments": {"stop": {"city": "Bonn"}}}\n</tool_call>'
+    assert smollm2_matcher("required", call, route)
+    assert not smollm2_matcher("required", call.replace('"Bonn"', "7"), route)
 
 
 @pytest.fixture(scope="module")
@@ -290,6 +300,21 @@ def test_a_named_tool_is_called_exactly_once_and_none_calls_nothing(tool_engine)
     assert quiet.tool_calls == [] and "<tool_call>" not in quiet.text
 
 
+def test_a_named_call_that_ends_at_the_token_budget_is_whole_and_one_cut_short_is_no_call(tool_engine):
+    named, prompt = {"type": "function", "function": {"name": "navigate"}}, "Take me home."
+
+    def answer(budget: int):
+        return tool_engine.chat(system=SYSTEM, tools=TOOLS, max_new_tokens=budget).generate(prompt, tool_choice=named)
+    whole = answer(60)
+    # the call's close ends the answer: the grammar forces the end-of-turn token, no model step
+    assert whole.finish_reason == "tool_calls" and whole.trace[-1].source == "grammar"
+    assert whole.tokens[-1] in tool_engine.eos_ids
+    at_close = answer(len(whole.tokens) - 1)  # the budget leaves the forced end-of-turn token out
+    assert at_close.finish_reason == "tool_calls" and at_close.tool_calls == whole.tool_calls
+    cut = answer(len(whole.tokens) - 2)  # the close itself cut: no call, the answer incomplete
+    assert cut.finish_reason == "incomplete" and cut.tool_calls == []
+
+
 def test_an_auto_stream_carries_the_content_only_and_the_calls_come_with_the_generation(tool_engine):
     chat = tool_engine.chat(system=SYSTEM, tools=TOOLS, max_new_tokens=80)
     pieces = list(chat.stream("Set the driver side to 21 degrees."))
@@ -359,6 +384,43 @@ def test_bad_tools_choices_and_results_are_refused_with_the_fix(tool_engine):
     chat.generate("Home", tool_choice={"type": "function", "function": {"name": "navigate"}}, max_new_tokens=60)
     with pytest.raises(InputError, match="one of the last answer's calls"):
         chat.generate([{"role": "tool", "tool_call_id": "call_99", "content": "{}"}])
+
+
+@pytest.mark.parametrize("parameters, problem", [
+    ({"type": "object", "properties": {"speed": {"type": "fast"}}}, "Invalid type: fast"),
+    ({"type": "object", "properties": {"plate": {"type": "string", "pattern": "(("}}}, "unclosed group"),
+    ({"type": "object", "properties": {"stop": {"$ref": "#/$defs/Stop"}}}, "does not exist"),
+])
+def test_a_tool_whose_parameters_do_not_compile_is_refused_by_name_when_the_tools_are_given(tool_engine, parameters,
+                                                                                             problem):
+    tools = [TOOLS[0], {"type": "function", "function": {"name": "honk", "parameters": parameters}}]
+    for give in (lambda: tool_engine.chat(tools=tools), lambda: tool_engine.session(tools=tools),
+                 lambda: tool_engine.generate([{"role": "user", "content": "Hi"}], tools=tools)):
+        with pytest.raises(InputError, match=f"(?s)tool honk: its parameters are not a JSON schema that compiles .*{problem}"):
+            give()
+
+
+SHAPE = r'tool call 0 is not \{"id": \.\.\., "type": "function", "function": \{"name": \.\.\., "arguments": '
+
+
+@pytest.mark.parametrize("calls, message", [
+    ([{"function": "navigate"}], SHAPE),  # the name where its object belongs
+    (["navigate"], SHAPE),
+    ([{"id": "call_0", "type": "function", "function": {"arguments": "{}"}}], SHAPE),
+    ("navigate", "tool_calls must be a list of"),
+    ([{"function": {"name": "navigate", "arguments": "to=home"}}], r"tool call 0 \(navigate\) has arguments 'to=home'"),
+    ([{"function": {"name": "navigate", "arguments": "[1]"}}], r"tool call 0 \(navigate\) has arguments '\[1\]'"),
+    ([{"function": {"name": "navigate"}}], r"tool call 0 \(navigate\) has arguments None: give a JSON object"),
+])
+def test_an_assistant_message_whose_tool_calls_have_another_shape_is_refused_naming_it_and_the_shape(tool_engine, calls,
+                                                                                                     message):
+    messages = [{"role": "user", "content": "Home"}, {"role": "assistant", "content": None, "tool_calls": calls},
+                {"role": "tool", "tool_call_id": "call_0", "content": "{}"}]
+    with pytest.raises(InputError, match="message 1 \\(assistant\\): " + message):
+        tool_engine.chat(tools=TOOLS, max_new_tokens=4).generate(messages, tool_choice="none")
+    messages[0]["tool_calls"] = messages[1].pop("tool_calls")  # calls in a user message
+    with pytest.raises(InputError, match="message 0 \\(user\\) has tool_calls: only an assistant message"):
+        tool_engine.chat(tools=TOOLS, max_new_tokens=4).generate(messages, tool_choice="none")
 
 
 @pytest.mark.parametrize("choice", [

@@ -53,6 +53,7 @@ class ResponseFormat:
         if layout not in JSON_LAYOUTS:
             raise InputError(f"response_format layout {layout!r} is not one of {', '.join(JSON_LAYOUTS)}: compact "
                              "(minified, fastest) or model (the model's own whitespace, a ```json fence allowed)")
+        schema = _object_schema(schema)
         try:
             text = schema if isinstance(schema, str) else json.dumps(schema)
         except (TypeError, ValueError) as err:  # a set, a class, NaN's cycle...: json's words name no field
@@ -66,7 +67,8 @@ class ResponseFormat:
         form; ``{"type": "json_schema", "schema": {...}}`` too), ``{"type": "json_object"}`` (any
         JSON object), ``{"type": "regex", "regex": "..."}``, ``{"type": "grammar", "grammar":
         "..."}`` (Lark or GBNF) or ``{"type": "text"}`` / None (no constraint). A JSON format may
-        add ``"layout": "model"`` (see :data:`JSON_LAYOUTS`)."""
+        add ``"layout": "model"`` (see :data:`JSON_LAYOUTS`). The schema ``true`` is any JSON
+        value; ``false`` is refused (no answer fits it)."""
         if spec is None or isinstance(spec, ResponseFormat):
             return spec
         if not isinstance(spec, dict) or spec.get("type") not in FORMAT_TYPES:
@@ -96,6 +98,17 @@ class ResponseFormat:
         return {"json_schema": "JSON schema", "regex": "regex", "grammar": "grammar"}[self.kind]
 
 
+def _object_schema(schema: dict[str, Any] | bool | str) -> dict[str, Any] | str:
+    """A boolean schema (or its JSON text) as what it means: true, any JSON value, as the empty
+    object schema (llguidance applies its layout options to object schemas only: true failed with
+    "Expecting object schema to apply options"); false, which no answer satisfies, refused."""
+    value = schema.strip() if isinstance(schema, str) else schema
+    if value is False or value == "false":
+        raise InputError("response_format: the JSON schema false allows no value at all, so no answer can fit it: "
+                         'give a schema an answer can satisfy (true or {} for any JSON value, {"type": "object"} ...)')
+    return {} if value is True or value == "true" else schema
+
+
 def model_layout_grammar(schema_text: str) -> str:
     """A Lark grammar for JSON valid against the schema in the model's own layout: flexible
     whitespace, bare or in one ```json fence (the schema's own "x-guidance" settings win)."""
@@ -110,6 +123,19 @@ def model_layout_grammar(schema_text: str) -> str:
         schema = {**schema, "x-guidance": {"whitespace_flexible": True, **options}}
     return ('start: fenced | body\nfenced: "```json\\n" body "\\n```"\n'
             f"body: %json {json.dumps(schema)}\n")
+
+
+def json_schema_error(schema: Any) -> str | None:
+    """What llguidance finds wrong with a JSON schema, or None where it compiles. Needs no
+    tokenizer, so a tool's parameters are checked when the tools are given (at the first
+    generate, the tools' grammar failed as a whole, naming no tool)."""
+    llg = _llguidance()
+    try:
+        grammar = llg.LLMatcher.grammar_from_json_schema(json.dumps(schema))
+    except (TypeError, ValueError) as err:  # not JSON (a set, NaN's cycle...), or not a schema at all
+        return str(err)
+    failed, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar)
+    return "; ".join(m.strip() for m in messages) if failed else None
 
 
 def _llguidance():
@@ -140,7 +166,8 @@ class GrammarCompiler:
                 self._tokenizer = llg.LLTokenizer(self.tokenizer_file, n_vocab=self.vocab_size, eos_token=self.eos_ids)
         return self._tokenizer
 
-    def compile(self, spec: ResponseFormat | dict[str, Any] | None) -> Constraint | None:
+    def compile(self, spec: ResponseFormat | dict[str, Any] | None, what: str = "response_format") -> Constraint | None:
+        """``spec``'s constraint (None: none); ``what`` names it in errors (the tools' grammar is one too)."""
         fmt = ResponseFormat.parse(spec)
         if fmt is None:
             return None
@@ -155,10 +182,10 @@ class GrammarCompiler:
             else:
                 grammar = llg.grammar_from("grammar", fmt.text)  # Lark, or GBNF converted to Lark
         except ValueError as err:
-            raise InputError(f"response_format: the {fmt.describe()} cannot be read: {err}") from None
+            raise InputError(f"{what}: the {fmt.describe()} cannot be read: {err}") from None
         matcher = llg.LLMatcher(self.tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise InputError(f"response_format: the {fmt.describe()} does not compile: {matcher.get_error().strip()}")
+            raise InputError(f"{what}: the {fmt.describe()} does not compile: {matcher.get_error().strip()}")
         return Constraint(matcher, self.vocab_size, self.eos_ids[0])
 
 
@@ -207,6 +234,11 @@ class Constraint:
         """The text so far is a whole sentence of the grammar."""
         return self._matcher.is_accepting()
 
+    @property
+    def finished(self) -> bool:
+        """Nothing may follow but the end-of-sequence token: the structure is whole."""
+        return self._matcher.is_stopped()
+
     def allowed(self) -> np.ndarray:
         """Boolean mask over the vocabulary: the tokens the grammar allows next."""
         if self._allowed is None:
@@ -218,7 +250,7 @@ class Constraint:
         """The next token if the grammar forces it (the first of llguidance's fast-forward
         tokens, recomputed after each so that it is always the one the mask allows), or the
         end-of-sequence token once the structure is complete and nothing may follow."""
-        if self._matcher.is_stopped():
+        if self.finished:
             return self.eos_id
         tokens = self._timed(self._matcher.compute_ff_tokens)
         return tokens[0] if tokens else None

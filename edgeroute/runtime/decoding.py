@@ -79,6 +79,19 @@ def stop_strings(stop: Any) -> tuple[str, ...]:
     return stops
 
 
+def token_ids(tokens: Any, name: str) -> frozenset[int]:
+    """``tokens``, any iterable of token ids (a list, a set, a numpy array), as a frozenset of
+    ints; an InputError naming ``name`` for anything else (a string's characters are no ids)."""
+    try:
+        ids = frozenset(tokens)
+    except TypeError:
+        ids = None
+    if ids is None or isinstance(tokens, str) or not all(
+            isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise InputError(f"{name} must be token ids, whole numbers >= 0, e.g. [1, 2] (got {tokens!r:.80})")
+    return frozenset(int(t) for t in ids)
+
+
 def check_sampling(temperature: Any, top_p: Any, seed: Any = None) -> None:
     """Raise an InputError naming the value and its range unless ``temperature`` is a finite
     number >= 0, ``top_p`` a number within (0, 1] and ``seed`` None or a whole number >= 0. NaN
@@ -125,9 +138,13 @@ class DecodeOptions:
     router: str | Router | None = None
     route_threshold: float | None = None  # call the LLM above this score; None: calibrated, else 0.5
     route_check: str = "ahead"  # one of ROUTE_CHECKS
-    task: str | None = None  # the task profile (voice-command, templated, json, ...): what mode auto reads
+    # a task's name, a task profile's (voice-command, templated, json, ...) or the app's own: what
+    # mode auto takes the bundle's calibration for, and where the answer memory keeps the answers
+    task: str | None = None
     protect_format: bool = False  # never route a format-critical token (JSON brackets, quotes, ...)
-    protected_tokens: frozenset[int] = frozenset()  # filled by the engine from its tokenizer
+    # the token ids route never takes from the light path: any iterable of ids, kept as a
+    # frozenset; under protect_format, filled by the engine from its tokenizer where left empty
+    protected_tokens: frozenset[int] = frozenset()
     # the first draft's length and the longest (the length adapts to the acceptance rate between 1
     # and that); None: 4, and what one verification pass of the LLM serves (drafters.draft_lengths)
     draft_tokens: int | None = None
@@ -164,6 +181,10 @@ class DecodeOptions:
                                                 or isinstance(self.max_new_tokens, bool)):
             raise InputError(f"max_new_tokens must be a whole number >= 1 (got {self.max_new_tokens!r})")
         self.stop = stop_strings(self.stop)
+        if self.task is not None and not isinstance(self.task, str):  # a number names no profile, and 0 kept as 'default'
+            raise InputError(f"task must be a task's name, a task profile's (e.g. 'json') or your own, or None "
+                             f"(got {self.task!r})")
+        self.protected_tokens = token_ids(self.protected_tokens, "protected_tokens")
 
     def updated(self, **overrides: Any) -> DecodeOptions:
         """A copy with overrides; skip options may be given flat (``skip_ratio=0.2``)."""
@@ -207,6 +228,19 @@ class DecodeOptions:
         return self.mode == "slm" or (self.light in SLM_LIGHT_PATHS and self.base_mode in ("route", "speculate"))
 
     def validate(self, num_layers: int, has_slm: bool) -> None:
+        """:meth:`check`, then what the bundle decides: mode auto resolved (the engine does it
+        from the calibration), the SLM there where decoding runs it, the skip options' layers."""
+        self.check()
+        if self.mode == "auto":
+            raise InputError("mode auto is resolved by the engine from the bundle's calibration")
+        if self.uses_slm and not has_slm:
+            raise InputError("this bundle has no SLM: use --light ngram, or export with --slm")
+        if self.skips:
+            self.skip.validate(num_layers)
+
+    def check(self) -> None:
+        """Every check that needs no bundle: types, names, ranges and combinations (mode auto
+        allowed), so a profile's decoding is checked when the profile loads, naming its file."""
         if not isinstance(self.skip, SkipOptions) or not isinstance(self.fallback, FallbackOptions | None):
             raise InputError("skip and fallback take SkipOptions and FallbackOptions; their fields may be given flat "
                              f"(skip_ratio=0.2, window=8) (got {self.skip!r:.60}, {self.fallback!r:.60})")
@@ -216,15 +250,11 @@ class DecodeOptions:
                              f"object whose difference() scores one (got {self.router!r})")
         for options in (self, self.skip, self.fallback or FallbackOptions()):
             check_field_types(options)
-        if self.mode == "auto":
-            raise InputError("mode auto is resolved by the engine from the bundle's calibration")
-        if self.mode not in MODES:
+        if self.mode not in (*MODES, "auto"):
             raise InputError(f"mode {self.mode!r} is not one of {', '.join(MODES)}, auto")
         if self.light not in LIGHT_PATHS:
             raise InputError(f"light path {self.light!r} is not one of {', '.join(LIGHT_PATHS)}")
         base = self.base_mode
-        if self.uses_slm and not has_slm:
-            raise InputError("this bundle has no SLM: use --light ngram, or export with --slm")
         if self.route_check not in ROUTE_CHECKS:
             raise InputError(f"route_check {self.route_check!r} is not one of {', '.join(ROUTE_CHECKS)}")
         if self.route_check == "verified" and base == "route" and self.light != "slm":
@@ -261,8 +291,8 @@ class DecodeOptions:
         if ResponseFormat.parse(self.response_format) is not None and self.stop:
             raise InputError("stop strings would cut a response_format's structure where it may be incomplete: "
                              "drop the stop strings (the structure's end ends the generation)")
-        # ranges also outside skip modes (a bad value is a mistake either way); layer counts in them
-        self.skip.validate(num_layers if self.skips else None)
+        # ranges also outside skip modes (a bad value is a mistake either way); layer counts: validate()
+        self.skip.validate(None)
         if self.fallback is not None:
             self.fallback.validate()
 

@@ -50,6 +50,7 @@ from edgeroute.runtime.tools import (
     CallNames,
     ContentFilter,
     ToolCall,
+    check_tool_calls,
     fenced_calls,
     parse_tool_choice,
     parse_tools,
@@ -89,6 +90,11 @@ def check_prompt(prompt: Any) -> None:
             raise InputError(f"message {index}: content must be text (got {type(content).__name__})")
         if content is not None:
             _check_text(content, f"message {index}")
+        if message.get("tool_calls"):
+            if message["role"] != "assistant":
+                raise InputError(f"message {index} ({message['role']}) has tool_calls: only an assistant message "
+                                 "calls tools")
+            check_tool_calls(message["tool_calls"], f"message {index} (assistant)")
 
 
 def check_system_prompt(system: Any) -> None:
@@ -126,7 +132,8 @@ class Generation:
     stats: GenerationStats = field(default_factory=GenerationStats)
     trace: list[TokenTrace] = field(default_factory=list)
     # length | eos | stop | cancelled | incomplete (a response_format's structure is unfinished:
-    # the text is not valid output) | tool_calls (the answer ended after calling tools)
+    # the text is not valid output) | tool_calls (the answer ended after calling tools). A grammar
+    # that ended where the budget did ends with eos (tool_calls): only its forced end was left out
     finish_reason: str = "length"
     # the tools the answer called (chats with tools); ``text`` is then the content before them
     tool_calls: list[ToolCall] = field(default_factory=list)
@@ -687,7 +694,7 @@ class Session:
             raise InputError("response_format and tools together are not supported: give one (tool_choice='none' "
                              "for a plain answer in a chat with tools)")
         grammar = tool_grammar(self.tools, choice, self.engine.tool_format, self.engine.markup_token)
-        return self.engine.grammars.compile({"type": "grammar", "grammar": grammar})
+        return self.engine.grammars.compile({"type": "grammar", "grammar": grammar}, "tools")
 
     def _begin(self, prompt: str | Messages, options: DecodeOptions,
                tool_choice: ToolChoice = None) -> tuple[Generation, Iterator[TokenTrace]]:
@@ -741,6 +748,9 @@ class Session:
             finish = "cancelled"
         elif self._constraint is not None and not self._constraint.complete:
             finish = "incomplete"
+        elif finish == "length" and self._constraint is not None and self._constraint.finished:
+            # the budget ran out just before the end-of-sequence token the grammar forces: whole
+            finish = "tool_calls" if generation.tool_calls else "eos"
         elif generation.tool_calls and finish == "eos":
             finish = "tool_calls"
         generation.finish_reason = finish

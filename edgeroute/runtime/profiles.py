@@ -135,10 +135,16 @@ def validate_profile(data: Any, source: str) -> None:
                          f"{', '.join(KV_DTYPE_CHOICES)}")
     _check_memory(data.get("memory", {}), source)
     _check_engines(data.get("engines", {}), source)
+
+
+def _check_decoding(decoding: dict[str, Any], source: str) -> None:
+    """The decoding options (merged over those of the profile it extends) as DecodeOptions
+    checks them without a bundle: a wrong value fails here, naming the file, not when an engine
+    starts with it."""
     try:
-        DecodeOptions().updated(**data.get("decoding", {}))
+        DecodeOptions().updated(**decoding).check()
     except (InputError, TypeError) as err:
-        raise InputError(f"profile {source}: {err}") from err
+        raise InputError(f"profile {source}: decoding: {err}") from err
 
 
 def _read(name: str, seen: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -151,13 +157,17 @@ def _read(name: str, seen: tuple[str, ...] = ()) -> dict[str, Any]:
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise InputError(f"profile {file} is not valid JSON: {err}") from err
     validate_profile(data, str(file))
-    if "extends" not in data:
-        return data
-    base = _read(data["extends"], (*seen, name))
+    if "extends" in data:
+        data = _merged(_read(data["extends"], (*seen, name)), data)
+    _check_decoding(data.get("decoding", {}), str(file))
+    return data
+
+
+def _merged(base: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]:
+    """A profile's data over the data of the profile it extends (the dicts merged key by key)."""
     merged = {**base, **data}
-    merged["decoding"] = {**base.get("decoding", {}), **data.get("decoding", {})}
-    merged["memory"] = {**base.get("memory", {}), **data.get("memory", {})}
-    merged["engines"] = {**base.get("engines", {}), **data.get("engines", {})}
+    for key in ("decoding", "memory", "engines"):
+        merged[key] = {**base.get(key, {}), **data.get(key, {})}
     return merged
 
 

@@ -1,8 +1,9 @@
 """Tool calls (OpenAI function calling): tools in, typed calls out, always parseable.
 
 - :func:`parse_tools` checks tools in the OpenAI shape (``{"type": "function", "function":
-  {"name", "description", "parameters"}}``) and :func:`parse_tool_choice` the choice: "auto",
-  "required", "none" or ``{"type": "function", "function": {"name": ...}}``.
+  {"name", "description", "parameters"}}``, the parameters a JSON schema that compiles) and
+  :func:`parse_tool_choice` the choice: "auto", "required", "none" or ``{"type": "function",
+  "function": {"name": ...}}``.
 - :func:`tool_grammar` is the Lark grammar (llguidance) an answer must fit: free text, and
   wherever the model opens a call, a JSON object ``{"name": ..., "arguments": ...}`` valid
   against that tool's parameters, written as the chat template writes calls; a call therefore
@@ -24,6 +25,7 @@ calls ``full`` gives.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from collections.abc import Callable, Sequence
@@ -32,6 +34,7 @@ from typing import Any
 
 from edgeroute.chat_format import ToolFormat
 from edgeroute.errors import InputError
+from edgeroute.runtime.constraints import json_schema_error
 from edgeroute.runtime.text_stream import stop_prefix
 
 TOOL_CHOICES = ("auto", "required", "none")
@@ -48,6 +51,8 @@ FENCED_OPENING = re.compile(FENCED_CALL)
 FENCED_PREFIX = re.compile(rf'`{{1,2}}|```(j(s(o(n)?)?)?)?|'
                            rf'```(json)?{_BLANK}(\{{{_BLANK}("(n(a(m(e("{_BLANK}(:{_BLANK})?)?)?)?)?)?)?)?')
 FENCE_END = re.compile(rf"{_BLANK}```")
+# an assistant message's tool call as OpenAI's API writes it (what check_tool_calls asks for)
+CALL_SHAPE = '{"id": ..., "type": "function", "function": {"name": ..., "arguments": "<JSON object as text>"}}'
 
 
 @dataclass(frozen=True)
@@ -63,7 +68,8 @@ class ToolCall:
 
 
 def parse_tools(tools: Sequence[dict[str, Any]] | None) -> list[dict[str, Any]]:
-    """The tools, checked; each keeps the caller's dict (the prompt lists it as given)."""
+    """The tools, checked (each one's parameters compiled, so a bad schema is refused when the
+    tools are given, by the tool's name); each keeps the caller's dict (the prompt lists it as given)."""
     if not tools:
         return []
     if isinstance(tools, (str, dict)) or not all(isinstance(t, dict) for t in tools):
@@ -81,10 +87,35 @@ def parse_tools(tools: Sequence[dict[str, Any]] | None) -> list[dict[str, Any]]:
         parameters = function.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
             raise InputError(f"tool {name}: parameters must be a JSON schema of an object (got {parameters!r:.60})")
+        if (problem := json_schema_error(_call_schema(tool))) is not None:
+            raise InputError(f"tool {name}: its parameters are not a JSON schema that compiles ({problem:.300}): "
+                             "fix the schema")
         names.append(name)
     if len(set(names)) != len(names):
         raise InputError(f"tool names must differ (got {', '.join(names)})")
     return list(tools)
+
+
+def check_tool_calls(calls: Any, where: str) -> None:
+    """An InputError naming ``where`` (the message) and the shape expected unless ``calls`` is a
+    list of OpenAI tool calls, each ``{"function": {"name": ..., "arguments": ...}}`` (its "id"
+    and "type" optional here) with the arguments a JSON object, as JSON text (OpenAI's form) or a
+    dict: rendering one of another shape failed with only Python's words ('function', "string
+    indices must be integers")."""
+    if not isinstance(calls, list | tuple):
+        raise InputError(f"{where}: tool_calls must be a list of {CALL_SHAPE} (got {type(calls).__name__})")
+    for i, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str):
+            raise InputError(f"{where}: tool call {i} is not {CALL_SHAPE} (got {call!r:.80})")
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            with contextlib.suppress(json.JSONDecodeError):  # text that is not JSON is refused below
+                arguments = json.loads(arguments)
+        if not isinstance(arguments, dict):
+            raise InputError(f"{where}: tool call {i} ({name}) has arguments {function.get('arguments')!r:.80}: give a "
+                             """JSON object, as text ('{"celsius": 21}', OpenAI's form) or a dict""")
 
 
 def parse_tool_choice(choice: str | dict[str, Any] | None, tools: list[dict[str, Any]]) -> str | None:
@@ -111,6 +142,9 @@ def parse_tool_choice(choice: str | dict[str, Any] | None, tools: list[dict[str,
 def _call_schema(tool: dict[str, Any]) -> dict[str, Any]:
     function = tool["function"]
     parameters = function.get("parameters", {"type": "object", "properties": {}})
+    # an $id makes the parameters their own document: their "#/$defs/..." references (pydantic's
+    # model_json_schema writes them) resolve against them, not against this wrapper
+    parameters = {"$id": f"urn:edgeroute:tool:{function['name']}", **parameters}
     return {"type": "object", "properties": {"name": {"const": function["name"]}, "arguments": parameters},
             "required": ["name", "arguments"], "additionalProperties": False}
 
@@ -157,10 +191,11 @@ def tool_grammar(tools: list[dict[str, Any]], choice: str, fmt: ToolFormat, spec
                   f"pre[lazy]: /(.|\\n)*{_regex(fmt.call_open)}/"]
         auto = "TEXT | (pre call_json close)+ TEXT"
     # after the calls, blank space may end the answer as well as the end-of-turn token does (a
-    # model that writes the separator must not be forced into another call), a little of it
+    # model that writes the separator must not be forced into another call), a little of it. A
+    # named tool's one call ends the answer at its close: the grammar forces the end-of-turn token
     rules.append("BLANK: /[ \\t\\n]{1,2}/")
     start = {"none": "TEXT", "auto": auto, "required": "open call_json close (separator open call_json close)* BLANK?"}
-    return "\n".join(["%llguidance {}", f"start: {start.get(choice, 'open call_json close BLANK?')}", *rules]) + "\n"
+    return "\n".join(["%llguidance {}", f"start: {start.get(choice, 'open call_json close')}", *rules]) + "\n"
 
 
 def _regex(text: str) -> str:
