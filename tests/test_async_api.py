@@ -83,8 +83,8 @@ def test_a_bad_option_raises_in_the_awaiting_task(tiny_engine):
 
 def test_a_task_cancelled_while_speaking_a_piece_stops_the_decode_and_the_chat_goes_on_in_the_same_loop(tiny_engine):
     """The voice app's loop body awaits the speech (``await tts.say(piece)``): a cancel lands
-    there, outside the async generator, which stays suspended; held by the kept exception, it is
-    never closed. The decode stops anyway, and the chat's next calls run on the same loop."""
+    there, outside the async generator, which stays suspended until Python closes it as garbage.
+    The decode stops anyway, and the chat's next calls run on the same loop."""
     chat = tiny_engine.chat(max_new_tokens=400)
     seen: list[str] = []
 
@@ -98,7 +98,7 @@ def test_a_task_cancelled_while_speaking_a_piece_stops_the_decode_and_the_chat_g
         while not seen:
             await asyncio.sleep(0.001)
         task.cancel()
-        kept = await asyncio.gather(task, return_exceptions=True)  # the exception, its frame and the stream live on
+        kept = await asyncio.gather(task, return_exceptions=True)  # the exception kept
         chat.barge_in(seen[0])  # at once: no SessionBusy
         answer = await chat.agenerate("And then?", max_new_tokens=4)
         return kept, answer

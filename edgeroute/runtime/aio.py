@@ -6,9 +6,9 @@ Cancelling the task that consumes the pieces (a barge-in), or closing the iterat
 stops the decode within one token: the session's ``cancel()`` is called and the worker is
 awaited. A task cancelled while its ``async for`` body awaits (``await tts.say(piece)``) leaves
 the async generator suspended at a ``yield``, where no cancellation reaches it: Python closes
-an abandoned async generator only when it is garbage (later, or never while a traceback holds
-the task's frame). So the task's end stops the decode too, and the session's next call waits
-for that last token (``Session._exclusive``).
+an abandoned async generator only when it is garbage, later. So the task's end stops the decode
+(once: the late close must not stop the session's next call), and the session's next call
+waits for that last token (``Session._exclusive``).
 """
 
 from __future__ import annotations
