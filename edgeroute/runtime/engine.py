@@ -85,7 +85,7 @@ def check_prompt(prompt: Any) -> None:
             raise InputError(f"message {index} has role {message.get('role')!r}: one of {', '.join(ROLES)}")
         content = message.get("content")
         if content is None and not message.get("tool_calls"):
-            raise InputError(f"message {index} ({message.get('role', 'no role')}) has no content")
+            raise InputError(f"message {index} ({message['role']}) has no content")
         if content is not None and not isinstance(content, str):
             raise InputError(f"message {index}: content must be text (got {type(content).__name__})")
         if content is not None:
