@@ -441,7 +441,7 @@ def test_messages_that_end_without_a_user_message_are_refused_not_answered_as_th
     (dict(window="8"), "window must be a whole number"),
     (dict(adaptive_draft="no"), "adaptive_draft must be True or False"),
     (dict(skip="layer"), "skip and fallback take SkipOptions"),
-    (dict(mode="route", router=5), "router must be a router's name or a function"),
+    (dict(mode="route", router=5), "router must be a router's name, a function scoring a token"),
     (dict(task=3), r"task must be a task's name, a task profile's \(e.g. 'json'\) or your own, or None \(got 3\)"),
     (dict(protected_tokens="{}"), r"protected_tokens must be token ids, whole numbers >= 0, e.g. \[1, 2\]"),
     (dict(protected_tokens=[1, "2"]), "protected_tokens must be token ids"),
