@@ -109,33 +109,69 @@ def test_a_task_cancelled_while_speaking_a_piece_stops_the_decode_and_the_chat_g
     assert answer.finish_reason in ("length", "eos")
 
 
-def test_a_stream_cancels_its_generation_once_though_its_abandoned_generator_closes_later():
-    """The consumer's end cancels the decode; the async generator it abandoned is closed later,
-    when the session may already run its next call, which that close must not cancel."""
-    from edgeroute.runtime.aio import iterate_in_thread
-
-    cancels, finishing = [], threading.Event()
-
-    def make():
-        yield "piece"
-        finishing.wait(5)  # the worker past its generation, not yet done
+def test_a_stream_left_with_break_stops_its_decode_at_once_and_the_next_call_runs(tiny_engine):
+    """``break`` drops the stream: its generation's stop is set then, not when the garbage
+    collector and the loop get to close it, so the session's next call waits for that last
+    token instead of raising SessionBusy."""
+    session = tiny_engine.session(max_new_tokens=100)
 
     async def main():
-        stream = iterate_in_thread(make, lambda: cancels.append(len(cancels)))
+        finishes = []
+        for _ in range(5):
+            async for _piece in session.astream(PROMPT, on_token=lambda trace: time.sleep(0.005)):
+                break
+            cut = session.last
+            answer = await session.agenerate("And then?", max_new_tokens=2)
+            finishes.append((cut.finish_reason, answer.finish_reason))
+        return finishes
 
-        async def consume():
-            async for _ in stream:
-                await asyncio.sleep(10)
+    for cut, answer in asyncio.run(main()):
+        assert cut == "cancelled" and answer in ("length", "eos")
 
-        task = asyncio.create_task(consume())
-        await asyncio.sleep(0.05)
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        assert cancels == [0]  # the consumer's end
-        closing = asyncio.create_task(stream.aclose())  # what the garbage collector does, later
-        await asyncio.sleep(0.05)
-        assert cancels == [0]
-        finishing.set()
-        await closing
+
+def test_a_stream_stopped_before_its_decode_began_stops_no_other_call_on_the_session(tiny_engine):
+    """Each stream stops its own generation: a task cancelled before its worker reached the
+    session leaves the generation the session runs by then alone."""
+    session = tiny_engine.session(max_new_tokens=24)
+
+    async def main():
+        async def collect(stream):
+            return [piece async for piece in stream]
+
+        running = asyncio.create_task(collect(session.astream(PROMPT, on_token=lambda trace: time.sleep(0.01))))
+        while not session._busy:
+            await asyncio.sleep(0.001)
+        late = asyncio.create_task(anext(session.astream(PROMPT)))
+        await asyncio.sleep(0)  # its worker may or may not have started (and been refused as busy)
+        late.cancel()
+        await asyncio.gather(late, return_exceptions=True)
+        await running
+        return session.last
+
+    finished = asyncio.run(main())
+    assert finished.finish_reason in ("length", "eos") and len(finished.tokens) >= 1
+
+
+def test_a_threaded_stream_sets_its_own_stop_when_dropped_and_no_other():
+    from edgeroute.runtime.aio import ThreadedStream
+
+    stops, release = [], threading.Event()
+
+    def make(stop):
+        stops.append(stop)
+        yield "piece"
+        release.wait(5)  # the worker still inside its generation
+        yield "late"
+
+    async def main():
+        async for _ in ThreadedStream(make):
+            break
+        assert stops[0].is_set()  # at the break, before the loop ran anything else
+        kept = ThreadedStream(make)
+        assert await anext(kept) == "piece"
+        assert not stops[1].is_set()
+        release.set()
+        assert [piece async for piece in kept] == ["late"]
+        assert not stops[1].is_set()  # ended by itself
 
     asyncio.run(main())

@@ -28,7 +28,7 @@ from edgeroute.chat_format import ToolFormat, format_messages, tool_format
 from edgeroute.cpu import cpu_signature, signature_difference
 from edgeroute.errors import BundleError, CalibrationDeviceWarning, InputError, SessionBusy, UnmeasuredQualityWarning
 from edgeroute.kv_formats import INT8_GROUP, KV_DTYPE_CHOICES, check_kv_dtype, kv_row_bytes
-from edgeroute.runtime.aio import iterate_in_thread
+from edgeroute.runtime.aio import ThreadedStream
 from edgeroute.runtime.answer_memory import AnswerMemory
 from edgeroute.runtime.attention import KVCache
 from edgeroute.runtime.backend import ModelBackend, backend_for, open_model, resolve_kv_dtype
@@ -479,8 +479,8 @@ class Session:
         self.state = SequenceState(engine.llm, engine.context_length)  # the SLM joins on the first call that needs it
         self._opening = [{"role": "system", "content": system}] if system is not None else []
         self.messages: list[dict[str, str]] = list(self._opening)
-        self._cancel = threading.Event()
-        self._guard = threading.Condition()  # guards _busy, the cancel flag and _owner; notified when idle
+        self._cancel = threading.Event()  # the running call's: each call gets its own (_exclusive)
+        self._guard = threading.Condition()  # guards _busy, _cancel and _owner; notified when idle
         self._busy = False
         self._owner: int | None = None  # the thread running the generation in progress
         self.last: Generation | None = None
@@ -494,7 +494,9 @@ class Session:
     # -- one call at a time ---------------------------------------------------------------------
 
     @contextmanager
-    def _exclusive(self) -> Iterator[None]:
+    def _exclusive(self, cancel: threading.Event | None = None) -> Iterator[None]:
+        """One call at a time; ``cancel``: the event that stops this call's generation (a fresh
+        one by default), which ``cancel()`` sets while the call runs."""
         with self._guard:
             # a cancelled generation stops within one token: a call from another thread waits for
             # it instead of being refused, so a barge-in's cancel then barge_in() or the next turn
@@ -507,7 +509,7 @@ class Session:
                                   "its own on_token callback): give each thread its own engine.session() or "
                                   "engine.chat(), or wait until the running call returns")
             self._busy, self._owner = True, threading.get_ident()
-            self._cancel.clear()
+            self._cancel = threading.Event() if cancel is None else cancel
         try:
             yield
         finally:
@@ -816,8 +818,14 @@ class Session:
         is held back until it is known not to. With tools, only the content is streamed (the
         calls come in ``self.last.tool_calls`` at the end); ``on_tool_name`` gets each call's
         name as soon as it is decoded, before its arguments (on the decoding thread)."""
+        return self._stream(None, prompt, on_token, tool_choice, on_tool_name, overrides)
+
+    def _stream(self, cancel: threading.Event | None, prompt: str | Messages,
+                on_token: Callable[[TokenTrace], None] | None, tool_choice: ToolChoice,
+                on_tool_name: Callable[[str], None] | None, overrides: dict[str, Any]) -> Iterator[str]:
+        """``stream``; ``cancel``: the event that stops this generation (``_exclusive``)."""
         options = self._options(overrides)
-        with self._exclusive():
+        with self._exclusive(cancel):
             generation, traces = self._begin(prompt, options, tool_choice)
             detokenizer, stops = IncrementalDetokenizer(self.engine.decode), StopFilter(options.stop)
             fmt = self.engine.tool_format
@@ -867,16 +875,14 @@ class Session:
 
     # -- asyncio --------------------------------------------------------------------------------
 
-    async def astream(self, prompt: str | Messages, on_token: Callable[[TokenTrace], None] | None = None,
-                      tool_choice: ToolChoice = None, on_tool_name: Callable[[str], None] | None = None,
-                      **overrides: Any) -> AsyncIterator[str]:
-        """``stream`` for an event loop: the decode runs on a worker thread and its pieces are
-        awaited here. Cancelling the awaiting task, or leaving the loop early, stops the decode
-        within one token (see :mod:`edgeroute.runtime.aio`); ``on_token`` and ``on_tool_name``
-        run on the worker."""
-        async for piece in iterate_in_thread(
-                lambda: self.stream(prompt, on_token, tool_choice, on_tool_name, **overrides), self.cancel):
-            yield piece
+    def astream(self, prompt: str | Messages, on_token: Callable[[TokenTrace], None] | None = None,
+                tool_choice: ToolChoice = None, on_tool_name: Callable[[str], None] | None = None,
+                **overrides: Any) -> AsyncIterator[str]:
+        """``stream`` for an event loop: the decode runs on a worker thread once the stream is
+        first awaited, and its pieces are awaited here. Cancelling the awaiting task, leaving
+        the loop early (``break``) or ``aclose()`` stops this generation within one token (see
+        :mod:`edgeroute.runtime.aio`); ``on_token`` and ``on_tool_name`` run on the worker."""
+        return ThreadedStream(lambda stop: self._stream(stop, prompt, on_token, tool_choice, on_tool_name, overrides))
 
     async def agenerate(self, prompt: str | Messages, tool_choice: ToolChoice = None, **overrides: Any) -> Generation:
         """``generate`` for an event loop (see :meth:`astream`)."""
