@@ -97,6 +97,7 @@ def format_messages(chat_format: dict[str, Any], messages: list[dict[str, Any]],
     fmt = tool_format(chat_format) if tools else None
     text, rest = "", list(messages)
     system = rest.pop(0)["content"] if rest and rest[0]["role"] == "system" else None
+    first = len(messages) - len(rest)  # errors number the messages as given, the system one included
     if fmt is not None:
         text = chat_format["system_prefix"] + fmt.system(system, tools) + chat_format["system_to_user"]
     elif system is not None:
@@ -108,21 +109,21 @@ def format_messages(chat_format: dict[str, Any], messages: list[dict[str, Any]],
         message = rest[i]
         if expected == "user" and message["role"] == "tool":
             if fmt is None:
-                raise ValueError(f"message {i} has role 'tool', but the conversation has no tools")
+                raise ValueError(f"message {first + i} has role 'tool', but the conversation has no tools")
             results = [message]
             while i + 1 < len(rest) and rest[i + 1]["role"] == "tool":
                 i += 1
                 results.append(rest[i])
             text += fmt.results(results) + chat_format["user_suffix"]
         elif message["role"] != expected:
-            raise ValueError(f"message {i} has role {message['role']!r}; expected {expected!r} "
+            raise ValueError(f"message {first + i} has role {message['role']!r}; expected {expected!r} "
                              "(an optional system message, then alternating user and assistant turns; "
                              "tool results in place of a user turn)")
         elif expected == "user":
             text += message["content"] + chat_format["user_suffix"]
         else:
             if message.get("tool_calls") and fmt is None:
-                raise ValueError(f"message {i} calls tools, but the conversation has no tools")
+                raise ValueError(f"message {first + i} calls tools, but the conversation has no tools")
             text += (fmt.assistant(message) if fmt is not None else message["content"]) + chat_format["assistant_to_user"]
         expected = "assistant" if expected == "user" else "user"
         i += 1

@@ -386,7 +386,7 @@ def run(
     top_p: float = typer.Option(None, help="nucleus sampling mass"),
     seed: int = typer.Option(None, help="sampling seed"),
     stop: list[str] = typer.Option(None, help="stop string (repeatable)"),
-    router: str = typer.Option(None, help="route: entropy|top1|margin|ngram|llm-ratio"),
+    router: str = typer.Option(None, help="entropy|top1|margin|ngram|always|llm-ratio"),
     route_threshold: float = typer.Option(None, help="route: call the LLM above this score"),
     route_check: str = typer.Option(None, help="route: ahead | verified"),
     draft_tokens: int = typer.Option(None, help="speculate: initial draft length"),

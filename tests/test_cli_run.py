@@ -216,3 +216,12 @@ def test_run_chat_answers_a_tool_result_under_auto_where_your_turns_force_a_call
     assert result.exit_code == 0, result.output
     assert '"tool_call": {"id": "call_0", "name": "navigate"' in result.output
     assert choices == [{"type": "function", "function": {"name": "navigate"}}, "auto"]
+
+
+def test_run_help_names_every_router_the_options_take():
+    from edgeroute.runtime.decoding import VERIFIED_BASELINE
+    from edgeroute.runtime.policies import ROUTERS
+
+    shown = runner.invoke(app, ["run", "--help"], env={"COLUMNS": "200"})
+    router_help = next(line for line in shown.output.splitlines() if line.strip().startswith("--router"))
+    assert set(router_help.split()[-1].split("|")) == {*ROUTERS, VERIFIED_BASELINE}

@@ -402,6 +402,8 @@ def test_bundle_from_a_newer_format_version_is_a_bundle_error(tiny_bundles, tmp_
     ([{"role": "user", "content": "Hi"}, {"role": "driver", "content": "Hi"}], "message 1 has role 'driver'"),
     ("a\ud800b", "the prompt is not valid Unicode text: surrogates not allowed at character 1"),
     ([{"role": "user", "content": "\udc80"}], "message 0 is not valid Unicode text"),
+    ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}, {"role": "user", "content": "Hi"}],
+     "message 2 has role 'user'; expected 'assistant'"),  # numbered as given, as the checks above number them
 ])
 def test_a_prompt_that_is_not_text_or_messages_is_an_input_error_naming_it(prompt, message, tiny_engine):
     session = tiny_engine.session()
@@ -410,6 +412,14 @@ def test_a_prompt_that_is_not_text_or_messages_is_an_input_error_naming_it(promp
     with pytest.raises(InputError, match=message):
         tiny_engine.encode_prompt(prompt)
     assert session.state.tokens == []
+
+
+@pytest.mark.parametrize("system", ["Answer\ud800 briefly.", 7])
+def test_a_system_prompt_that_is_not_text_is_refused_before_the_chat_opens(system, tiny_engine):
+    with pytest.raises(InputError, match="the system prompt (is not valid Unicode text|must be text)"):
+        tiny_engine.chat(system=system)
+    with pytest.raises(InputError, match="the system prompt (is not valid Unicode text|must be text)"):
+        tiny_engine.share_prefix(system)
 
 
 @pytest.mark.parametrize("messages", [

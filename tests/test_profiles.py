@@ -123,6 +123,18 @@ def test_a_profile_decoding_is_checked_over_the_one_it_extends_and_an_error_name
         load_profile("lookup")
 
 
+def test_profiles_combined_are_checked_together_and_an_error_names_each_file(tmp_path, monkeypatch):
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "slm-routing.json").write_text('{"decoding": {"mode": "route", "light": "slm"}}')
+    (tmp_path / "tasks" / "verified.json").write_text('{"decoding": {"route_check": "verified"}}')
+    (tmp_path / "tasks" / "lookup.json").write_text('{"decoding": {"light": "ngram"}}')
+    monkeypatch.setenv("EDGEROUTE_PROFILES", str(tmp_path))
+    assert load_profile("slm-routing,verified").decoding == {"mode": "route", "light": "slm", "route_check": "verified"}
+    with pytest.raises(InputError, match=r"profile .*slm-routing.json \+ .*verified.json \+ .*lookup.json combined: "
+                                         r"decoding: verified routing judges the SLM's drafts"):
+        load_profile("slm-routing,verified,lookup")
+
+
 def _wheel(tmp_path: Path) -> Path:
     """Build the package's wheel from a copy of the source (no build files in the checkout)."""
     source = tmp_path / "source"

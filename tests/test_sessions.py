@@ -287,17 +287,17 @@ def test_cancel_while_idle_does_nothing_and_cancel_before_the_first_token_yields
     session.cancel()  # a stream not yet iterated has not started either
     assert len("".join(stream)) > 0 and session.last.finish_reason == "length"
 
-    original = tiny_engine.encode_prompt
+    original = tiny_engine._encode_checked_prompt
 
-    def cancel_while_starting(prompt):  # runs inside the call, before any token
+    def cancel_while_starting(prompt, tools):  # runs inside the call, before any token
         session.cancel()
-        return original(prompt)
+        return original(prompt, tools)
 
     session.reset()
-    monkeypatch.setattr(tiny_engine, "encode_prompt", cancel_while_starting)
+    monkeypatch.setattr(tiny_engine, "_encode_checked_prompt", cancel_while_starting)
     generation = session.generate("The capital of France is", max_new_tokens=6)
     assert generation.tokens == [] and generation.text == "" and generation.finish_reason == "cancelled"
-    monkeypatch.setattr(tiny_engine, "encode_prompt", original)
+    monkeypatch.setattr(tiny_engine, "_encode_checked_prompt", original)
     session.reset()
     assert len(session.generate("The capital of France is", max_new_tokens=6).tokens) == 6
 

@@ -142,7 +142,8 @@ def _llguidance():
     try:
         import llguidance
     except ImportError as err:
-        raise InputError("response_format needs the llguidance package: pip install llguidance") from err
+        raise InputError("structured output (response_format, tool calls) needs the llguidance package: "
+                         "pip install llguidance") from err
     return llguidance
 
 
@@ -160,8 +161,8 @@ class GrammarCompiler:
         with self._lock:
             if self._tokenizer is None:
                 if not self.eos_ids:
-                    raise InputError("response_format needs an end-of-sequence token, and this bundle's tokenizer "
-                                     "names none: re-export with a tokenizer that has one")
+                    raise InputError("structured output (response_format, tool calls) needs an end-of-sequence token, "
+                                     "and this bundle's tokenizer names none: re-export with a tokenizer that has one")
                 llg = _llguidance()
                 self._tokenizer = llg.LLTokenizer(self.tokenizer_file, n_vocab=self.vocab_size, eos_token=self.eos_ids)
         return self._tokenizer

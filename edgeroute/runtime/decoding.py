@@ -177,9 +177,7 @@ class DecodeOptions:
             if not isinstance(getattr(self, name), str):
                 raise InputError(f"{name} must be a string, e.g. {getattr(DecodeOptions, name)!r} "
                                  f"(got {getattr(self, name)!r})")
-        if self.max_new_tokens is not None and (not isinstance(self.max_new_tokens, numbers.Integral)
-                                                or isinstance(self.max_new_tokens, bool)):
-            raise InputError(f"max_new_tokens must be a whole number >= 1 (got {self.max_new_tokens!r})")
+        check_field_types(self)
         self.stop = stop_strings(self.stop)
         if self.task is not None and not isinstance(self.task, str):  # a number names no profile, and 0 kept as 'default'
             raise InputError(f"task must be a task's name, a task profile's (e.g. 'json') or your own, or None "

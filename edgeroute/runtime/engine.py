@@ -86,9 +86,9 @@ def check_prompt(prompt: Any) -> None:
         content = message.get("content")
         if content is None and not message.get("tool_calls"):
             raise InputError(f"message {index} ({message['role']}) has no content")
-        if content is not None and not isinstance(content, str):
-            raise InputError(f"message {index}: content must be text (got {type(content).__name__})")
         if content is not None:
+            if not isinstance(content, str):
+                raise InputError(f"message {index}: content must be text (got {type(content).__name__})")
             _check_text(content, f"message {index}")
         if message.get("tool_calls"):
             if message["role"] != "assistant":
@@ -100,6 +100,7 @@ def check_prompt(prompt: Any) -> None:
 def check_system_prompt(system: Any) -> None:
     if not isinstance(system, str):
         raise InputError(f"the system prompt must be text (got {type(system).__name__})")
+    _check_text(system, "the system prompt")
 
 
 def _check_text(text: str, what: str) -> None:
@@ -325,6 +326,10 @@ class Engine:
 
     def encode_prompt(self, prompt: str | Messages, tools: Tools | None = None) -> list[int]:
         check_prompt(prompt)
+        return self._encode_checked_prompt(prompt, tools)
+
+    def _encode_checked_prompt(self, prompt: str | Messages, tools: Tools | None) -> list[int]:
+        """``encode_prompt`` of a prompt ``check_prompt`` passed (a session's turn checks it first)."""
         if isinstance(prompt, str) and not prompt.strip():
             raise InputError("the prompt is empty")
         if not isinstance(prompt, str) and not any(_said(m) for m in prompt):
@@ -610,7 +615,7 @@ class Session:
             if self.tools:
                 raise InputError("tools go with chat messages: use engine.chat(tools=...) or pass a list of messages")
             if not tokens:
-                return Turn(0, engine.encode_prompt(prompt), [])
+                return Turn(0, engine._encode_checked_prompt(prompt, None), [])
             if not prompt.strip():
                 raise InputError("the prompt is empty")
             return Turn(len(tokens), engine.encode(prompt), [])  # plain-text continuation
@@ -624,7 +629,7 @@ class Session:
             if messages[-1].get("role") not in ("user", "tool"):
                 raise InputError(f"the messages end with a message of role {messages[-1].get('role')!r}: an answer "
                                  "follows a user message (or tool results); add the user's message")
-            return Turn(0, engine.encode_prompt(self.messages + messages, self.tools), self.messages + messages)
+            return Turn(0, engine._encode_checked_prompt(self.messages + messages, self.tools), self.messages + messages)
         # a later chat turn: close the assistant's answer and append only the new message(s)
         drop_eos = tokens[-1] in engine.eos_ids  # the template's text below closes the turn
         fmt = engine.chat_format

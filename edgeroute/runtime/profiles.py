@@ -172,8 +172,11 @@ def _merged(base: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_profile(spec: str) -> Profile:
+    """The profiles ``spec`` names (comma-separated), merged in order; their decoding options
+    are checked together too (each may be valid alone and conflict with another's)."""
     profile = Profile()
-    for name in [n.strip() for n in spec.split(",") if n.strip()]:
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    for name in names:
         data = _read(name)
         profile.names.append(data.get("name", name))
         if "providers" in data:
@@ -190,4 +193,6 @@ def load_profile(spec: str) -> Profile:
             profile.context_length = memory["default_context"]
         if "bandwidth_gbs" in memory:
             profile.bandwidth_gbs = float(memory["bandwidth_gbs"])
+    if len(names) > 1:
+        _check_decoding(profile.decoding, " + ".join(str(_find(name)) for name in names) + " combined")
     return profile
