@@ -354,9 +354,10 @@ class NativeModel(LayerwiseModel):
 
     def close(self) -> None:
         """Drops the model's handle now (otherwise when the model is collected). The library's
-        model is reference-counted: caches that live keep it and keep working (forwards,
+        model is reference-counted: caches that live keep it and keep working (whole forwards,
         truncations, copies), and its memory goes with the last of them; the model makes no new
-        cache once closed. Any thread may close it while others run its caches."""
+        cache once closed, and a pass layer by layer (skipping) is refused (its embedding and
+        head are the model's). Any thread may close it while others run its caches."""
         if getattr(self, "handle", None):
             self.lib.er_model_free(self.handle)
             self.handle = None
