@@ -28,6 +28,8 @@ def _produce(make: Callable[[threading.Event], Iterator[T]], stop: threading.Eve
         if not stop.is_set():  # stopped before the worker began: no generation at all
             for item in make(stop):
                 loop.call_soon_threadsafe(items.put_nowait, (_PIECE, item))
+                if stop.is_set():  # whatever ``make`` does with it: no item after the one in flight
+                    break
     except BaseException as err:  # noqa: BLE001 - handed to the awaiting task as it is
         loop.call_soon_threadsafe(items.put_nowait, (_ERROR, err))
     else:
