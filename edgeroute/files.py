@@ -1,4 +1,5 @@
-"""Files the package and the tools write: one atomic write, one cache folder.
+"""Files the package and the tools write: one atomic write, one cache folder; and the text files
+users give it, read alike.
 
 Standard library only (the bundle contract and the runtime both use it).
 """
@@ -9,6 +10,8 @@ import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
+
+from edgeroute.errors import InputError
 
 CACHE_ENV = "EDGEROUTE_CACHE"
 
@@ -58,3 +61,19 @@ def atomic_write(target: str | Path, data: bytes | str) -> Path:
     with atomic_path(target) as staged:
         staged.write_bytes(data.encode() if isinstance(data, str) else data)
     return target
+
+
+def read_user_text(path: Path, what: str) -> str:
+    """A text file a user gave (a task or prompt file): UTF-8, a leading byte-order mark (which
+    Windows editors write) dropped. A file that is not UTF-8 text, or cannot be read, is an
+    InputError naming the file and the line."""
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise InputError(f"cannot read the {what} {path}: {err.strerror}") from None
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        raise InputError(f"the {what} {path} is not UTF-8 text (line {line}, byte {err.start}: "
+                         f"{data[err.start:err.start + 1]!r}): save it as UTF-8 JSONL") from None

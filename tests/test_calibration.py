@@ -708,6 +708,18 @@ def test_bad_calibration_inputs_are_clear_errors(tmp_path, tiny_slm_bundle):
     assert result.exit_code == 2 and "skip prompts" in result.output and "Traceback" not in result.output
 
 
+
+def test_a_prompt_file_may_start_with_a_byte_order_mark_and_one_not_utf8_is_refused_by_line(tmp_path):
+    from edgeroute.calibration.prompts import load_prompts
+
+    line = b'{"id": "a", "task": "json", "content": "x"}'
+    path = tmp_path / "prompts.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + line + b"\n")
+    assert [p.id for p in load_prompts(path)] == ["a"]
+    path.write_bytes(line + b"\n" + line.replace(b"x", b"caf\xe9") + b"\n")
+    with pytest.raises(InputError, match=r"prompts.jsonl is not UTF-8 text \(line 2"):
+        load_prompts(path)
+
 @pytest.fixture(scope="module")
 def six_layer_slm_bundle(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
     """A tiny Llama deep enough for skip modes (2 + 2 protected layers), with a 1-layer SLM cut."""

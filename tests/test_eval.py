@@ -57,6 +57,20 @@ def test_a_task_file_reuses_no_id_and_exists(tmp_path):
         load_cases(tmp_path / "missing.jsonl")
 
 
+
+def test_a_task_file_may_start_with_a_byte_order_mark_and_one_not_utf8_is_refused_by_line(tmp_path):
+    line = json.dumps({"id": "a", "prompt": "hi", "assert": [{"type": "contains", "value": "x"}]}).encode()
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + line + b"\n")  # as Windows editors save UTF-8
+    assert [c.id for c in load_cases(path)] == ["a"]
+    path.write_bytes(line + b"\n" + line.replace(b"hi", b"caf\xe9") + b"\n")  # Latin-1
+    with pytest.raises(InputError, match=r"t.jsonl is not UTF-8 text \(line 2"):
+        load_cases(path)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff")
+    result = runner.invoke(app, ["eval", str(tmp_path / "no-bundle"), "--tasks", str(path)])
+    assert result.exit_code == 2 and "is not UTF-8 text (line 1" in " ".join(result.output.split())
+    assert "Traceback" not in result.output
+
 def test_eval_judges_every_assertion_type_and_fails_the_ones_that_must(tiny_slm_bundle, tmp_path):
     """Cases written against full's own answer: the assertions that hold pass in full and in
     (identical) speculation; their negations and wrong values fail in every mode."""

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from edgeroute.errors import InputError
+from edgeroute.files import read_user_text
 
 TASKS = ("voice-command", "templated", "json", "grounded", "dialogue", "code")
 PER_TASK = 40
@@ -391,7 +392,7 @@ def load_prompts(path: str | Path) -> list[CalibrationPrompt]:
     if not path.is_file():
         raise InputError(f"prompt file {path} does not exist")
     prompts = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    for number, line in enumerate(read_user_text(path, "prompt file").splitlines(), 1):
         if not line.strip():
             continue
         try:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from edgeroute.errors import InputError
+from edgeroute.files import read_user_text
 from edgeroute.quality.assertions import Assertion, Verdict, check_all, parse_assertion
 
 CASE_KEYS = {"id", "task", "prompt", "messages", "assert", "response_format", "max_new_tokens", "description"}
@@ -93,7 +94,7 @@ def load_cases(path: str | Path) -> list[TaskCase]:
     if not path.is_file():
         raise InputError(f"task file {path} does not exist (or is not a file)")
     cases = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    for number, line in enumerate(read_user_text(path, "task file").splitlines(), 1):
         if not line.strip():
             continue
         where = f"{path.name}:{number}"
