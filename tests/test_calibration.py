@@ -709,6 +709,23 @@ def test_bad_calibration_inputs_are_clear_errors(tmp_path, tiny_slm_bundle):
 
 
 
+
+@pytest.mark.parametrize(("line", "message"), [
+    ('{"id": 5, "task": "json", "content": "x"}', r'prompts.jsonl:1: "id" must be a non-empty string \(got 5\)'),
+    ('{"id": "a", "task": "json", "content": 7}', r'prompts.jsonl:1: "content" must be a non-empty string \(got 7\)'),
+    ('{"id": "a", "task": "json", "content": " "}', r'"content" must be a non-empty string'),
+    ('{"id": "a", "task": ["json"], "content": "x"}', r'"task" must be a non-empty string'),
+])
+def test_a_prompt_line_whose_keys_are_not_strings_is_refused_by_line(tmp_path, line, message):
+    """Before labelling starts: an integer id failed after it with a KeyError, integer content
+    with an error that named no file."""
+    from edgeroute.calibration.prompts import load_prompts
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(line + "\n")
+    with pytest.raises(InputError, match=message):
+        load_prompts(path)
+
 def test_a_prompt_file_may_start_with_a_byte_order_mark_and_one_not_utf8_is_refused_by_line(tmp_path):
     from edgeroute.calibration.prompts import load_prompts
 

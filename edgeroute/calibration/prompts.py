@@ -402,6 +402,10 @@ def load_prompts(path: str | Path) -> list[CalibrationPrompt]:
             raise InputError(f"{path}:{number} is not a prompt line like "
                              '{"id": "p1", "task": "templated", "content": "..."} '
                              f"({err})") from None
+        for key in ("id", "task", "content"):
+            value = getattr(prompt, key)
+            if not isinstance(value, str) or not value.strip():
+                raise InputError(f"{path}:{number}: \"{key}\" must be a non-empty string (got {value!r})")
         if prompt.task not in TASKS:
             raise InputError(f"{path}:{number}: task {prompt.task!r} is not one of {', '.join(TASKS)}")
         prompts.append(prompt)
