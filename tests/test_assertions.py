@@ -102,6 +102,15 @@ def test_is_json_accepts_one_fenced_block_and_checks_a_schema():
     assert check(Assertion("is-json", ANSWER_SCHEMA), '{"answer": "42"}').passed is False
 
 
+
+@pytest.mark.parametrize("output", ["NaN", "-Infinity", '{"answer": NaN}', '```json\n[1, Infinity]\n```'])
+@pytest.mark.parametrize("data", [{"type": "is-json"}, {"type": "contains-json"},
+                                  {"type": "json-schema", "value": {"type": ["number", "object", "array"]}}])
+def test_json_assertions_fail_nan_and_infinity_which_are_not_json(data, output):
+    """Python's json reads them; JSON.parse, and every consumer of the answer, refuses them."""
+    verdict = check(parse_assertion(data), output)
+    assert verdict.passed is False, verdict.reason
+
 def test_contains_json_checks_a_schema():
     assert check(Assertion("contains-json", ANSWER_SCHEMA), 'Sure! {"answer": 42}').passed is True
     assert check(Assertion("contains-json", ANSWER_SCHEMA), 'Sure! {"answer": 41}').passed is False

@@ -92,8 +92,12 @@ def code_block(text: str, language: str | None = None) -> str:
 
 def first_json(text: str) -> object:
     """The first JSON object or array in ``text`` (a fenced block's first, so a footnote such as
-    ``[1]`` before it does not win), or None when there is none."""
-    decoder = json.JSONDecoder()
+    ``[1]`` before it does not win), or None when there is none. NaN and Infinity, which
+    Python's json reads, are not JSON: a value holding them is none."""
+    def not_json(constant: str) -> object:
+        raise ValueError(f"{constant} is not JSON")
+
+    decoder = json.JSONDecoder(parse_constant=not_json)
     candidates = [code_block(text, "json"), text] if "```" in text else [text]
     for candidate in candidates:
         for start in re.finditer(r"[{\[]", candidate):
