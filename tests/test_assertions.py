@@ -187,6 +187,17 @@ def test_check_refuses_an_assertion_built_without_parsing():
         check(Assertion("contain", "x"), "x")
 
 
+
+@pytest.mark.parametrize("kind", ["python", "javascript"])
+def test_a_negated_check_whose_grading_result_has_no_boolean_pass_still_fails(kind):
+    if kind == "javascript" and shutil.which("node") is None:
+        pytest.skip("node is not installed")
+    for malformed in ('{"pass": "false"}', '{"pass": 1}'):
+        body = f"return {malformed}" if kind == "python" else f"return {malformed};"
+        for negated in (kind, f"not-{kind}"):
+            verdict = check(parse_assertion({"type": negated, "value": body}), "any answer at all")
+            assert verdict.passed is False and "not a bool" in verdict.reason, (negated, verdict.reason)
+
 @pytest.mark.parametrize("kind", ["python", "javascript"])
 def test_a_negated_check_that_errors_or_times_out_still_fails(kind):
     if kind == "javascript" and shutil.which("node") is None:
