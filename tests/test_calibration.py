@@ -710,6 +710,17 @@ def test_bad_calibration_inputs_are_clear_errors(tmp_path, tiny_slm_bundle):
 
 
 
+
+def test_a_work_folder_that_cannot_be_made_is_a_clear_error_and_leaves_the_bundle_as_it_was(slm_bundle_copy, tmp_path):
+    manifest = (slm_bundle_copy / MANIFEST).read_bytes()
+    taken = tmp_path / "a-file"
+    taken.write_text("not a folder")
+    for work in (taken, taken / "work"):
+        result = runner.invoke(app, ["calibrate", str(slm_bundle_copy), "--work", str(work)])
+        assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+        assert f"cannot use {work} as the calibration's work folder" in " ".join(result.output.split())
+    assert (slm_bundle_copy / MANIFEST).read_bytes() == manifest
+
 @pytest.mark.parametrize(("line", "message"), [
     ('{"id": 5, "task": "json", "content": "x"}', r'prompts.jsonl:1: "id" must be a non-empty string \(got 5\)'),
     ('{"id": "a", "task": "json", "content": 7}', r'prompts.jsonl:1: "content" must be a non-empty string \(got 7\)'),
