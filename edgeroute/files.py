@@ -1,5 +1,5 @@
-"""Files the package and the tools write: one atomic write, one cache folder; and the text files
-users give it, read alike.
+"""Files the package and the tools write: one atomic write, one cache folder, the check of an
+output's folder before the work; and the text files users give it, read alike.
 
 Standard library only (the bundle contract and the runtime both use it).
 """
@@ -61,6 +61,19 @@ def atomic_write(target: str | Path, data: bytes | str) -> Path:
     with atomic_path(target) as staged:
         staged.write_bytes(data.encode() if isinstance(data, str) else data)
     return target
+
+
+def check_output_folder(path: Path, what: str) -> None:
+    """Refuse ``path`` before the work whose result it takes (an eval, a benchmark) where its
+    folder cannot be made or written: the nearest folder that exists is a file, or one this user
+    may not write in. Folders missing below it are made when the result is written."""
+    existing = path.parent
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise InputError(f"{what} {path}: {existing} is a file, so no folder can be made there; give another path")
+    if not os.access(existing, os.W_OK):
+        raise InputError(f"{what} {path}: the folder {existing} is not writable; give another path")
 
 
 def read_user_text(path: Path, what: str) -> str:

@@ -164,3 +164,15 @@ def test_auto_counts_as_lossless_only_where_every_task_it_covers_runs_a_lossless
 def test_eval_checks_its_settings_before_it_loads_the_bundle(tmp_path, option, message):
     result = CliRunner().invoke(app, ["eval", str(tmp_path / "no-bundle"), "--tasks", "builtin", *option])
     assert result.exit_code == 2 and message in result.output and "no-bundle" not in result.output
+
+
+@pytest.mark.parametrize("option", ["--json", "--plot"])
+def test_eval_refuses_an_output_path_whose_folder_cannot_be_made_before_it_runs(tmp_path, option):
+    """Refused after every case had run: --plot with a traceback, --json with the report lost."""
+    taken = tmp_path / "results"
+    taken.write_text("a file where the folder would go")
+    out = taken / "new" / ("eval.json" if option == "--json" else "eval.png")
+    result = CliRunner().invoke(app, ["eval", str(tmp_path / "no-bundle"), "--tasks", "builtin", option, str(out)])
+    printed = " ".join(result.output.split())
+    assert result.exit_code == 2 and f"{taken} is a file, so no folder can be made there" in printed, result.output
+    assert "no-bundle" not in printed and "Traceback" not in result.output
