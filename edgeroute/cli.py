@@ -723,12 +723,10 @@ def eval_tasks(
             cases = [prompt_case(p) for p in held_out_prompts(per_task)]
         else:
             cases = load_cases(tasks)
-        if not 0.0 <= task_loss < 1.0:
-            raise EdgerouteError(f"--task-loss must be within [0, 1) (got {task_loss})")
         if plot is not None:
             png_path(plot)
         _json_path(as_json)
-        eval_configs(modes, max_new_tokens, confidence)  # before the bundle loads
+        eval_configs(modes, max_new_tokens, confidence, task_loss)  # before the bundle loads
         engine = Engine(bundle, EngineOptions.from_profile(profile.split(",") if profile else None, backend=backend,
                                                            threads=threads))
         with _progress_bars() as update:

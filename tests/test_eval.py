@@ -156,10 +156,24 @@ def test_auto_counts_as_lossless_only_where_every_task_it_covers_runs_a_lossless
     assert not _auto_lossless(engine, ["code"]) and not _auto_lossless(engine, ["json", "code"])
 
 
+
+@pytest.mark.parametrize(("setting", "message"), [
+    ({"tolerance": 5.0}, r"task loss \(tolerance\) must be within \[0, 1\) \(got 5.0\)"),
+    ({"tolerance": float("nan")}, r"task loss \(tolerance\) must be within"),
+    ({"tolerance": -0.1}, r"task loss \(tolerance\) must be within"),
+    ({"max_new_tokens": "8"}, r"max_new_tokens must be at least 1 \(got '8'\)"),
+])
+def test_evaluate_refuses_a_tolerance_out_of_range_and_a_token_count_that_is_no_integer(tmp_path, setting, message):
+    """A tolerance of 5 let a mode that lost every case "replace full"; "8" was a TypeError."""
+    tasks = write_cases(tmp_path / "t.jsonl", [{"prompt": "one", "assert": [{"type": "regex", "value": "."}]}])
+    with pytest.raises(InputError, match=message):
+        evaluate(object(), load_cases(tasks), "full,route/slm", **setting)
+
 @pytest.mark.parametrize(("option", "message"), [
     (["--confidence", "1.5"], "confidence must be within"),
     (["--max-new-tokens", "0"], "max_new_tokens must be at least 1"),
     (["--modes", "full,warp"], "mode 'warp' is not one of"),
+    (["--task-loss", "nan"], "task loss (tolerance) must be within [0, 1) (got nan)"),
 ])
 def test_eval_checks_its_settings_before_it_loads_the_bundle(tmp_path, option, message):
     result = CliRunner().invoke(app, ["eval", str(tmp_path / "no-bundle"), "--tasks", "builtin", *option])
