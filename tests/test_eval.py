@@ -41,6 +41,10 @@ def test_modes_parse_with_full_first_and_bad_names_refused():
     ('{"prompt": "hi", "assert": [{"type": "smells-right", "value": "a"}]}', "smells-right"),
     ('{"prompt": "hi", "assert": [{"type": "contains", "value": "a"}], "max_new_tokens": 0}', "max_new_tokens"),
     ("not json", "is not JSON"),
+    ('{"prompt": "hi", "assert": [{"type": "contains", "value": "a"}], "response_format": {"type": "bogus"}}',
+     r"tasks.jsonl:1: response_format type 'bogus' is not one of"),
+    ('{"prompt": "hi", "assert": [{"type": "contains", "value": "a"}], "response_format": {"type": "regex"}}',
+     r"tasks.jsonl:1: response_format regex needs its text"),
 ])
 def test_bad_task_files_are_clear_errors(tmp_path, line, message):
     path = tmp_path / "tasks.jsonl"

@@ -23,6 +23,7 @@ from typing import Any
 from edgeroute.errors import InputError
 from edgeroute.files import read_user_text
 from edgeroute.quality.assertions import Assertion, Verdict, check_all, parse_assertion
+from edgeroute.runtime.constraints import ResponseFormat
 
 CASE_KEYS = {"id", "task", "prompt", "messages", "assert", "response_format", "max_new_tokens", "description"}
 ROLES = ("system", "user", "assistant", "tool")
@@ -79,6 +80,10 @@ def parse_case(data: Any, where: str) -> TaskCase:
     response_format = data.get("response_format")
     if response_format is not None and not isinstance(response_format, dict):
         raise InputError(f"{where}: \"response_format\" must be an object as `edgeroute run` takes it")
+    try:  # here, not when the case's turn comes in the middle of a run
+        ResponseFormat.parse(response_format)
+    except InputError as err:
+        raise InputError(f"{where}: {err}") from None
     task = data.get("task", "custom")
     if not isinstance(task, str) or not task.strip() or task == "default":
         raise InputError(f"{where}: \"task\" must be a non-empty string other than \"default\" (the profile over "
