@@ -16,6 +16,7 @@ from rich.text import Text
 
 from edgeroute.cpu import cpu_signature, signature_difference
 from edgeroute.errors import EdgerouteError
+from edgeroute.files import check_output_folder
 
 # Plain click help: rich's help panels spend a third of 80 columns on borders and type columns.
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
@@ -89,9 +90,12 @@ def _quantization(q: dict) -> str:
 
 
 def _json_path(path: Path | None) -> Path | None:
-    """--json FILE, checked before the work whose results it takes: a folder is refused."""
+    """--json FILE, checked before the work whose results it takes: a folder is refused, and so is
+    a path whose folder cannot be made or written."""
     if path is not None and path.is_dir():
         raise EdgerouteError(f"--json {path} is a folder: give a file path, e.g. --json {path / 'results.json'}")
+    if path is not None:
+        check_output_folder(path, "--json")
     return path
 
 
@@ -719,12 +723,10 @@ def eval_tasks(
             cases = [prompt_case(p) for p in held_out_prompts(per_task)]
         else:
             cases = load_cases(tasks)
-        if not 0.0 <= task_loss < 1.0:
-            raise EdgerouteError(f"--task-loss must be within [0, 1) (got {task_loss})")
         if plot is not None:
             png_path(plot)
         _json_path(as_json)
-        eval_configs(modes, max_new_tokens, confidence)  # before the bundle loads
+        eval_configs(modes, max_new_tokens, confidence, task_loss)  # before the bundle loads
         engine = Engine(bundle, EngineOptions.from_profile(profile.split(",") if profile else None, backend=backend,
                                                            threads=threads))
         with _progress_bars() as update:

@@ -1,4 +1,5 @@
-"""Files the package and the tools write: one atomic write, one cache folder.
+"""Files the package and the tools write: one atomic write, one cache folder, the check of an
+output's folder before the work; and the text files users give it, read alike.
 
 Standard library only (the bundle contract and the runtime both use it).
 """
@@ -9,6 +10,8 @@ import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
+
+from edgeroute.errors import InputError
 
 CACHE_ENV = "EDGEROUTE_CACHE"
 
@@ -58,3 +61,32 @@ def atomic_write(target: str | Path, data: bytes | str) -> Path:
     with atomic_path(target) as staged:
         staged.write_bytes(data.encode() if isinstance(data, str) else data)
     return target
+
+
+def check_output_folder(path: Path, what: str) -> None:
+    """Refuse ``path`` before the work whose result it takes (an eval, a benchmark) where its
+    folder cannot be made or written: the nearest folder that exists is a file, or one this user
+    may not write in. Folders missing below it are made when the result is written."""
+    existing = path.parent
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise InputError(f"{what} {path}: {existing} is a file, so no folder can be made there; give another path")
+    if not os.access(existing, os.W_OK):
+        raise InputError(f"{what} {path}: the folder {existing} is not writable; give another path")
+
+
+def read_user_text(path: Path, what: str) -> str:
+    """A text file a user gave (a task or prompt file): UTF-8, a leading byte-order mark (which
+    Windows editors write) dropped. A file that is not UTF-8 text, or cannot be read, is an
+    InputError naming the file and the line."""
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise InputError(f"cannot read the {what} {path}: {err.strerror}") from None
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        raise InputError(f"the {what} {path} is not UTF-8 text (line {line}, byte {err.start}: "
+                         f"{data[err.start:err.start + 1]!r}): save it as UTF-8 JSONL") from None

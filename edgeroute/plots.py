@@ -7,15 +7,18 @@ from pathlib import Path
 from types import ModuleType
 
 from edgeroute.errors import EdgerouteError, InputError
+from edgeroute.files import check_output_folder
 
 
 def png_path(path: str | Path) -> Path:
-    """``path`` if a PNG can be written there: not a folder, named .png."""
+    """``path`` if a PNG can be written there: not a folder, named .png, in a folder that can be
+    made and written."""
     path = Path(path)
     if path.is_dir():
         raise InputError(f"{path} is a folder: give the PNG's file path, e.g. {path / 'plot.png'}")
     if path.suffix.lower() != ".png":
         raise InputError(f"{path}: the plot is a PNG; give a path ending in .png")
+    check_output_folder(path, "the plot")
     return path
 
 

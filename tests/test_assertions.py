@@ -102,6 +102,15 @@ def test_is_json_accepts_one_fenced_block_and_checks_a_schema():
     assert check(Assertion("is-json", ANSWER_SCHEMA), '{"answer": "42"}').passed is False
 
 
+
+@pytest.mark.parametrize("output", ["NaN", "-Infinity", '{"answer": NaN}', '```json\n[1, Infinity]\n```'])
+@pytest.mark.parametrize("data", [{"type": "is-json"}, {"type": "contains-json"},
+                                  {"type": "json-schema", "value": {"type": ["number", "object", "array"]}}])
+def test_json_assertions_fail_nan_and_infinity_which_are_not_json(data, output):
+    """Python's json reads them; JSON.parse, and every consumer of the answer, refuses them."""
+    verdict = check(parse_assertion(data), output)
+    assert verdict.passed is False, verdict.reason
+
 def test_contains_json_checks_a_schema():
     assert check(Assertion("contains-json", ANSWER_SCHEMA), 'Sure! {"answer": 42}').passed is True
     assert check(Assertion("contains-json", ANSWER_SCHEMA), 'Sure! {"answer": 41}').passed is False
@@ -177,6 +186,17 @@ def test_check_refuses_an_assertion_built_without_parsing():
     with pytest.raises(InputError, match="unknown"):
         check(Assertion("contain", "x"), "x")
 
+
+
+@pytest.mark.parametrize("kind", ["python", "javascript"])
+def test_a_negated_check_whose_grading_result_has_no_boolean_pass_still_fails(kind):
+    if kind == "javascript" and shutil.which("node") is None:
+        pytest.skip("node is not installed")
+    for malformed in ('{"pass": "false"}', '{"pass": 1}'):
+        body = f"return {malformed}" if kind == "python" else f"return {malformed};"
+        for negated in (kind, f"not-{kind}"):
+            verdict = check(parse_assertion({"type": negated, "value": body}), "any answer at all")
+            assert verdict.passed is False and "not a bool" in verdict.reason, (negated, verdict.reason)
 
 @pytest.mark.parametrize("kind", ["python", "javascript"])
 def test_a_negated_check_that_errors_or_times_out_still_fails(kind):

@@ -708,6 +708,46 @@ def test_bad_calibration_inputs_are_clear_errors(tmp_path, tiny_slm_bundle):
     assert result.exit_code == 2 and "skip prompts" in result.output and "Traceback" not in result.output
 
 
+
+
+
+def test_a_work_folder_that_cannot_be_made_is_a_clear_error_and_leaves_the_bundle_as_it_was(slm_bundle_copy, tmp_path):
+    manifest = (slm_bundle_copy / MANIFEST).read_bytes()
+    taken = tmp_path / "a-file"
+    taken.write_text("not a folder")
+    for work in (taken, taken / "work"):
+        result = runner.invoke(app, ["calibrate", str(slm_bundle_copy), "--work", str(work)])
+        assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+        assert f"cannot use {work} as the calibration's work folder" in " ".join(result.output.split())
+    assert (slm_bundle_copy / MANIFEST).read_bytes() == manifest
+
+@pytest.mark.parametrize(("line", "message"), [
+    ('{"id": 5, "task": "json", "content": "x"}', r'prompts.jsonl:1: "id" must be a non-empty string \(got 5\)'),
+    ('{"id": "a", "task": "json", "content": 7}', r'prompts.jsonl:1: "content" must be a non-empty string \(got 7\)'),
+    ('{"id": "a", "task": "json", "content": " "}', r'"content" must be a non-empty string'),
+    ('{"id": "a", "task": ["json"], "content": "x"}', r'"task" must be a non-empty string'),
+])
+def test_a_prompt_line_whose_keys_are_not_strings_is_refused_by_line(tmp_path, line, message):
+    """Before labelling starts: an integer id failed after it with a KeyError, integer content
+    with an error that named no file."""
+    from edgeroute.calibration.prompts import load_prompts
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(line + "\n")
+    with pytest.raises(InputError, match=message):
+        load_prompts(path)
+
+def test_a_prompt_file_may_start_with_a_byte_order_mark_and_one_not_utf8_is_refused_by_line(tmp_path):
+    from edgeroute.calibration.prompts import load_prompts
+
+    line = b'{"id": "a", "task": "json", "content": "x"}'
+    path = tmp_path / "prompts.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + line + b"\n")
+    assert [p.id for p in load_prompts(path)] == ["a"]
+    path.write_bytes(line + b"\n" + line.replace(b"x", b"caf\xe9") + b"\n")
+    with pytest.raises(InputError, match=r"prompts.jsonl is not UTF-8 text \(line 2"):
+        load_prompts(path)
+
 @pytest.fixture(scope="module")
 def six_layer_slm_bundle(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
     """A tiny Llama deep enough for skip modes (2 + 2 protected layers), with a 1-layer SLM cut."""

@@ -41,6 +41,10 @@ def test_modes_parse_with_full_first_and_bad_names_refused():
     ('{"prompt": "hi", "assert": [{"type": "smells-right", "value": "a"}]}', "smells-right"),
     ('{"prompt": "hi", "assert": [{"type": "contains", "value": "a"}], "max_new_tokens": 0}', "max_new_tokens"),
     ("not json", "is not JSON"),
+    ('{"prompt": "hi", "assert": [{"type": "contains", "value": "a"}], "response_format": {"type": "bogus"}}',
+     r"tasks.jsonl:1: response_format type 'bogus' is not one of"),
+    ('{"prompt": "hi", "assert": [{"type": "contains", "value": "a"}], "response_format": {"type": "regex"}}',
+     r"tasks.jsonl:1: response_format regex needs its text"),
 ])
 def test_bad_task_files_are_clear_errors(tmp_path, line, message):
     path = tmp_path / "tasks.jsonl"
@@ -56,6 +60,20 @@ def test_a_task_file_reuses_no_id_and_exists(tmp_path):
     with pytest.raises(InputError, match="does not exist"):
         load_cases(tmp_path / "missing.jsonl")
 
+
+
+def test_a_task_file_may_start_with_a_byte_order_mark_and_one_not_utf8_is_refused_by_line(tmp_path):
+    line = json.dumps({"id": "a", "prompt": "hi", "assert": [{"type": "contains", "value": "x"}]}).encode()
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + line + b"\n")  # as Windows editors save UTF-8
+    assert [c.id for c in load_cases(path)] == ["a"]
+    path.write_bytes(line + b"\n" + line.replace(b"hi", b"caf\xe9") + b"\n")  # Latin-1
+    with pytest.raises(InputError, match=r"t.jsonl is not UTF-8 text \(line 2"):
+        load_cases(path)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff")
+    result = runner.invoke(app, ["eval", str(tmp_path / "no-bundle"), "--tasks", str(path)])
+    assert result.exit_code == 2 and "is not UTF-8 text (line 1" in " ".join(result.output.split())
+    assert "Traceback" not in result.output
 
 def test_eval_judges_every_assertion_type_and_fails_the_ones_that_must(tiny_slm_bundle, tmp_path):
     """Cases written against full's own answer: the assertions that hold pass in full and in
@@ -142,11 +160,37 @@ def test_auto_counts_as_lossless_only_where_every_task_it_covers_runs_a_lossless
     assert not _auto_lossless(engine, ["code"]) and not _auto_lossless(engine, ["json", "code"])
 
 
+
+@pytest.mark.parametrize(("setting", "message"), [
+    ({"tolerance": 5.0}, r"task loss \(tolerance\) must be within \[0, 1\) \(got 5.0\)"),
+    ({"tolerance": float("nan")}, r"task loss \(tolerance\) must be within"),
+    ({"tolerance": -0.1}, r"task loss \(tolerance\) must be within"),
+    ({"max_new_tokens": "8"}, r"max_new_tokens must be at least 1 \(got '8'\)"),
+])
+def test_evaluate_refuses_a_tolerance_out_of_range_and_a_token_count_that_is_no_integer(tmp_path, setting, message):
+    """A tolerance of 5 let a mode that lost every case "replace full"; "8" was a TypeError."""
+    tasks = write_cases(tmp_path / "t.jsonl", [{"prompt": "one", "assert": [{"type": "regex", "value": "."}]}])
+    with pytest.raises(InputError, match=message):
+        evaluate(object(), load_cases(tasks), "full,route/slm", **setting)
+
 @pytest.mark.parametrize(("option", "message"), [
     (["--confidence", "1.5"], "confidence must be within"),
     (["--max-new-tokens", "0"], "max_new_tokens must be at least 1"),
     (["--modes", "full,warp"], "mode 'warp' is not one of"),
+    (["--task-loss", "nan"], "task loss (tolerance) must be within [0, 1) (got nan)"),
 ])
 def test_eval_checks_its_settings_before_it_loads_the_bundle(tmp_path, option, message):
     result = CliRunner().invoke(app, ["eval", str(tmp_path / "no-bundle"), "--tasks", "builtin", *option])
     assert result.exit_code == 2 and message in result.output and "no-bundle" not in result.output
+
+
+@pytest.mark.parametrize("option", ["--json", "--plot"])
+def test_eval_refuses_an_output_path_whose_folder_cannot_be_made_before_it_runs(tmp_path, option):
+    """Refused after every case had run: --plot with a traceback, --json with the report lost."""
+    taken = tmp_path / "results"
+    taken.write_text("a file where the folder would go")
+    out = taken / "new" / ("eval.json" if option == "--json" else "eval.png")
+    result = CliRunner().invoke(app, ["eval", str(tmp_path / "no-bundle"), "--tasks", "builtin", option, str(out)])
+    printed = " ".join(result.output.split())
+    assert result.exit_code == 2 and f"{taken} is a file, so no folder can be made there" in printed, result.output
+    assert "no-bundle" not in printed and "Traceback" not in result.output

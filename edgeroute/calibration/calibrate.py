@@ -775,6 +775,11 @@ class CalibrationRun:
         if len({c.id for c in held_out}) != len(held_out):
             raise InputError("held-out case ids must be unique (an --eval line reuses a built-in id)")
         work = Path(options.work) if options.work else bundle.path.parent / f"{bundle.path.name}-calibration"
+        try:  # before the models load: the label shards go there first
+            work.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise InputError(f"cannot use {work} as the calibration's work folder (shards and report): "
+                             f"{err.strerror}; give another with --work") from None
         return cls(bundle, uncalibrated_engine(bundle), options, prompts, work, progress, executor, held_out=held_out)
 
     @contextmanager

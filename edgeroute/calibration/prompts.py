@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from edgeroute.errors import InputError
+from edgeroute.files import read_user_text
 
 TASKS = ("voice-command", "templated", "json", "grounded", "dialogue", "code")
 PER_TASK = 40
@@ -391,7 +392,7 @@ def load_prompts(path: str | Path) -> list[CalibrationPrompt]:
     if not path.is_file():
         raise InputError(f"prompt file {path} does not exist")
     prompts = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    for number, line in enumerate(read_user_text(path, "prompt file").splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -401,6 +402,10 @@ def load_prompts(path: str | Path) -> list[CalibrationPrompt]:
             raise InputError(f"{path}:{number} is not a prompt line like "
                              '{"id": "p1", "task": "templated", "content": "..."} '
                              f"({err})") from None
+        for key in ("id", "task", "content"):
+            value = getattr(prompt, key)
+            if not isinstance(value, str) or not value.strip():
+                raise InputError(f"{path}:{number}: \"{key}\" must be a non-empty string (got {value!r})")
         if prompt.task not in TASKS:
             raise InputError(f"{path}:{number}: task {prompt.task!r} is not one of {', '.join(TASKS)}")
         prompts.append(prompt)

@@ -199,11 +199,20 @@ def _regex(value: str, output: str, limits: SandboxLimits) -> Observation:
     return False, f"no match in {_short(output)}"
 
 
+def _strict_json(text: str) -> Any:
+    """``text`` as JSON; NaN and Infinity, which Python's json reads and no JSON parser elsewhere
+    does, raise ValueError."""
+    def not_json(constant: str) -> Any:
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=not_json)
+
+
 def _is_json(schema: dict | None, output: str, limits: SandboxLimits) -> Observation:
     text = output.strip()
     fenced = _FENCED_WHOLE.match(text)
     try:
-        data = json.loads(fenced.group(1) if fenced else text)
+        data = _strict_json(fenced.group(1) if fenced else text)
     except ValueError as err:
         return False, f"the output is not JSON ({err}): {_short(output)}"
     return _matches(data, schema, "the output is JSON")
@@ -222,7 +231,7 @@ def _json_schema(schema: dict, output: str, limits: SandboxLimits) -> Observatio
     text = output.strip()
     fenced = _FENCED_WHOLE.match(text)
     try:
-        data = json.loads(fenced.group(1) if fenced else text)
+        data = _strict_json(fenced.group(1) if fenced else text)
     except ValueError:
         data = first_json(output)
         if data is None:

@@ -21,7 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from edgeroute.errors import InputError
+from edgeroute.files import read_user_text
 from edgeroute.quality.assertions import Assertion, Verdict, check_all, parse_assertion
+from edgeroute.runtime.constraints import ResponseFormat
 
 CASE_KEYS = {"id", "task", "prompt", "messages", "assert", "response_format", "max_new_tokens", "description"}
 ROLES = ("system", "user", "assistant", "tool")
@@ -78,6 +80,10 @@ def parse_case(data: Any, where: str) -> TaskCase:
     response_format = data.get("response_format")
     if response_format is not None and not isinstance(response_format, dict):
         raise InputError(f"{where}: \"response_format\" must be an object as `edgeroute run` takes it")
+    try:  # here, not when the case's turn comes in the middle of a run
+        ResponseFormat.parse(response_format)
+    except InputError as err:
+        raise InputError(f"{where}: {err}") from None
     task = data.get("task", "custom")
     if not isinstance(task, str) or not task.strip() or task == "default":
         raise InputError(f"{where}: \"task\" must be a non-empty string other than \"default\" (the profile over "
@@ -93,7 +99,7 @@ def load_cases(path: str | Path) -> list[TaskCase]:
     if not path.is_file():
         raise InputError(f"task file {path} does not exist (or is not a file)")
     cases = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    for number, line in enumerate(read_user_text(path, "task file").splitlines(), 1):
         if not line.strip():
             continue
         where = f"{path.name}:{number}"

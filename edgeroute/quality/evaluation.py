@@ -127,14 +127,18 @@ def _llama_rows(engine, cases: Sequence[TaskCase], max_new_tokens: int, threads:
     return rows
 
 
-def eval_configs(modes: str | Sequence[RunConfig], max_new_tokens: int, confidence: float) -> list[RunConfig]:
+def eval_configs(modes: str | Sequence[RunConfig], max_new_tokens: int, confidence: float,
+                 tolerance: float = DEFAULT_TOLERANCE) -> list[RunConfig]:
     """The configurations ``modes`` names, ``full`` first (every other mode is judged against its
     answers), once the settings are valid: :func:`evaluate` checks them, and the CLI before it
     loads the bundle."""
     if not 0.5 <= confidence < 1.0:
         raise InputError(f"confidence must be within [0.5, 1) (got {confidence})")
-    if max_new_tokens < 1:
-        raise InputError(f"max_new_tokens must be at least 1 (got {max_new_tokens})")
+    # a tolerance of 1 or more lets a mode that loses every case replace full
+    if not 0.0 <= tolerance < 1.0:
+        raise InputError(f"the task loss (tolerance) must be within [0, 1) (got {tolerance})")
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        raise InputError(f"max_new_tokens must be at least 1 (got {max_new_tokens!r})")
     configs = parse_modes(modes) if isinstance(modes, str) else list(modes)
     if not configs or configs[0].name != "full":
         configs = [RunConfig("full", {"mode": "full"}), *(c for c in configs if c.name != "full")]
@@ -150,7 +154,7 @@ def evaluate(engine, cases: Sequence[TaskCase], modes: str | Sequence[RunConfig]
     if not cases:
         raise InputError("no task cases to evaluate")
     configs = [_auto_config(engine, cases) if c.name == "auto" else c
-               for c in eval_configs(modes, max_new_tokens, confidence)]
+               for c in eval_configs(modes, max_new_tokens, confidence, tolerance)]
     runs = run_cases(engine, cases, configs, max_new_tokens, progress, keep_text=True)
     notes = []
     if llama_cpp:

@@ -65,7 +65,8 @@ class SandboxResult:
     ok: bool | None  # True: ran and the value was truthy; False: falsy, raised, timed out, hit a limit; None: could not run
     value: object  # the check's value (JSON-able) when it ran, else None
     reason: str  # short and human: "returned False", "AssertionError (line 3: ...)", "timed out after 5.0 s"
-    returned: bool = False  # the check ran to a value (not an error, a limit, a refusal): what negation may flip
+    # the check ran to a verdict (not an error, a limit, a refusal, a "pass" that is no bool): what negation may flip
+    returned: bool = False
 
 
 # code_block, first_json and compile_python_check run in the parent (assertions) and, as source
@@ -92,8 +93,12 @@ def code_block(text: str, language: str | None = None) -> str:
 
 def first_json(text: str) -> object:
     """The first JSON object or array in ``text`` (a fenced block's first, so a footnote such as
-    ``[1]`` before it does not win), or None when there is none."""
-    decoder = json.JSONDecoder()
+    ``[1]`` before it does not win), or None when there is none. NaN and Infinity, which
+    Python's json reads, are not JSON: a value holding them is none."""
+    def not_json(constant: str) -> object:
+        raise ValueError(f"{constant} is not JSON")
+
+    decoder = json.JSONDecoder(parse_constant=not_json)
     candidates = [code_block(text, "json"), text] if "```" in text else [text]
     for candidate in candidates:
         for start in re.finditer(r"[{\[]", candidate):
@@ -164,11 +169,13 @@ def jsonable(value, dumps):
 
 
 def judge(value):
+    # (ok, reason, verdict): a GradingResult whose "pass" is no bool is no verdict on the output,
+    # so a negated check may not flip it into a pass
     if isinstance(value, dict) and "pass" in value:  # promptfoo's GradingResult
         if not isinstance(value["pass"], bool):
-            return False, f"the check returned a 'pass' that is not a bool: {short_repr(value['pass'], 80)}"
-        return value["pass"], str(value.get("reason") or ("passed" if value["pass"] else "failed"))
-    return bool(value), f"returned {short_repr(value)}"
+            return False, f"the check returned a 'pass' that is not a bool: {short_repr(value['pass'], 80)}", False
+        return value["pass"], str(value.get("reason") or ("passed" if value["pass"] else "failed")), True
+    return bool(value), f"returned {short_repr(value)}", True
 
 
 def describe(error, lines, limits):
@@ -213,7 +220,7 @@ def sandbox_main():
     try:
         exec(code, namespace)
         value = namespace["_check"](output)
-        (ok, reason), returned = judge(value), True
+        ok, reason, returned = judge(value)
     except BaseException as error:  # SystemExit and KeyboardInterrupt are a failed check too
         ok, value, reason, returned = False, None, describe(error, body.splitlines(), limits), False
     if violations:  # even when the check caught the refusal: what it did was not what it meant to do
@@ -362,14 +369,16 @@ function jsonable(value) {
   return text.length <= VALUE_LIMIT ? JSON.parse(text) : short(value, VALUE_LIMIT);
 }
 
+// [ok, reason, verdict]: a GradingResult whose "pass" is no boolean is no verdict on the output,
+// so a negated check may not flip it into a pass
 function judge(value) {
   if (value !== null && typeof value === "object" && !Array.isArray(value) && "pass" in value) {  // GradingResult
     if (typeof value.pass !== "boolean") {
-      return [false, `the check returned a "pass" that is not a boolean: ${short(value.pass, 80)}`];
+      return [false, `the check returned a "pass" that is not a boolean: ${short(value.pass, 80)}`, false];
     }
-    return [value.pass, value.reason ? String(value.reason) : value.pass ? "passed" : "failed"];
+    return [value.pass, value.reason ? String(value.reason) : value.pass ? "passed" : "failed", true];
   }
-  return [Boolean(value), `returned ${short(value)}`];
+  return [Boolean(value), `returned ${short(value)}`, true];
 }
 
 let checkLines = [];
@@ -426,8 +435,7 @@ process.on("exit", () => {
   let returned = false;
   try {
     value = await check(request.output, require, codeBlock, firstJson);
-    [ok, reason] = judge(value);
-    returned = true;
+    [ok, reason, returned] = judge(value);
   } catch (error) {
     [ok, value, reason] = [false, null, describe(error)];
   }
