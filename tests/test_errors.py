@@ -351,6 +351,39 @@ def test_directory_that_is_not_a_bundle_is_not_replaced_even_with_force(tiny_lla
     assert partial_dirs(out) == []
 
 
+@pytest.mark.parametrize("force", [False, True])
+def test_an_out_path_that_is_a_file_is_refused_and_kept_with_or_without_force(tiny_llama, tmp_path, force):
+    out = tmp_path / "model.gguf"
+    out.write_text("keep me")
+    with pytest.raises(EdgerouteError, match="exists and is a file, not a bundle: refusing to replace it"):
+        export_tiny(tiny_llama, out, force=force)
+    assert out.read_text() == "keep me"
+    assert partial_dirs(out) == []
+
+
+def test_an_out_path_under_a_file_is_an_edgeroute_error_naming_it(tiny_llama, tmp_path):
+    (tmp_path / "notes").write_text("not a folder")
+    out = tmp_path / "notes" / "bundles" / "tiny"
+    with pytest.raises(EdgerouteError, match=f"cannot write the bundle {out}: part of {out.parent} is a file"):
+        export_tiny(tiny_llama, out)
+    assert (tmp_path / "notes").read_text() == "not a folder"
+
+
+def test_an_out_folder_that_cannot_be_written_is_an_edgeroute_error_naming_it(tiny_llama, tmp_path, monkeypatch):
+    mkdir = Path.mkdir
+
+    def read_only_mkdir(self, *args, **kwargs):  # root writes where chmod says not: the error itself
+        if self.parent == tmp_path:
+            raise OSError(30, "Read-only file system", str(self))
+        return mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", read_only_mkdir)
+    out = tmp_path / "tiny"
+    with pytest.raises(EdgerouteError, match=f"cannot write the bundle {out} in {tmp_path}: Read-only file system"):
+        export_tiny(tiny_llama, out)
+    assert_nothing_written(out)
+
+
 # -- options ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("option", "flag"), [
