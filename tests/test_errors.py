@@ -392,6 +392,9 @@ def test_an_out_folder_that_cannot_be_written_is_an_edgeroute_error_naming_it(ti
     ({"head": "bogus"}, "--head 'bogus'"),
     ({"slm_quant": "int3"}, "--slm-quant 'int3'"),
     ({"context_length": 8}, "--context-length 8"),
+    ({"quant": "int4-gptq", "calibration_tokens": 0}, "--calibration-tokens 0"),
+    ({"quant": "int4-gptq", "calibration_tokens": 1}, "--calibration-tokens 1"),
+    ({"parity_tokens": -3}, "--parity-tokens -3"),
 ])
 def test_invalid_option_is_an_edgeroute_error_naming_it(tiny_llama, tmp_path, option, flag):
     with pytest.raises(EdgerouteError) as err:

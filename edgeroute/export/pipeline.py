@@ -92,6 +92,10 @@ class ExportOptions:
             raise EdgerouteError("--slm-vocab needs an SLM: drop --no-slm or the --slm-vocab option")
         if self.context_length < 16:
             raise EdgerouteError(f"--context-length {self.context_length} is too small (minimum 16)")
+        if self.calibration_tokens < 2:  # GPTQ drops a one-token sequence, and would have no activations
+            raise EdgerouteError(f"--calibration-tokens {self.calibration_tokens} is too small (minimum 2)")
+        if self.parity_tokens < 0:
+            raise EdgerouteError(f"--parity-tokens {self.parity_tokens} is negative (0 skips the parity check)")
         if not target.graphs:
             self._validate_native_only()
 
