@@ -403,6 +403,18 @@ def test_invalid_option_is_an_edgeroute_error_naming_it(tiny_llama, tmp_path, op
     assert_nothing_written(tmp_path / "out")
 
 
+@pytest.mark.parametrize(("option", "flag"), [
+    ({"block_size": 0, "quant": "int4-rtn"}, "--block-size 0 is not one of 32, 64, 128"),
+    ({"slm_layers": 0}, "--slm-layers 0 must be between 1 and 3"),
+    ({"slm_layers": 1, "slm_vocab": 0}, "--slm-vocab 0 must be at least"),
+])
+def test_a_zero_option_is_refused_not_replaced_by_its_default(tiny_llama, tmp_path, option, flag):
+    with pytest.raises(EdgerouteError) as err:
+        export_tiny(tiny_llama, tmp_path / "out", slm=str(tiny_llama), **option)
+    assert str(err.value).startswith(flag)
+    assert_nothing_written(tmp_path / "out")
+
+
 # -- CLI ----------------------------------------------------------------------------------------
 
 def invoke(*args: str):

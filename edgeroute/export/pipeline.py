@@ -71,7 +71,8 @@ class ExportOptions:
 
     def resolved(self) -> ExportOptions:
         """The options with the target's defaults filled in, validated."""
-        options = dataclasses.replace(self, block_size=self.block_size or self._target().block_sizes[0],
+        block_size = self._target().block_sizes[0] if self.block_size is None else self.block_size
+        options = dataclasses.replace(self, block_size=block_size,
                                       head=self.head or TARGET_HEADS[self.target][0])
         options.validate()
         return options
@@ -367,8 +368,10 @@ def export_bundle(options: ExportOptions, progress: Progress | None = None) -> E
         if options.slm is not None:
             slm = llm if Path(str(options.slm)) == Path(str(options.llm)) else load_source(options.slm)
             _check_same_tokenizer(llm.tokenizer, slm.tokenizer, options.slm, options.llm)
-    slm_layers = options.slm_layers or (DEFAULT_SLM_LAYERS if slm is llm else None)
-    if slm is not None and slm_layers and not 0 < slm_layers <= slm.arch.num_layers:
+    slm_layers = options.slm_layers
+    if slm_layers is None and slm is llm:
+        slm_layers = DEFAULT_SLM_LAYERS
+    if slm is not None and slm_layers is not None and not 0 < slm_layers <= slm.arch.num_layers:
         raise EdgerouteError(f"--slm-layers {slm_layers} must be between 1 and {slm.arch.num_layers}")
     calibration = None
     if "int4-gptq" in (options.quant, options.slm_quant) and target.graphs:
@@ -406,7 +409,7 @@ def export_bundle(options: ExportOptions, progress: Progress | None = None) -> E
             quantized = for_target(quantized, target, options.block_size, options.head)
             counts: Counter = Counter()
             head_vocab = None
-            if role == "slm" and options.slm_vocab:
+            if role == "slm" and options.slm_vocab is not None:
                 with _stage(report, "reduce head"):
                     head_vocab = _head_vocabulary(source, options.slm_vocab, writer)
                     quantized = dataclasses.replace(quantized, lm_head_source=functools.partial(
