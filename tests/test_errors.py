@@ -102,6 +102,28 @@ def test_hf_config_missing_a_field_is_a_source_error_naming_it(tiny_llama_copy):
         load_source(tiny_llama_copy)
 
 
+@pytest.mark.parametrize("keep", [0.5, 0.0001], ids=["half", "header cut"])
+def test_a_truncated_safetensors_file_is_a_source_error_naming_it(tiny_llama_copy, tmp_path, keep):
+    weights = tiny_llama_copy / "model.safetensors"
+    os.truncate(weights, int(weights.stat().st_size * keep))
+    with pytest.raises(SourceError, match=f"{weights} is not a readable safetensors file"):
+        export_tiny(tiny_llama_copy, tmp_path / "out")
+    assert_nothing_written(tmp_path / "out")
+
+
+@pytest.mark.parametrize(("file", "content", "message"), [
+    ("tokenizer.json", "{ not json", "is not valid JSON"),
+    ("tokenizer.json", "{}", "is not a tokenizer the tokenizers library reads"),
+    ("tokenizer_config.json", "{ not json", "is not valid JSON"),
+    ("generation_config.json", "[2]", "is not a JSON object"),
+])
+def test_a_damaged_tokenizer_file_is_a_source_error_naming_it(tiny_llama_copy, tmp_path, file, content, message):
+    (tiny_llama_copy / file).write_text(content)
+    with pytest.raises(SourceError, match=f"{tiny_llama_copy / file} {message}"):
+        export_tiny(tiny_llama_copy, tmp_path / "out")
+    assert_nothing_written(tmp_path / "out")
+
+
 @pytest.mark.parametrize("model_type", ["gpt2", "mistral", "phi3"])
 def test_unsupported_architecture_lists_the_supported_ones(tiny_llama_copy, tmp_path, model_type):
     edit_json(tiny_llama_copy / "config.json", lambda c: c.update(model_type=model_type))
