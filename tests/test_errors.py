@@ -474,6 +474,13 @@ def test_cli_export_with_an_invalid_option_exits_2(tiny_llama, tmp_path):
     assert_nothing_written(tmp_path / "out")
 
 
+def test_cli_sources_of_an_unknown_name_is_one_error_line_on_stderr_naming_it():
+    result = invoke("sources", "qwen-bogus")
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("error: unknown named source(s) qwen-bogus; known: qwen2.5-coder-1.5b")
+    assert len(result.stderr.splitlines()) == 1 and result.stdout == ""
+
+
 def test_cli_export_then_inspect(tiny_llama, tmp_path):
     out = tmp_path / "out"
     result = invoke("export", "--llm", str(tiny_llama), "--no-slm", "--quant", "fp32", "--parity-tokens", "0",
