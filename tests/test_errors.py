@@ -467,6 +467,16 @@ def test_cli_inspect_of_a_damaged_bundle_exits_2(bundle_copy):
     assert words(result.output).startswith("error:") and "sha256" in words(result.output)
 
 
+@pytest.mark.parametrize("edit", [lambda m: m.pop("generation"), lambda m: m["models"]["llm"]["source"].pop("name"),
+                                  lambda m: m["models"]["llm"]["arch"].update(family=None), lambda m: m.pop("created")],
+                         ids=["no generation", "no source name", "family null", "no created"])
+def test_cli_inspect_of_a_manifest_missing_what_it_shows_exits_2_naming_the_file(bundle_copy, edit):
+    edit_json(bundle_copy / MANIFEST, edit)
+    result = invoke("inspect", str(bundle_copy))
+    assert result.exit_code == 2, result.output
+    assert words(result.output).startswith(f"error: {bundle_copy / MANIFEST} is malformed")
+
+
 def test_cli_export_with_an_invalid_option_exits_2(tiny_llama, tmp_path):
     result = invoke("export", "--llm", str(tiny_llama), "--no-slm", "--quant", "bogus", "--out", str(tmp_path / "out"))
     assert result.exit_code == 2, result.output
