@@ -48,4 +48,15 @@ class ArchConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ArchConfig:
-        return cls(**data)
+        """The manifest's ``arch``; a value of another type (a damaged manifest) is a ValueError."""
+        arch = cls(**data)
+        for name, annotation in cls.__annotations__.items():
+            value = getattr(arch, name)
+            if not isinstance(value, FIELD_TYPES[annotation]) or (annotation == "int" and isinstance(value, bool)):
+                raise ValueError(f"arch.{name} is {value!r}, not {annotation}")
+        return arch
+
+
+# ArchConfig's annotations (strings under ``from __future__ import annotations``) as types
+FIELD_TYPES = {"str": str, "int": int, "float": (int, float), "bool": bool, "dict[str, Any]": dict,
+               "dict[str, Any] | None": (dict, type(None))}

@@ -777,9 +777,9 @@ def sources(
     from edgeroute.export.named_sources import NAMED_SOURCES, cache_dir, installed_distribution
 
     unknown = sorted(set(names or []) - set(NAMED_SOURCES))
-    if unknown:
-        console.print(f"[red]unknown named source(s) {unknown}; known: {sorted(NAMED_SOURCES)}[/]")
-        raise typer.Exit(2)
+    with _clear_errors():
+        if unknown:
+            raise EdgerouteError(f"unknown named source(s) {', '.join(unknown)}; known: {', '.join(NAMED_SOURCES)}")
     chosen = [NAMED_SOURCES[n] for n in names or NAMED_SOURCES]
     if requirements:
         print("\n".join(r for source in chosen for r in source.requirements()))

@@ -16,9 +16,11 @@ import pytest
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from typer.testing import CliRunner  # noqa: E402
 
 from edgeroute.arch import ArchConfig  # noqa: E402
 from edgeroute.bundle import MANIFEST, Bundle, NativeTensor, NativeWeights, build_manifest, model_section  # noqa: E402
+from edgeroute.cli import app  # noqa: E402
 from edgeroute.errors import BundleError  # noqa: E402
 
 # HYPOTHESIS_EXAMPLES=5000 for a longer hunt than the suite's
@@ -47,10 +49,11 @@ def small_bundle(tmp_path_factory) -> tuple[Path, dict]:
     native = NativeWeights("llm/native.bin", {"output_norm.weight": NativeTensor("F32", (64,), 0, 256)})
     graph = {"name": "embed", "kind": "embed", "layer": None, "file": "llm/embed.onnx", "flavour": "portable",
              "inputs": [{"name": "ids", "shape": ["t"], "dtype": "int64"}], "outputs": []}
-    llm = model_section(arch, {"name": "tiny"}, {"method": "fp32"}, [graph], native=native)
+    llm = model_section(arch, {"name": "tiny", "format": "hf", "sha256": "0" * 64}, {"method": "fp32", "head": "fp32"},
+                        [graph], native=native)
     manifest = build_manifest(edgeroute_version="0", created="now", opset=17,
                               tokenizer={"file": "tokenizer.json", "eos_token_ids": [2]},
-                              generation={"context_length": 64}, models={"llm": llm}, files=files)
+                              generation={"context_length": 64, "max_new_tokens": 16}, models={"llm": llm}, files=files)
     (root / MANIFEST).write_text(json.dumps(manifest))
     Bundle.open(root)  # the base case opens
     return root, manifest
@@ -73,10 +76,16 @@ JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.
 
 
 def _opens_or_says_why(root: Path, verify: bool) -> None:
+    """Bundle.open refuses with a message, or `edgeroute inspect` shows what it opened (or, where
+    only sizes were checked, refuses its sha256 on one error line: exit 2)."""
     try:
         Bundle.open(root, verify=verify)
     except BundleError as err:
         assert str(err), "a refusal without a message"
+        return
+    for json_flag in ([], ["--json"]):
+        result = CliRunner().invoke(app, ["inspect", str(root), *json_flag])
+        assert result.exit_code in (0, 2) and not isinstance(result.exception, Exception), result.output
 
 
 @FAST

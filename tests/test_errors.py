@@ -102,6 +102,28 @@ def test_hf_config_missing_a_field_is_a_source_error_naming_it(tiny_llama_copy):
         load_source(tiny_llama_copy)
 
 
+@pytest.mark.parametrize("keep", [0.5, 0.0001], ids=["half", "header cut"])
+def test_a_truncated_safetensors_file_is_a_source_error_naming_it(tiny_llama_copy, tmp_path, keep):
+    weights = tiny_llama_copy / "model.safetensors"
+    os.truncate(weights, int(weights.stat().st_size * keep))
+    with pytest.raises(SourceError, match=f"{weights} is not a readable safetensors file"):
+        export_tiny(tiny_llama_copy, tmp_path / "out")
+    assert_nothing_written(tmp_path / "out")
+
+
+@pytest.mark.parametrize(("file", "content", "message"), [
+    ("tokenizer.json", "{ not json", "is not valid JSON"),
+    ("tokenizer.json", "{}", "is not a tokenizer the tokenizers library reads"),
+    ("tokenizer_config.json", "{ not json", "is not valid JSON"),
+    ("generation_config.json", "[2]", "is not a JSON object"),
+])
+def test_a_damaged_tokenizer_file_is_a_source_error_naming_it(tiny_llama_copy, tmp_path, file, content, message):
+    (tiny_llama_copy / file).write_text(content)
+    with pytest.raises(SourceError, match=f"{tiny_llama_copy / file} {message}"):
+        export_tiny(tiny_llama_copy, tmp_path / "out")
+    assert_nothing_written(tmp_path / "out")
+
+
 @pytest.mark.parametrize("model_type", ["gpt2", "mistral", "phi3"])
 def test_unsupported_architecture_lists_the_supported_ones(tiny_llama_copy, tmp_path, model_type):
     edit_json(tiny_llama_copy / "config.json", lambda c: c.update(model_type=model_type))
@@ -351,6 +373,39 @@ def test_directory_that_is_not_a_bundle_is_not_replaced_even_with_force(tiny_lla
     assert partial_dirs(out) == []
 
 
+@pytest.mark.parametrize("force", [False, True])
+def test_an_out_path_that_is_a_file_is_refused_and_kept_with_or_without_force(tiny_llama, tmp_path, force):
+    out = tmp_path / "model.gguf"
+    out.write_text("keep me")
+    with pytest.raises(EdgerouteError, match="exists and is a file, not a bundle: refusing to replace it"):
+        export_tiny(tiny_llama, out, force=force)
+    assert out.read_text() == "keep me"
+    assert partial_dirs(out) == []
+
+
+def test_an_out_path_under_a_file_is_an_edgeroute_error_naming_it(tiny_llama, tmp_path):
+    (tmp_path / "notes").write_text("not a folder")
+    out = tmp_path / "notes" / "bundles" / "tiny"
+    with pytest.raises(EdgerouteError, match=f"cannot write the bundle {out}: part of {out.parent} is a file"):
+        export_tiny(tiny_llama, out)
+    assert (tmp_path / "notes").read_text() == "not a folder"
+
+
+def test_an_out_folder_that_cannot_be_written_is_an_edgeroute_error_naming_it(tiny_llama, tmp_path, monkeypatch):
+    mkdir = Path.mkdir
+
+    def read_only_mkdir(self, *args, **kwargs):  # root writes where chmod says not: the error itself
+        if self.parent == tmp_path:
+            raise OSError(30, "Read-only file system", str(self))
+        return mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", read_only_mkdir)
+    out = tmp_path / "tiny"
+    with pytest.raises(EdgerouteError, match=f"cannot write the bundle {out} in {tmp_path}: Read-only file system"):
+        export_tiny(tiny_llama, out)
+    assert_nothing_written(out)
+
+
 # -- options ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("option", "flag"), [
@@ -359,10 +414,25 @@ def test_directory_that_is_not_a_bundle_is_not_replaced_even_with_force(tiny_lla
     ({"head": "bogus"}, "--head 'bogus'"),
     ({"slm_quant": "int3"}, "--slm-quant 'int3'"),
     ({"context_length": 8}, "--context-length 8"),
+    ({"quant": "int4-gptq", "calibration_tokens": 0}, "--calibration-tokens 0"),
+    ({"quant": "int4-gptq", "calibration_tokens": 1}, "--calibration-tokens 1"),
+    ({"parity_tokens": -3}, "--parity-tokens -3"),
 ])
 def test_invalid_option_is_an_edgeroute_error_naming_it(tiny_llama, tmp_path, option, flag):
     with pytest.raises(EdgerouteError) as err:
         export_tiny(tiny_llama, tmp_path / "out", **option)
+    assert str(err.value).startswith(flag)
+    assert_nothing_written(tmp_path / "out")
+
+
+@pytest.mark.parametrize(("option", "flag"), [
+    ({"block_size": 0, "quant": "int4-rtn"}, "--block-size 0 is not one of 32, 64, 128"),
+    ({"slm_layers": 0}, "--slm-layers 0 must be between 1 and 3"),
+    ({"slm_layers": 1, "slm_vocab": 0}, "--slm-vocab 0 must be at least"),
+])
+def test_a_zero_option_is_refused_not_replaced_by_its_default(tiny_llama, tmp_path, option, flag):
+    with pytest.raises(EdgerouteError) as err:
+        export_tiny(tiny_llama, tmp_path / "out", slm=str(tiny_llama), **option)
     assert str(err.value).startswith(flag)
     assert_nothing_written(tmp_path / "out")
 
@@ -397,11 +467,28 @@ def test_cli_inspect_of_a_damaged_bundle_exits_2(bundle_copy):
     assert words(result.output).startswith("error:") and "sha256" in words(result.output)
 
 
+@pytest.mark.parametrize("edit", [lambda m: m.pop("generation"), lambda m: m["models"]["llm"]["source"].pop("name"),
+                                  lambda m: m["models"]["llm"]["arch"].update(family=None), lambda m: m.pop("created")],
+                         ids=["no generation", "no source name", "family null", "no created"])
+def test_cli_inspect_of_a_manifest_missing_what_it_shows_exits_2_naming_the_file(bundle_copy, edit):
+    edit_json(bundle_copy / MANIFEST, edit)
+    result = invoke("inspect", str(bundle_copy))
+    assert result.exit_code == 2, result.output
+    assert words(result.output).startswith(f"error: {bundle_copy / MANIFEST} is malformed")
+
+
 def test_cli_export_with_an_invalid_option_exits_2(tiny_llama, tmp_path):
     result = invoke("export", "--llm", str(tiny_llama), "--no-slm", "--quant", "bogus", "--out", str(tmp_path / "out"))
     assert result.exit_code == 2, result.output
     assert words(result.output).startswith("error:") and "--quant" in words(result.output)
     assert_nothing_written(tmp_path / "out")
+
+
+def test_cli_sources_of_an_unknown_name_is_one_error_line_on_stderr_naming_it():
+    result = invoke("sources", "qwen-bogus")
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("error: unknown named source(s) qwen-bogus; known: qwen2.5-coder-1.5b")
+    assert len(result.stderr.splitlines()) == 1 and result.stdout == ""
 
 
 def test_cli_export_then_inspect(tiny_llama, tmp_path):

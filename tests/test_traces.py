@@ -100,6 +100,11 @@ def test_the_trace_command_shows_one_answer_of_a_chat(tmp_path):
     ('{"position": 3, "token": 3, "source": "llm", "seconds": NaN}', "line 2: seconds must be a finite"),
     ('{"position": 3, "token": 3, "source": "llm", "seconds": -0.5}', "line 2: seconds must be a finite"),
     ('{"position": 3, "token": 3, "source": "llm", "seconds": 0.1, "layers": "rrx"}', "line 2: layers holds 'x'"),
+    ('{"position": 3, "token": 3, "source": "llm", "seconds": 0.1, "text": 5}', "line 2: text must be a string, got 5"),
+    ('{"position": 3, "token": 3, "source": "llm", "seconds": 0.1, "fallback": "no"}',
+     "line 2: fallback must be true or false, got 'no'"),
+    ('{"position": 3, "token": 3, "source": "llm", "seconds": 0.1, "router_score": "high"}',
+     "line 2: router_score must be a number or null, got 'high'"),
 ])
 def test_a_damaged_trace_line_is_an_error_naming_the_line(tmp_path, line, message):
     trace = tmp_path / "trace.jsonl"

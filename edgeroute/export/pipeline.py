@@ -71,7 +71,8 @@ class ExportOptions:
 
     def resolved(self) -> ExportOptions:
         """The options with the target's defaults filled in, validated."""
-        options = dataclasses.replace(self, block_size=self.block_size or self._target().block_sizes[0],
+        block_size = self._target().block_sizes[0] if self.block_size is None else self.block_size
+        options = dataclasses.replace(self, block_size=block_size,
                                       head=self.head or TARGET_HEADS[self.target][0])
         options.validate()
         return options
@@ -92,6 +93,10 @@ class ExportOptions:
             raise EdgerouteError("--slm-vocab needs an SLM: drop --no-slm or the --slm-vocab option")
         if self.context_length < 16:
             raise EdgerouteError(f"--context-length {self.context_length} is too small (minimum 16)")
+        if self.calibration_tokens < 2:  # GPTQ drops a one-token sequence, and would have no activations
+            raise EdgerouteError(f"--calibration-tokens {self.calibration_tokens} is too small (minimum 2)")
+        if self.parity_tokens < 0:
+            raise EdgerouteError(f"--parity-tokens {self.parity_tokens} is negative (0 skips the parity check)")
         if not target.graphs:
             self._validate_native_only()
 
@@ -363,8 +368,10 @@ def export_bundle(options: ExportOptions, progress: Progress | None = None) -> E
         if options.slm is not None:
             slm = llm if Path(str(options.slm)) == Path(str(options.llm)) else load_source(options.slm)
             _check_same_tokenizer(llm.tokenizer, slm.tokenizer, options.slm, options.llm)
-    slm_layers = options.slm_layers or (DEFAULT_SLM_LAYERS if slm is llm else None)
-    if slm is not None and slm_layers and not 0 < slm_layers <= slm.arch.num_layers:
+    slm_layers = options.slm_layers
+    if slm_layers is None and slm is llm:
+        slm_layers = DEFAULT_SLM_LAYERS
+    if slm is not None and slm_layers is not None and not 0 < slm_layers <= slm.arch.num_layers:
         raise EdgerouteError(f"--slm-layers {slm_layers} must be between 1 and {slm.arch.num_layers}")
     calibration = None
     if "int4-gptq" in (options.quant, options.slm_quant) and target.graphs:
@@ -402,7 +409,7 @@ def export_bundle(options: ExportOptions, progress: Progress | None = None) -> E
             quantized = for_target(quantized, target, options.block_size, options.head)
             counts: Counter = Counter()
             head_vocab = None
-            if role == "slm" and options.slm_vocab:
+            if role == "slm" and options.slm_vocab is not None:
                 with _stage(report, "reduce head"):
                     head_vocab = _head_vocabulary(source, options.slm_vocab, writer)
                     quantized = dataclasses.replace(quantized, lm_head_source=functools.partial(

@@ -95,13 +95,20 @@ class SafetensorsTensors:
     (float as float32: torch reads bf16, which numpy cannot)."""
 
     def __init__(self, path: Path) -> None:
-        from safetensors import safe_open
-
         files = sorted(path.glob("*.safetensors"))
         if not files:
             raise SourceError(f"{path} has a config.json but no *.safetensors weights")
-        self._handles = [safe_open(str(f), framework="pt") for f in files]
+        self._handles = [self._open(f) for f in files]
         self._where = {name: handle for handle in self._handles for name in handle.keys()}  # noqa: SIM118
+
+    @staticmethod
+    def _open(file: Path):
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            return safe_open(str(file), framework="pt")
+        except SafetensorError as err:
+            raise SourceError(f"{file} is not a readable safetensors file ({err}): is it complete?") from err
 
     def __contains__(self, name: str) -> bool:
         return name in self._where
@@ -117,17 +124,36 @@ class SafetensorsTensors:
         return list(self._where)
 
 
+def _json_object(file: Path) -> dict:
+    """A checkpoint's JSON file (a missing one reads as empty), or a SourceError naming it."""
+    if not file.is_file():
+        return {}
+    try:
+        data = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise SourceError(f"{file} is not valid JSON ({err})") from err
+    if not isinstance(data, dict):
+        raise SourceError(f"{file} is not a JSON object")
+    return data
+
+
 def hf_tokenizer(path: Path) -> TokenizerInfo:
+    from tokenizers import Tokenizer
+
     tok_file = path / "tokenizer.json"
     if not tok_file.is_file():
         raise SourceError(f"{path} has no tokenizer.json: the runtime needs the fast-tokenizer file")
-    tok_config = json.loads((path / "tokenizer_config.json").read_text()) if (path / "tokenizer_config.json").is_file() else {}
-    gen_config = json.loads((path / "generation_config.json").read_text()) if (path / "generation_config.json").is_file() else {}
+    tok_config = _json_object(path / "tokenizer_config.json")
+    gen_config = _json_object(path / "generation_config.json")
     template = tok_config.get("chat_template")
     if (path / "chat_template.jinja").is_file():
         template = (path / "chat_template.jinja").read_text()
+    vocab = _json_object(tok_file)
     tokenizer_json = tok_file.read_text()
-    vocab = json.loads(tokenizer_json)
+    try:  # the bundle carries this file: one the runtime cannot read would only fail there
+        Tokenizer.from_str(tokenizer_json)
+    except Exception as err:  # the tokenizers library raises plain Exception with its parser's message
+        raise SourceError(f"{tok_file} is not a tokenizer the tokenizers library reads ({str(err)[:200]})") from err
     added = {t["content"]: t["id"] for t in vocab.get("added_tokens", [])}
 
     def token_id(token) -> int | None:

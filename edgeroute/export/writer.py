@@ -41,15 +41,25 @@ def pid_alive(pid: int) -> bool:
 class BundleWriter:
     def __init__(self, out: Path, force: bool = False) -> None:
         self.out = Path(out)
+        if self.out.exists() and not self.out.is_dir():  # --force or not: a bundle is a folder
+            raise EdgerouteError(f"{self.out} exists and is a file, not a bundle: refusing to replace it; "
+                                 "choose another --out")
         if self.out.exists() and not force:
             raise EdgerouteError(f"{self.out} already exists: pass --force to replace it, or choose another --out")
         if self.out.exists() and not (self.out / MANIFEST).is_file() and any(self.out.iterdir()):
             raise EdgerouteError(f"{self.out} exists and is not a bundle: refusing to replace it")
-        self.out.parent.mkdir(parents=True, exist_ok=True)
-        self._remove_stale_partials()
-        self.tmp = self.out.parent / f".{self.out.name}.partial-{os.getpid()}"
-        shutil.rmtree(self.tmp, ignore_errors=True)
-        self.tmp.mkdir()
+        try:
+            self.out.parent.mkdir(parents=True, exist_ok=True)
+            self._remove_stale_partials()
+            self.tmp = self.out.parent / f".{self.out.name}.partial-{os.getpid()}"
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            self.tmp.mkdir()
+        except (FileExistsError, NotADirectoryError):
+            raise EdgerouteError(f"cannot write the bundle {self.out}: part of {self.out.parent} is a file; "
+                                 "choose another --out") from None
+        except OSError as err:
+            raise EdgerouteError(f"cannot write the bundle {self.out} in {self.out.parent}: {err.strerror}; "
+                                 "choose another --out") from None
         self.files: dict[str, dict[str, Any]] = {}
 
     def _remove_stale_partials(self) -> None:

@@ -30,6 +30,11 @@ from edgeroute.runtime.decoding import TokenTrace
 
 REQUIRED = ("position", "token", "source", "seconds")
 KNOWN = {field.name for field in dataclasses.fields(TokenTrace)}
+# the optional fields as `run --trace` writes them: their types, as an error names them
+OPTIONAL_FIELDS = {"router_score": ((int, float, type(None)), "a number or null"),
+                   "layers_run": ((int, type(None)), "a whole number or null"),
+                   "layers_skipped": ((int, type(None)), "a whole number or null"),
+                   "importance": (list, "a list"), "fallback": (bool, "true or false"), "text": (str, "a string")}
 # what each LLM layer did in a token's pass (TokenTrace.layers), in the heatmap's order
 LAYER_ACTIONS = {"r": "run", "m": "attention only", "s": "skipped", "d": "dropped"}
 # the sources in the order the tables list them; others (a mixed light path's drafters) follow
@@ -78,6 +83,9 @@ def _token(path: Path, number: int, line: str) -> TokenTrace:
         raise InputError(f"{where}: seconds must be a finite number of at least 0, got {seconds!r}")
     if not isinstance(record["source"], str) or not isinstance(record.get("layers", ""), str):
         raise InputError(f"{where}: source and layers are strings")
+    for name, (types, described) in OPTIONAL_FIELDS.items():
+        if name in record and not isinstance(record[name], types):
+            raise InputError(f"{where}: {name} must be {described}, got {record[name]!r}")
     unknown_actions = set(record.get("layers", "")) - set(LAYER_ACTIONS)
     if unknown_actions:
         raise InputError(f"{where}: layers holds {''.join(sorted(unknown_actions))!r}; "
