@@ -312,6 +312,14 @@ def test_invalid_slm_layers_leaves_nothing_behind(tiny_llama, tmp_path):
     assert_nothing_written(out)
 
 
+def test_an_slm_cut_from_a_model_too_small_for_the_default_names_the_default_not_a_flag(tiny_llama, tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(EdgerouteError, match="takes its first 12 layers unless --slm-layers says otherwise, and this "
+                                             "model has 3: pass --slm-layers N with N below 3"):
+        export_tiny(tiny_llama, out, slm=str(tiny_llama))
+    assert_nothing_written(out)
+
+
 def fail_after_graphs(monkeypatch, n: int) -> None:
     write_graph = BundleWriter.write_graph
     calls = []

@@ -372,6 +372,10 @@ def export_bundle(options: ExportOptions, progress: Progress | None = None) -> E
     if slm_layers is None and slm is llm:
         slm_layers = DEFAULT_SLM_LAYERS
     if slm is not None and slm_layers is not None and not 0 < slm_layers <= slm.arch.num_layers:
+        if options.slm_layers is None:  # the default: name it, not a flag the user never gave
+            raise EdgerouteError(f"an SLM cut from the LLM's source takes its first {DEFAULT_SLM_LAYERS} layers unless "
+                                 f"--slm-layers says otherwise, and this model has {slm.arch.num_layers}: pass "
+                                 f"--slm-layers N with N below {slm.arch.num_layers}")
         raise EdgerouteError(f"--slm-layers {slm_layers} must be between 1 and {slm.arch.num_layers}")
     calibration = None
     if "int4-gptq" in (options.quant, options.slm_quant) and target.graphs:
