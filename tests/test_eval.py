@@ -53,6 +53,19 @@ def test_bad_task_files_are_clear_errors(tmp_path, line, message):
         load_cases(path)
 
 
+@pytest.mark.parametrize("checks", [
+    [{"type": "not-contains", "value": "error"}],
+    [{"type": "regex", "value": "Paris|"}],
+    [{"type": "not-regex", "value": "\\d"}, {"type": "python", "value": "len(output) < 80"}],
+])
+def test_a_case_an_empty_answer_passes_is_refused_by_line(tmp_path, checks):
+    path = write_cases(tmp_path / "tasks.jsonl", [{"prompt": "Where is the Louvre?", "assert": checks}])
+    with pytest.raises(InputError, match=r"tasks.jsonl:1: an empty answer passes every assertion of this case"):
+        load_cases(path)
+    said = [*checks, {"type": "regex", "value": "\\S"}]  # the fix the message offers
+    assert len(load_cases(write_cases(tmp_path / "fixed.jsonl", [{"prompt": "Where?", "assert": said}]))) == 1
+
+
 def test_a_task_file_reuses_no_id_and_exists(tmp_path):
     case = {"id": "a", "prompt": "hi", "assert": [{"type": "contains", "value": "x"}]}
     with pytest.raises(InputError, match="used twice"):
@@ -85,13 +98,17 @@ def test_eval_judges_every_assertion_type_and_fails_the_ones_that_must(tiny_slm_
     word = answer.strip().split()[0]
     holds = [{"type": "contains", "value": word}, {"type": "icontains", "value": word.upper()},
              {"type": "contains-all", "value": [word]}, {"type": "contains-any", "value": [word, "zzzz"]},
-             {"type": "not-contains", "value": "\x00never"}, {"type": "regex", "value": "."},
+             # a negation alone passes an empty answer too (such a case is refused): beside a check it fails
+             [{"type": "not-contains", "value": "\x00never"}, {"type": "regex", "value": "."}], {"type": "regex", "value": "."},
              {"type": "equals", "value": answer}, {"type": "python", "value": f"output.startswith({answer[:3]!r})"}]
-    fails = [{"type": "not-contains", "value": word}, {"type": "equals", "value": answer + "!"},
+    fails = [[{"type": "not-contains", "value": word}, {"type": "regex", "value": "."}],
+             {"type": "equals", "value": answer + "!"},
              {"type": "is-json"}, {"type": "json-schema", "value": {"type": "object"}},
              {"type": "python", "value": "len(output) > 10_000"}, {"type": "contains-all", "value": [word, "\x00no"]}]
-    cases = [{"id": f"holds-{i}", "task": "holds", "prompt": prompt, "assert": [a]} for i, a in enumerate(holds)]
-    cases += [{"id": f"fails-{i}", "task": "fails", "prompt": prompt, "assert": [a]} for i, a in enumerate(fails)]
+    cases = [{"id": f"holds-{i}", "task": "holds", "prompt": prompt, "assert": a if isinstance(a, list) else [a]}
+             for i, a in enumerate(holds)]
+    cases += [{"id": f"fails-{i}", "task": "fails", "prompt": prompt, "assert": a if isinstance(a, list) else [a]}
+              for i, a in enumerate(fails)]
     report = evaluate(engine, load_cases(write_cases(tmp_path / "t.jsonl", cases)), "full,speculate/ngram",
                       max_new_tokens=12)
     for mode in ("full", "speculate/ngram"):

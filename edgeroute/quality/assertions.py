@@ -35,6 +35,7 @@ ASSERTION_KEYS = ("type", "value")
 _STRING_VALUED = ("equals", "contains", "icontains", "starts-with", "regex", "python", "javascript")
 _LIST_VALUED = ("contains-all", "icontains-all", "contains-any", "icontains-any")
 _OPTIONAL_SCHEMA = ("is-json", "contains-json")
+SANDBOXED_TYPES = ("python", "javascript")  # run in a subprocess: the costly checks
 _FENCED_WHOLE = re.compile(r"\A```[^\n`]*\n(.*?)\n?[ \t]*```\Z", re.DOTALL)
 
 

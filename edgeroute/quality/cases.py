@@ -10,7 +10,8 @@ assertion names under ``assert``)::
 ``messages`` (OpenAI-style ``[{"role", "content"}]``) may replace ``prompt``; ``task`` (default
 ``custom``) groups cases in reports and names the task profile a calibration writes;
 ``response_format`` (as ``edgeroute run`` takes it) constrains the answer; ``max_new_tokens`` caps it.
-A case without assertions is refused: a check with nothing to check cannot fail.
+A case without assertions is refused: a check with nothing to check cannot fail; so is one whose
+assertions an empty answer passes (``not-contains`` alone): it cannot tell silence from an answer.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 
 from edgeroute.errors import InputError
 from edgeroute.files import read_user_text
-from edgeroute.quality.assertions import Assertion, Verdict, check_all, parse_assertion
+from edgeroute.quality.assertions import SANDBOXED_TYPES, Assertion, Verdict, check_all, parse_assertion
 from edgeroute.runtime.constraints import ResponseFormat
 
 CASE_KEYS = {"id", "task", "prompt", "messages", "assert", "response_format", "max_new_tokens", "description"}
@@ -88,9 +89,18 @@ def parse_case(data: Any, where: str) -> TaskCase:
     if not isinstance(task, str) or not task.strip() or task == "default":
         raise InputError(f"{where}: \"task\" must be a non-empty string other than \"default\" (the profile over "
                          f"every task) (got {task!r})")
-    return TaskCase(str(data.get("id", where)), task, _messages(data, where),
-                    tuple(parse_assertion(a, f"{where}: assert[{i}]") for i, a in enumerate(assertions)),
-                    response_format, max_new_tokens)
+    checks = tuple(parse_assertion(a, f"{where}: assert[{i}]") for i, a in enumerate(assertions))
+    if _passes_an_empty_answer(checks):
+        raise InputError(f"{where}: an empty answer passes every assertion of this case, so it cannot tell a silent "
+                         "or cut-off answer from a right one: add one that an empty answer fails (e.g. "
+                         '{"type": "regex", "value": "\\\\S"} for "says something")')
+    return TaskCase(str(data.get("id", where)), task, _messages(data, where), checks, response_format, max_new_tokens)
+
+
+def _passes_an_empty_answer(assertions: tuple[Assertion, ...]) -> bool:
+    """Whether the empty answer passes them all (unjudged is no pass): the string checks first,
+    so a sandboxed check runs only where none of them failed it."""
+    return check_all(sorted(assertions, key=lambda a: a.base_type in SANDBOXED_TYPES), "").passed is True
 
 
 def load_cases(path: str | Path) -> list[TaskCase]:
