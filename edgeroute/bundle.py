@@ -328,6 +328,41 @@ class ModelEntry:
         return self.graphs[name]
 
 
+def check_manifest_sections(manifest: dict[str, Any], manifest_path: Path) -> None:
+    """The sections the runtime and ``summary`` read without looking: present and of their
+    types (a model's own entries are checked as they are read). ``Bundle.open`` checks a file's
+    manifest; a manifest built in code is the caller's."""
+    tokenizer, generation, models = manifest.get("tokenizer"), manifest.get("generation"), manifest.get("models")
+
+    def whole(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+    def strings(section: Any, *keys: str) -> bool:
+        return isinstance(section, dict) and all(isinstance(section.get(key), str) for key in keys)
+
+    def described(entry: Any) -> bool:  # what inspect shows of a model
+        return (isinstance(entry, dict) and strings(entry.get("source"), "name", "format", "sha256")
+                and strings(entry.get("quantization"), "method", "head")
+                and isinstance(entry["quantization"].get("formats", {}), dict))
+
+    rules = (
+        (strings(manifest, "edgeroute_version", "created") and whole(manifest.get("opset")),
+         "edgeroute_version and created are strings, opset a whole number"),
+        (isinstance(tokenizer, dict) and tokenizer.get("file") in manifest.get("files", {}),
+         "tokenizer.file names a file that files lists"),
+        (isinstance(generation, dict) and whole(generation.get("context_length"))
+         and whole(generation.get("max_new_tokens")),
+         "generation holds context_length and max_new_tokens, whole numbers of at least 1"),
+        (isinstance(models, dict) and "llm" in models and set(models) <= set(MODEL_ROLES)
+         and all(described(entry) for entry in models.values()),
+         "models holds an 'llm' and optionally an 'slm' model, each with its source's name, format and sha256 "
+         "and its quantization's method, head and formats"),
+    )
+    for holds, rule in rules:
+        if not holds:
+            raise BundleError(f"{manifest_path} is malformed ({rule}): the bundle is damaged, export again")
+
+
 class Bundle:
     """A verified bundle on disk. ``Bundle.open`` checks the format version and every file's
     size and sha256 against the manifest before anything else touches it."""
@@ -339,7 +374,6 @@ class Bundle:
         # digest when the native backend opens them (libedgeroute); False only where asked
         self.verify = True
         self.models: dict[str, ModelEntry] = {}
-        self._check_sections()
         self.target = bundle_target(manifest.get("target", DEFAULT_TARGET))
         for role, entry in manifest["models"].items():
             graphs = {g["name"]: GraphEntry(**g) for g in entry["graphs"]}
@@ -350,40 +384,6 @@ class Bundle:
             self.models[role] = ModelEntry(role, ArchConfig.from_dict(entry["arch"]), graphs,
                                            entry["quantization"], entry["source"], native, self.target)
         self.calibration = self._read_calibration(manifest.get("calibration"))
-
-    def _check_sections(self) -> None:
-        """The sections the runtime and ``summary`` read without looking: present and of their
-        types (a model's own entries are checked as they are read)."""
-        m = self.manifest
-        tokenizer, generation, models = m.get("tokenizer"), m.get("generation"), m.get("models")
-
-        def whole(value: Any) -> bool:
-            return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-        def strings(section: Any, *keys: str) -> bool:
-            return isinstance(section, dict) and all(isinstance(section.get(key), str) for key in keys)
-
-        def described(entry: Any) -> bool:  # what inspect shows of a model
-            return (isinstance(entry, dict) and strings(entry.get("source"), "name", "format", "sha256")
-                    and strings(entry.get("quantization"), "method", "head")
-                    and isinstance(entry["quantization"].get("formats", {}), dict))
-
-        rules = (
-            (isinstance(m.get("edgeroute_version"), str) and isinstance(m.get("created"), str) and whole(m.get("opset")),
-             "edgeroute_version and created are strings, opset a whole number"),
-            (isinstance(tokenizer, dict) and tokenizer.get("file") in m.get("files", {}),
-             "tokenizer.file names a file that files lists"),
-            (isinstance(generation, dict) and whole(generation.get("context_length"))
-             and whole(generation.get("max_new_tokens")),
-             "generation holds context_length and max_new_tokens, whole numbers of at least 1"),
-            (isinstance(models, dict) and "llm" in models and set(models) <= set(MODEL_ROLES)
-             and all(described(entry) for entry in models.values()),
-             "models holds an 'llm' and optionally an 'slm' model, each with its source's name, format and sha256 "
-             "and its quantization's method, head and formats"),
-        )
-        for holds, rule in rules:
-            if not holds:
-                raise BundleError(f"{self.path / MANIFEST} is malformed ({rule}): the bundle is damaged, export again")
 
     def _read_calibration(self, data: Any) -> Calibration | None:
         if data is None:
@@ -424,13 +424,17 @@ class Bundle:
         if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
             raise BundleError(f"{manifest_path} is not an edgeroute bundle manifest")
         version = manifest.get("format_version")
-        if not isinstance(version, int) or isinstance(version, bool) or version > FORMAT_VERSION:
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise BundleError(f"{manifest_path}: format_version {version!r} is not a whole number: the bundle is "
+                              "damaged, export again")
+        if version > FORMAT_VERSION:
             raise BundleError(f"bundle format {version} is newer than this runtime ({FORMAT_VERSION}): "
                               "upgrade edgeroute or re-export with this version")
         if version < OLDEST_FORMAT_VERSION:
             raise BundleError(f"bundle format {version} is older than this runtime reads ({OLDEST_FORMAT_VERSION}"
                               f"-{FORMAT_VERSION}): re-export it")
         try:
+            check_manifest_sections(manifest, manifest_path)
             bundle = cls(path, manifest)
             bundle.verify = verify
             bundle.check_files(hashes=verify)

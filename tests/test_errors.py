@@ -206,6 +206,13 @@ def test_bundle_from_a_newer_format_is_refused(bundle_copy):
         Bundle.open(bundle_copy)
 
 
+@pytest.mark.parametrize("version", [True, "3", 2.5])
+def test_a_format_version_that_is_no_whole_number_is_damage_not_a_newer_format(bundle_copy, version):
+    edit_json(bundle_copy / MANIFEST, lambda m: m.update(format_version=version))
+    with pytest.raises(BundleError, match=f"format_version {version!r} is not a whole number: the bundle is damaged"):
+        Bundle.open(bundle_copy)
+
+
 def test_bundle_from_an_older_format_is_refused(bundle_copy):
     edit_json(bundle_copy / MANIFEST, lambda m: m.update(format_version=OLDEST_FORMAT_VERSION - 1))
     with pytest.raises(BundleError, match="older than this runtime"):
