@@ -111,6 +111,24 @@ def test_a_truncated_safetensors_file_is_a_source_error_naming_it(tiny_llama_cop
     assert_nothing_written(tmp_path / "out")
 
 
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"num_key_value_heads": 4}, r"gives model.layers.0.self_attn.k_proj.weight the shape \(64, 64\), but the weights "
+                                 r"hold \(32, 64\)"),
+    ({"intermediate_size": 256}, r"gives model.layers.0.mlp.gate_proj.weight the shape \(256, 64\)"),
+    ({"vocab_size": 1000}, r"gives model.embed_tokens.weight the shape \(1000, 64\)"),
+    ({"num_hidden_layers": 2}, "names 2 layers, but the weights hold 3"),
+    ({"num_hidden_layers": 4}, "names 4 layers, but the weights hold 3"),
+])
+def test_a_config_of_another_model_size_than_its_weights_is_a_source_error_before_anything_is_written(
+        tiny_llama_copy, tmp_path, changes, message):
+    """It was exported, failed in the parity pass with a torch traceback (or, with parity off,
+    made a bundle that answered nonsense)."""
+    edit_json(tiny_llama_copy / "config.json", lambda config: config.update(changes))
+    with pytest.raises(SourceError, match=message):
+        export_tiny(tiny_llama_copy, tmp_path / "out", parity_tokens=16)
+    assert_nothing_written(tmp_path / "out")
+
+
 @pytest.mark.parametrize(("file", "content", "message"), [
     ("tokenizer.json", "{ not json", "is not valid JSON"),
     ("tokenizer.json", "{}", "is not a tokenizer the tokenizers library reads"),

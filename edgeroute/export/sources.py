@@ -120,6 +120,10 @@ class SafetensorsTensors:
     def get(self, name: str) -> np.ndarray | None:
         return self[name] if name in self._where else None
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's shape, from its file's header (nothing read)."""
+        return tuple(self._where[name].get_slice(name).get_shape())
+
     def names(self) -> list[str]:
         return list(self._where)
 
@@ -185,6 +189,34 @@ def _hf_linear(tensors: SafetensorsTensors, name: str, quant_config: dict | None
     return Linear(FloatWeight(tensors[f"{name}.weight"]), bias)
 
 
+def _check_shapes(tensors: SafetensorsTensors, arch: ArchConfig, config_file: Path) -> None:
+    """Every layer config.json names is there, no more, and every float tensor the export reads
+    has the shape config.json gives it (a GPTQ projection is packed: its layer's norms stand
+    for it). A config of another size was exported, failed in the parity pass with a torch
+    traceback, and left a bundle that wrote nonsense."""
+    h, heads, kv = arch.hidden_size, arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    expected = {"model.embed_tokens.weight": (arch.vocab_size, h), "model.norm.weight": (h,),
+                "lm_head.weight": (arch.vocab_size, h)}
+    for i in range(arch.num_layers):
+        p = f"model.layers.{i}"
+        expected |= {f"{p}.input_layernorm.weight": (h,), f"{p}.post_attention_layernorm.weight": (h,),
+                     f"{p}.self_attn.q_norm.weight": (arch.head_dim,), f"{p}.self_attn.k_norm.weight": (arch.head_dim,)}
+        for name, rows, columns in (("self_attn.q_proj", heads, h), ("self_attn.k_proj", kv, h),
+                                    ("self_attn.v_proj", kv, h), ("self_attn.o_proj", h, heads),
+                                    ("mlp.gate_proj", arch.intermediate_size, h), ("mlp.up_proj", arch.intermediate_size, h),
+                                    ("mlp.down_proj", h, arch.intermediate_size)):
+            expected |= {f"{p}.{name}.weight": (rows, columns), f"{p}.{name}.bias": (rows,)}
+    for name, shape in expected.items():
+        if name in tensors and tensors.shape(name) != shape:
+            raise SourceError(f"{config_file} gives {name} the shape {shape}, but the weights hold "
+                              f"{tensors.shape(name)}: the config and the weights are of different models")
+    last, beyond = (f"model.layers.{i}.input_layernorm.weight" for i in (arch.num_layers - 1, arch.num_layers))
+    if last not in tensors or beyond in tensors:
+        held = sum(name.endswith(".input_layernorm.weight") for name in tensors.names())
+        raise SourceError(f"{config_file} names {arch.num_layers} layers, but the weights hold {held}: the config and "
+                          "the weights are of different models")
+
+
 def load_hf_dir(path: Path) -> SourceModel:
     try:
         config = json.loads((path / "config.json").read_text())
@@ -201,6 +233,7 @@ def load_hf_dir(path: Path) -> SourceModel:
         raise SourceError(f"{path}: quantization method {quant_config.get('quant_method')!r} is not supported "
                           "(supported: float checkpoints and 4-bit GPTQ checkpoints)")
     tensors = SafetensorsTensors(path)
+    _check_shapes(tensors, arch, path / "config.json")
 
     def layer(i: int) -> LayerWeights:
         p = f"model.layers.{i}"
