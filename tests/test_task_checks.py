@@ -129,6 +129,17 @@ def test_open_dialogue_has_no_check_and_says_so():
     assert verdict.passed is None and "no automatic check" in verdict.reason
 
 
+def test_asking_for_more_held_out_prompts_than_a_task_has_says_how_many_it_has():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the default count is there for every task
+        assert len(held_out_prompts(HELD_OUT_PER_TASK)) == HELD_OUT_PER_TASK * len(TASKS)
+    with pytest.warns(UserWarning, match=r"fewer distinct prompts than the 150 per task asked for \(voice-command "
+                                         r"106, json 124, grounded 80, dialogue 72, code 66\)"):
+        prompts = held_out_prompts(150)
+    assert Counter(p.task for p in prompts) == {"voice-command": 106, "templated": 150, "json": 124, "grounded": 80,
+                                                "dialogue": 72, "code": 66}
+
+
 def test_the_held_out_set_is_large_and_shares_no_slot_value_with_calibration_prompts():
     by_task = {task: [p for p in HELD_OUT.values() if p.task == task] for task in TASKS}
     assert all(len(prompts) == HELD_OUT_PER_TASK for prompts in by_task.values())

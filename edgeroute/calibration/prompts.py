@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import json
 import re
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -382,8 +383,18 @@ def builtin_prompts(per_task: int = PER_TASK) -> list[CalibrationPrompt]:
 def held_out_prompts(per_task: int = HELD_OUT_PER_TASK, tasks: tuple[str, ...] = TASKS) -> list[CalibrationPrompt]:
     """``per_task`` held-out prompts of every task (ids ``heldout-...``), built from
     :data:`HELD_OUT_VALUES`: no slot value of theirs occurs in a calibration prompt. What runtime
-    runs judge modes on; never labelled or trained on."""
-    return [p for task in tasks for p in _unique(task, HELD_OUT_VALUES, per_task, "heldout-")]
+    runs judge modes on; never labelled or trained on. Where a task has fewer distinct prompts
+    than ``per_task``, it gives those it has, with a warning naming the task and the count."""
+    prompts, short = [], []
+    for task in tasks:
+        found = _unique(task, HELD_OUT_VALUES, per_task, "heldout-")
+        if len(found) < per_task:
+            short.append(f"{task} {len(found)}")
+        prompts += found
+    if short:
+        warnings.warn(f"the built-in held-out set has fewer distinct prompts than the {per_task} per task asked for "
+                      f"({', '.join(short)}): those tasks are judged on the prompts there are", stacklevel=2)
+    return prompts
 
 
 def load_prompts(path: str | Path) -> list[CalibrationPrompt]:
