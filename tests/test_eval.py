@@ -45,6 +45,9 @@ def test_modes_parse_with_full_first_and_bad_names_refused():
      r"tasks.jsonl:1: response_format type 'bogus' is not one of"),
     ('{"prompt": "hi", "assert": [{"type": "contains", "value": "a"}], "response_format": {"type": "regex"}}',
      r"tasks.jsonl:1: response_format regex needs its text"),
+    ('{"id": null, "prompt": "hi", "assert": [{"type": "contains", "value": "a"}]}',
+     r"tasks.jsonl:1: \"id\" must be a non-empty string or a whole number \(got None\)"),
+    ('{"id": {"n": 1}, "prompt": "hi", "assert": [{"type": "contains", "value": "a"}]}', r"\"id\" must be"),
 ])
 def test_bad_task_files_are_clear_errors(tmp_path, line, message):
     path = tmp_path / "tasks.jsonl"

@@ -85,6 +85,9 @@ def parse_case(data: Any, where: str) -> TaskCase:
         ResponseFormat.parse(response_format)
     except InputError as err:
         raise InputError(f"{where}: {err}") from None
+    case_id = data.get("id", where)
+    if isinstance(case_id, bool) or not isinstance(case_id, str | int) or not str(case_id).strip():
+        raise InputError(f"{where}: \"id\" must be a non-empty string or a whole number (got {case_id!r})")
     task = data.get("task", "custom")
     if not isinstance(task, str) or not task.strip() or task == "default":
         raise InputError(f"{where}: \"task\" must be a non-empty string other than \"default\" (the profile over "
@@ -94,7 +97,7 @@ def parse_case(data: Any, where: str) -> TaskCase:
         raise InputError(f"{where}: an empty answer passes every assertion of this case, so it cannot tell a silent "
                          "or cut-off answer from a right one: add one that an empty answer fails (e.g. "
                          '{"type": "regex", "value": "\\\\S"} for "says something")')
-    return TaskCase(str(data.get("id", where)), task, _messages(data, where), checks, response_format, max_new_tokens)
+    return TaskCase(str(case_id), task, _messages(data, where), checks, response_format, max_new_tokens)
 
 
 def _passes_an_empty_answer(assertions: tuple[Assertion, ...]) -> bool:
