@@ -16,7 +16,7 @@ from rich.text import Text
 
 from edgeroute.cpu import cpu_signature, signature_difference
 from edgeroute.errors import EdgerouteError
-from edgeroute.files import check_output_folder
+from edgeroute.files import atomic_write, check_output_folder
 
 # Plain click help: rich's help panels spend a third of 80 columns on borders and type columns.
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
@@ -103,9 +103,9 @@ def _write_json(path: Path, data, what: str) -> None:
     import json
 
     with _clear_errors():
-        try:
+        try:  # an earlier report stays whole where this one cannot be written
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(data, indent=1))
+            atomic_write(path, json.dumps(data, indent=1))
         except OSError as err:
             raise EdgerouteError(f"cannot write {path}: {err.strerror}") from None
     console.print(f"{what}: {path}")
