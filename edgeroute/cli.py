@@ -18,6 +18,8 @@ from edgeroute.cpu import cpu_signature, signature_difference
 from edgeroute.errors import EdgerouteError
 from edgeroute.files import atomic_write, check_output_folder
 
+BUILTIN_EVAL_PER_TASK = 12  # eval --tasks builtin: held-out prompts per task unless --per-task says
+
 # Plain click help: rich's help panels spend a third of 80 columns on borders and type columns.
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   help="Export, calibrate and run edge LLM bundles (SLM + 4-bit LLM as ONNX graphs).")
@@ -694,7 +696,7 @@ def eval_tasks(
     tasks: str = typer.Option(..., help="task file (JSONL) | builtin"),
     modes: str = typer.Option("full,speculate/ngram,speculate/slm,route/slm", show_default=False,
                               help="full,MODE[/LIGHT],... (full,speculate/ngram,..)"),
-    per_task: int = typer.Option(12, help="builtin: held-out prompts per task"),
+    per_task: int = typer.Option(None, help="builtin: held-out prompts per task (12)"),
     max_new_tokens: int = typer.Option(64, help="maximum new tokens per answer"),
     confidence: float = typer.Option(0.95, help="of the intervals and the loss bound"),
     task_loss: float = typer.Option(0.05, help="loss bound a lossy mode may show"),
@@ -718,9 +720,13 @@ def eval_tasks(
             from edgeroute.calibration.checks import prompt_case
             from edgeroute.calibration.prompts import held_out_prompts
 
+            per_task = BUILTIN_EVAL_PER_TASK if per_task is None else per_task
             if per_task < 1:
                 raise EdgerouteError(f"--per-task must be at least 1 (got {per_task})")
             cases = [prompt_case(p) for p in held_out_prompts(per_task)]
+        elif per_task is not None:  # a task file runs every case it holds
+            raise EdgerouteError(f"--per-task counts the built-in held-out prompts (--tasks builtin); {tasks} runs "
+                                 "every case it holds: drop --per-task, or keep fewer cases in the file")
         else:
             cases = load_cases(tasks)
         if plot is not None:

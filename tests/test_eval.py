@@ -26,6 +26,9 @@ def write_cases(path: Path, cases: list[dict]) -> Path:
 def test_modes_parse_with_full_first_and_bad_names_refused():
     assert [c.name for c in parse_modes("speculate/slm,route/ngram,full")] == ["full", "speculate/slm", "route/ngram"]
     assert parse_modes("route/slm")[1].options == {"mode": "route", "light": "slm"}
+    # one row per configuration however it is spelled (a trailing slash ran speculate twice)
+    assert [c.name for c in parse_modes("speculate, speculate/,speculate / ngram,full/")] == [
+        "full", "speculate", "speculate/ngram"]
     with pytest.raises(InputError, match="mode 'fast'"):
         parse_modes("fast")
     with pytest.raises(InputError, match="light path 'cache'"):
@@ -193,6 +196,7 @@ def test_evaluate_refuses_a_tolerance_out_of_range_and_a_token_count_that_is_no_
     with pytest.raises(InputError, match=message):
         evaluate(object(), load_cases(tasks), "full,route/slm", **setting)
 
+
 @pytest.mark.parametrize(("option", "message"), [
     (["--confidence", "1.5"], "confidence must be within"),
     (["--max-new-tokens", "0"], "max_new_tokens must be at least 1"),
@@ -202,6 +206,13 @@ def test_evaluate_refuses_a_tolerance_out_of_range_and_a_token_count_that_is_no_
 def test_eval_checks_its_settings_before_it_loads_the_bundle(tmp_path, option, message):
     result = CliRunner().invoke(app, ["eval", str(tmp_path / "no-bundle"), "--tasks", "builtin", *option])
     assert result.exit_code == 2 and message in result.output and "no-bundle" not in result.output
+
+
+def test_eval_refuses_per_task_beside_a_task_file_which_runs_every_case():
+    """It was ignored without a word: --per-task 3 on a file of 40 cases ran 40."""
+    result = CliRunner().invoke(app, ["eval", "no-bundle", "--tasks", "docs/examples/tasks.jsonl", "--per-task", "3"])
+    printed = " ".join(result.output.split())
+    assert result.exit_code == 2 and "--per-task counts the built-in held-out prompts" in printed, result.output
 
 
 @pytest.mark.parametrize("option", ["--json", "--plot"])

@@ -43,10 +43,11 @@ def parse_modes(text: str) -> list[RunConfig]:
     """``full,speculate/slm,route/ngram,auto,...``: a mode, and after a slash its light path.
     ``full`` always runs, first: every other mode is judged against it."""
     configs = [RunConfig("full", {"mode": "full"})]
-    for name in (part.strip() for part in text.split(",")):
+    for part in (part.strip() for part in text.split(",")):
+        mode, _, light = (piece.strip() for piece in part.partition("/"))
+        name = f"{mode}/{light}" if light else mode  # "speculate/" and "speculate" are one row
         if not name or name == "full" or any(c.name == name for c in configs):
             continue
-        mode, _, light = name.partition("/")
         if mode not in MODES:
             raise InputError(f"mode {mode!r} is not one of {', '.join(MODES)} (in --modes {text!r})")
         if light and light not in LIGHTS:
