@@ -169,7 +169,11 @@ def export(
                             calibration_tokens=calibration_tokens, parity_tokens=parity_tokens, native=native, out=out,
                             force=force)
     with _clear_errors(), _progress_bars() as update:
-        report = export_bundle(options, update)
+        try:
+            report = export_bundle(options, update)
+        except OSError as err:  # a full disk, a source or device gone mid-way
+            raise EdgerouteError(f"the export stopped: {err}. An interrupted export writes no bundle and leaves one "
+                                 f"already at {out} as it was") from None
 
     console.print(f"[bold]bundle {report.out}[/]")
     for m in report.models:

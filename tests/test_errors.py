@@ -366,6 +366,17 @@ def test_export_failing_mid_write_removes_its_partial_directory(tiny_llama, tmp_
     assert_nothing_written(out)
 
 
+def test_cli_export_failing_mid_write_is_one_error_line_and_writes_nothing(tiny_llama, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    fail_after_graphs(monkeypatch, 3)
+    result = invoke("export", "--llm", str(tiny_llama), "--no-slm", "--quant", "fp32", "--parity-tokens", "0",
+                    "--context-length", "64", "--out", str(out))
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert "error: the export stopped: [Errno 28] No space left on device (simulated). An interrupted export writes no " \
+        "bundle" in words(result.output)  # after the progress bar's last state
+    assert_nothing_written(out)
+
+
 def test_existing_bundle_is_not_replaced_without_force(tiny_llama, bundle_copy):
     manifest = (bundle_copy / MANIFEST).read_text()
     with pytest.raises(EdgerouteError, match="already exists: pass --force"):
