@@ -70,6 +70,8 @@ def test_a_case_an_empty_answer_passes_is_refused_by_line(tmp_path, checks):
         load_cases(path)
     said = [*checks, {"type": "regex", "value": "\\S"}]  # the fix the message offers
     assert len(load_cases(write_cases(tmp_path / "fixed.jsonl", [{"prompt": "Where?", "assert": said}]))) == 1
+    silence = [*checks, {"type": "equals", "value": ""}]  # a case that asks for no answer says so
+    assert len(load_cases(write_cases(tmp_path / "quiet.jsonl", [{"prompt": "Say nothing.", "assert": silence}]))) == 1
 
 
 def test_a_task_file_reuses_no_id_and_exists(tmp_path):

@@ -101,8 +101,11 @@ def parse_case(data: Any, where: str) -> TaskCase:
 
 
 def _passes_an_empty_answer(assertions: tuple[Assertion, ...]) -> bool:
-    """Whether the empty answer passes them all (unjudged is no pass): the string checks first,
-    so a sandboxed check runs only where none of them failed it."""
+    """Whether the empty answer passes them all (unjudged is no pass), unless one asks for it
+    (``equals ""``): the string checks first, so a sandboxed check runs only where none of them
+    failed it."""
+    if any(a.type == "equals" and not a.value.strip() for a in assertions):
+        return False
     return check_all(sorted(assertions, key=lambda a: a.base_type in SANDBOXED_TYPES), "").passed is True
 
 
