@@ -100,12 +100,18 @@ def test_malformed_profile_is_an_input_error_naming_the_file_and_key(data, messa
     assert str(path) in str(err.value) or "nosuch" in message
 
 
+def own_profiles(root: Path, monkeypatch, kind: str, files: dict[str, str]) -> None:
+    """Profiles of ``kind`` (devices, tasks) written as given (name -> JSON text) where
+    $EDGEROUTE_PROFILES points, found before the shipped ones."""
+    (root / kind).mkdir()
+    for name, text in files.items():
+        (root / kind / f"{name}.json").write_text(text)
+    monkeypatch.setenv("EDGEROUTE_PROFILES", str(root))
+
+
 def test_invalid_json_and_a_cycle_of_extends_are_input_errors(tmp_path, monkeypatch):
-    (tmp_path / "devices").mkdir()
-    (tmp_path / "devices" / "a.json").write_text('{"extends": "b"}')
-    (tmp_path / "devices" / "b.json").write_text('{"extends": "a"}')
-    (tmp_path / "devices" / "broken.json").write_text('{"name": ')
-    monkeypatch.setenv("EDGEROUTE_PROFILES", str(tmp_path))
+    own_profiles(tmp_path, monkeypatch, "devices", {"a": '{"extends": "b"}', "b": '{"extends": "a"}',
+                                                    "broken": '{"name": '})
     with pytest.raises(InputError, match="extends itself"):
         load_profile("a")
     with pytest.raises(InputError, match="broken.json is not valid JSON"):
@@ -113,22 +119,19 @@ def test_invalid_json_and_a_cycle_of_extends_are_input_errors(tmp_path, monkeypa
 
 
 def test_a_profile_decoding_is_checked_over_the_one_it_extends_and_an_error_names_the_file(tmp_path, monkeypatch):
-    (tmp_path / "tasks").mkdir()
-    (tmp_path / "tasks" / "slm-routing.json").write_text('{"decoding": {"mode": "route", "light": "slm"}}')
-    (tmp_path / "tasks" / "verified.json").write_text('{"extends": "slm-routing", "decoding": {"route_check": "verified"}}')
-    (tmp_path / "tasks" / "lookup.json").write_text('{"extends": "verified", "decoding": {"light": "ngram"}}')
-    monkeypatch.setenv("EDGEROUTE_PROFILES", str(tmp_path))
+    own_profiles(tmp_path, monkeypatch, "tasks", {
+        "slm-routing": '{"decoding": {"mode": "route", "light": "slm"}}',
+        "verified": '{"extends": "slm-routing", "decoding": {"route_check": "verified"}}',
+        "lookup": '{"extends": "verified", "decoding": {"light": "ngram"}}'})
     assert load_profile("verified").decoding == {"mode": "route", "light": "slm", "route_check": "verified"}
     with pytest.raises(InputError, match=r"profile .*lookup.json: decoding: verified routing judges the SLM's drafts"):
         load_profile("lookup")
 
 
 def test_profiles_combined_are_checked_together_and_an_error_names_each_file(tmp_path, monkeypatch):
-    (tmp_path / "tasks").mkdir()
-    (tmp_path / "tasks" / "slm-routing.json").write_text('{"decoding": {"mode": "route", "light": "slm"}}')
-    (tmp_path / "tasks" / "verified.json").write_text('{"decoding": {"route_check": "verified"}}')
-    (tmp_path / "tasks" / "lookup.json").write_text('{"decoding": {"light": "ngram"}}')
-    monkeypatch.setenv("EDGEROUTE_PROFILES", str(tmp_path))
+    own_profiles(tmp_path, monkeypatch, "tasks", {"slm-routing": '{"decoding": {"mode": "route", "light": "slm"}}',
+                                                  "verified": '{"decoding": {"route_check": "verified"}}',
+                                                  "lookup": '{"decoding": {"light": "ngram"}}'})
     assert load_profile("slm-routing,verified").decoding == {"mode": "route", "light": "slm", "route_check": "verified"}
     with pytest.raises(InputError, match=r"profile .*slm-routing.json \+ .*verified.json \+ .*lookup.json combined: "
                                          r"decoding: verified routing judges the SLM's drafts"):
