@@ -670,7 +670,9 @@ class Session:
             raise InputError("the drop_oldest context policy works on chat messages; this session continues plain "
                              "text: use engine.chat(), or reset() the session")
         opening = turn.messages[:1] if turn.messages[0]["role"] == "system" else []
-        new = next(i for i in range(len(turn.messages), 0, -1) if turn.messages[i - 1]["role"] not in ("user", "tool"))
+        # 0: a first turn with no system prompt, all of it new
+        new = next((i for i in range(len(turn.messages), 0, -1) if turn.messages[i - 1]["role"] not in ("user", "tool")),
+                   0)
         exchanges, latest = turn.messages[len(opening):new], turn.messages[new:]
         # an exchange begins at a user message: its answer, calls and their results go with it;
         # tool results as the new turn keep the exchange whose answer called them
@@ -712,9 +714,11 @@ class Session:
         wanted, reserve = self._answer_room(options)
         room = state.capacity - turn.keep - reserve
         if len(turn.new) > room:
+            # under drop_oldest the turn did not fit even alone: the policy is no way out
+            policy = "" if self.context_policy == "drop_oldest" else "use engine.chat(context_policy='drop_oldest'), "
             raise InputError(f"the prompt needs {len(turn.new)} tokens but only {max(room, 0)} fit in the bundle's "
-                             f"context of {state.capacity}: shorten it, reset() the session, use "
-                             "engine.chat(context_policy='drop_oldest'), or export with a larger --context-length")
+                             f"context of {state.capacity}: shorten it, reset() the session, {policy}or export with a "
+                             "larger --context-length")
         budget = min(wanted, room - len(turn.new))
         if budget < 1:
             raise InputError("no room left in the context for new tokens: reset() the session")
