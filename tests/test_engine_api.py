@@ -383,6 +383,16 @@ def test_slm_light_path_on_a_bundle_without_slm_is_an_input_error(options, tiny_
         engine.session().generate(PROMPT, **options)
 
 
+@pytest.mark.parametrize("options", [dict(mode="slm"), dict(mode="speculate", light="slm")])
+def test_slm_light_path_with_the_slm_turned_off_says_it_is_off_not_that_the_bundle_has_none(options, tiny_slm_bundle):
+    engine = Engine(tiny_slm_bundle, slm=False)
+    for refuse in (lambda: engine.session(**options), lambda: engine.session().generate(PROMPT, **options),
+                   lambda: Engine(tiny_slm_bundle, slm=False, decoding=options)):
+        with pytest.raises(InputError, match="slm=False") as refused:
+            refuse()
+        assert "no SLM" not in str(refused.value) and "export" not in str(refused.value)
+
+
 def test_bundle_from_a_newer_format_version_is_a_bundle_error(tiny_bundles, tmp_path):
     bundle = shutil.copytree(tiny_bundles["llama"], tmp_path / "bundle")
     manifest = json.loads((bundle / MANIFEST).read_text())

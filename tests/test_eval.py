@@ -3,16 +3,18 @@ fail; pass rates with intervals, the loss bound against full, speed, JSON and a 
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 from typer.testing import CliRunner
 
 from edgeroute.cli import app
 from edgeroute.errors import InputError
 from edgeroute.quality.cases import load_cases
-from edgeroute.quality.evaluation import evaluate, parse_modes
+from edgeroute.quality.evaluation import evaluate, parse_modes, print_report
 from edgeroute.runtime import Engine
 
 runner = CliRunner()
@@ -172,6 +174,19 @@ def test_eval_says_why_there_is_no_llama_cpp_row_where_it_cannot_run_the_same_mo
     report = evaluate(Engine(tiny_slm_bundle), load_cases(tasks), "full", max_new_tokens=4, llama_cpp=True)
     assert "llama.cpp" not in report.runs and len(report.notes) == 1
     assert "not a GGUF" in report.notes[0] or "not installed" in report.notes[0]
+
+
+def test_eval_prints_notes_reasons_and_task_names_with_their_brackets(tiny_slm_bundle, tmp_path):
+    tasks = write_cases(tmp_path / "t.jsonl", [{"prompt": "one", "task": "[cabin]",
+                                                 "assert": [{"type": "regex", "value": "."}]},
+                                                {"prompt": "two", "assert": [{"type": "regex", "value": "."}]}])
+    report = evaluate(Engine(tiny_slm_bundle), load_cases(tasks), "full,route/slm", max_new_tokens=4)
+    report.notes = ["llama.cpp: llama-cpp-python is not installed (pip install 'edgeroute[bench]'): no row"]
+    report.overall["route/slm"]["why"] += " [bold]"
+    console = Console(file=io.StringIO(), width=300)
+    print_report(report, console)
+    printed = console.file.getvalue()
+    assert "pip install 'edgeroute[bench]'" in printed and "[bold]" in printed and "[cabin]" in printed
 
 
 def test_auto_counts_as_lossless_only_where_every_task_it_covers_runs_a_lossless_mode():

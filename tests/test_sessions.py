@@ -140,6 +140,15 @@ def test_drop_oldest_still_refuses_a_turn_that_cannot_fit_alone(tiny_engine):
     assert len(chat.messages) == 2
 
 
+def test_drop_oldest_refuses_a_first_turn_that_cannot_fit_with_the_usual_error_without_a_system_prompt(tiny_engine):
+    chat = tiny_engine.chat(context_policy="drop_oldest")
+    with pytest.raises(InputError, match="context") as refused:
+        chat.generate("word " * 300, max_new_tokens=8)
+    assert "drop_oldest" not in str(refused.value)  # the policy it already runs is no advice
+    assert chat.messages == []
+    assert chat.generate(TURNS[0], max_new_tokens=8).tokens
+
+
 def test_unknown_context_policy_and_empty_system_prompt_are_input_errors(tiny_engine):
     with pytest.raises(InputError, match="context policy 'forget'.*drop_oldest"):
         tiny_engine.chat(context_policy="forget")

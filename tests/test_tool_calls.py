@@ -434,6 +434,13 @@ def test_a_tool_choice_object_of_another_shape_is_an_input_error_showing_the_sha
         parse_tool_choice(choice, TOOLS)
 
 
+def test_a_tool_choice_that_is_a_bare_tool_name_is_refused_showing_the_object_that_names_it():
+    with pytest.raises(InputError, match=r'to call that tool give \{"type": "function", "function": \{"name": "navigate"\}\}'):
+        parse_tool_choice("navigate", TOOLS)
+    with pytest.raises(InputError, match=r'not one of auto, required, none or \{"type": "function", "function": '):
+        parse_tool_choice("nowhere", TOOLS)
+
+
 def test_run_with_tools_prints_each_call_as_a_json_line(tool_engine, tmp_path):
     from typer.testing import CliRunner
 

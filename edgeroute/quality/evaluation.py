@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from edgeroute.cpu import cpu_signature
@@ -212,7 +213,8 @@ def _figures_row(table: Table, label: str, f: dict) -> None:
 
 def print_report(report: EvalReport, console: Console) -> None:
     """The report as tables: every mode over all cases, then per task; eligibility reasons, and
-    what auto ran, below."""
+    what auto ran, below. Text from outside (reasons, notes, task names) is escaped: rich would
+    take its [brackets] for markup and drop them (pip install 'edgeroute[bench]')."""
     table = _figures_table(f"{report.cases} cases, {report.backend} backend, at most {report.max_new_tokens} new "
                            "tokens", report.confidence)
     for name, figures in report.overall.items():
@@ -220,19 +222,19 @@ def print_report(report: EvalReport, console: Console) -> None:
     console.print(table)
     for name, figures in report.overall.items():
         if name != "full":
-            console.print(f"{name}: {'may' if figures['eligible'] else 'may not'} replace full: {figures['why']}")
+            console.print(f"{name}: {'may' if figures['eligible'] else 'may not'} replace full: {escape(figures['why'])}")
         if figures.get("ran") and figures["ran"] != [name]:  # auto's choices, say
             ran = "; ".join(f"{task} {', '.join(f[name]['ran'])}" for task, f in report.per_task.items())
-            console.print(f"{name} ran: {ran}")
+            console.print(f"{name} ran: {escape(ran)}")
     if len(report.per_task) > 1:
         table = _figures_table("per task", report.confidence)
         for task, figures in report.per_task.items():
-            table.add_row(f"[bold]{task}[/]")
+            table.add_row(f"[bold]{escape(task)}[/]")
             for name, f in figures.items():
                 _figures_row(table, f"  {name}", f)
         console.print(table)
     for note in report.notes:
-        console.print(f"note: {note}")
+        console.print(f"note: {escape(note)}")
 
 
 def plot_report(report: EvalReport, path: str | Path) -> Path:

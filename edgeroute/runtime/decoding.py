@@ -225,13 +225,17 @@ class DecodeOptions:
         through it (``full`` and ``skip`` never do, whatever ``light`` says)."""
         return self.mode == "slm" or (self.light in SLM_LIGHT_PATHS and self.base_mode in ("route", "speculate"))
 
-    def validate(self, num_layers: int, has_slm: bool) -> None:
+    def validate(self, num_layers: int, has_slm: bool, slm_off: bool = False) -> None:
         """:meth:`check`, then what the bundle decides: mode auto resolved (the engine does it
-        from the calibration), the SLM there where decoding runs it, the skip options' layers."""
+        from the calibration), the SLM there where decoding runs it, the skip options' layers.
+        ``slm_off``: the engine was told not to load the SLM (``slm=False``, ``--no-slm``)."""
         self.check()
         if self.mode == "auto":
             raise InputError("mode auto is resolved by the engine from the bundle's calibration")
         if self.uses_slm and not has_slm:
+            if slm_off:  # exporting again would not help: the bundle may well have one
+                raise InputError(f"{self.label} runs the SLM, which this engine does not load (slm=False, --no-slm): "
+                                 "use --light ngram (light='ngram'), or load the SLM")
             raise InputError("this bundle has no SLM: use --light ngram, or export with --slm")
         if self.skips:
             self.skip.validate(num_layers)

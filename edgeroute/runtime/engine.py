@@ -174,7 +174,7 @@ class Engine:
         self.use_slm = options.slm and self.bundle.slm is not None
         check_kv_dtype(options.kv_dtype, KV_DTYPE_CHOICES)  # a wrong name fails before anything loads
         if options.decoding.mode != "auto":  # so do the sessions' defaults (auto is resolved per session)
-            options.decoding.validate(self.bundle.llm.arch.num_layers, self.use_slm)
+            options.decoding.validate(self.bundle.llm.arch.num_layers, self.use_slm, not options.slm)
         if options.memory_budget is not None:
             roles = ["llm", "slm"] if self.use_slm else ["llm"]
             caches = [resolve_kv_dtype(options.kv_dtype, backend_for(self.bundle.models[role], options)[0],
@@ -282,7 +282,7 @@ class Engine:
         unmeasured_route = options.base_mode == "route" and not calibrated_route(options, calibration)
         options = calibrated_options(options, calibration, self._trained_router)
         if unmeasured_skip or unmeasured_route:  # a bad option is its error alone, with no warning before it
-            options.validate(self.llm.num_layers, self.use_slm)
+            options.validate(self.llm.num_layers, self.use_slm, not self.settings.slm)
         if unmeasured_skip:
             warnings.warn(f"{self.bundle.path}: mode {options.mode} skips layers with uncalibrated settings (at most "
                           f"{options.skip.free_layers(self.llm.num_layers)} layers a decision, skip_ratio "
@@ -480,7 +480,7 @@ class Session:
         self.engine, self.options, self.chat, self.context_policy = engine, options, chat, context_policy
         self.tools = parse_tools(tools)
         self._calls_made = 0  # tool call ids are call_0, call_1, ... over the session's life
-        options.validate(engine.llm.num_layers, engine.use_slm)
+        options.validate(engine.llm.num_layers, engine.use_slm, not engine.settings.slm)
         self.state = SequenceState(engine.llm, engine.context_length)  # the SLM joins on the first call that needs it
         self._opening = [{"role": "system", "content": system}] if system is not None else []
         self.messages: list[dict[str, str]] = list(self._opening)
@@ -670,7 +670,9 @@ class Session:
             raise InputError("the drop_oldest context policy works on chat messages; this session continues plain "
                              "text: use engine.chat(), or reset() the session")
         opening = turn.messages[:1] if turn.messages[0]["role"] == "system" else []
-        new = next(i for i in range(len(turn.messages), 0, -1) if turn.messages[i - 1]["role"] not in ("user", "tool"))
+        # 0: a first turn with no system prompt, all of it new
+        new = next((i for i in range(len(turn.messages), 0, -1) if turn.messages[i - 1]["role"] not in ("user", "tool")),
+                   0)
         exchanges, latest = turn.messages[len(opening):new], turn.messages[new:]
         # an exchange begins at a user message: its answer, calls and their results go with it;
         # tool results as the new turn keep the exchange whose answer called them
@@ -712,9 +714,11 @@ class Session:
         wanted, reserve = self._answer_room(options)
         room = state.capacity - turn.keep - reserve
         if len(turn.new) > room:
+            # under drop_oldest the turn did not fit even alone: the policy is no way out
+            policy = "" if self.context_policy == "drop_oldest" else "use engine.chat(context_policy='drop_oldest'), "
             raise InputError(f"the prompt needs {len(turn.new)} tokens but only {max(room, 0)} fit in the bundle's "
-                             f"context of {state.capacity}: shorten it, reset() the session, use "
-                             "engine.chat(context_policy='drop_oldest'), or export with a larger --context-length")
+                             f"context of {state.capacity}: shorten it, reset() the session, {policy}or export with a "
+                             "larger --context-length")
         budget = min(wanted, room - len(turn.new))
         if budget < 1:
             raise InputError("no room left in the context for new tokens: reset() the session")
@@ -794,7 +798,7 @@ class Session:
 
     def _options(self, overrides: dict[str, Any]) -> DecodeOptions:
         options = self.engine.resolve(self.options.updated(**overrides)) if overrides else self.options
-        options.validate(self.engine.llm.num_layers, self.engine.use_slm)
+        options.validate(self.engine.llm.num_layers, self.engine.use_slm, not self.engine.settings.slm)
         return options
 
     # -- generation -----------------------------------------------------------------------------

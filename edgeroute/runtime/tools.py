@@ -131,7 +131,12 @@ def parse_tool_choice(choice: str | dict[str, Any] | None, tools: list[dict[str,
             raise InputError(f"tool_choice names {name!r}, which is not one of the tools")
         return name
     if choice not in TOOL_CHOICES:
-        raise InputError(f"tool_choice {choice!r} is not one of {', '.join(TOOL_CHOICES)} or a named function")
+        # a bare tool name is the CLI's --tool-choice NAME; the API names a tool as OpenAI does
+        if isinstance(choice, str) and choice in {t["function"]["name"] for t in tools}:
+            raise InputError(f"tool_choice {choice!r} is not one of {', '.join(TOOL_CHOICES)}: to call that tool give "
+                             + json.dumps({"type": "function", "function": {"name": choice}}))
+        raise InputError(f"tool_choice {choice!r} is not one of {', '.join(TOOL_CHOICES)} or "
+                         '{"type": "function", "function": {"name": ...}}')
     if not tools:
         if choice == "required":
             raise InputError("tool_choice 'required' needs tools: give tools=[...]")
