@@ -15,7 +15,7 @@ NATIVE_LIB := edgeroute/libedgeroute.so
 .PHONY: setup native native-aarch64 wheels c-test fuzz-native example pair demo demo-pair test lint bench-export clean \
 	records bench-smollm2 bench-qwen bench-task-speed bench-tree bench-pair bench-avx2 bench-structured \
 	bench-calibration bench-demo-calibration bench-kv bench-quality \
-	bench-memory bench-answer-memory bench-size bench-arm bench-arm-peer voice-demo voice-demo-pair bench-voice
+	bench-memory bench-answer-memory bench-size bench-arm bench-arm-peer voice-demo voice-demo-pair bench-voice bench-voice-words
 
 setup: $(VENV)/.installed $(NATIVE_LIB)
 
@@ -139,6 +139,10 @@ records: setup $(BUNDLE)/manifest.json $(PAIR_BUNDLE)/manifest.json
 # end of speech to the first audio sample over tools/voice_commands.json (docs/guide/voice.md): the pair, then SmolLM2
 bench-voice: setup $(BUNDLE)/manifest.json $(PAIR_BUNDLE)/manifest.json
 	$(RECORD) voice-latency voice-modes
+
+# the assistant's choice between a car function and words (docs/guide/voice.md): the pair on three command sets
+bench-voice-words: setup $(PAIR_BUNDLE)/manifest.json
+	$(RECORD) voice-words
 
 bench-smollm2: setup $(BUNDLE)/manifest.json
 	$(RECORD) smollm2-ttft smollm2-kept

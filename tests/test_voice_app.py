@@ -22,6 +22,7 @@ from examples.voice_assistant import (
     VoiceAssistant,
     timed_partials,
 )
+from examples.voice_assistant.car import WORDS_TOOL, WORDS_TOOL_INSTRUCTION, WORDS_TOOL_NAME
 from examples.voice_assistant.speech import EspeakSpeaker
 from tools.bench_voice import COMMANDS as COMMANDS_FILE
 from tools.benchlib.voice import check_calls, normalise, percentiles
@@ -163,9 +164,13 @@ def test_the_scorer_rejects_a_wrong_number_and_an_optional_argument_not_asked_fo
                            CAR_TOOLS).ok
 
 
-def test_the_command_set_has_30_commands_whose_expected_calls_fit_the_tools():
-    commands = json.loads(COMMANDS_FILE.read_text())["commands"]
-    assert len(commands) >= 30 and len({c["text"] for c in commands}) == len(commands)
+COMMAND_SETS = {"voice_commands": 30, "voice_commands_dev": 18, "voice_commands_unseen": 20}
+
+
+@pytest.mark.parametrize("name", COMMAND_SETS)
+def test_each_command_set_has_distinct_commands_whose_expected_calls_fit_the_tools(name):
+    commands = json.loads((COMMANDS_FILE.parent / f"{name}.json").read_text())["commands"]
+    assert len(commands) >= COMMAND_SETS[name] and len({c["text"] for c in commands}) == len(commands)
     for command in commands:
         for call in command["expect"]:  # a call made exactly as expected passes the car's own schema check
             arguments = {k: v[0] if isinstance(v, list) else v for k, v in call["arguments"].items()}
@@ -174,6 +179,15 @@ def test_the_command_set_has_30_commands_whose_expected_calls_fit_the_tools():
         for after, _ in command.get("revisions", []):
             assert 0 < after < len(command["text"].split())
     assert percentiles([0.1, None, 0.3]) == {"p50": pytest.approx(0.2), "p95": pytest.approx(0.29)}
+
+
+def test_the_held_out_commands_are_none_of_the_commands_the_words_tool_was_chosen_on():
+    texts = {name: {c["text"].lower() for c in json.loads((COMMANDS_FILE.parent / f"{name}.json").read_text())["commands"]}
+             for name in COMMAND_SETS}
+    unseen = texts.pop("voice_commands_unseen")
+    assert not unseen & set().union(*texts.values())
+    assert sum(not c["expect"] for c in json.loads((COMMANDS_FILE.parent / "voice_commands_unseen.json").read_text())
+               ["commands"]) == 10  # half want words
 
 
 # -- the loop on a model --------------------------------------------------------------------------
@@ -366,6 +380,28 @@ def test_an_answer_dropped_ahead_says_nothing_of_its_call(tool_engine):
     [record] = asyncio.run(assistant.run(ScriptedRecognizer([script], speed=0.1)))
     assert not record.ahead_kept and len(assistant.car.log) == len(record.tool_calls) == 1
     assert [chunk for chunk, _ in speaker.said][0] == "Navigating " and len(speaker.said) == 2
+
+
+WORDS = {"type": "function", "function": {"name": WORDS_TOOL_NAME}}
+
+
+@pytest.mark.parametrize("answer_ahead", [False, True])
+def test_the_words_tool_is_never_run_or_acknowledged_and_its_command_is_answered_in_words_as_a_cold_chat(
+        tool_engine, answer_ahead):
+    speaker = NullSpeaker()
+    assistant = VoiceAssistant(tool_engine, speaker, system=SYSTEM, tools=TOOLS, words_tool=True, tool_choice=WORDS,
+                               confirm="template", acknowledge=True, max_new_tokens=40, answer_ahead=answer_ahead)
+    assert assistant.tools == [*TOOLS, WORDS_TOOL] and assistant.system == f"{SYSTEM} {WORDS_TOOL_INSTRUCTION}"
+    assistant.warm_up()
+    script = timed_partials("Tell me a joke.", asr_delay=0.2)
+    [record] = asyncio.run(assistant.run(ScriptedRecognizer([script], speed=0.1)))
+    # the chat holds the message and its answer in words, as a chat that was asked for words holds them
+    chat = tool_engine.chat(system=assistant.system, tools=[*TOOLS, WORDS_TOOL], max_new_tokens=40)
+    cold = chat.generate("Tell me a joke.", tool_choice="none")
+    assert assistant.chat.messages == chat.messages and not cold.tool_calls
+    assert record.answer == cold.text and record.tokens != cold.tokens  # the first generation was the words call
+    assert not record.tool_calls and not assistant.car.log and not record.acknowledgement
+    assert "".join(chunk for chunk, _ in speaker.said) == cold.text
 
 
 def test_barge_in_while_the_tool_result_is_spoken_keeps_the_chat_consistent(tool_engine):

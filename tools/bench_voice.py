@@ -28,7 +28,8 @@ without it. Tool calls are judged by
 tools/benchlib/voice.py's ``check_calls`` (right tool; right arguments, normalised). The first
 generation's ``tool_choice`` is ``required`` by default: the demo's and the pair's models do
 not write a call on their own (``--tool-choice auto`` shows it), so the three commands that
-expect words cannot be right then.
+expect words cannot be right then, unless ``--words-tool`` offers the app's words tool beside the
+car's (``car.WORDS_TOOL``: calling it answers in words).
 
 Threads: ``--threads``, else $EDGEROUTE_THREADS, else the device profile's (``--profile``),
 else every core. Writes voice.json (machine, commit, command, settings, every sample), voice.md
@@ -117,7 +118,7 @@ async def one_turn(engine, command: dict[str, Any], mode: str, listen: str, args
     assistant = VoiceAssistant(engine, speaker, tools=None if args.no_tools else CAR_TOOLS, listen_ahead=listen != "off",
                                answer_ahead=listen == "answer",
                                max_new_tokens=args.max_new_tokens, tool_choice=args.tool_choice, confirm=args.confirm,
-                               acknowledge=args.acknowledge,
+                               acknowledge=args.acknowledge, words_tool=args.words_tool,
                                mode=mode, share_prefix=True, **({} if mode == "auto" else {"light": args.light}))
     if listen == "off":  # nothing happens while the words are spoken: not waited for (the ASR's delay still is)
         utterance = Utterance(utterance.final, [], 0.0, utterance.asr_delay)
@@ -169,7 +170,9 @@ def markdown(result: dict[str, Any]) -> str:
     acknowledged = result["settings"].get("acknowledge", False)
     lines = [f"Voice latency, {result['bundle']}, {result['settings']['commands']} commands, backend "
              f"{result['backend']}, {result['threads']} threads, TTS {result['tts']}, tools "
-             + (f"tool_choice {result['settings']['tool_choice']}, confirm {result['settings']['confirm']}"
+             + (f"tool_choice {result['settings']['tool_choice']}"
+                + (" + words tool" if result["settings"].get("words_tool") else "")
+                + f", confirm {result['settings']['confirm']}"
                 + (", acknowledge" if acknowledged else "") if result["settings"]["tools"] else "off")
              + f", {result['created']}",
              f"(`{result['command']}`; commit {(result['commit']['commit'] or '?')[:10]}"
@@ -200,7 +203,8 @@ def markdown(result: dict[str, Any]) -> str:
                             f"{off[part]['p50'] / row[part]['p50']:.1f}x")
         if cuts:
             lines.append(f"{what} to the first token, listen-off against (p50): " + ", ".join(cuts))
-    if result["settings"]["tools"] and result["settings"]["tool_choice"] == "required":
+    if result["settings"]["tools"] and result["settings"]["tool_choice"] == "required" \
+            and not result["settings"].get("words_tool"):
         wordy = sum(not c["expect"] for c in load_commands(Path(result["settings"]["commands_file"]), None)
                     [:result["settings"]["commands"]])
         if wordy:
@@ -272,6 +276,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tool-choice", default="required", choices=["auto", "required"],
                         help="the first generation's tool_choice: required (every command calls a tool; the commands "
                              "that expect words cannot be right) or auto (whether the model calls on its own)")
+    parser.add_argument("--words-tool", action="store_true",
+                        help="offer the app's words tool beside the car's (calling it answers in words): under "
+                             "required, the commands that expect words can be right")
     parser.add_argument("--confirm", choices=["model", "template"], default="model",
                         help="after a tool ran: the model's words are spoken, or the car's own confirmation at once")
     parser.add_argument("--acknowledge", action="store_true",
@@ -312,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
         for command in commands[:args.warmup]:  # warm the caches, the grammars and the prefix of this mode's path
             asyncio.run(one_turn(engine, command, mode, "off", args, speaker_factory))
         if not args.no_tools:
-            VoiceAssistant(engine, NullSpeaker(), tool_choice=args.tool_choice, mode=mode).warm_up()
+            VoiceAssistant(engine, NullSpeaker(), tool_choice=args.tool_choice, words_tool=args.words_tool,
+                           mode=mode).warm_up()
         for number, command in enumerate(commands, 1):
             for listen in listens:  # interleaved: a busy moment of the machine hits both settings alike
                 sample = asyncio.run(one_turn(engine, command, mode, listen, args, speaker_factory))
@@ -328,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
               "commit": commit(), "machine": machine_info(), "notes": notes,
               "settings": {"commands": len(commands), "modes": modes, "light": args.light, "listen": args.listen,
                            "commands_file": str(args.commands_file), "tools": not args.no_tools,
-                           "tool_choice": args.tool_choice, "confirm": args.confirm, "acknowledge": args.acknowledge,
+                           "tool_choice": args.tool_choice, "words_tool": args.words_tool, "confirm": args.confirm,
+                           "acknowledge": args.acknowledge,
                            "wpm": args.wpm, "speed": args.speed, "asr_delay": args.asr_delay,
                            "max_new_tokens": args.max_new_tokens, "warmup": args.warmup},
               "wall_seconds": time.perf_counter() - started, "samples": samples}

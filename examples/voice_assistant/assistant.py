@@ -18,7 +18,15 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from examples.voice_assistant.asr import Partial, Recognizer, ScriptedRecognizer, Utterance
-from examples.voice_assistant.car import CAR_TOOLS, CarState, acknowledgement, confirmation
+from examples.voice_assistant.car import (
+    CAR_TOOLS,
+    WORDS_TOOL,
+    WORDS_TOOL_INSTRUCTION,
+    WORDS_TOOL_NAME,
+    CarState,
+    acknowledgement,
+    confirmation,
+)
 from examples.voice_assistant.speech import SentenceSplitter, Speaker, speakable
 
 SYSTEM = ("You are the voice assistant of a car. When the driver asks for something a tool does, call the tool. "
@@ -136,6 +144,11 @@ class VoiceAssistant:
     ran. ``keep_interrupted``: a barge-in keeps what was said of the answer (else the exchange
     is forgotten). ``tool_choice``: the first generation's (auto, required, none or a named
     tool); after one round of calls (``max_tool_rounds``) the model answers in words.
+    ``words_tool``: offer :data:`car.WORDS_TOOL` beside ``tools`` (and end the system prompt
+    with the line saying when to call it), so that under ``required`` a command no tool does is
+    answered in words, not by the nearest tool: when the model calls it (alone), the call is
+    forgotten (``Session.barge_in(None)``: the message's K/V rows stay) and the command is
+    answered with ``tool_choice`` none; it is never acknowledged or run.
     ``confirm``: "model", the model's words after the tool results are spoken; "template", the
     car's own confirmation (``car.confirmation``) is spoken as soon as the calls ran, and the
     model's words are kept in the chat unspoken (the first audio does not wait for a second
@@ -150,11 +163,14 @@ class VoiceAssistant:
     def __init__(self, engine, speaker: Speaker, *, system: str = SYSTEM, tools: list[dict[str, Any]] | None = CAR_TOOLS,
                  car: CarState | None = None, listen_ahead: bool = True, answer_ahead: bool = False,
                  keep_interrupted: bool = True,
-                 tool_choice: Any = "auto", max_tool_rounds: int = 1, clause_chars: int | None = 24, max_chars: int | None = 160,
+                 tool_choice: Any = "auto", words_tool: bool = False, max_tool_rounds: int = 1,
+                 clause_chars: int | None = 24, max_chars: int | None = 160,
                  max_new_tokens: int = 64, share_prefix: bool = True, confirm: str = "model", acknowledge: bool = False,
                  context_policy: str = "drop_oldest", **decoding: Any) -> None:
         if confirm not in ("model", "template"):
             raise ValueError(f"confirm must be model or template (got {confirm!r})")
+        if words_tool and tools:
+            tools, system = [*tools, WORDS_TOOL], f"{system} {WORDS_TOOL_INSTRUCTION}"
         self.confirm, self.system, self.acknowledge = confirm, system, acknowledge and bool(tools)
         self.engine, self.speaker, self.car = engine, speaker, car if car is not None else CarState()
         self.tools, self.tool_choice, self.max_tool_rounds = tools, tool_choice, max_tool_rounds
@@ -312,12 +328,13 @@ class VoiceAssistant:
         loop = asyncio.get_running_loop()
         try:
             prompt: Any = record.final
-            for round_ in range(self.max_tool_rounds + 1):
+            round_, in_words = 0, False  # in_words: the model chose the words tool; this is the answer
+            while True:
                 options: dict[str, Any] = {}
                 if self.tools:
-                    options["tool_choice"] = (self.tool_choice if round_ == 0 else
-                                              "none" if round_ == self.max_tool_rounds else "auto")
-                kept = ahead if round_ == 0 else None
+                    options["tool_choice"] = ("none" if in_words or round_ == self.max_tool_rounds else
+                                              self.tool_choice if round_ == 0 else "auto")
+                kept = ahead if round_ == 0 and not in_words else None
                 if kept is None:
                     self._generation += 1
                     number = self._generation
@@ -327,12 +344,12 @@ class VoiceAssistant:
                 splitter = SentenceSplitter(self.clause_chars, self.max_chars)
                 silent = round_ > 0 and self.confirm == "template"
 
-                def first_token(trace, first=round_ == 0) -> None:  # on the decode's worker thread
+                def first_token(trace, first=round_ == 0 and not in_words) -> None:  # on the decode's worker thread
                     # the first token the model picked (tokens a tool call's grammar forces take no step)
                     if first and record.first_token_at is None and trace.source != "grammar":
                         record.first_token_at = time.perf_counter()
 
-                if round_ == 0:
+                if round_ == 0 and not in_words:
                     record.begin_at = time.perf_counter() if kept is None else kept.begin_at
                     if self.acknowledge:
                         options["on_tool_name"] = lambda name: loop.call_soon_threadsafe(
@@ -351,11 +368,16 @@ class VoiceAssistant:
                 for chunk in [] if silent else splitter.flush():
                     self._queue(queue, number, chunk, record)
                 generation = self.chat.last
-                if round_ == 0:
+                if round_ == 0 and not in_words:
                     record.tokens, record.finish_reason = list(generation.tokens), generation.finish_reason
                     record.prompt_tokens = generation.stats.prompt_tokens
-                record.answer += generation.text
                 calls = list(getattr(generation, "tool_calls", None) or [])
+                if calls and all(call.name == WORDS_TOOL_NAME for call in calls):
+                    self.chat.barge_in(None)  # the chat never holds the words call: the answer follows the message
+                    in_words = True
+                    continue
+                calls = [call for call in calls if call.name != WORDS_TOOL_NAME]
+                record.answer += generation.text
                 if not calls or round_ == self.max_tool_rounds:
                     break
                 results = []
@@ -371,7 +393,7 @@ class VoiceAssistant:
                                     for i, (c, r) in enumerate(zip(record.tool_calls[-len(calls):],
                                                                    record.tool_results[-len(calls):], strict=True)))
                     self._queue(queue, 0, said + " ", record)  # generation 0: words of no generation
-                prompt = results
+                prompt, round_ = results, round_ + 1
             queue.put_nowait(None)
             await speaking
             record.done_at = time.perf_counter()
@@ -388,7 +410,7 @@ class VoiceAssistant:
 
     def _acknowledge(self, queue: asyncio.Queue, name: str, record: TurnRecord) -> None:
         """Say what the first call of the turn does, once (generation 0: words of no generation)."""
-        if record.acknowledgement or record.tool_calls:
+        if record.acknowledgement or record.tool_calls or name == WORDS_TOOL_NAME:
             return
         record.acknowledgement, record.acknowledged_at = acknowledgement(name), time.perf_counter()
         queue.put_nowait((0, record.acknowledgement + " ", True))

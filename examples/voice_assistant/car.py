@@ -43,6 +43,19 @@ CAR_TOOLS: list[dict[str, Any]] = [
 ]
 TOOLS_BY_NAME = {tool["function"]["name"]: tool for tool in CAR_TOOLS}
 
+# Under tool_choice "required" every answer is a call, and a command no tool does (the weather,
+# a joke, a function the car lacks) went to the nearest tool: "what's the weather like" played
+# "weather". Offered beside the car's tools, this one lets the model say "words" inside the call
+# grammar; the app never runs it, it answers the command in words instead (VoiceAssistant's
+# ``words_tool``). Named and described once; the system prompt's line (over the tool last in the
+# list, first, or both) chosen on tools/voice_commands_dev.json, then measured on the held-out
+# tools/voice_commands_unseen.json (docs/guide/voice.md).
+WORDS_TOOL: dict[str, Any] = _tool(
+    "answer_in_words", "Reply to the driver in words: questions, small talk, and requests no other function can "
+    "carry out.", {}, [])
+WORDS_TOOL_NAME: str = WORDS_TOOL["function"]["name"]
+WORDS_TOOL_INSTRUCTION = f"When no tool does what the driver asks, call {WORDS_TOOL_NAME} and answer in words."
+
 
 def schema_errors(schema: dict[str, Any], value: Any, where: str = "arguments") -> list[str]:
     """What in ``value`` breaks ``schema`` (the subset the car's tools use: object, string,
