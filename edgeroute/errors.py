@@ -25,6 +25,11 @@ class InputError(EdgerouteError):
     """A bad argument at run time: prompt, threshold, option."""
 
 
+class EngineClosed(InputError):
+    """A call that would run a model on an engine that was closed (``engine.close()``, or the
+    end of its ``with`` block): its models and caches are freed; open the bundle again."""
+
+
 class SessionBusy(EdgerouteError):
     """A Session got a second call while one was running (one call at a time per session)."""
 

@@ -94,6 +94,19 @@ class ModelBackend(Protocol):
     def head(self, hidden: np.ndarray) -> np.ndarray:
         """Hidden states [T, d] -> logits [T, vocab]."""
 
+    def close(self) -> None:
+        """Free the model's memory now (ONNX Runtime sessions, the library's handle, device
+        memory); it runs nothing after (an InputError), and closing again does nothing."""
+
+
+def close_cache(cache: Cache) -> None:
+    """Free a cache's memory now where it lies outside Python's heap: a libedgeroute session
+    (native), device buffers (TensorRT). An ONNX Runtime cache (numpy arrays) goes with its
+    last reference."""
+    close = getattr(cache, "close", None)
+    if close is not None:
+        close()
+
 
 BACKENDS = ("auto", "onnxruntime", "onnxruntime-cuda", "native", "tensorrt")
 GRAPH_BACKENDS = ("onnxruntime", "onnxruntime-cuda", "tensorrt")  # what runs a bundle's ONNX graphs

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from edgeroute.errors import InputError
-from edgeroute.runtime.backend import Cache, ModelBackend
+from edgeroute.runtime.backend import Cache, ModelBackend, close_cache
 from edgeroute.runtime.constraints import Constraint, Draft, ResponseFormat, apply_mask
 from edgeroute.runtime.drafters import (
     LONGEST_DRAFT,
@@ -381,6 +381,12 @@ class SequenceState:
         self.llm_cache.reset()
         if self.slm_drafter is not None:
             self.slm_drafter.reset()
+
+    def close(self) -> None:
+        """Free the caches now (their engine closing); nothing runs on this state after."""
+        close_cache(self.llm_cache)
+        if self.slm_drafter is not None:
+            close_cache(self.slm_drafter.cache)
 
     @property
     def capacity(self) -> int:

@@ -8,6 +8,7 @@
 >>> car = engine.chat(tools=[{"type": "function", "function": {"name": "navigate", "parameters": {...}}}])
 >>> car.generate("Take me home").tool_calls        # [ToolCall(id="call_0", name="navigate", arguments={...})]
 >>> car.generate([{"role": "tool", "tool_call_id": "call_0", "content": '{"eta_min": 12}'}])  # the result back
+>>> engine.close()                                 # models and caches freed now (or: with Engine(...) as engine:)
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import warnings
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -26,12 +28,19 @@ from tokenizers import Tokenizer
 from edgeroute.bundle import Bundle, RouterCalibration
 from edgeroute.chat_format import ToolFormat, format_messages, tool_format
 from edgeroute.cpu import cpu_signature, signature_difference
-from edgeroute.errors import BundleError, CalibrationDeviceWarning, InputError, SessionBusy, UnmeasuredQualityWarning
+from edgeroute.errors import (
+    BundleError,
+    CalibrationDeviceWarning,
+    EngineClosed,
+    InputError,
+    SessionBusy,
+    UnmeasuredQualityWarning,
+)
 from edgeroute.kv_formats import INT8_GROUP, KV_DTYPE_CHOICES, check_kv_dtype, kv_row_bytes
 from edgeroute.runtime.aio import ThreadedStream
 from edgeroute.runtime.answer_memory import AnswerMemory
 from edgeroute.runtime.attention import KVCache
-from edgeroute.runtime.backend import ModelBackend, backend_for, open_model, resolve_kv_dtype
+from edgeroute.runtime.backend import ModelBackend, backend_for, close_cache, open_model, resolve_kv_dtype
 from edgeroute.runtime.calibrated import calibrated_options, calibrated_route, format_token_ids
 from edgeroute.runtime.constraints import Constraint, GrammarCompiler
 from edgeroute.runtime.decoding import (
@@ -142,7 +151,7 @@ class Generation:
 
 class Engine:
     """A loaded bundle: tokenizer and models (ONNX Runtime sessions or native kernels), shared by
-    every session."""
+    every session. ``close()`` (or the end of a ``with Engine(...) as engine:`` block) frees them."""
 
     def __init__(self, bundle: str | Path | Bundle, options: EngineOptions | None = None, *,
                  profile: str | Sequence[str] | None = None, task: str | None = None, verify: bool = True,
@@ -193,6 +202,12 @@ class Engine:
         self._check_calibration_device()
         self._slm: ModelBackend | None = None
         self._slm_lock = threading.Lock()
+        self._lock = threading.Condition()  # guards the four below and _routers; notified as a call ends
+        self._closed = False  # close() was called
+        self._closing = False  # close() waits for the calls in progress: it frees what the engine holds
+        self._released = False  # what the engine holds was freed (or is being freed)
+        self._sessions: weakref.WeakSet[Session] = weakref.WeakSet()  # every session made, while it lives
+        self._calls: dict[Session, int] = {}  # the sessions in a call (Session._exclusive) -> its thread
         self.eos_ids = set(self.bundle.tokenizer.get("eos_token_ids") or [])
         self.options = options.decoding
         self._prefixes: dict[tuple[int, ...], dict[str, KVCache]] = {}  # shared system prompt -> role -> K/V
@@ -259,6 +274,7 @@ class Engine:
         if not self.use_slm:
             return None
         with self._slm_lock:
+            self._check_open()
             if self._slm is None:
                 self._slm = self._open("slm")
         return self._slm
@@ -266,9 +282,11 @@ class Engine:
     # -- calibrated defaults --------------------------------------------------------------------
 
     def _trained_router(self, entry: RouterCalibration) -> TrainedRouter:
-        if entry.file not in self._routers:
-            self._routers[entry.file] = TrainedRouter(str(self.bundle.file(entry.file)), entry.features)
-        return self._routers[entry.file]
+        with self._lock:
+            self._check_open()
+            if entry.file not in self._routers:
+                self._routers[entry.file] = TrainedRouter(str(self.bundle.file(entry.file)), entry.features)
+            return self._routers[entry.file]
 
     def resolve(self, options: DecodeOptions) -> DecodeOptions:
         """The options a generation runs with: mode auto and unset router choices taken from
@@ -352,6 +370,7 @@ class Engine:
     def session(self, tools: Tools | None = None, **options: Any) -> Session:
         """An independent sequence (its own KV caches) on this engine's shared sessions; a
         string prompt is plain text (a continuation). ``tools``: see :meth:`chat`."""
+        self._check_open()
         return Session(self, self.resolve(self.options.updated(**options)), tools=tools)
 
     def chat(self, system: str | None = None, context_policy: str = "error", tools: Tools | None = None,
@@ -372,6 +391,7 @@ class Engine:
         grammar-constrained to its tools' parameter schemas and come back as
         ``Generation.tool_calls``; send their results as ``{"role": "tool", "tool_call_id",
         "content"}`` messages (the next call's prompt) and the chat goes on."""
+        self._check_open()
         return Session(self, self.resolve(self.options.updated(**options)), chat=True, system=system,
                        context_policy=context_policy, tools=tools)
 
@@ -380,15 +400,17 @@ class Engine:
         the same text (and the same ``tools``: the template lists them in the system message)
         then starts from a copy instead of prefilling it, so its first turn's time to first
         token does not pay for the system prompt (the SLM's K/V, when a mode uses it, is
-        computed once too, for the first session that needs it). The K/V stays in memory for
-        the engine's life. Returns the prefix length in tokens."""
+        computed once too, for the first session that needs it). The K/V stays in memory until
+        the engine is closed. Returns the prefix length in tokens."""
+        self._check_open()
         check_system_prompt(system)
         tokens = tuple(self.encode_prompt([{"role": "system", "content": system}], tools))
         if len(tokens) >= self.context_length:
             raise InputError(f"the system prompt needs {len(tokens)} tokens (its tools included) but the context holds "
                              f"{self.context_length}: a shared prefix must leave room for the turns; shorten it or "
                              "export with a larger --context-length")
-        with self._prefix_lock:
+        with self._prefix_lock:  # close() frees the prefixes under it: not before this prefill ends
+            self._check_open()
             if tokens not in self._prefixes:
                 self._prefixes[tokens] = {"llm": self._prefill(self.llm, tokens)}
         return len(tokens)
@@ -431,6 +453,107 @@ class Engine:
                 **options: Any) -> AsyncIterator[str]:
         return self.session(tools, **options).astream(prompt, tool_choice=tool_choice)
 
+    # -- closing --------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Free the engine's memory now, instead of when the garbage collector finds it (an app
+        that swaps bundles): every session's KV caches, the shared prefixes, the SLM and the LLM
+        (the library's model and sessions, ONNX Runtime's sessions, TensorRT's engines and device
+        memory). Any thread may call it; a call after the first returns at once.
+
+        Generations in progress on the engine's sessions are cancelled (each ends within one
+        token with finish_reason "cancelled", as ``cancel()`` ends it) and waited for (up to
+        CANCELLED_WAIT_S in all); then everything is freed before ``close`` returns. A
+        generation ``close`` cannot wait for (a stream this thread is iterating, ``close`` from
+        an ``on_token`` callback, a stream whose consumer holds it past the wait) frees its
+        session's caches as it ends, and the rest when it is the last.
+
+        After it, every call that would run a model raises :class:`EngineClosed`: ``generate``,
+        ``stream``, ``agenerate``, ``astream``, ``session``, ``chat``, ``share_prefix``,
+        ``slm``, and the sessions' calls (``reset`` and ``barge_in`` too). The tokenizer keeps
+        working (``encode``, ``decode``, ``encode_prompt``: text and ids of an answer already
+        given), and so do what a session recorded (``last``, ``messages``)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = self._closing = True
+            running = list(self._calls)
+        for session in running:
+            session.cancel()
+        me = threading.get_ident()
+        with self._lock:
+            # this thread's own generation (a stream it iterates) cannot end while it waits here
+            self._lock.wait_for(lambda: all(thread == me for thread in self._calls.values()), timeout=CANCELLED_WAIT_S)
+            self._closing = False
+            idle = [session for session in self._sessions if session not in self._calls]
+            release = self._release_due()
+        for session in idle:
+            session._release()
+        if release:
+            self._release()
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            path = str(self.bundle.path)
+            raise EngineClosed(f"the engine of {path} was closed (engine.close(), or the end of its with block): its "
+                               f"models and caches are freed; open the bundle again: Engine({path!r})")
+
+    def _adopt(self, session: Session) -> None:
+        """Count a new session among the engine's (close() frees its caches); refused once closed."""
+        with self._lock:
+            self._check_open()
+            self._sessions.add(session)
+
+    def _enter(self, session: Session) -> None:
+        """A call of ``session`` begins on this thread (under the session's guard)."""
+        with self._lock:
+            self._check_open()
+            self._calls[session] = threading.get_ident()
+
+    def _leave(self, session: Session) -> bool:
+        """A call of ``session`` ended (under the session's guard): whether it frees what the
+        engine holds (the engine closed during the call, this was the last call, and close()
+        no longer waits)."""
+        with self._lock:
+            del self._calls[session]
+            self._lock.notify_all()
+            return self._release_due()
+
+    def _release_due(self) -> bool:
+        """Under ``_lock``: whether the caller frees what the engine holds (closed, no call runs,
+        no close() waiting to do it, not freed yet); at most one caller is told so."""
+        if not self._closed or self._closing or self._calls or self._released:
+            return False
+        self._released = True
+        return True
+
+    def _release(self) -> None:
+        """Free the shared prefixes, routers and models: the engine is closed and no call runs
+        (none can start), so nothing runs on them."""
+        with self._prefix_lock:  # after a share_prefix in progress
+            prefixes, self._prefixes = self._prefixes, {}
+        for caches in prefixes.values():
+            for cache in caches.values():
+                close_cache(cache)
+        with self._slm_lock:
+            slm = self._slm
+        with self._lock:
+            self._routers = {}
+        for model in (slm, self.llm):
+            if model is not None:
+                model.close()
+
 
 CONTEXT_POLICIES = ("error", "drop_oldest")
 # how long a call waits for a cancelled generation to stop (within one token: a prefill pass at
@@ -467,6 +590,9 @@ class Session:
     "cancelled"). A cancel while the session is idle does nothing: it never stops a later call.
     A call from another thread after a cancel waits for the cancelled generation to stop
     (within one token) instead of raising ``SessionBusy``.
+
+    ``engine.close()`` cancels the session's generation in progress and frees its caches; its
+    calls raise :class:`EngineClosed` after (``last`` and ``messages`` stay readable).
     """
 
     def __init__(self, engine: Engine, options: DecodeOptions, chat: bool = False, system: str | None = None,
@@ -481,7 +607,12 @@ class Session:
         self.tools = parse_tools(tools)
         self._calls_made = 0  # tool call ids are call_0, call_1, ... over the session's life
         options.validate(engine.llm.num_layers, engine.use_slm, not engine.settings.slm)
-        self.state = SequenceState(engine.llm, engine.context_length)  # the SLM joins on the first call that needs it
+        try:
+            # the SLM joins on the first call that needs it; None once the engine closed (_release)
+            self.state: SequenceState | None = SequenceState(engine.llm, engine.context_length)
+        except InputError:
+            engine._check_open()  # a model closed meanwhile: say that the engine closed
+            raise
         self._opening = [{"role": "system", "content": system}] if system is not None else []
         self.messages: list[dict[str, str]] = list(self._opening)
         self._cancel = threading.Event()  # the running call's: each call gets its own (_exclusive)
@@ -495,6 +626,11 @@ class Session:
         self._held: list[int] | None = None  # what the LLM cache's rows hold after a listen(), beyond self.state
         self._turn_start = self._answer_start = 0  # where the last turn's message and its answer begin
         self._task: str | None = None  # the running generation's task: its answer memory's key
+        try:
+            engine._adopt(self)
+        except EngineClosed:
+            self.state.close()
+            raise
 
     # -- one call at a time ---------------------------------------------------------------------
 
@@ -513,14 +649,28 @@ class Session:
                 raise SessionBusy("this Session is already generating (in another thread, or this call comes from "
                                   "its own on_token callback): give each thread its own engine.session() or "
                                   "engine.chat(), or wait until the running call returns")
+            self.engine._enter(self)  # EngineClosed once the engine is closed
             self._busy, self._owner = True, threading.get_ident()
             self._cancel = threading.Event() if cancel is None else cancel
         try:
             yield
         finally:
+            if self.engine.closed:  # during this call: it frees what it used (close() waits for that)
+                self._release()
             with self._guard:
+                release_engine = self.engine._leave(self)
                 self._busy = False
                 self._guard.notify_all()
+            if release_engine:  # the last call after a close() that could not wait for it
+                self.engine._release()
+
+    def _release(self) -> None:
+        """Free the caches: the engine closed, and no call of this session runs but the caller's
+        own, which is done with them (none can start). History (``messages``, ``last``) stays."""
+        with self._guard:
+            state, self.state = self.state, None
+        if state is not None:
+            state.close()
 
     def cancel(self) -> None:
         """Stop the generation in progress within one token (callable from any thread; does
@@ -817,7 +967,10 @@ class Session:
                     yield trace
             finally:
                 finish = "eos" if generation.tokens and generation.tokens[-1] in self.engine.eos_ids else "length"
-                self._finish(generation, self.engine.decode(generation.tokens), finish)
+                try:
+                    self._finish(generation, self.engine.decode(generation.tokens), finish)
+                finally:
+                    traces.close()  # the decoder's own cleanup (drafts past the end) within the call
 
     def stream(self, prompt: str | Messages, on_token: Callable[[TokenTrace], None] | None = None,
                tool_choice: ToolChoice = None, on_tool_name: Callable[[str], None] | None = None,
@@ -875,7 +1028,10 @@ class Session:
                         shown.append(piece)
                         yield piece
             finally:
-                self._finish(generation, "".join(shown), finish)
+                try:
+                    self._finish(generation, "".join(shown), finish)
+                finally:
+                    traces.close()  # the decoder's own cleanup (drafts past the end) within the call
 
     def generate(self, prompt: str | Messages, tool_choice: ToolChoice = None, **overrides: Any) -> Generation:
         for _ in self.stream(prompt, tool_choice=tool_choice, **overrides):

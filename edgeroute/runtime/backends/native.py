@@ -31,7 +31,8 @@ import re
 import threading
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from importlib import resources
 from pathlib import Path
 
@@ -235,8 +236,9 @@ class NativeCache:
         self.model, self.lib, self.capacity, self.dtype = model, model.lib, capacity, model.kv_dtype
         handle = ctypes.c_void_p()
         params = _sized(_SessionParams, capacity=capacity, kv_format=header_constants()[KV_FORMAT_NAMES[self.dtype]])
-        _check(self.lib, self.lib.er_session_create(model.handle, ctypes.byref(params), ctypes.byref(handle)),
-               NativeBackendUnavailable)
+        with model._held() as model_handle:  # the model's close waits: the new session holds the model
+            _check(self.lib, self.lib.er_session_create(model_handle, ctypes.byref(params), ctypes.byref(handle)),
+                   NativeBackendUnavailable)
         self.handle = handle
         keys, values, each = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_size_t()
         _check(self.lib, self.lib.er_session_kv(handle, ctypes.byref(keys), ctypes.byref(values), ctypes.byref(each)))
@@ -328,6 +330,7 @@ class NativeModel(LayerwiseModel):
         params = _sized(_ModelParams, kernels=_resolve(self.lib, kernels), threads=threads, max_pass=PREFILL_CHUNK,
                         verify=header_constants()["ER_VERIFY_DIGEST" if verify else "ER_VERIFY_NONE"])
         handle = ctypes.c_void_p()
+        self._handle_lock = threading.Lock()  # close() waits for the calls that run on the handle (_held)
         path = bundle.file(entry.native.file)
         _check(self.lib, self.lib.er_model_open(str(path).encode(), ctypes.byref(params), ctypes.byref(handle)))
         self.handle = handle
@@ -357,10 +360,26 @@ class NativeModel(LayerwiseModel):
         model is reference-counted: caches that live keep it and keep working (whole forwards,
         truncations, copies), and its memory goes with the last of them; the model makes no new
         cache once closed, and a pass layer by layer (skipping) is refused (its embedding and
-        head are the model's). Any thread may close it while others run its caches."""
-        if getattr(self, "handle", None):
-            self.lib.er_model_free(self.handle)
-            self.handle = None
+        head are the model's). Any thread may close it while others run its caches or its
+        embedding and head (it waits for those calls: :meth:`_held`); closing again does nothing."""
+        lock = getattr(self, "_handle_lock", None)
+        if lock is None:  # never opened
+            return
+        with lock:
+            if self.handle:
+                self.lib.er_model_free(self.handle)
+                self.handle = None
+
+    @contextmanager
+    def _held(self) -> Iterator[ctypes.c_void_p]:
+        """The model's handle for one call on it (a new session, the embedding, the head): close()
+        does not free it meanwhile. A closed model is an InputError saying so."""
+        with self._handle_lock:
+            if not self.handle:
+                raise InputError("the native model was closed: its caches still run whole forwards; new caches, the "
+                                 "embedding and the head (a pass layer by layer, as skipping runs) need the model "
+                                 "opened again")
+            yield self.handle
 
     def _key_scales(self, bundle: Bundle, role: str) -> np.ndarray:
         """_key_channel_peaks, kept in the cache directory under what they depend on (the
@@ -423,6 +442,8 @@ class NativeModel(LayerwiseModel):
         if not isinstance(cache, NativeCache) or cache.model is not self:
             raise InputError(f"the native backend runs on its own caches (heads-first {self.kv_dtype}): use "
                              "model.new_cache()")
+        if not cache.handle:
+            raise InputError("this cache was closed (cache.close(), or its engine closed): it holds nothing to run on")
 
     def _ids(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
         ids = np.asarray(ids).reshape(-1)
@@ -517,15 +538,17 @@ class NativeModel(LayerwiseModel):
     def embed(self, ids: np.ndarray) -> np.ndarray:
         ids = self._ids(ids)
         out = np.empty((ids.shape[0], self.arch.hidden_size), np.float32)
-        _check(self.lib, self._timed("embed", lambda: self.lib.er_model_embed(self.handle, _address(ids), ids.shape[0],
-                                                                              _address(out))))
+        with self._held() as handle:
+            _check(self.lib, self._timed("embed", lambda: self.lib.er_model_embed(handle, _address(ids), ids.shape[0],
+                                                                                  _address(out))))
         return out
 
     def head(self, hidden: np.ndarray) -> np.ndarray:
         hidden = np.ascontiguousarray(hidden, np.float32).reshape(-1, self.arch.hidden_size)
         logits = np.empty((hidden.shape[0], self.arch.vocab_size), np.float32)
-        _check(self.lib, self._timed("head", lambda: self.lib.er_model_head(self.handle, _address(hidden),
-                                                                            hidden.shape[0], _address(logits))))
+        with self._held() as handle:
+            _check(self.lib, self._timed("head", lambda: self.lib.er_model_head(handle, _address(hidden),
+                                                                                hidden.shape[0], _address(logits))))
         return logits
 
     def _run_layers(self, cache: NativeCache, hidden: np.ndarray, start: int, first: int, last: int,

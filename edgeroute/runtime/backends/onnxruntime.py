@@ -179,6 +179,7 @@ class OrtModel(LayerwiseModel):
         self.exact_steps = exact_steps
         self._bundle = bundle
         self._lock = threading.Lock()
+        self._closed = False
         layers = range(self.arch.num_layers)
         self.embed_session = self._load("embed")
         self.layer_sessions = [self._load("layer", i, attention=True) for i in layers]
@@ -194,6 +195,23 @@ class OrtModel(LayerwiseModel):
         self.cos, self.sin = rope_tables(self.capacity, self.arch.head_dim, self.arch.rope_theta,
                                          self.arch.rope_scaling)
 
+    def close(self) -> None:
+        """Lets go of every ONNX Runtime session now (otherwise when the model is collected) and
+        hands the freed memory back to the OS. The model runs nothing after: a graph call is an
+        InputError saying so (the caches are host arrays, freed with their last reference)."""
+        with self._lock:
+            self._closed = True
+            self.embed_session = self.head_session = None
+            count = self.arch.num_layers
+            self.layer_sessions, self.kv_sessions = [None] * count, [None] * count
+            self._attn_sessions, self._mlp_sessions = [None] * count, [None] * count
+        release_freed_memory()
+
+    def _live(self, session: ort.InferenceSession | None) -> ort.InferenceSession:
+        if session is None:
+            raise InputError(f"the {self.entry.role} model was closed (its engine closed): open the bundle again")
+        return session
+
     def _load(self, kind: str, layer: int | None = None, attention: bool = False) -> ort.InferenceSession:
         """A graph's session; an ``attention`` graph in this model's flavour and KV dtype."""
         graph = self.entry.graph(kind, layer, self.flavour, self.kv_dtype) if attention else self.entry.graph(kind, layer)
@@ -203,6 +221,8 @@ class OrtModel(LayerwiseModel):
               attention: bool = False) -> ort.InferenceSession:
         if sessions[layer] is None:
             with self._lock:
+                if self._closed:
+                    self._live(None)
                 if sessions[layer] is None:
                     sessions[layer] = self._load(kind, layer, attention)
         return sessions[layer]
@@ -215,6 +235,7 @@ class OrtModel(LayerwiseModel):
 
     def _run(self, session: ort.InferenceSession, kind: str, feeds: dict[str, np.ndarray],
              outputs: list[str] | None = None) -> list[np.ndarray]:
+        session = self._live(session)
         return self._timed(kind, lambda: session.run(outputs, feeds))
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
@@ -234,6 +255,7 @@ class OrtModel(LayerwiseModel):
 
     def _attend(self, session: ort.InferenceSession, kind: str, layer: int, hidden: np.ndarray, cache: KVCache,
                 start: int) -> np.ndarray:
+        session = self._live(session)
         feeds = {"hidden": hidden, **self._rope(start, hidden.shape[0])}
         return self._timed(kind, lambda: self._attention.run(session, kind, layer, cache, start, feeds))
 

@@ -159,8 +159,17 @@ class DeviceBuffer:
     def __init__(self, device: CudaDevice, nbytes: int) -> None:
         self.nbytes = nbytes
         self.address = device.alloc(nbytes)
+        self._finalizer = weakref.finalize(self, _release, device, self.address)
         # not at exit: CUDA may be unloading by then, and the process's memory goes with it
-        weakref.finalize(self, _release, device, self.address).atexit = False
+        self._finalizer.atexit = False
+
+    @property
+    def freed(self) -> bool:
+        return not self._finalizer.alive
+
+    def free(self) -> None:
+        """Frees the memory now (once; otherwise with the object)."""
+        self._finalizer()
 
 
 def _release(device: CudaDevice, address: int) -> None:
@@ -196,10 +205,17 @@ class DeviceKVCache(CacheBook):
         return type(self), self.shape, self.dtype
 
     def _copy_rows(self, other: DeviceKVCache, length: int) -> None:
+        if self.keys.freed or other.keys.freed:
+            raise InputError("cannot copy to or from a closed cache (its engine closed): its device memory is freed")
         if length:
             for mine, theirs in ((self.keys, other.keys), (self.values, other.values)):
                 self.device.copy_rows(mine.address, self.layer_bytes, theirs.address, other.layer_bytes,
                                       length * self.row_bytes, self.layers)
+
+    def close(self) -> None:
+        """Frees the keys and values on the device now (its engine closing); nothing runs on it after."""
+        self.keys.free()
+        self.values.free()
 
     def clone(self) -> DeviceKVCache:
         """An independent cache of the same capacity holding the same positions."""
@@ -266,7 +282,39 @@ class TrtModel(LayerwiseModel):
         self._head = self._load("head", verified=True)
         self._layers = [self._load("layer", i, verified=True) for i in layers]
         self._skips: dict[str, list[_Engine | None]] = {kind: [None] * self.arch.num_layers for kind in ("attn", "kv")}
+        self._closed = False
         self._buffers()
+
+    def close(self) -> None:
+        """Frees the model's device memory now (otherwise when it is collected): the execution
+        contexts, then the engines, then the scratch and pass buffers, once the stream's work is
+        done. Caches made by :meth:`new_cache` are their owners' to close. The model runs nothing
+        after: a pass is an InputError saying so. Closing again does nothing."""
+        with self._lock:  # after the pass in flight
+            if self._closed:
+                return
+            self._closed = True
+            self.device.synchronize()
+            engines = [self._embed, self._head, *self._layers, *(e for kind in self._skips.values() for e in kind if e)]
+            for engine in engines:  # contexts before their engines: TensorRT's order of destruction
+                engine.contexts.clear()
+            self._contexts.clear()
+            del engines
+            self._embed = self._head = None
+            self._layers = []
+            self._skips = {kind: [None] * self.arch.num_layers for kind in self._skips}
+            buffers = [self._ids, *self._hidden, *self._rope, self._bias, self._logits, *(self._staged or []),
+                       self._scratch]
+            for buffer in buffers:
+                if buffer is not None:
+                    buffer.free()
+            self._runtime = None
+
+    def _check_open(self) -> None:
+        """A closed model is refused before any device call (passes check it under ``_lock``)."""
+        if self._closed:
+            raise InputError(f"the {self.role} model was closed (its engine closed): its engines and device memory are "
+                             "freed; open the bundle again")
 
     # -- engines --------------------------------------------------------------------------------
 
@@ -355,6 +403,7 @@ class TrtModel(LayerwiseModel):
         self._attention = PortableAttention(self.capacity)  # the bias, as the portable graphs take it
 
     def new_cache(self, capacity: int | None = None) -> DeviceKVCache:
+        self._check_open()
         capacity = capacity or self.capacity
         if capacity > self.capacity:
             raise InputError(f"a cache of {capacity} positions exceeds the {self.capacity} the TensorRT engines were "
@@ -366,6 +415,8 @@ class TrtModel(LayerwiseModel):
     def _check_cache(self, cache: DeviceKVCache) -> None:
         if not isinstance(cache, DeviceKVCache) or cache.device is not self.device:
             raise InputError("this cache is not one of this TensorRT model's (new_cache() makes one)")
+        if cache.keys.freed:
+            raise InputError("this cache was closed (its engine closed): its device memory is freed")
 
     def _new_rows(self, cache: DeviceKVCache, layer: int, start: int) -> dict[str, int]:
         """Where an engine writes its new K/V rows: in the cache at ``start``, or staged."""
@@ -389,6 +440,7 @@ class TrtModel(LayerwiseModel):
     def embed(self, ids: np.ndarray) -> np.ndarray:
         ids = np.asarray(ids, np.int64).reshape(-1)
         with self._lock:
+            self._check_open()
             parts = []
             for offset in range(0, len(ids), self.chunk_tokens):
                 chunk = ids[offset:offset + self.chunk_tokens]
@@ -399,6 +451,7 @@ class TrtModel(LayerwiseModel):
 
     def head(self, hidden: np.ndarray) -> np.ndarray:
         with self._lock:
+            self._check_open()
             parts = []
             for offset in range(0, len(hidden), self.chunk_tokens):
                 rows = np.asarray(hidden[offset:offset + self.chunk_tokens], np.float32)
@@ -440,6 +493,7 @@ class TrtModel(LayerwiseModel):
         dims = {"tokens": t, "past": start, "total": start + t}
         d = self.arch.hidden_size
         with self._lock:
+            self._check_open()
             self._run_embed(ids)
             self.device.upload(self._rope[0].address, self.cos[start:start + t])
             self.device.upload(self._rope[1].address, self.sin[start:start + t])
