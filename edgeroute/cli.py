@@ -175,7 +175,7 @@ def export(
             raise EdgerouteError(f"the export stopped: {err}. An interrupted export writes no bundle and leaves one "
                                  f"already at {out} as it was") from None
 
-    console.print(f"[bold]bundle {report.out}[/]")
+    console.print(f"[bold]bundle {escape(str(report.out))}[/]")
     for m in report.models:
         agreement = "-" if m.agreement is None else f"{m.agreement:.1%}"
         logits = "-" if m.max_rel_logit_diff is None else f"{m.max_rel_logit_diff:.2e}"
@@ -184,7 +184,7 @@ def export(
                          ("top-1 agreement", agreement), ("max |dlogit| rel", logits)])
     console.print("time per stage: " + ", ".join(f"{k} {v:.1f}s" for k, v in report.seconds.items()))
     for note in report.notes:
-        console.print(f"note: {note}")
+        console.print(f"note: {escape(note)}")
     console.print("agreement: teacher-forced top-1 vs a torch forward of the source's float (dequantized) "
                   "weights, on held-out text")
 
@@ -209,7 +209,7 @@ def inspect(
     if as_json:
         print(json.dumps(summary, indent=2))
         return
-    console.print(f"[bold]{bundle}[/]: format {summary['format_version']}, edgeroute {summary['edgeroute_version']}, "
+    console.print(f"[bold]{escape(str(bundle))}[/]: format {summary['format_version']}, edgeroute {summary['edgeroute_version']}, "
                   f"opset {summary['opset']}, target {b.target.name}, created {summary['created']}")
     for role, m in summary["models"].items():
         s, q = m["source"], m["quantization"]
@@ -562,10 +562,10 @@ def calibrate(
     with _clear_errors(), _progress_bars() as update:
         report = run_calibration(bundle, options, update)
     for message in report.messages:
-        console.print(f"note: {message}")
+        console.print(f"note: {escape(message)}")
     _print_calibration(Bundle.open(bundle, verify=False))
     console.print("time: " + ", ".join(f"{k} {v:.0f}s" for k, v in report.seconds.items()))
-    console.print(f"report: {report.report}")
+    console.print(f"report: {escape(str(report.report))}")
 
 
 @app.command("build-engines")

@@ -63,6 +63,14 @@ def test_inspect_fits_80_columns_calibrated_or_not_and_gives_json(tiny_slm_bundl
     assert set(summary["models"]) == {"llm", "slm"} and summary["calibration"]["routers"]["slm"]["threshold"] == 0.42
 
 
+def test_inspect_shows_a_bundle_path_with_brackets_as_it_is(tiny_slm_bundle, tmp_path):
+    # rich reads [text] as markup and drops it: the path has to be printed as text
+    bundle = Path(shutil.copytree(tiny_slm_bundle, tmp_path / "bundle[v2]"))
+    shown = edgeroute("inspect", str(bundle))
+    assert shown.returncode == 0, shown.stderr
+    assert f"{bundle}: format" in shown.stdout.replace("\n", "")
+
+
 def test_eval_fits_80_columns_with_every_cell_whole(tiny_slm_bundle, tmp_path):
     calibrated = Path(shutil.copytree(tiny_slm_bundle, tmp_path / "bundle"))
     _calibration_with_trained_router(calibrated)
