@@ -142,7 +142,7 @@ bench-voice: setup $(BUNDLE)/manifest.json $(PAIR_BUNDLE)/manifest.json
 
 # the assistant's choice between a car function and words (docs/guide/voice.md): the pair on three command sets
 bench-voice-words: setup $(PAIR_BUNDLE)/manifest.json
-	$(RECORD) voice-words
+	$(RECORD) voice-words voice-words-bias
 
 bench-smollm2: setup $(BUNDLE)/manifest.json
 	$(RECORD) smollm2-ttft smollm2-kept

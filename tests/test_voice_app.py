@@ -404,6 +404,19 @@ def test_the_words_tool_is_never_run_or_acknowledged_and_its_command_is_answered
     assert "".join(chunk for chunk, _ in speaker.said) == cold.text
 
 
+def test_a_words_bias_of_100_moves_every_command_to_the_words_tool_and_minus_100_off_it(tool_engine):
+    chat = tool_engine.chat(system=f"{SYSTEM} {WORDS_TOOL_INSTRUCTION}", tools=[*TOOLS, WORDS_TOOL], max_new_tokens=40)
+    cold = chat.generate(FINAL, tool_choice="none")
+    words = VoiceAssistant(tool_engine, NullSpeaker(), system=SYSTEM, tools=TOOLS, words_tool=True, words_bias=100,
+                           tool_choice="required", max_new_tokens=40, listen_ahead=False)
+    [record] = asyncio.run(words.converse(FINAL, speed=0))
+    assert not record.tool_calls and record.answer == cold.text and words.chat.messages == chat.messages
+    tool = VoiceAssistant(tool_engine, NullSpeaker(), system=SYSTEM, tools=TOOLS, words_tool=True, words_bias=-100,
+                          tool_choice="required", max_new_tokens=40, listen_ahead=False)
+    [record] = asyncio.run(tool.converse("Tell me a joke.", speed=0))
+    assert [c["name"] for c in record.tool_calls] == ["navigate"]
+
+
 def test_barge_in_while_the_tool_result_is_spoken_keeps_the_chat_consistent(tool_engine):
     speaker = NullSpeaker(seconds_per_char=0.03)
     assistant = VoiceAssistant(tool_engine, speaker, system=SYSTEM, tools=TOOLS, tool_choice="required",

@@ -118,7 +118,7 @@ async def one_turn(engine, command: dict[str, Any], mode: str, listen: str, args
     assistant = VoiceAssistant(engine, speaker, tools=None if args.no_tools else CAR_TOOLS, listen_ahead=listen != "off",
                                answer_ahead=listen == "answer",
                                max_new_tokens=args.max_new_tokens, tool_choice=args.tool_choice, confirm=args.confirm,
-                               acknowledge=args.acknowledge, words_tool=args.words_tool,
+                               acknowledge=args.acknowledge, words_tool=args.words_tool, words_bias=args.words_bias,
                                mode=mode, share_prefix=True, **({} if mode == "auto" else {"light": args.light}))
     if listen == "off":  # nothing happens while the words are spoken: not waited for (the ASR's delay still is)
         utterance = Utterance(utterance.final, [], 0.0, utterance.asr_delay)
@@ -172,6 +172,7 @@ def markdown(result: dict[str, Any]) -> str:
              f"{result['backend']}, {result['threads']} threads, TTS {result['tts']}, tools "
              + (f"tool_choice {result['settings']['tool_choice']}"
                 + (" + words tool" if result["settings"].get("words_tool") else "")
+                + (f" (bias {result['settings']['words_bias']:g})" if result["settings"].get("words_bias") else "")
                 + f", confirm {result['settings']['confirm']}"
                 + (", acknowledge" if acknowledged else "") if result["settings"]["tools"] else "off")
              + f", {result['created']}",
@@ -279,6 +280,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--words-tool", action="store_true",
                         help="offer the app's words tool beside the car's (calling it answers in words): under "
                              "required, the commands that expect words can be right")
+    parser.add_argument("--words-bias", type=float, default=0.0,
+                        help="with --words-tool: added to the logit of the words tool's first token where the model "
+                             "picks a tool (logit_bias)")
     parser.add_argument("--confirm", choices=["model", "template"], default="model",
                         help="after a tool ran: the model's words are spoken, or the car's own confirmation at once")
     parser.add_argument("--acknowledge", action="store_true",
@@ -336,7 +340,8 @@ def main(argv: list[str] | None = None) -> int:
               "commit": commit(), "machine": machine_info(), "notes": notes,
               "settings": {"commands": len(commands), "modes": modes, "light": args.light, "listen": args.listen,
                            "commands_file": str(args.commands_file), "tools": not args.no_tools,
-                           "tool_choice": args.tool_choice, "words_tool": args.words_tool, "confirm": args.confirm,
+                           "tool_choice": args.tool_choice, "words_tool": args.words_tool,
+                           "words_bias": args.words_bias, "confirm": args.confirm,
                            "acknowledge": args.acknowledge,
                            "wpm": args.wpm, "speed": args.speed, "asr_delay": args.asr_delay,
                            "max_new_tokens": args.max_new_tokens, "warmup": args.warmup},

@@ -20,7 +20,7 @@ import math
 import numbers
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,6 +106,30 @@ def check_sampling(temperature: Any, top_p: Any, seed: Any = None) -> None:
         raise InputError(f"seed must be a whole number >= 0, or unset for a fresh one each generation (got {seed!r})")
 
 
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range: -100 bans a token, +100 makes it the only choice
+
+
+def logit_bias_entries(bias: Any) -> dict[int, float] | None:
+    """OpenAI's ``logit_bias``: token id -> a number within [-100, 100] added to that token's
+    logit before every choice the model makes. Keys may be ids or JSON's strings of digits;
+    None or empty: no bias. An InputError names the entry that is neither."""
+    if bias is None:
+        return None
+    if not isinstance(bias, Mapping):
+        raise InputError(f'logit_bias maps token ids to numbers, e.g. {{1234: 5.0}} (got {bias!r:.80})')
+    entries = {}
+    for key, value in bias.items():
+        if isinstance(key, str) and key.isdigit():
+            key = int(key)
+        if isinstance(key, bool) or not isinstance(key, numbers.Integral) or key < 0:
+            raise InputError(f"logit_bias: {key!r} is not a token id (a whole number >= 0)")
+        if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
+                or abs(value) > LOGIT_BIAS_LIMIT):
+            raise InputError(f"logit_bias: token {key}'s bias must be a number within [-100, 100] (got {value!r})")
+        entries[int(key)] = float(value)
+    return entries or None
+
+
 def check_field_types(options: Any) -> None:
     """An InputError naming the field unless every number and flag of the dataclass ``options``
     holds one (None where the field allows it): the range checks compare them, and a string
@@ -133,6 +157,8 @@ class DecodeOptions:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    # token id -> added to its logit before each choice (OpenAI's logit_bias; logit_bias_entries)
+    logit_bias: dict[int, float] | None = None
     # a baseline's name or a router object; None: the bundle's calibrated router for the light
     # path, else "ngram" for the n-gram path and "entropy" for the SLM
     router: str | Router | None = None
@@ -179,6 +205,7 @@ class DecodeOptions:
                                  f"(got {getattr(self, name)!r})")
         check_field_types(self)
         self.stop = stop_strings(self.stop)
+        self.logit_bias = logit_bias_entries(self.logit_bias)
         if self.task is not None and not isinstance(self.task, str):  # a number names no profile, and 0 kept as 'default'
             raise InputError(f"task must be a task's name, a task profile's (e.g. 'json') or your own, or None "
                              f"(got {self.task!r})")
@@ -432,7 +459,10 @@ class Decoder:
                  constraint: Constraint | None = None) -> None:
         self.state, self.options, self.constraint = state, options, constraint
         self.llm = state.llm
-        self.sampler = Sampler(options.temperature, options.top_p, options.seed)
+        if options.logit_bias and (largest := max(options.logit_bias)) >= self.llm.arch.vocab_size:
+            raise InputError(f"logit_bias names token id {largest}, outside the model's vocabulary of "
+                             f"{self.llm.arch.vocab_size}")
+        self.sampler = Sampler(options.temperature, options.top_p, options.seed, options.logit_bias)
         self.cancel = cancel or threading.Event()
         self.stats = GenerationStats()
         base = self.base_mode = options.base_mode

@@ -20,11 +20,26 @@ def top1_probability(logits: np.ndarray) -> float:
 
 class Sampler:
     """Greedy when temperature == 0; otherwise nucleus sampling from a seeded generator, so a
-    seed reproduces the same text."""
+    seed reproduces the same text. ``bias`` (token id -> number, OpenAI's logit_bias) is added
+    to the logits of every choice and every verification, so speculation stays exactly the
+    biased model's."""
 
-    def __init__(self, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None) -> None:
+    def __init__(self, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
+                 bias: dict[int, float] | None = None) -> None:
         self.temperature, self.top_p = temperature, top_p
         self.rng = np.random.default_rng(seed)
+        self._bias_ids = np.fromiter(bias or {}, np.int64)
+        self._bias_values = np.fromiter((bias or {}).values(), np.float32)
+
+    def biased(self, logits: np.ndarray) -> np.ndarray:
+        """The logits with the bias added (themselves without one). Ids beyond ``logits`` (an SLM
+        cut to a smaller vocabulary) are left out: the model cannot choose them anyway."""
+        if not self._bias_ids.size:
+            return logits
+        inside = self._bias_ids < logits.shape[-1]
+        out = logits.astype(np.float32, copy=True)
+        out[self._bias_ids[inside]] += self._bias_values[inside]
+        return out
 
     @property
     def greedy(self) -> bool:
@@ -41,6 +56,7 @@ class Sampler:
         return p
 
     def sample(self, logits: np.ndarray) -> int:
+        logits = self.biased(logits)
         if self.greedy:
             return int(np.argmax(logits))
         return self.choose(self.probabilities(logits))
@@ -63,6 +79,7 @@ class Sampler:
         token is sampled from p without them. The token is distributed exactly as sampling from p
         (the recursive rejection of SpecInfer with point-mass drafts; greedy: the argmax). Returns
         the accepted candidate's index (None: none) and the token."""
+        logits = self.biased(logits)
         if self.greedy:
             best = int(np.argmax(logits))
             return (candidates.index(best) if best in candidates else None), best

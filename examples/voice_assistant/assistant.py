@@ -148,7 +148,9 @@ class VoiceAssistant:
     with the line saying when to call it), so that under ``required`` a command no tool does is
     answered in words, not by the nearest tool: when the model calls it (alone), the call is
     forgotten (``Session.barge_in(None)``: the message's K/V rows stay) and the command is
-    answered with ``tool_choice`` none; it is never acknowledged or run.
+    answered with ``tool_choice`` none; it is never acknowledged or run. ``words_bias``: added to
+    the logit of the words tool's first token when the model picks a tool (``logit_bias``): a
+    model that ranks a car function above words for a function the car lacks is moved off it.
     ``confirm``: "model", the model's words after the tool results are spoken; "template", the
     car's own confirmation (``car.confirmation``) is spoken as soon as the calls ran, and the
     model's words are kept in the chat unspoken (the first audio does not wait for a second
@@ -163,14 +165,19 @@ class VoiceAssistant:
     def __init__(self, engine, speaker: Speaker, *, system: str = SYSTEM, tools: list[dict[str, Any]] | None = CAR_TOOLS,
                  car: CarState | None = None, listen_ahead: bool = True, answer_ahead: bool = False,
                  keep_interrupted: bool = True,
-                 tool_choice: Any = "auto", words_tool: bool = False, max_tool_rounds: int = 1,
+                 tool_choice: Any = "auto", words_tool: bool = False, words_bias: float = 0.0,
+                 max_tool_rounds: int = 1,
                  clause_chars: int | None = 24, max_chars: int | None = 160,
                  max_new_tokens: int = 64, share_prefix: bool = True, confirm: str = "model", acknowledge: bool = False,
                  context_policy: str = "drop_oldest", **decoding: Any) -> None:
         if confirm not in ("model", "template"):
             raise ValueError(f"confirm must be model or template (got {confirm!r})")
+        # the first generation's options beyond tool_choice (the one that picks a tool or words)
+        self._picking: dict[str, Any] = {}
         if words_tool and tools:
             tools, system = [*tools, WORDS_TOOL], f"{system} {WORDS_TOOL_INSTRUCTION}"
+            if words_bias:
+                self._picking["logit_bias"] = {engine.encode(WORDS_TOOL_NAME)[0]: words_bias}
         self.confirm, self.system, self.acknowledge = confirm, system, acknowledge and bool(tools)
         self.engine, self.speaker, self.car = engine, speaker, car if car is not None else CarState()
         self.tools, self.tool_choice, self.max_tool_rounds = tools, tool_choice, max_tool_rounds
@@ -228,7 +235,7 @@ class VoiceAssistant:
         self._generation += 1
         ahead = _AnswerAhead(text, self._generation)
         self._before[ahead.number], self._spoken[ahead.number] = self.chat.last, []
-        options = {"tool_choice": self.tool_choice} if self.tools else {}
+        options = {"tool_choice": self.tool_choice, **self._picking} if self.tools else {}
 
         def first_token(trace) -> None:  # on the decode's worker thread
             if ahead.first_token_at is None and trace.source != "grammar":
@@ -350,6 +357,7 @@ class VoiceAssistant:
                         record.first_token_at = time.perf_counter()
 
                 if round_ == 0 and not in_words:
+                    options.update(self._picking)
                     record.begin_at = time.perf_counter() if kept is None else kept.begin_at
                     if self.acknowledge:
                         options["on_tool_name"] = lambda name: loop.call_soon_threadsafe(
