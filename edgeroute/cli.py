@@ -209,8 +209,9 @@ def inspect(
     if as_json:
         print(json.dumps(summary, indent=2))
         return
-    console.print(f"[bold]{escape(str(bundle))}[/]: format {summary['format_version']}, edgeroute {summary['edgeroute_version']}, "
-                  f"opset {summary['opset']}, target {b.target.name}, created {summary['created']}")
+    console.print(f"[bold]{escape(str(bundle))}[/]: format {summary['format_version']}, "
+                  f"edgeroute {summary['edgeroute_version']}, opset {summary['opset']}, target {b.target.name}, "
+                  f"created {summary['created']}")
     for role, m in summary["models"].items():
         s, q = m["source"], m["quantization"]
         quant = _quantization(q)
