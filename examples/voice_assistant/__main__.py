@@ -44,6 +44,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="offer a tool that means 'answer in words' beside the car's (car.WORDS_TOOL): under "
                              "required, a command no tool does is answered in words instead of by the nearest tool "
                              "(docs/guide/voice.md: commands no tool does)")
+    parser.add_argument("--words-bias", type=float, default=2.0,
+                        help="added to the words tool's first token's logit where the model picks a tool (chosen on "
+                             "the pair's dev commands; 0: none)")
     parser.add_argument("--confirm", choices=["model", "template"], default="model",
                         help="after a tool ran, speak the model's words (model) or the car's own confirmation at once")
     parser.add_argument("--acknowledge", action="store_true",
@@ -106,7 +109,8 @@ def run(args: argparse.Namespace) -> int:
     assistant = VoiceAssistant(engine, speaker, tools=None if args.no_tools else CAR_TOOLS,
                                listen_ahead=not args.no_listen_ahead, answer_ahead=args.answer_ahead,
                                max_new_tokens=args.max_new_tokens,
-                               tool_choice=tool_choice(args.tool_choice), words_tool=args.words_tool, confirm=args.confirm,
+                               tool_choice=tool_choice(args.tool_choice), words_tool=args.words_tool, words_bias=args.words_bias,
+                               confirm=args.confirm,
                                acknowledge=args.acknowledge, mode=args.mode,
                                **({} if args.mode == "auto" else {"light": light}))
     assistant.warm_up()
