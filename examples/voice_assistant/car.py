@@ -47,9 +47,9 @@ TOOLS_BY_NAME = {tool["function"]["name"]: tool for tool in CAR_TOOLS}
 # a joke, a function the car lacks) went to the nearest tool: "what's the weather like" played
 # "weather". Offered beside the car's tools, this one lets the model say "words" inside the call
 # grammar; the app never runs it, it answers the command in words instead (VoiceAssistant's
-# ``words_tool``). Named and described once; the system prompt's line (over the tool last in the
-# list, first, or both) chosen on tools/voice_commands_dev.json, then measured on the held-out
-# tools/voice_commands_unseen.json (docs/guide/voice.md).
+# ``words_tool``). Named and described once; its place in the list, the system prompt's line and
+# the app's ``words_bias`` were chosen on tools/voice_commands_dev.json, then measured once on the
+# held-out tools/voice_commands_unseen.json (docs/guide/voice.md: commands no tool does).
 WORDS_TOOL: dict[str, Any] = _tool(
     "answer_in_words", "Reply to the driver in words: questions, small talk, and requests no other function can "
     "carry out.", {}, [])
