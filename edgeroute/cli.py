@@ -120,6 +120,23 @@ def _read_text(path: Path, what: str) -> str:
         raise EdgerouteError(f"cannot read the {what} file {path}: {err.strerror}") from None
 
 
+def _logit_bias(text: str | None) -> dict | None:
+    """``--logit-bias``'s JSON object (its entries are checked as the API's ``logit_bias``)."""
+    import json
+
+    if text is None:
+        return None
+    try:
+        bias = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise EdgerouteError(f"--logit-bias takes a JSON object of token ids and biases, e.g. '{{\"1234\": 5}}' "
+                             f"({err.msg} at character {err.pos} of {text!r:.60})") from None
+    if not isinstance(bias, dict):
+        raise EdgerouteError(f"--logit-bias takes a JSON object of token ids and biases, e.g. '{{\"1234\": 5}}' "
+                             f"(got {text!r:.60})")
+    return bias
+
+
 def _response_format(json_schema: Path | None, regex: str | None, grammar: Path | None) -> dict | None:
     """The ``response_format`` that --json-schema FILE, --regex or --grammar FILE ask for."""
     import json
@@ -397,6 +414,7 @@ def run(
     top_p: float = typer.Option(None, help="nucleus sampling mass"),
     seed: int = typer.Option(None, help="sampling seed"),
     stop: list[str] = typer.Option(None, help="stop string (repeatable)"),
+    logit_bias: str = typer.Option(None, help='JSON {"token id": bias in [-100, 100]}'),
     router: str = typer.Option(None, help="entropy|top1|margin|ngram|always|llm-ratio"),
     route_threshold: float = typer.Option(None, help="route: call the LLM above this score"),
     route_check: str = typer.Option(None, help="route: ahead | verified"),
@@ -432,8 +450,9 @@ def run(
             raise EdgerouteError("give --prompt 'What is the capital of France?' or --chat")
         decoding = {k: v for k, v in dict(
             mode=mode, light=light, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
-            stop=tuple(stop) if stop else None, router=router, route_threshold=route_threshold,
-            route_check=route_check, draft_tokens=draft_tokens, draft_confidence=draft_confidence,
+            stop=tuple(stop) if stop else None, logit_bias=_logit_bias(logit_bias), router=router,
+            route_threshold=route_threshold, route_check=route_check, draft_tokens=draft_tokens,
+            draft_confidence=draft_confidence,
             draft_branches=draft_branches, draft_tree_nodes=draft_tree_nodes,
             lookup_min_match=lookup_min_match, lookup_tokens=lookup_tokens, importance_threshold=importance_threshold,
             skip_ratio=skip_ratio,

@@ -28,6 +28,18 @@ def test_run_speculate_writes_one_trace_line_per_token_and_a_summary(tiny_slm_bu
     assert f"edgeroute trace {trace}" in result.output.replace("\n", "")
 
 
+def test_run_logit_bias_takes_json_token_ids_and_refuses_what_is_not_an_object(tiny_slm_bundle, tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    result = runner.invoke(app, ["run", str(tiny_slm_bundle), "--prompt", "one two three", "--raw", "--mode",
+                                 "speculate", "--max-new-tokens", "5", "--logit-bias", '{"42": 100}', "--trace",
+                                 str(trace)])
+    assert result.exit_code == 0, result.output
+    assert [json.loads(line)["token"] for line in trace.read_text().splitlines()] == [42] * 5
+    for bad, said in (("[42]", "JSON object"), ("{42: 1}", "JSON object"), ('{"42": 500}', "within [-100, 100]")):
+        refused = runner.invoke(app, ["run", str(tiny_slm_bundle), "--prompt", "one", "--logit-bias", bad])
+        assert refused.exit_code == 2 and said in refused.output.replace("\n", " "), refused.output
+
+
 def test_run_keeps_its_answers_in_a_memory_file_that_the_next_run_drafts_from(tiny_slm_bundle, tmp_path):
     memory = tmp_path / "memory.npz"
     command = ["run", str(tiny_slm_bundle), "--prompt", "one two three one two", "--raw", "--mode", "speculate",
