@@ -602,7 +602,7 @@ class Session:
         if system is not None:
             check_system_prompt(system)
             if not system.strip():
-                raise InputError("the system prompt is empty: leave system=None for none")
+                raise InputError("the system prompt is empty: give none instead (system=None; no --system)")
         self.engine, self.options, self.chat, self.context_policy = engine, options, chat, context_policy
         self.tools = parse_tools(tools)
         self._calls_made = 0  # tool call ids are call_0, call_1, ... over the session's life
