@@ -183,7 +183,7 @@ class Engine:
         self.use_slm = options.slm and self.bundle.slm is not None
         check_kv_dtype(options.kv_dtype, KV_DTYPE_CHOICES)  # a wrong name fails before anything loads
         if options.decoding.mode != "auto":  # so do the sessions' defaults (auto is resolved per session)
-            options.decoding.validate(self.bundle.llm.arch.num_layers, self.use_slm, not options.slm)
+            self._validate(options.decoding)
         if options.memory_budget is not None:
             roles = ["llm", "slm"] if self.use_slm else ["llm"]
             caches = [resolve_kv_dtype(options.kv_dtype, backend_for(self.bundle.models[role], options)[0],
@@ -262,6 +262,11 @@ class Engine:
                           "choices (draft length, --mode auto) may not be the fastest here: run `edgeroute calibrate` "
                           "on this kind of CPU and backend", CalibrationDeviceWarning, stacklevel=3)
 
+    def _validate(self, options: DecodeOptions) -> None:
+        """``options.validate`` against this engine: its layers, and whether it runs an SLM (and,
+        where it does not, whether it was told not to)."""
+        options.validate(self.bundle.llm.arch.num_layers, self.use_slm, not self.settings.slm)
+
     def _open(self, role: str, exact_steps: bool = False) -> ModelBackend:
         model, why_not_native = open_model(self.bundle, role, self.settings, exact_steps)
         if why_not_native is not None:
@@ -300,7 +305,7 @@ class Engine:
         unmeasured_route = options.base_mode == "route" and not calibrated_route(options, calibration)
         options = calibrated_options(options, calibration, self._trained_router)
         if unmeasured_skip or unmeasured_route:  # a bad option is its error alone, with no warning before it
-            options.validate(self.llm.num_layers, self.use_slm, not self.settings.slm)
+            self._validate(options)
         if unmeasured_skip:
             warnings.warn(f"{self.bundle.path}: mode {options.mode} skips layers with uncalibrated settings (at most "
                           f"{options.skip.free_layers(self.llm.num_layers)} layers a decision, skip_ratio "
@@ -606,7 +611,7 @@ class Session:
         self.engine, self.options, self.chat, self.context_policy = engine, options, chat, context_policy
         self.tools = parse_tools(tools)
         self._calls_made = 0  # tool call ids are call_0, call_1, ... over the session's life
-        options.validate(engine.llm.num_layers, engine.use_slm, not engine.settings.slm)
+        engine._validate(options)
         try:
             # the SLM joins on the first call that needs it; None once the engine closed (_release)
             self.state: SequenceState | None = SequenceState(engine.llm, engine.context_length)
@@ -948,7 +953,7 @@ class Session:
 
     def _options(self, overrides: dict[str, Any]) -> DecodeOptions:
         options = self.engine.resolve(self.options.updated(**overrides)) if overrides else self.options
-        options.validate(self.engine.llm.num_layers, self.engine.use_slm, not self.engine.settings.slm)
+        self.engine._validate(options)
         return options
 
     # -- generation -----------------------------------------------------------------------------
