@@ -22,8 +22,9 @@ from examples.voice_assistant import (
     VoiceAssistant,
     timed_partials,
 )
+from examples.voice_assistant.assistant import SYSTEM as CAR_SYSTEM
 from examples.voice_assistant.car import WORDS_TOOL, WORDS_TOOL_INSTRUCTION, WORDS_TOOL_NAME
-from examples.voice_assistant.speech import EspeakSpeaker
+from examples.voice_assistant.speech import EspeakSpeaker, StringArgument, speakable
 from tools.bench_voice import COMMANDS as COMMANDS_FILE
 from tools.benchlib.voice import check_calls, normalise, percentiles
 
@@ -118,6 +119,24 @@ def test_timed_partials_speak_at_150_words_a_minute_with_the_asrs_revisions():
     assert final.speech_end <= final.at and final.at - events[0].at == pytest.approx(1.2 * 0.05, abs=0.05)
 
 
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 1000])
+def test_a_string_argument_is_read_as_the_call_is_written_whatever_the_pieces(size):
+    text = 'Say "hi" \\ to caf\u00e9 \U0001f600\nnow'
+    for ensure_ascii in (True, False):
+        call = json.dumps({"name": "answer_in_words", "arguments": {"text": text}}, ensure_ascii=ensure_ascii) + "\n"
+        reader = StringArgument("text")
+        read = [reader.push(call[i:i + size]) for i in range(0, len(call), size)]
+        assert "".join(read) == text and reader.closed
+        assert size > 3 or sum(map(bool, read)) > 3  # given out as it came
+
+
+def test_a_string_argument_gives_nothing_before_its_key_or_after_its_end():
+    reader = StringArgument("text")
+    assert reader.push('{"name": "x", "arguments": {"tex') == "" and not reader.opened
+    assert reader.push('t": "ab') == "ab" and reader.push('c", "text": "no"}') == "c" and reader.closed
+    assert reader.push("more") == ""
+
+
 # -- the benchmark's scorer ---------------------------------------------------------------------------
 
 def test_values_are_compared_normalised():
@@ -133,7 +152,7 @@ def test_the_scorer_takes_right_calls_in_any_form():
         assert check_calls(want, got, CAR_TOOLS).ok
     assert check_calls([{"name": "navigate", "arguments": {"destination": ["airport", "munich airport"]}}],
                        [{"name": "navigate", "arguments": {"destination": "the Munich Airport"}}], CAR_TOOLS).ok
-    assert check_calls([], [], CAR_TOOLS).ok
+    assert check_calls([], [], CAR_TOOLS, answer="The capital of France is Paris.").ok
     two = [{"name": "call", "arguments": {"contact": "anna"}}, {"name": "navigate", "arguments": {"destination": "home"}}]
     assert check_calls(two, list(reversed(two)), CAR_TOOLS).ok
 
@@ -162,6 +181,35 @@ def test_the_scorer_rejects_a_wrong_number_and_an_optional_argument_not_asked_fo
     reminder = [{"name": "set_reminder", "arguments": {"text": "buy milk", "time": "18:00"}}]
     assert not check_calls(reminder, [{"name": "set_reminder", "arguments": {"text": "buy milk", "time": "06:00"}}],
                            CAR_TOOLS).ok
+
+
+# answers the pair gave to commands that want words (docs/records/voice-words.json): call-shaped
+# text, the tool list or the system prompt said back, an unspeakable function name
+NOT_WORDS = [
+    '{{"name": "answer_in_words", "arguments": {"text": "The time is now 14:30."}}}',
+    '<tools>\n{"type": "function", "function": {"name": "play_media", "description": "Play music, a radio station',
+    '```json\n{\n  "name": "answer_in_words",\n  "arguments": {\n    "text": "Today is <current-day>"\n  }\n}\n```',
+    '{{"name": "lock_doors", "arguments": null}}',
+    'To determine how much fuel you have left, you can call the `get_fuel_level` function.',
+    "no list, no markdown",
+    '"text": "Hello there"',
+    "- navigate\n- call\n* play music",
+    "OK",
+    "",
+]
+
+
+@pytest.mark.parametrize("answer", NOT_WORDS)
+def test_the_scorer_takes_no_call_as_right_only_with_words_a_speaker_can_say(answer):
+    check = check_calls([], [], CAR_TOOLS, answer=answer, prompt=CAR_SYSTEM)
+    assert check.right_tool and not check.ok and check.reason
+
+
+@pytest.mark.parametrize("answer", ["The capital of France is Paris.", "Why was the car sad? Because it had no gas.",
+                                    "I'm sorry, I can't open the sunroof.", "¡Hola! ¿En qué puedo ayudarte?",
+                                    "The moon is approximately 384,400 kilometers away from Earth."])
+def test_the_scorer_takes_sentences_as_words(answer):
+    assert check_calls([], [], CAR_TOOLS, answer=answer, prompt=CAR_SYSTEM).ok
 
 
 COMMAND_SETS = {"voice_commands": 30, "voice_commands_dev": 18, "voice_commands_unseen": 20}
@@ -386,8 +434,7 @@ WORDS = {"type": "function", "function": {"name": WORDS_TOOL_NAME}}
 
 
 @pytest.mark.parametrize("answer_ahead", [False, True])
-def test_the_words_tool_is_never_run_or_acknowledged_and_its_command_is_answered_in_words_as_a_cold_chat(
-        tool_engine, answer_ahead):
+def test_the_words_tool_is_never_run_or_acknowledged_and_its_text_is_what_is_said(tool_engine, answer_ahead):
     speaker = NullSpeaker()
     assistant = VoiceAssistant(tool_engine, speaker, system=SYSTEM, tools=TOOLS, words_tool=True, tool_choice=WORDS,
                                confirm="template", acknowledge=True, max_new_tokens=40, answer_ahead=answer_ahead)
@@ -395,22 +442,67 @@ def test_the_words_tool_is_never_run_or_acknowledged_and_its_command_is_answered
     assistant.warm_up()
     script = timed_partials("Tell me a joke.", asr_delay=0.2)
     [record] = asyncio.run(assistant.run(ScriptedRecognizer([script], speed=0.1)))
-    # the chat holds the message and its answer in words, as a chat that was asked for words holds them
+    # the chat holds the words call as the answer, as a cold chat that called it holds it
     chat = tool_engine.chat(system=assistant.system, tools=[*TOOLS, WORDS_TOOL], max_new_tokens=40)
-    cold = chat.generate("Tell me a joke.", tool_choice="none")
-    assert assistant.chat.messages == chat.messages and not cold.tool_calls
-    assert record.answer == cold.text and record.tokens != cold.tokens  # the first generation was the words call
-    assert not record.tool_calls and not assistant.car.log and not record.acknowledgement
-    assert "".join(chunk for chunk, _ in speaker.said) == cold.text
+    [call] = chat.generate("Tell me a joke.", tool_choice=WORDS).tool_calls
+    assert without_ids(assistant.chat.messages) == without_ids(chat.messages) and record.tokens == chat.last.tokens
+    assert record.answer == call.arguments["text"] and not record.tool_calls and not assistant.car.log
+    assert not record.acknowledgement and record.finish_reason == "tool_calls"
+    assert "".join(chunk for chunk, _ in speaker.said) == (call.arguments["text"] if speakable(record.answer) else "")
+
+
+def without_ids(messages: list[dict]) -> list[dict]:
+    """The messages without their calls' ids (a session numbers its calls: answers dropped ahead count)."""
+    messages = copy.deepcopy(messages)
+    for message in messages:
+        for call in message.get("tool_calls", []):
+            call.pop("id")
+    return messages
+
+
+def quote_tokens(engine) -> dict[int, float]:
+    """A logit bias that bans every token with a double quote but the quote alone: a string the
+    model opens with it ends only where the random model ranks the quote first among its tokens."""
+    return {i: -100 for i in range(engine.bundle.llm.arch.vocab_size)
+            if '"' in (text := engine.decode([i])) and text.strip() != '"'}
+
+
+def test_the_words_are_said_while_the_call_is_written(tool_engine):
+    # the words' string can never close: the call is cut by max_new_tokens, unfinished, and its words were
+    # said all the same, so they were read from the tokens as they came, not from the finished call
+    speaker = NullSpeaker()
+    assistant = VoiceAssistant(tool_engine, speaker, system=SYSTEM, tools=TOOLS, words_tool=True, tool_choice=WORDS,
+                               max_new_tokens=40, listen_ahead=False, clause_chars=None, max_chars=8,
+                               logit_bias=quote_tokens(tool_engine))
+    [record] = asyncio.run(assistant.converse("Tell me a joke.", speed=0))
+    assert record.finish_reason == "incomplete" and not assistant.chat.last.tool_calls
+    assert len(record.answer) > 8 and assistant.engine.decode(record.tokens).endswith(record.answer)
+    assert "".join(chunk for chunk, _ in speaker.said) == record.answer and speakable(record.answer)
+
+
+def test_a_barge_in_on_words_from_the_words_tool_forgets_the_exchange(tool_engine):
+    speaker = NullSpeaker(seconds_per_char=0.02)
+    assistant = VoiceAssistant(tool_engine, speaker, system=SYSTEM, tools=TOOLS, words_tool=True, tool_choice=WORDS,
+                               max_new_tokens=40, listen_ahead=False, clause_chars=None, max_chars=12,
+                               logit_bias=quote_tokens(tool_engine))
+    assistant.warm_up()
+    first, second = asyncio.run(assistant.run(ScriptedRecognizer(
+        ["Tell me a joke.", Utterance("Play some jazz.", [], 0.1, pause=0.4)], speed=1.0)))
+    assert first.barged_in and first.spoken and first.answer.startswith(first.spoken)
+    reference = tool_engine.chat(system=assistant.system, tools=[*TOOLS, WORDS_TOOL], max_new_tokens=40,
+                                 logit_bias=quote_tokens(tool_engine))
+    assert second.tokens == reference.generate("Play some jazz.", tool_choice=WORDS).tokens
+    assert assistant.chat.messages == reference.messages
 
 
 def test_a_words_bias_of_100_moves_every_command_to_the_words_tool_and_minus_100_off_it(tool_engine):
-    chat = tool_engine.chat(system=f"{SYSTEM} {WORDS_TOOL_INSTRUCTION}", tools=[*TOOLS, WORDS_TOOL], max_new_tokens=40)
-    cold = chat.generate(FINAL, tool_choice="none")
     words = VoiceAssistant(tool_engine, NullSpeaker(), system=SYSTEM, tools=TOOLS, words_tool=True, words_bias=100,
                            tool_choice="required", max_new_tokens=40, listen_ahead=False)
     [record] = asyncio.run(words.converse(FINAL, speed=0))
-    assert not record.tool_calls and record.answer == cold.text and words.chat.messages == chat.messages
+    # the bias stays on for the words: the random model writes the name's first token again and again
+    written = tool_engine.decode(record.tokens)
+    assert f'"name": "{WORDS_TOOL_NAME}"' in written and written.endswith(record.answer) and record.answer
+    assert not record.tool_calls and not words.car.log
     tool = VoiceAssistant(tool_engine, NullSpeaker(), system=SYSTEM, tools=TOOLS, words_tool=True, words_bias=-100,
                           tool_choice="required", max_new_tokens=40, listen_ahead=False)
     [record] = asyncio.run(tool.converse("Tell me a joke.", speed=0))

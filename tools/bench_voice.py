@@ -25,7 +25,8 @@ doing as soon as the call's name is decoded ("Navigating"), and the template con
 the rest ("to the airport."): ``total`` is then the acknowledgement's first sample, and
 ``answer_total`` (end of speech to the confirmation's first sample) is what ``total`` is
 without it. Tool calls are judged by
-tools/benchlib/voice.py's ``check_calls`` (right tool; right arguments, normalised). The first
+tools/benchlib/voice.py's ``check_calls`` (right tool; right arguments, normalised; a command that
+expects no call: the words said are words a speaker can say, not a call written as text). The first
 generation's ``tool_choice`` is ``required`` by default: the demo's and the pair's models do
 not write a call on their own (``--tool-choice auto`` shows it), so the three commands that
 expect words cannot be right then, unless ``--words-tool`` offers the app's words tool beside the
@@ -123,7 +124,7 @@ async def one_turn(engine, command: dict[str, Any], mode: str, listen: str, args
     if listen == "off":  # nothing happens while the words are spoken: not waited for (the ASR's delay still is)
         utterance = Utterance(utterance.final, [], 0.0, utterance.asr_delay)
     [record] = await assistant.run(ScriptedRecognizer([utterance], speed=args.speed))
-    check = check_calls(command["expect"], record.tool_calls, CAR_TOOLS)
+    check = check_calls(command["expect"], record.tool_calls, CAR_TOOLS, answer=record.answer, prompt=assistant.system)
     resolved = assistant.chat.options  # what auto chose
     return {"command": command["text"], "mode": mode, "listen_ahead": listen,
             "ran": f"{resolved.mode}" + (f"+{resolved.light}" if resolved.mode not in ("full", "slm") else ""),

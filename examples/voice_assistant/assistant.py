@@ -27,7 +27,7 @@ from examples.voice_assistant.car import (
     acknowledgement,
     confirmation,
 )
-from examples.voice_assistant.speech import SentenceSplitter, Speaker, speakable
+from examples.voice_assistant.speech import SentenceSplitter, Speaker, StringArgument, speakable
 
 SYSTEM = ("You are the voice assistant of a car. When the driver asks for something a tool does, call the tool. "
           "After a tool ran, confirm what was done in one short sentence. Answer anything else in one or two short "
@@ -112,22 +112,46 @@ NOTHING_HEARD = {"listened": 0, "tokens": 0, "seconds": 0.0, "answered": 0}  # a
 
 @dataclass(frozen=True)
 class _CallNamed:
-    """In an answer-ahead's pieces: the model chose to call ``name`` (acknowledged when released)."""
+    """In a generation's pieces: the model chose to call ``name`` (acknowledged when said)."""
 
     name: str
 
 
-@dataclass
-class _AnswerAhead:
-    """The first generation begun on a partial transcript: its pieces wait, unspoken and its
-    tool calls not run, until the final transcript says whether the driver said exactly that."""
+@dataclass(frozen=True)
+class _Words:
+    """In a generation's pieces: words of the words tool's call (its ``text``), to be said."""
 
     text: str
+
+
+@dataclass
+class _Generation:
+    """A generation decoding on a task of its own, its pieces queued for the turn that says
+    them: any generation of a turn, or the first one begun ahead on a partial transcript, whose
+    pieces wait, unspoken and its tool calls not run, until the final transcript says whether
+    the driver said exactly that."""
+
+    prompt: Any
     number: int  # its generation's number
-    pieces: asyncio.Queue = field(default_factory=asyncio.Queue)  # str pieces and _CallNamed, then None
+    pieces: asyncio.Queue = field(default_factory=asyncio.Queue)  # text, _CallNamed and _Words, then None
     task: asyncio.Task | None = None
     begin_at: float | None = None
-    first_token_at: float | None = None
+    first_token_at: float | None = None  # the first token the model picked (not one a grammar forced)
+
+
+class _WordsReader:
+    """On the decode's worker thread: while the words tool's call is decoded, its ``text`` as it
+    is written, handed to ``say`` (so the words are spoken before the call is complete)."""
+
+    def __init__(self, say) -> None:
+        self.say, self.reader = say, None
+
+    def named(self, name: str) -> None:
+        self.reader = StringArgument("text") if name == WORDS_TOOL_NAME else None
+
+    def token(self, trace) -> None:
+        if self.reader is not None and trace.text and (text := self.reader.push(trace.text)):
+            self.say(_Words(text))
 
 
 class VoiceAssistant:
@@ -146,9 +170,11 @@ class VoiceAssistant:
     tool); after one round of calls (``max_tool_rounds``) the model answers in words.
     ``words_tool``: offer :data:`car.WORDS_TOOL` beside ``tools`` (and end the system prompt
     with the line saying when to call it), so that under ``required`` a command no tool does is
-    answered in words, not by the nearest tool: when the model calls it (alone), the call is
-    forgotten (``Session.barge_in(None)``: the message's K/V rows stay) and the command is
-    answered with ``tool_choice`` none; it is never acknowledged or run. ``words_bias``: added to
+    answered in words, not by the nearest tool: the call's ``text`` is spoken while it is
+    decoded (no second generation); the call is never acknowledged or run on the car, and stays
+    in the chat as the answer (a later round's tool results give it ``{"ok": true}``). A barge-in
+    while its words are said forgets the exchange (words inside a call cannot be cut to what
+    was said, as a text answer is). ``words_bias``: added to
     the logit of the words tool's first token when the model picks a tool (``logit_bias``): a
     model that ranks a car function above words for a function the car lacks is moved off it.
     ``confirm``: "model", the model's words after the tool results are spoken; "template", the
@@ -194,11 +220,12 @@ class VoiceAssistant:
         self._response: asyncio.Task | None = None
         self._listener: asyncio.Task | None = None
         self._pending: str | None = None
-        self._ahead: _AnswerAhead | None = None
+        self._ahead: _Generation | None = None
         self._heard = dict(NOTHING_HEARD)
         self._generation = 0  # numbers the generations; _spoken: each one's chunks said so far
         self._spoken: dict[int, list[str]] = {0: []}
         self._before: dict[int, Any] = {}  # chat.last before each generation (it began when that changed)
+        self._worded: set[int] = set()  # the generations whose words came from the words tool's call
 
     def warm_up(self) -> None:
         """Before the driver speaks: compile the tool-call grammars this assistant uses (the
@@ -221,9 +248,10 @@ class VoiceAssistant:
         while self._pending is not None:
             text, self._pending = self._pending, None
             if self.answer_ahead:
-                if self._ahead is None or self._ahead.text != text:
+                if self._ahead is None or self._ahead.prompt != text:
                     await self._drop_answer_ahead()
-                    self._begin_answer_ahead(text)
+                    self._ahead = self._begin(text, self._first_options())
+                    self._heard["answered"] += 1
                 continue
             start = time.perf_counter()
             computed = await asyncio.to_thread(self.chat.listen, text)
@@ -231,35 +259,44 @@ class VoiceAssistant:
             self._heard["tokens"] += computed
             self._heard["seconds"] += time.perf_counter() - start
 
-    def _begin_answer_ahead(self, text: str) -> None:
+    def _first_options(self) -> dict[str, Any]:
+        """The options of a turn's first generation (the one that picks a tool or words)."""
+        return {"tool_choice": self.tool_choice, **self._picking} if self.tools else {}
+
+    def _begin(self, prompt: Any, options: dict[str, Any]) -> _Generation:
+        """Start a generation on the chat; its pieces come in ``pieces`` (``_pieces``)."""
         self._generation += 1
-        ahead = _AnswerAhead(text, self._generation)
-        self._before[ahead.number], self._spoken[ahead.number] = self.chat.last, []
-        options = {"tool_choice": self.tool_choice, **self._picking} if self.tools else {}
-
-        def first_token(trace) -> None:  # on the decode's worker thread
-            if ahead.first_token_at is None and trace.source != "grammar":
-                ahead.first_token_at = time.perf_counter()
-
+        generation = _Generation(prompt, self._generation)
+        self._before[generation.number], self._spoken[generation.number] = self.chat.last, []
         loop = asyncio.get_running_loop()
 
-        def named(name: str) -> None:  # on the decode's worker thread
-            loop.call_soon_threadsafe(ahead.pieces.put_nowait, _CallNamed(name))
+        def queue(item: Any) -> None:  # on the decode's worker thread
+            # a call's words and names follow its content by a decode step at least: they queue after it
+            loop.call_soon_threadsafe(generation.pieces.put_nowait, item)
 
-        if self.acknowledge:
-            options["on_tool_name"] = named
+        words = _WordsReader(queue)
 
-        async def answer() -> None:
-            ahead.begin_at = time.perf_counter()
+        def on_token(trace) -> None:  # on the decode's worker thread
+            if generation.first_token_at is None and trace.source != "grammar":
+                generation.first_token_at = time.perf_counter()
+            words.token(trace)
+
+        def on_tool_name(name: str) -> None:  # on the decode's worker thread
+            words.named(name)
+            if self.acknowledge:
+                queue(_CallNamed(name))
+
+        async def decode() -> None:
+            generation.begin_at = time.perf_counter()
             try:
-                async for piece in self.chat.astream(text, on_token=first_token, **options):
-                    ahead.pieces.put_nowait(piece)
+                async for piece in self.chat.astream(prompt, on_token=on_token,
+                                                     on_tool_name=on_tool_name if self.tools else None, **options):
+                    generation.pieces.put_nowait(piece)
             finally:
-                ahead.pieces.put_nowait(None)
+                generation.pieces.put_nowait(None)
 
-        ahead.task = asyncio.create_task(answer())
-        self._ahead = ahead
-        self._heard["answered"] += 1
+        generation.task = asyncio.create_task(decode())
+        return generation
 
     async def _drop_answer_ahead(self) -> None:
         """Cancel the answer begun on a partial and forget its exchange (never spoken, no tool run)."""
@@ -274,16 +311,16 @@ class VoiceAssistant:
         if began and self.chat.messages and self.chat.messages[-1]["role"] == "assistant":
             self.chat.barge_in(None)
 
-    async def _kept_pieces(self, ahead: _AnswerAhead):
+    async def _pieces(self, generation: _Generation):
         try:
-            while (piece := await ahead.pieces.get()) is not None:
+            while (piece := await generation.pieces.get()) is not None:
                 yield piece
-            await ahead.task  # its errors are the answer's
+            await generation.task  # its errors are the answer's
         finally:
-            if not ahead.task.done():  # the response was cancelled (a barge-in): so is its decode
-                ahead.task.cancel()
+            if not generation.task.done():  # the response was cancelled (a barge-in): so is its decode
+                generation.task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
-                    await ahead.task
+                    await generation.task
 
     async def _stop_listening(self) -> None:
         self._pending = None
@@ -310,7 +347,7 @@ class VoiceAssistant:
                 continue
             waiting = time.perf_counter()
             await self._stop_listening()
-            if self._ahead is not None and self._ahead.text != event.text:
+            if self._ahead is not None and self._ahead.prompt != event.text:
                 await self._drop_answer_ahead()
             ahead, self._ahead = self._ahead, None
             if not event.text.strip():
@@ -329,78 +366,69 @@ class VoiceAssistant:
         """``run`` on scripted utterances (text spoken at 150 words a minute, or scripts)."""
         return await self.run(ScriptedRecognizer(list(utterances), speed=speed))
 
-    async def _respond(self, record: TurnRecord, ahead: _AnswerAhead | None = None) -> None:
+    async def _respond(self, record: TurnRecord, ahead: _Generation | None = None) -> None:
         queue: asyncio.Queue = asyncio.Queue()
         speaking = asyncio.create_task(self._speak(queue, record))
-        loop = asyncio.get_running_loop()
         try:
             prompt: Any = record.final
-            round_, in_words = 0, False  # in_words: the model chose the words tool; this is the answer
+            round_ = 0
             while True:
-                options: dict[str, Any] = {}
-                if self.tools:
-                    options["tool_choice"] = ("none" if in_words or round_ == self.max_tool_rounds else
-                                              self.tool_choice if round_ == 0 else "auto")
-                kept = ahead if round_ == 0 and not in_words else None
-                if kept is None:
-                    self._generation += 1
-                    number = self._generation
-                    self._before[number], self._spoken[number] = self.chat.last, []
+                if round_ == 0:
+                    options = self._first_options()
                 else:
-                    number = kept.number
+                    options = {"tool_choice": "none" if round_ == self.max_tool_rounds else "auto"} if self.tools else {}
+                generation = ahead if round_ == 0 and ahead is not None else self._begin(prompt, options)
                 splitter = SentenceSplitter(self.clause_chars, self.max_chars)
                 silent = round_ > 0 and self.confirm == "template"
+                said = ""  # the words tool's words
 
-                def first_token(trace, first=round_ == 0 and not in_words) -> None:  # on the decode's worker thread
-                    # the first token the model picked (tokens a tool call's grammar forces take no step)
-                    if first and record.first_token_at is None and trace.source != "grammar":
-                        record.first_token_at = time.perf_counter()
-
-                if round_ == 0 and not in_words:
-                    options.update(self._picking)
-                    record.begin_at = time.perf_counter() if kept is None else kept.begin_at
-                    if self.acknowledge:
-                        options["on_tool_name"] = lambda name: loop.call_soon_threadsafe(
-                            self._acknowledge, queue, name, record)
-
-                pieces = (self.chat.astream(prompt, on_token=first_token, **options) if kept is None else
-                          self._kept_pieces(kept))
-                async for piece in pieces:
+                async for piece in self._pieces(generation):
                     if isinstance(piece, _CallNamed):
                         self._acknowledge(queue, piece.name, record)
                         continue
+                    if isinstance(piece, _Words):
+                        said, piece = said + piece.text, piece.text
+                        self._worded.add(generation.number)
                     for chunk in [] if silent else splitter.push(piece):
-                        self._queue(queue, number, chunk, record)
-                if kept is not None and kept.first_token_at is not None:  # released at the final, not before
-                    record.first_token_at = max(kept.first_token_at, record.final_at)
-                for chunk in [] if silent else splitter.flush():
-                    self._queue(queue, number, chunk, record)
-                generation = self.chat.last
-                if round_ == 0 and not in_words:
-                    record.tokens, record.finish_reason = list(generation.tokens), generation.finish_reason
-                    record.prompt_tokens = generation.stats.prompt_tokens
-                calls = list(getattr(generation, "tool_calls", None) or [])
-                if calls and all(call.name == WORDS_TOOL_NAME for call in calls):
-                    self.chat.barge_in(None)  # the chat never holds the words call: the answer follows the message
-                    in_words = True
-                    continue
-                calls = [call for call in calls if call.name != WORDS_TOOL_NAME]
-                record.answer += generation.text
-                if not calls or round_ == self.max_tool_rounds:
+                        self._queue(queue, generation.number, chunk, record)
+                if round_ == 0:
+                    record.begin_at = generation.begin_at
+                    if generation.first_token_at is not None:  # one begun ahead is released at the final, not before
+                        record.first_token_at = max(generation.first_token_at, record.final_at)
+                decoded = self.chat.last
+                calls = list(getattr(decoded, "tool_calls", None) or [])
+                # what the words calls hold beyond what was read while they were decoded (a tail held back)
+                words = "".join(call.arguments.get("text", "") for call in calls if call.name == WORDS_TOOL_NAME)
+                tail = words[len(said):] if words.startswith(said) else ""
+                said += tail
+                for chunk in [] if silent else splitter.push(tail) + splitter.flush():
+                    self._queue(queue, generation.number, chunk, record)
+                if tail:
+                    self._worded.add(generation.number)
+                if round_ == 0:
+                    record.tokens, record.finish_reason = list(decoded.tokens), decoded.finish_reason
+                    record.prompt_tokens = decoded.stats.prompt_tokens
+                record.answer += decoded.text + said
+                car_calls = [call for call in calls if call.name != WORDS_TOOL_NAME]
+                if not car_calls or round_ == self.max_tool_rounds:
                     break
                 results = []
                 for call in calls:
-                    result = self.car.dispatch(call.name, call.arguments)
-                    record.tool_calls.append({"id": call.id, "name": call.name, "arguments": call.arguments})
-                    record.tool_results.append(result)
+                    if call.name == WORDS_TOOL_NAME:  # said already
+                        result: dict[str, Any] = {"ok": True}
+                    else:
+                        result = self.car.dispatch(call.name, call.arguments)
+                        record.tool_calls.append({"id": call.id, "name": call.name, "arguments": call.arguments})
+                        record.tool_results.append(result)
                     results.append({"role": "tool", "tool_call_id": call.id, "content": json.dumps(result)})
                 record.tools_done_at = time.perf_counter()
                 if self.confirm == "template":
-                    said = " ".join(confirmation(c["name"], c["arguments"], r, acknowledged=i == 0 and round_ == 0 and
-                                                 bool(record.acknowledgement))
-                                    for i, (c, r) in enumerate(zip(record.tool_calls[-len(calls):],
-                                                                   record.tool_results[-len(calls):], strict=True)))
-                    self._queue(queue, 0, said + " ", record)  # generation 0: words of no generation
+                    done = len(car_calls)
+                    spoken = " ".join(confirmation(c["name"], c["arguments"], r, acknowledged=i == 0 and round_ == 0 and
+                                                   bool(record.acknowledgement))
+                                      for i, (c, r) in enumerate(zip(record.tool_calls[-done:],
+                                                                     record.tool_results[-done:], strict=True)))
+                    self._queue(queue, 0, spoken + " ", record)  # generation 0: words of no generation
                 prompt, round_ = results, round_ + 1
             queue.put_nowait(None)
             await speaking
@@ -457,7 +485,7 @@ class VoiceAssistant:
             # this generation never began (cut between a tool call and its answer): the chat ends
             # with the tool call, which ran; nothing to cut
             return
-        self.chat.barge_in(spoken if self.keep_interrupted else None)
+        self.chat.barge_in(spoken if self.keep_interrupted and number not in self._worded else None)
 
 
 def describe(record: TurnRecord) -> dict[str, Any]:

@@ -45,16 +45,19 @@ TOOLS_BY_NAME = {tool["function"]["name"]: tool for tool in CAR_TOOLS}
 
 # Under tool_choice "required" every answer is a call, and a command no tool does (the weather,
 # a joke, a function the car lacks) went to the nearest tool: "what's the weather like" played
-# "weather". Offered beside the car's tools, this one lets the model say "words" inside the call
-# grammar; the app never runs it, it answers the command in words instead (VoiceAssistant's
-# ``words_tool``). Named and described once; its place in the list, the system prompt's line and
-# the app's ``words_bias`` were chosen on tools/voice_commands_dev.json, then measured once on the
-# held-out tools/voice_commands_unseen.json (docs/guide/voice.md: commands no tool does).
+# "weather". Offered beside the car's tools, this one lets the model answer in words inside the
+# call grammar: the app never runs it, it speaks its ``text`` while the call is decoded
+# (VoiceAssistant's ``words_tool``). Without the argument (the first version) the app asked a
+# second generation for the words, and the pair wrote most of them as a call in text. The system
+# prompt's line, the argument's description and the app's ``words_bias`` were chosen on
+# tools/voice_commands_dev.json, then measured once on the held-out
+# tools/voice_commands_unseen.json (docs/guide/voice.md: commands no tool does).
 WORDS_TOOL: dict[str, Any] = _tool(
     "answer_in_words", "Reply to the driver in words: questions, small talk, and requests no other function can "
-    "carry out.", {}, [])
+    "carry out.", {"text": {"type": "string", "description": "what to say: one or two short sentences"}}, ["text"])
 WORDS_TOOL_NAME: str = WORDS_TOOL["function"]["name"]
-WORDS_TOOL_INSTRUCTION = f"When no tool does what the driver asks, call {WORDS_TOOL_NAME} and answer in words."
+WORDS_TOOL_INSTRUCTION = (f"When no tool does what the driver asks, call {WORDS_TOOL_NAME} with your answer. The car "
+                          "does only what its tools do: never say it did anything else.")
 
 
 def schema_errors(schema: dict[str, Any], value: Any, where: str = "arguments") -> list[str]:

@@ -3,6 +3,8 @@ synthesized as soon as it is complete while the rest of the answer is still bein
 
 - :class:`SentenceSplitter`: pieces in, chunks out; the chunks concatenate to exactly the text
   that went in (so what was spoken is always the start of the answer: ``Session.barge_in``).
+- :class:`StringArgument`: a tool call's JSON as it is decoded in, one string argument's
+  characters out (the words tool's ``text`` is spoken while the call is still being written).
 - :class:`Speaker`: ``speak(chunk, on_audio)`` synthesizes and plays a chunk, calling
   ``on_audio(t)`` with the ``time.perf_counter()`` of its first audio sample; cancellable.
 - :class:`EspeakSpeaker`: ``espeak-ng --stdout`` (Debian/Ubuntu: ``apt-get install espeak-ng``),
@@ -13,6 +15,7 @@ synthesized as soon as it is complete while the rest of the answer is still bein
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import shutil
 import struct
@@ -82,6 +85,50 @@ class SentenceSplitter:
 
 def speakable(chunk: str) -> bool:
     return any(c.isalnum() for c in chunk)
+
+
+# one JSON escape; a high surrogate takes the low one after it (one character between them)
+ESCAPE = re.compile(r'\\(?:["\\/bfnrt]|u[dD][89abAB][0-9a-fA-F]{2}\\u[0-9a-fA-F]{4}|u[0-9a-fA-F]{4})')
+HIGH_SURROGATE = re.compile(r'\\u[dD][89abAB][0-9a-fA-F]{2}')
+
+
+class StringArgument:
+    """The characters of the string argument ``key`` of a tool call, from the call's JSON text as
+    it is decoded: ``push(text)`` returns the characters that piece completed (escapes decoded;
+    one cut in two waits for its end), nothing before the key's value opens or after it closes.
+    The runtime's grammar makes the JSON well-formed; the first ``"key":`` in it is taken."""
+
+    def __init__(self, key: str) -> None:
+        self._opening = re.compile(rf'"{re.escape(key)}"\s*:\s*"')
+        self._before = ""  # the call's text until the value opens
+        self._pending = ""  # the value's text not yet given out: an escape cut short
+        self.opened = self.closed = False
+
+    def push(self, text: str) -> str:
+        if self.closed:
+            return ""
+        if not self.opened:
+            self._before += text
+            if (start := self._opening.search(self._before)) is None:
+                return ""
+            self.opened, text = True, self._before[start.end():]
+        value, at, out = self._pending + text, 0, []
+        while at < len(value):
+            char = value[at]
+            if char == '"':
+                self.closed = True
+                break
+            if char != "\\":
+                out.append(char)
+                at += 1
+                continue
+            escape = ESCAPE.match(value, at)
+            if escape is None or (HIGH_SURROGATE.match(value, at) and len(value) - at < 12):
+                break  # cut short: the rest of it comes with the next piece
+            out.append(json.loads(f'"{escape.group()}"'))
+            at = escape.end()
+        self._pending = "" if self.closed else value[at:]
+        return "".join(out)
 
 
 class Speaker(ABC):

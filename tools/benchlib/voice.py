@@ -8,6 +8,12 @@ a leading article ("the", "a", "an") or "to" dropped, times as HH:MM; numbers (o
 that are numbers) by value. An argument the command did not expect is accepted only where the
 tool's schema gives it a default and the call passes exactly that default (``zone: "all"``);
 any other is wrong, as is a missing, extra or different call.
+
+A command that expects words is right only when nothing was called and the answer is words a
+speaker can say (``words_errors``): at least two words of letters; no markup (braces, brackets,
+tags, underscores, backslashes, asterisks, hashes, backquotes) and no JSON key; not the prompt
+said back (every word one of the system prompt's: "no list, no markdown"). A call written out as
+text, the tool list echoed or a markdown list is wrong. What the words mean is not judged.
 """
 
 from __future__ import annotations
@@ -61,7 +67,7 @@ def same_value(got: Any, want: Any) -> bool:
 @dataclass
 class CallCheck:
     right_tool: bool  # the same tools called (by name, as a multiset)
-    right_arguments: bool  # and every argument right: the whole answer is right
+    right_arguments: bool  # and every argument right (no call wanted: the words sayable): the whole answer is right
     reason: str  # what was wrong ("" when right)
 
     @property
@@ -103,12 +109,42 @@ def argument_errors(got: dict[str, Any], want: dict[str, Any], parameters: dict[
     return errors
 
 
-def check_calls(expect: list[dict[str, Any]], calls: list[Any], tools: list[dict[str, Any]]) -> CallCheck:
-    """Judge one answer's tool calls (``ToolCall`` objects or dicts) against the expected ones."""
+WORD = re.compile(r"[^\W\d_]{2,}")  # two letters or more
+MARKUP = re.compile(r"[{}\[\]<>_\\*#`]")
+JSON_KEY = re.compile(r'"[^"]*"\s*:')
+
+
+def _stems(text: str) -> set[str]:
+    return {word.rstrip("s") for word in WORD.findall(text.lower())}
+
+
+def words_errors(answer: str, prompt: str = "") -> list[str]:
+    """Why ``answer`` is not words a speaker can say (empty when it is); ``prompt``: the system
+    prompt, which an answer must not merely repeat."""
+    errors = []
+    said = _stems(answer)
+    if said and said <= _stems(prompt):
+        errors.append(f"the prompt said back ({answer.strip()[:40]!r})")
+    if len(WORD.findall(answer)) < 2:
+        errors.append(f"no words said ({answer.strip()[:40]!r})")
+    if markup := sorted(set(MARKUP.findall(answer))):
+        errors.append(f"markup {''.join(markup)!r} in the words")
+    if key := JSON_KEY.search(answer):
+        errors.append(f"a JSON key {key.group()!r} in the words")
+    return errors
+
+
+def check_calls(expect: list[dict[str, Any]], calls: list[Any], tools: list[dict[str, Any]],
+                answer: str = "", prompt: str = "") -> CallCheck:
+    """Judge one answer's tool calls (``ToolCall`` objects or dicts) against the expected ones;
+    where no call is expected, ``answer`` (what was said) too (``words_errors``)."""
     got = [_call_parts(c) for c in calls]
     want = [(e["name"], e.get("arguments") or {}) for e in expect]
     if sorted(name for name, _ in got) != sorted(name for name, _ in want):
         return CallCheck(False, False, f"called {[n for n, _ in got] or 'nothing'}, want {[n for n, _ in want] or 'nothing'}")
+    if not want:
+        errors = words_errors(answer, prompt)
+        return CallCheck(True, not errors, "; ".join(errors))
     remaining = list(got)
     problems = []
     for name, arguments in want:  # each expected call against the first of its name that matches, else the first
