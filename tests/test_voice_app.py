@@ -26,7 +26,7 @@ from examples.voice_assistant.assistant import SYSTEM as CAR_SYSTEM
 from examples.voice_assistant.car import WORDS_TOOL, WORDS_TOOL_INSTRUCTION, WORDS_TOOL_NAME
 from examples.voice_assistant.speech import EspeakSpeaker, StringArgument, speakable
 from tools.bench_voice import COMMANDS as COMMANDS_FILE
-from tools.benchlib.voice import check_calls, normalise, percentiles
+from tools.benchlib.voice import check_calls, normalise, percentiles, word_assertions
 
 SYSTEM = "You are the voice assistant of a car. Answer in one short sentence."
 needs_espeak = pytest.mark.skipif(shutil.which("espeak-ng") is None,
@@ -212,6 +212,27 @@ def test_the_scorer_takes_sentences_as_words(answer):
     assert check_calls([], [], CAR_TOOLS, answer=answer, prompt=CAR_SYSTEM).ok
 
 
+@pytest.mark.parametrize(("answer", "declines"), [
+    ("I'm sorry, I can't open the sunroof.", True), ("I can’t check the weather from here.", True),
+    ("I don't have access to the time.", True), ("That is not possible in this car.", True),
+    ("I am unable to lock the doors.", True), ("I do not know the speed limit here.", True),
+    ("The sunroof is now open.", False), ("The windshield wipers have been turned on.", False),
+    ("You have 10 liters of fuel left.", False), ("It is going to rain tomorrow.", False),
+    ("The time is now 14:30.", False),
+])
+def test_a_command_the_car_cannot_do_is_right_only_when_the_words_say_so(answer, declines):
+    assert check_calls([], [], CAR_TOOLS, answer=answer, says=word_assertions("declines")).ok == declines
+
+
+def test_a_command_with_a_fact_is_right_only_when_the_words_hold_it():
+    says = word_assertions([{"type": "icontains", "value": "paris"}])
+    assert check_calls([], [], CAR_TOOLS, answer="The capital of France is Paris.", says=says).ok
+    wrong = check_calls([], [], CAR_TOOLS, answer="The capital of France is Lyon.", says=says)
+    assert wrong.right_tool and not wrong.ok and "icontains" in wrong.reason
+    with pytest.raises(ValueError, match="declines"):
+        word_assertions("refuses")
+
+
 COMMAND_SETS = {"voice_commands": 30, "voice_commands_dev": 18, "voice_commands_unseen": 20}
 
 
@@ -226,6 +247,8 @@ def test_each_command_set_has_distinct_commands_whose_expected_calls_fit_the_too
             assert check_calls(command["expect"], [{"name": call["name"], "arguments": arguments}], CAR_TOOLS).ok
         for after, _ in command.get("revisions", []):
             assert 0 < after < len(command["text"].split())
+        assert not command.get("assert") or not command["expect"]  # what the words say: only where words are wanted
+        word_assertions(command.get("assert"))
     assert percentiles([0.1, None, 0.3]) == {"p50": pytest.approx(0.2), "p95": pytest.approx(0.29)}
 
 

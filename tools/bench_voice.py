@@ -26,7 +26,8 @@ the rest ("to the airport."): ``total`` is then the acknowledgement's first samp
 ``answer_total`` (end of speech to the confirmation's first sample) is what ``total`` is
 without it. Tool calls are judged by
 tools/benchlib/voice.py's ``check_calls`` (right tool; right arguments, normalised; a command that
-expects no call: the words said are words a speaker can say, not a call written as text). The first
+expects no call: the words said are words a speaker can say, not a call written as text, and say
+what its ``assert`` asks: that the car cannot, or a fact). The first
 generation's ``tool_choice`` is ``required`` by default: the demo's and the pair's models do
 not write a call on their own (``--tool-choice auto`` shows it), so the three commands that
 expect words cannot be right then, unless ``--words-tool`` offers the app's words tool beside the
@@ -65,7 +66,7 @@ from examples.voice_assistant import (
     timed_partials,
 )
 from examples.voice_assistant.speech import espeak_available
-from tools.benchlib.voice import check_calls, percentiles
+from tools.benchlib.voice import check_calls, percentiles, word_assertions
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMANDS = Path(__file__).with_name("voice_commands.json")
@@ -124,7 +125,8 @@ async def one_turn(engine, command: dict[str, Any], mode: str, listen: str, args
     if listen == "off":  # nothing happens while the words are spoken: not waited for (the ASR's delay still is)
         utterance = Utterance(utterance.final, [], 0.0, utterance.asr_delay)
     [record] = await assistant.run(ScriptedRecognizer([utterance], speed=args.speed))
-    check = check_calls(command["expect"], record.tool_calls, CAR_TOOLS, answer=record.answer, prompt=assistant.system)
+    check = check_calls(command["expect"], record.tool_calls, CAR_TOOLS, answer=record.answer, prompt=assistant.system,
+                        says=word_assertions(command.get("assert")))
     resolved = assistant.chat.options  # what auto chose
     return {"command": command["text"], "mode": mode, "listen_ahead": listen,
             "ran": f"{resolved.mode}" + (f"+{resolved.light}" if resolved.mode not in ("full", "slm") else ""),

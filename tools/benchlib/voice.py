@@ -13,7 +13,11 @@ A command that expects words is right only when nothing was called and the answe
 speaker can say (``words_errors``): at least two words of letters; no markup (braces, brackets,
 tags, underscores, backslashes, asterisks, hashes, backquotes) and no JSON key; not the prompt
 said back (every word one of the system prompt's: "no list, no markdown"). A call written out as
-text, the tool list echoed or a markdown list is wrong. What the words mean is not judged.
+text, the tool list echoed or a markdown list is wrong. What the words mean is judged where the
+command says (``"assert"``): promptfoo-style assertions (edgeroute.quality.assertions), or
+``"declines"`` for a command the car cannot do or a fact it cannot know (a function it lacks, the
+weather, the time): the words must say so (``DECLINES``: "sorry", "can't", "unable", "don't
+have", ...), not claim it was done or make an answer up.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from edgeroute.quality.assertions import Assertion, check_all, parse_assertion
 
 LEADING = ("the ", "a ", "an ", "to ")
 TIME = re.compile(r"^(\d{1,2})(?::(\d{2}))?\s*(am|pm|a m|p m)?$")
@@ -114,6 +120,22 @@ MARKUP = re.compile(r"[{}\[\]<>_\\*#`]")
 JSON_KEY = re.compile(r'"[^"]*"\s*:')
 
 
+# the words of an assistant that cannot do it, or does not know
+DECLINES = Assertion("regex", r"(?i)\b(sorry|unable|not able|can(no|['’])t|can not|(do|does)(n['’]t| not) "
+                              r"(have|know|support)|no (access|way|information)|not (possible|available|sure))")
+
+
+def word_assertions(spec: str | list[dict[str, Any]] | None) -> list[Assertion]:
+    """A command's ``assert``: None (any words), "declines", or promptfoo-style assertions."""
+    if spec is None:
+        return []
+    if spec == "declines":
+        return [DECLINES]
+    if isinstance(spec, str):
+        raise ValueError(f'a command\'s "assert" is "declines" or a list of assertions (got {spec!r})')
+    return [parse_assertion(item) for item in spec]
+
+
 def _stems(text: str) -> set[str]:
     return {word.rstrip("s") for word in WORD.findall(text.lower())}
 
@@ -135,15 +157,18 @@ def words_errors(answer: str, prompt: str = "") -> list[str]:
 
 
 def check_calls(expect: list[dict[str, Any]], calls: list[Any], tools: list[dict[str, Any]],
-                answer: str = "", prompt: str = "") -> CallCheck:
+                answer: str = "", prompt: str = "", says: list[Assertion] = ()) -> CallCheck:
     """Judge one answer's tool calls (``ToolCall`` objects or dicts) against the expected ones;
-    where no call is expected, ``answer`` (what was said) too (``words_errors``)."""
+    where no call is expected, ``answer`` (what was said): speakable (``words_errors``) and
+    passing ``says`` (``word_assertions``)."""
     got = [_call_parts(c) for c in calls]
     want = [(e["name"], e.get("arguments") or {}) for e in expect]
     if sorted(name for name, _ in got) != sorted(name for name, _ in want):
         return CallCheck(False, False, f"called {[n for n, _ in got] or 'nothing'}, want {[n for n, _ in want] or 'nothing'}")
     if not want:
         errors = words_errors(answer, prompt)
+        if not errors and says and not (verdict := check_all(says, answer)).passed:
+            errors.append(f"the words fail {verdict.reason}")
         return CallCheck(True, not errors, "; ".join(errors))
     remaining = list(got)
     problems = []
