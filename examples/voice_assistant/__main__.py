@@ -41,10 +41,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="required (every command calls a tool: the demo's and the pair's models do not write a "
                              "call on their own), auto (for a model that does), none, or a tool's name")
     parser.add_argument("--words-tool", action=argparse.BooleanOptionalAction, default=True,
-                        help="offer a tool that means 'answer in words' beside the car's (car.WORDS_TOOL): under "
-                             "required, a command no tool does is answered in words instead of by the nearest tool "
-                             "(docs/guide/voice.md: commands no tool does)")
-    parser.add_argument("--words-bias", type=float, default=2.0,
+                        help="offer a tool that carries words beside the car's (car.WORDS_TOOL): under required, a "
+                             "command no tool does is answered with the words the model writes into it instead of by "
+                             "the nearest tool (docs/guide/voice.md: commands no tool does)")
+    parser.add_argument("--words-bias", type=float, default=4.0,
                         help="added to the words tool's first token's logit where the model picks a tool (chosen on "
                              "the pair's dev commands; 0: none)")
     parser.add_argument("--confirm", choices=["model", "template"], default="model",
