@@ -345,3 +345,15 @@ def test_close_frees_every_device_buffer_of_the_tensorrt_backend(fake_gpu):
         engine.llm.embed([1, 2])
     with pytest.raises(EngineClosed):
         chat.generate("And then?")
+
+
+def test_an_engine_that_fails_to_open_after_its_model_loaded_frees_the_model_at_once(fake_gpu, tmp_path):
+    from edgeroute.runtime.backends.tensorrt_engines import EngineLimits
+    from edgeroute.runtime.backends.tensorrt_standins import build_standin_engines
+
+    bundle, _, cudart = fake_gpu
+    build_standin_engines(bundle, tmp_path, EngineLimits(128, 64, 16, 1 << 30))  # fewer positions than exported
+    with pytest.raises(InputError, match="exceeds the 128 positions") as failed:
+        Engine(bundle, backend="tensorrt", engine_cache=str(tmp_path), context_length=129)
+    assert failed.value.__traceback__ is not None  # it holds the engine half-made: its model must not wait for it
+    assert not cudart.buffers, f"{len(cudart.buffers)} device buffers of an engine that failed to open"

@@ -194,12 +194,16 @@ class Engine:
         self._markup_tokens: dict[str, int | None] = {}
         self.backend_notes: dict[str, str] = {}  # role -> why backend "auto" runs it on ONNX Runtime
         self.llm = self._open("llm", options.exact_steps)
-        if self.context_length > self.llm.capacity:  # TensorRT engines are built for a context of their own
-            if options.context_length is not None:
-                raise InputError(f"context_length {self.context_length} exceeds the {self.llm.capacity} positions the "
-                                 f"{self.llm.flavour} backend takes here: use at most {self.llm.capacity}")
-            self.context_length = self.llm.capacity
-        self._check_calibration_device()
+        try:
+            if self.context_length > self.llm.capacity:  # TensorRT engines are built for a context of their own
+                if options.context_length is not None:
+                    raise InputError(f"context_length {self.context_length} exceeds the {self.llm.capacity} positions "
+                                     f"the {self.llm.flavour} backend takes here: use at most {self.llm.capacity}")
+                self.context_length = self.llm.capacity
+            self._check_calibration_device()  # a warning an app turned into an error raises
+        except BaseException:
+            self.llm.close()  # now: the traceback keeps this engine, and an app that retries needs the memory
+            raise
         self._slm: ModelBackend | None = None
         self._slm_lock = threading.Lock()
         self._lock = threading.Condition()  # guards the four below and _routers; notified as a call ends
