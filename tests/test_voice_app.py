@@ -518,6 +518,42 @@ def test_a_barge_in_on_words_from_the_words_tool_forgets_the_exchange(tool_engin
     assert assistant.chat.messages == reference.messages
 
 
+class CallingChat:
+    """A chat whose first answer is the given calls and whose next one is empty: what the app does
+    with calls a model cannot be made to write (a words call beside a car call)."""
+
+    def __init__(self, calls: list) -> None:
+        self.answers, self.prompts, self.messages, self.last = [calls, []], [], [], None
+
+    def astream(self, prompt, on_token=None, on_tool_name=None, **options):
+        from edgeroute.runtime.engine import Generation
+
+        self.prompts.append(prompt)
+        self.last = Generation("", [], tool_calls=self.answers.pop(0), finish_reason="tool_calls")
+
+        async def nothing():
+            return
+            yield
+
+        return nothing()
+
+
+def test_a_words_call_beside_a_car_call_is_said_and_both_get_a_result(tool_engine):
+    from edgeroute.runtime.tools import ToolCall
+
+    speaker = NullSpeaker()
+    assistant = VoiceAssistant(tool_engine, speaker, system=SYSTEM, tools=TOOLS, words_tool=True, tool_choice="required",
+                               confirm="template", listen_ahead=False)
+    words = ToolCall("call_0", WORDS_TOOL_NAME, {"text": "On my way."})
+    assistant.chat = chat = CallingChat([words, ToolCall("call_1", "navigate", {"destination": "airport"})])
+    [record] = asyncio.run(assistant.converse("Take me to the airport and say so.", speed=0))
+    assert [c["name"] for c in record.tool_calls] == ["navigate"] and len(assistant.car.log) == 1
+    assert [json.loads(m["content"])["ok"] for m in chat.prompts[1]] == [True, True]  # a result for each call
+    assert [m["tool_call_id"] for m in chat.prompts[1]] == ["call_0", "call_1"]
+    assert "".join(chunk for chunk, _ in speaker.said) == "On my way.Navigating to airport. "
+    assert record.answer == "On my way."
+
+
 def test_a_words_bias_of_100_moves_every_command_to_the_words_tool_and_minus_100_off_it(tool_engine):
     words = VoiceAssistant(tool_engine, NullSpeaker(), system=SYSTEM, tools=TOOLS, words_tool=True, words_bias=100,
                            tool_choice="required", max_new_tokens=40, listen_ahead=False)

@@ -31,7 +31,7 @@ what its ``assert`` asks: that the car cannot, or a fact). The first
 generation's ``tool_choice`` is ``required`` by default: the demo's and the pair's models do
 not write a call on their own (``--tool-choice auto`` shows it), so the three commands that
 expect words cannot be right then, unless ``--words-tool`` offers the app's words tool beside the
-car's (``car.WORDS_TOOL``: calling it answers in words).
+car's (``car.WORDS_TOOL``: its ``text`` is the answer in words).
 
 Threads: ``--threads``, else $EDGEROUTE_THREADS, else the device profile's (``--profile``),
 else every core. Writes voice.json (machine, commit, command, settings, every sample), voice.md
