@@ -49,14 +49,17 @@ TOOLS_BY_NAME = {tool["function"]["name"]: tool for tool in CAR_TOOLS}
 # call grammar: the app never runs it, it speaks its ``text`` while the call is decoded
 # (VoiceAssistant's ``words_tool``). Without the argument (the first version) the app asked a
 # second generation for the words, and the pair wrote most of them as a call in text. The system
-# prompt's line and the app's ``words_bias`` were chosen on tools/voice_commands_dev.json, then
-# measured once on the held-out tools/voice_commands_unseen.json (docs/guide/voice.md: commands no
-# tool does); lines that told the model to say when it cannot changed nothing there.
+# prompt's line, the argument's description and the app's ``words_bias`` were chosen on
+# tools/voice_commands_dev.json, then measured once on the held-out tools/voice_commands_unseen.json
+# (docs/guide/voice.md: commands no tool does).
 WORDS_TOOL: dict[str, Any] = _tool(
     "answer_in_words", "Reply to the driver in words: questions, small talk, and requests no other function can "
-    "carry out.", {"text": {"type": "string", "description": "what to say: one or two short sentences"}}, ["text"])
+    "carry out.", {"text": {"type": "string", "description": "what to say: one or two short sentences; that you cannot, "
+                                                          "when you cannot do or know it"}}, ["text"])
 WORDS_TOOL_NAME: str = WORDS_TOOL["function"]["name"]
-WORDS_TOOL_INSTRUCTION = f"When no tool does what the driver asks, call {WORDS_TOOL_NAME} with your answer."
+WORDS_TOOL_INSTRUCTION = (f"When no tool does what the driver asks, call {WORDS_TOOL_NAME} with your answer. The car "
+                          "does only what its tools do, and you know only what the driver and the tools told you: when "
+                          "you cannot do or know something, say so.")
 
 
 def schema_errors(schema: dict[str, Any], value: Any, where: str = "arguments") -> list[str]:
