@@ -318,6 +318,7 @@ def test_barge_in_while_speaking_keeps_what_was_said_and_the_chat_goes_on_as_one
         [timed_partials(FINAL, asr_delay=0.1), Utterance("No, to the station.", [(0.1, "No,")], 0.2, pause=0.5)],
         speed=1.0)))
     assert first.barged_in and not second.barged_in and first.ahead_kept == answer_ahead
+    assert first.breakdown()["prefill"] > 0  # an answer cut short keeps its times
     full_answer = tiny_engine.chat(system=SYSTEM, max_new_tokens=40).generate(FINAL).text
     assert first.spoken and full_answer.startswith(first.spoken) and len(first.spoken) < len(full_answer)
     messages = assistant.chat.messages

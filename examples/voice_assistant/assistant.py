@@ -266,7 +266,7 @@ class VoiceAssistant:
     def _begin(self, prompt: Any, options: dict[str, Any]) -> _Generation:
         """Start a generation on the chat; its pieces come in ``pieces`` (``_pieces``)."""
         self._generation += 1
-        generation = _Generation(prompt, self._generation)
+        generation = _Generation(prompt, self._generation, begin_at=time.perf_counter())
         self._before[generation.number], self._spoken[generation.number] = self.chat.last, []
         loop = asyncio.get_running_loop()
 
@@ -287,7 +287,6 @@ class VoiceAssistant:
                 queue(_CallNamed(name))
 
         async def decode() -> None:
-            generation.begin_at = time.perf_counter()
             try:
                 async for piece in self.chat.astream(prompt, on_token=on_token,
                                                      on_tool_name=on_tool_name if self.tools else None, **options):
@@ -381,19 +380,21 @@ class VoiceAssistant:
                 splitter = SentenceSplitter(self.clause_chars, self.max_chars)
                 silent = round_ > 0 and self.confirm == "template"
                 said = ""  # the words tool's words
-
-                async for piece in self._pieces(generation):
-                    if isinstance(piece, _CallNamed):
-                        self._acknowledge(queue, piece.name, record)
-                        continue
-                    if isinstance(piece, _Words):
-                        said, piece = said + piece.text, piece.text
-                        self._worded.add(generation.number)
-                    for chunk in [] if silent else splitter.push(piece):
-                        self._queue(queue, generation.number, chunk, record)
                 if round_ == 0:
                     record.begin_at = generation.begin_at
-                    if generation.first_token_at is not None:  # one begun ahead is released at the final, not before
+                try:
+                    async for piece in self._pieces(generation):
+                        if isinstance(piece, _CallNamed):
+                            self._acknowledge(queue, piece.name, record)
+                            continue
+                        if isinstance(piece, _Words):
+                            said, piece = said + piece.text, piece.text
+                            self._worded.add(generation.number)
+                        for chunk in [] if silent else splitter.push(piece):
+                            self._queue(queue, generation.number, chunk, record)
+                finally:  # a barge-in's record keeps it too
+                    if round_ == 0 and generation.first_token_at is not None:
+                        # one begun ahead on a partial is released at the final transcript, not before
                         record.first_token_at = max(generation.first_token_at, record.final_at)
                 decoded = self.chat.last
                 calls = list(getattr(decoded, "tool_calls", None) or [])
