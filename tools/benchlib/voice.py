@@ -17,12 +17,14 @@ text, the tool list echoed or a markdown list is wrong. What the words mean is j
 command says (``"assert"``): promptfoo-style assertions (edgeroute.quality.assertions), or
 ``"declines"`` for a command the car cannot do or a fact it cannot know (a function it lacks, the
 weather, the time): the words must say so (``DECLINES``: "sorry", "can't", "unable", "don't
-have", ...), not claim it was done or make an answer up.
+have", ...), not claim it was done or make an answer up. That is a keyword check: an answer that
+apologizes and then claims the action anyway would pass it.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,7 +75,7 @@ def same_value(got: Any, want: Any) -> bool:
 @dataclass
 class CallCheck:
     right_tool: bool  # the same tools called (by name, as a multiset)
-    right_arguments: bool  # and every argument right (no call wanted: the words sayable): the whole answer is right
+    right_arguments: bool  # and every argument right (no call wanted: the words as judged): the whole answer is right
     reason: str  # what was wrong ("" when right)
 
     @property
@@ -157,7 +159,7 @@ def words_errors(answer: str, prompt: str = "") -> list[str]:
 
 
 def check_calls(expect: list[dict[str, Any]], calls: list[Any], tools: list[dict[str, Any]],
-                answer: str = "", prompt: str = "", says: list[Assertion] = ()) -> CallCheck:
+                answer: str = "", prompt: str = "", says: Sequence[Assertion] = ()) -> CallCheck:
     """Judge one answer's tool calls (``ToolCall`` objects or dicts) against the expected ones;
     where no call is expected, ``answer`` (what was said): speakable (``words_errors``) and
     passing ``says`` (``word_assertions``)."""
