@@ -126,14 +126,13 @@ def _logit_bias(text: str | None) -> dict | None:
 
     if text is None:
         return None
+    usage = "--logit-bias takes a JSON object of token ids and biases, e.g. '{\"1234\": 5}'"
     try:
         bias = json.loads(text)
     except json.JSONDecodeError as err:
-        raise EdgerouteError(f"--logit-bias takes a JSON object of token ids and biases, e.g. '{{\"1234\": 5}}' "
-                             f"({err.msg} at character {err.pos} of {text!r:.60})") from None
+        raise EdgerouteError(f"{usage} ({err.msg} at character {err.pos} of {text!r:.60})") from None
     if not isinstance(bias, dict):
-        raise EdgerouteError(f"--logit-bias takes a JSON object of token ids and biases, e.g. '{{\"1234\": 5}}' "
-                             f"(got {text!r:.60})")
+        raise EdgerouteError(f"{usage} (got {text!r:.60})")
     return bias
 
 
