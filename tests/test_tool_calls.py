@@ -6,6 +6,7 @@ and results are refused with the fix."""
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 import llguidance
@@ -298,6 +299,25 @@ def test_a_named_tool_is_called_exactly_once_and_none_calls_nothing(tool_engine)
     _valid(named.tool_calls[0])
     quiet = tool_engine.chat(system=SYSTEM, tools=TOOLS, max_new_tokens=40).generate("Hi", tool_choice="none")
     assert quiet.tool_calls == [] and "<tool_call>" not in quiet.text
+
+
+def test_tool_choice_none_with_a_response_format_answers_in_the_format_and_others_are_refused(tool_engine):
+    chat = tool_engine.chat(system=SYSTEM, tools=TOOLS, max_new_tokens=60)
+    called = chat.generate("Take me home.", tool_choice={"type": "function", "function": {"name": "navigate"}})
+    results = [{"role": "tool", "tool_call_id": called.tool_calls[0].id, "content": '{"ok": true}'}]
+    said = "Navigating to {home} [now] (3.5 km) #1 & more."  # characters a regex reads as syntax
+    answer = chat.generate(results, tool_choice="none", response_format={"type": "regex", "regex": re.escape(said)})
+    assert answer.text == said and answer.tool_calls == [] and answer.finish_reason == "eos"
+    assert answer.stats.llm_calls == 0  # one path through the grammar: every token forced, no model step
+    assert chat.messages[-1] == {"role": "assistant", "content": said}
+    assert chat.generate("And then?", tool_choice="auto").finish_reason in ("eos", "length", "tool_calls")
+    schema = {"type": "json_schema", "json_schema": {"schema": {"type": "object", "properties": {
+        "ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}}}
+    fresh = tool_engine.chat(system=SYSTEM, tools=TOOLS, max_new_tokens=60)
+    assert json.loads(fresh.generate("Answer in JSON.", tool_choice="none", response_format=schema).text).keys() == {"ok"}
+    for choice in ("auto", "required", {"type": "function", "function": {"name": "navigate"}}):
+        with pytest.raises(InputError, match="give tool_choice='none' with a response_format"):
+            fresh.generate("Hi", tool_choice=choice, response_format=schema)
 
 
 def test_a_named_call_that_ends_at_the_token_budget_is_whole_and_one_cut_short_is_no_call(tool_engine):

@@ -852,6 +852,8 @@ class Session:
     def _constraint_for(self, options: DecodeOptions, tool_choice: ToolChoice) -> Constraint | None:
         """The request's response_format, or its tools' grammar (once per request)."""
         choice = parse_tool_choice(tool_choice, self.tools)
+        if choice == "none" and options.response_format is not None:
+            choice = None  # an answer in the format, not searched for calls: its grammar writes none
         self._tool_choice = choice
         self._fenced = fenced_calls(choice, self.engine.tool_format, self.engine.markup_token)
         if choice is None:
@@ -859,8 +861,8 @@ class Session:
         if options.stop:
             raise InputError("stop strings would cut a tool call where it may be incomplete: drop them with tools")
         if options.response_format is not None:
-            raise InputError("response_format and tools together are not supported: give one (tool_choice='none' "
-                             "for a plain answer in a chat with tools)")
+            raise InputError(f"response_format with tool_choice {choice!r}: an answer is either calls or in the format; "
+                             "give tool_choice='none' with a response_format (an answer in it, no call)")
         grammar = tool_grammar(self.tools, choice, self.engine.tool_format, self.engine.markup_token)
         return self.engine.grammars.compile({"type": "grammar", "grammar": grammar}, "tools")
 
