@@ -406,7 +406,7 @@ def test_answering_ahead_runs_no_tool_before_the_final_transcript_and_makes_the_
     assert roles == ["system", "user", "assistant", "tool", "assistant"] and assistant.chat.messages[1]["content"] == FINAL
 
 
-def test_a_named_tool_runs_and_the_template_confirmation_is_spoken_first(tool_engine):
+def test_a_named_tool_runs_and_the_template_confirmation_is_spoken_at_once_and_is_the_chats_answer(tool_engine):
     speaker = NullSpeaker()
     assistant = VoiceAssistant(tool_engine, speaker, system=SYSTEM, tools=TOOLS, confirm="template", max_new_tokens=40,
                                tool_choice={"type": "function", "function": {"name": "navigate"}})
@@ -415,9 +415,40 @@ def test_a_named_tool_runs_and_the_template_confirmation_is_spoken_first(tool_en
     assert [c["name"] for c in record.tool_calls] == ["navigate"]
     destination = record.tool_calls[0]["arguments"]["destination"]
     assert assistant.car.destination == destination
-    assert speaker.said[0][0] == f"Navigating to {destination}. " and len(speaker.said) == 1  # the model's words unsaid
+    assert [chunk for chunk, _ in speaker.said] == [f"Navigating to {destination}."]
     assert record.first_clause_at <= record.first_audio_at and record.breakdown()["first_clause"] < 0.05
-    assert assistant.chat.messages[-1]["role"] == "assistant"  # the model's words are in the chat all the same
+    # the chat holds what the car said, not words of the model's that no one heard; no model step wrote them
+    assert assistant.chat.messages[-1] == {"role": "assistant", "content": f"Navigating to {destination}."}
+    assert assistant.chat.last.stats.llm_calls == 0 and assistant.chat.last.stats.forced > 0
+    assert record.answer == f"Navigating to {destination}."
+
+
+class HoldingSpeaker(NullSpeaker):
+    """Says every chunk at once but the first that begins with ``hold``, which it never finishes."""
+
+    def __init__(self, hold: str) -> None:
+        super().__init__()
+        self.hold = hold
+
+    async def speak(self, chunk, on_audio=None) -> None:
+        await super().speak(chunk, on_audio)
+        if self.hold and chunk.startswith(self.hold):
+            self.hold = ""
+            await asyncio.Event().wait()
+
+
+def test_a_barge_in_while_the_template_confirmation_is_said_keeps_what_was_said_of_it(tool_engine):
+    speaker = HoldingSpeaker("to ")  # the confirmation's rest, after the acknowledgement
+    assistant = VoiceAssistant(tool_engine, speaker, system=SYSTEM, tools=TOOLS, confirm="template", acknowledge=True,
+                               max_new_tokens=40, tool_choice={"type": "function", "function": {"name": "navigate"}})
+    first, second = asyncio.run(assistant.run(ScriptedRecognizer(
+        [FINAL, Utterance("No, to the station.", [(0.1, "No,")], 0.2, pause=0.5)], speed=1.0)))
+    assert first.barged_in and first.spoken == "Navigating " and first.tool_calls
+    roles = [m["role"] for m in assistant.chat.messages]
+    assert roles == ["system", "user", "assistant", "tool", "assistant", "user", "assistant", "tool", "assistant"]
+    assert assistant.chat.messages[4] == {"role": "assistant", "content": "Navigating"}
+    destination = second.tool_calls[0]["arguments"]["destination"]
+    assert assistant.chat.messages[-1] == {"role": "assistant", "content": f"Navigating to {destination}."}
 
 
 
@@ -434,7 +465,8 @@ def test_an_acknowledgement_is_spoken_once_the_calls_name_is_decoded_and_the_con
     assert record.tokens == cold.tokens and [c["name"] for c in record.tool_calls] == ["navigate"]
     destination = record.tool_calls[0]["arguments"]["destination"]
     # the acknowledgement before the call ran, its rest after: one sentence, said once
-    assert [chunk for chunk, _ in speaker.said] == ["Navigating ", f"to {destination}. "]
+    assert [chunk for chunk, _ in speaker.said] == ["Navigating ", f"to {destination}."]
+    assert assistant.chat.messages[-1]["content"] == f"Navigating to {destination}."  # what was said, as one answer
     assert record.acknowledgement == "Navigating" and len(assistant.car.log) == 1
     assert record.acknowledged_at < record.tools_done_at and record.first_audio_at < record.answer_audio_at
     if answer_ahead:  # released with the kept answer, not before the final transcript
@@ -558,7 +590,7 @@ def test_a_words_call_beside_a_car_call_is_said_and_both_get_a_result(tool_engin
     assert [c["name"] for c in record.tool_calls] == ["navigate"] and len(assistant.car.log) == 1
     assert [json.loads(m["content"])["ok"] for m in chat.prompts[1]] == [True, True]  # a result for each call
     assert [m["tool_call_id"] for m in chat.prompts[1]] == ["call_0", "call_1"]
-    assert "".join(chunk for chunk, _ in speaker.said) == "On my way.Navigating to airport. "
+    assert "".join(chunk for chunk, _ in speaker.said) == "On my way.Navigating to airport."
     assert record.answer == "On my way."
 
 
@@ -680,6 +712,27 @@ def test_the_benchmark_runs_end_to_end_and_writes_json_markdown_and_a_plot(tiny_
     assert "| full listen-on | full | 2 |" in table and "| speculate listen-off | speculate+slm | 2 |" in table
     assert "| full answer-ahead | full | 2 |" in table and "kept at the final transcript: full answer-ahead 2/2" in table
     assert (tmp_path / "voice.png").stat().st_size > 1000
+
+
+def test_the_benchmark_says_commands_in_conversations_each_judged_after_the_earlier_ones(tiny_slm_bundle, tmp_path):
+    from tools.bench_voice import conversations, main
+
+    commands = [{"text": f"command {i}"} for i in range(7)]
+    chats = conversations(commands, 3, shuffle=5)
+    assert [len(c) for c in chats] == [3, 3, 1] and chats == conversations(commands, 3, shuffle=5)
+    assert sorted(c["text"] for chat in chats for c in chat) == sorted(c["text"] for c in commands)
+    assert [c for chat in chats for c in chat] != commands and conversations(commands, 3, None)[0] == commands[:3]
+    assert main(["--bundle", str(tiny_slm_bundle), "--commands", "3", "--modes", "full", "--no-tools", "--listen", "off",
+                 "--conversation", "2", "--tts", "none", "--max-new-tokens", "4", "--warmup", "0",
+                 "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "voice.json").read_text())
+    assert [(s["chat"], s["turn"]) for s in result["samples"]] == [(1, 1), (1, 2), (2, 1)]
+    assert result["settings"]["conversation"] == 2
+    row = result["summary"]["rows"]["full listen-off"]
+    assert row["by_turn"]["first"]["n"] == 2 and row["by_turn"]["later"]["n"] == 1
+    assert "Right calls in chats of 2 commands: full listen-off: first turns" in (tmp_path / "voice.md").read_text()
+    with pytest.raises(SystemExit):
+        main(["--bundle", str(tiny_slm_bundle), "--conversation", "0"])
 
 
 @pytest.mark.slow

@@ -9,7 +9,9 @@ default) the last word comes only with the final transcript, so listen-ahead has
 compute after the speech; with an endpointer's delay (``--asr-delay 0.3``: an ASR that waits
 for 300 ms of silence) the whole text comes as a partial when the last word is heard, and
 that delay counts in ``asr``. It is answered by the example app
-(examples/voice_assistant) in a fresh chat from the engine's shared system prompt: listen-ahead
+(examples/voice_assistant) in a fresh chat from the engine's shared system prompt, or, with
+``--conversation K``, in chats of K commands said one after another (``--shuffle SEED``: in a
+seeded random order), each answered before the next and judged on its own: listen-ahead
 prefills the partials while the words are spoken (in real time); with it off the partials are
 ignored (and not waited for). The answer is streamed sentence by sentence to espeak-ng (``--tts
 espeak``, the default where it is installed: the first audio sample is the first PCM byte it
@@ -49,6 +51,7 @@ import contextlib
 import json
 import os
 import platform
+import random
 import shlex
 import subprocess
 import sys
@@ -112,30 +115,45 @@ def available_modes(engine, wanted: list[str]) -> tuple[list[str], list[str]]:
     return modes, notes
 
 
-async def one_turn(engine, command: dict[str, Any], mode: str, listen: str, args: argparse.Namespace,
-                   speaker_factory) -> dict[str, Any]:
-    utterance = timed_partials(command["text"], args.wpm, [tuple(r) for r in command.get("revisions", [])],
-                               asr_delay=args.asr_delay)
-    speaker = speaker_factory()
-    assistant = VoiceAssistant(engine, speaker, tools=None if args.no_tools else CAR_TOOLS, listen_ahead=listen != "off",
-                               answer_ahead=listen == "answer",
+async def one_chat(engine, commands: list[dict[str, Any]], mode: str, listen: str, args: argparse.Namespace,
+                   speaker_factory) -> list[dict[str, Any]]:
+    """``commands`` said one after another in one chat, each answered (spoken, its calls run)
+    before the next is said; each judged on its own."""
+    assistant = VoiceAssistant(engine, speaker_factory(), tools=None if args.no_tools else CAR_TOOLS,
+                               listen_ahead=listen != "off", answer_ahead=listen == "answer",
                                max_new_tokens=args.max_new_tokens, tool_choice=args.tool_choice, confirm=args.confirm,
                                acknowledge=args.acknowledge, words_tool=args.words_tool, words_bias=args.words_bias,
                                mode=mode, share_prefix=True, **({} if mode == "auto" else {"light": args.light}))
-    if listen == "off":  # nothing happens while the words are spoken: not waited for (the ASR's delay still is)
-        utterance = Utterance(utterance.final, [], 0.0, utterance.asr_delay)
-    [record] = await assistant.run(ScriptedRecognizer([utterance], speed=args.speed))
-    check = check_calls(command["expect"], record.tool_calls, CAR_TOOLS, answer=record.answer, prompt=assistant.system,
-                        says=word_assertions(command.get("assert")))
-    resolved = assistant.chat.options  # what auto chose
-    return {"command": command["text"], "mode": mode, "listen_ahead": listen,
+    samples = []
+    for turn, command in enumerate(commands, 1):
+        utterance = timed_partials(command["text"], args.wpm, [tuple(r) for r in command.get("revisions", [])],
+                                   asr_delay=args.asr_delay)
+        if listen == "off":  # nothing happens while the words are spoken: not waited for (the ASR's delay still is)
+            utterance = Utterance(utterance.final, [], 0.0, utterance.asr_delay)
+        [record] = await assistant.run(ScriptedRecognizer([utterance], speed=args.speed))
+        check = check_calls(command["expect"], record.tool_calls, CAR_TOOLS, answer=record.answer,
+                            prompt=assistant.system, says=word_assertions(command.get("assert")))
+        resolved = assistant.chat.options  # what auto chose
+        samples.append({
+            "command": command["text"], "mode": mode, "listen_ahead": listen, "turn": turn,
             "ran": f"{resolved.mode}" + (f"+{resolved.light}" if resolved.mode not in ("full", "slm") else ""),
             "seconds": record.breakdown(), "listened": record.listened, "listen_tokens": record.listen_tokens,
             "listen_seconds": record.listen_seconds, "listen_wait": record.listen_wait,
             "answered_ahead": record.answered_ahead, "ahead_kept": record.ahead_kept,
             "prompt_tokens": record.prompt_tokens, "tokens": record.tokens, "finish_reason": record.finish_reason,
             "tool_calls": record.tool_calls, "answer": record.answer, "acknowledgement": record.acknowledgement,
-            "check": {"right_tool": check.right_tool, "right_arguments": check.right_arguments, "reason": check.reason}}
+            "check": {"right_tool": check.right_tool, "right_arguments": check.right_arguments,
+                      "reason": check.reason}})
+    return samples
+
+
+def conversations(commands: list[dict[str, Any]], size: int, shuffle: int | None) -> list[list[dict[str, Any]]]:
+    """The commands cut into chats of ``size`` (the last may be shorter), after a shuffle seeded
+    with ``shuffle`` (None: in the file's order)."""
+    if shuffle is not None:
+        commands = list(commands)
+        random.Random(shuffle).shuffle(commands)
+    return [commands[i:i + size] for i in range(0, len(commands), size)]
 
 
 def summarize(samples: list[dict[str, Any]], modes: list[str], listens: list[str]) -> dict[str, Any]:
@@ -150,6 +168,12 @@ def summarize(samples: list[dict[str, Any]], modes: list[str], listens: list[str
                 row[component] = percentiles([r["seconds"][component] for r in runs])
             row["right_tool"] = sum(r["check"]["right_tool"] for r in runs)
             row["right_calls"] = sum(r["check"]["right_tool"] and r["check"]["right_arguments"] for r in runs)
+            if any(r["turn"] > 1 for r in runs):  # a conversation: the first turns, then those after earlier ones
+                row["by_turn"] = {part: {"n": len(turns), "right_tool": sum(r["check"]["right_tool"] for r in turns),
+                                         "right_calls": sum(r["check"]["right_tool"] and r["check"]["right_arguments"]
+                                                            for r in turns)}
+                                  for part, turns in (("first", [r for r in runs if r["turn"] == 1]),
+                                                      ("later", [r for r in runs if r["turn"] > 1]))}
             if listen == "answer":
                 row["ahead_kept"] = sum(r["ahead_kept"] for r in runs)
             rows[f"{mode} {LISTEN[listen]}"] = row
@@ -194,6 +218,11 @@ def markdown(result: dict[str, Any]) -> str:
                      f"{row['right_tool']}/{row['n']} | {row['right_calls']}/{row['n']} |")
     lines += ["", "Answers equal to the cold prefill's (tokens): " + ", ".join(
         f"{name} {v['same']}/{v['of']}" for name, v in summary["listen_ahead_same_tokens"].items())]
+    turns = [f"{name}: first turns {row['by_turn']['first']['right_calls']}/{row['by_turn']['first']['n']}, later "
+             f"turns {row['by_turn']['later']['right_calls']}/{row['by_turn']['later']['n']}"
+             for name, row in summary["rows"].items() if "by_turn" in row]
+    if turns:
+        lines.append(f"Right calls in chats of {result['settings']['conversation']} commands: " + "; ".join(turns))
     kept = [f"{name} {row['ahead_kept']}/{row['n']}" for name, row in summary["rows"].items() if "ahead_kept" in row]
     if kept:
         lines.append("Answers begun on the last partial and kept at the final transcript: " + ", ".join(kept))
@@ -216,7 +245,8 @@ def markdown(result: dict[str, Any]) -> str:
     wrong = [s for s in result["samples"] if not (s["check"]["right_tool"] and s["check"]["right_arguments"])]
     if wrong:
         lines += ["", "Wrong tool calls:", ""]
-        lines += [f"- {s['mode']} {LISTEN[s['listen_ahead']]}: {s['command']!r}: {s['check']['reason']}"
+        lines += [f"- {s['mode']} {LISTEN[s['listen_ahead']]}: {s['command']!r}"
+                  + (f" (chat {s['chat']}, turn {s['turn']})" if s["turn"] > 1 else "") + f": {s['check']['reason']}"
                   for s in wrong]
     return "\n".join(lines) + "\n"
 
@@ -291,11 +321,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--acknowledge", action="store_true",
                         help="say what the car is doing as soon as a call's name is decoded (the app's acknowledge)")
     parser.add_argument("--no-tools", action="store_true", help="chat without the car's tools (latency of words alone)")
+    parser.add_argument("--conversation", type=int, default=1, metavar="K",
+                        help="say the commands in chats of K, one after another, each answered before the next (the "
+                             "chat keeps the earlier exchanges; each is judged on its own); 1: each in a fresh chat")
+    parser.add_argument("--shuffle", type=int, default=None, metavar="SEED",
+                        help="the commands in a random order seeded with SEED (default: the file's order)")
     parser.add_argument("--warmup", type=int, default=1, help="commands run first per mode and not counted")
     parser.add_argument("--out", type=Path, default=ROOT / "bench-results" / "voice")
     parser.add_argument("--json", type=Path, default=None,
                         help="also write the result (voice.json) to this file (tools/records.py's {out})")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.conversation < 1:
+        parser.error(f"--conversation: a chat holds at least one command (got {args.conversation})")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -322,21 +360,27 @@ def main(argv: list[str] | None = None) -> int:
     threads = getattr(engine.llm, "threads", None) or engine.settings.model_threads()
     samples: list[dict[str, Any]] = []
     started = time.perf_counter()
+    chats = conversations(commands, args.conversation, args.shuffle)
     for mode in modes:
         for command in commands[:args.warmup]:  # warm the caches, the grammars and the prefix of this mode's path
-            asyncio.run(one_turn(engine, command, mode, "off", args, speaker_factory))
+            asyncio.run(one_chat(engine, [command], mode, "off", args, speaker_factory))
         if not args.no_tools:
             VoiceAssistant(engine, NullSpeaker(), tool_choice=args.tool_choice, words_tool=args.words_tool,
                            mode=mode).warm_up()
-        for number, command in enumerate(commands, 1):
+        number = 0
+        for chat_number, chat in enumerate(chats, 1):
             for listen in listens:  # interleaved: a busy moment of the machine hits both settings alike
-                sample = asyncio.run(one_turn(engine, command, mode, listen, args, speaker_factory))
-                samples.append(sample)
-                total = sample["seconds"]["total"]
-                print(f"[{mode} {LISTEN[listen]} {number}/{len(commands)}] {command['text']!r}: "
-                      f"{ms(total)} ms to audio, first token {ms(sample['seconds']['first_token'])} ms, "
-                      f"{'ok' if sample['check']['right_tool'] and sample['check']['right_arguments'] else 'WRONG'} "
-                      f"{[c['name'] for c in sample['tool_calls']]}", flush=True)
+                for sample in asyncio.run(one_chat(engine, chat, mode, listen, args, speaker_factory)):
+                    sample["chat"] = chat_number
+                    samples.append(sample)
+                    total = sample["seconds"]["total"]
+                    where = f"{number + sample['turn']}/{len(commands)}" + (
+                        f" chat {chat_number} turn {sample['turn']}" if args.conversation > 1 else "")
+                    print(f"[{mode} {LISTEN[listen]} {where}] {sample['command']!r}: "
+                          f"{ms(total)} ms to audio, first token {ms(sample['seconds']['first_token'])} ms, "
+                          f"{'ok' if sample['check']['right_tool'] and sample['check']['right_arguments'] else 'WRONG'} "
+                          f"{[c['name'] for c in sample['tool_calls']]}", flush=True)
+            number += len(chat)
     result = {"bundle": str(args.bundle), "backend": engine.llm.flavour, "threads": threads, "profile": args.profile,
               "tts": tts, "created": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "command": " ".join(shlex.quote(a) for a in [sys.executable, "-m", "tools.bench_voice", *(argv or sys.argv[1:])]),
@@ -347,7 +391,8 @@ def main(argv: list[str] | None = None) -> int:
                            "words_bias": args.words_bias, "confirm": args.confirm,
                            "acknowledge": args.acknowledge,
                            "wpm": args.wpm, "speed": args.speed, "asr_delay": args.asr_delay,
-                           "max_new_tokens": args.max_new_tokens, "warmup": args.warmup},
+                           "max_new_tokens": args.max_new_tokens, "warmup": args.warmup,
+                           "conversation": args.conversation, "shuffle": args.shuffle},
               "wall_seconds": time.perf_counter() - started, "samples": samples}
     result["summary"] = summarize(samples, modes, listens)
     args.out.mkdir(parents=True, exist_ok=True)

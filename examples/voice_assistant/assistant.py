@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import inspect
 import json
+import re
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -178,10 +179,13 @@ class VoiceAssistant:
     the logit of the words tool's first token when the model picks a tool (``logit_bias``): a
     model that ranks a car function above words for a function the car lacks is moved off it.
     ``confirm``: "model", the model's words after the tool results are spoken; "template", the
-    car's own confirmation (``car.confirmation``) is spoken as soon as the calls ran, and the
-    model's words are kept in the chat unspoken (the first audio does not wait for a second
-    generation). ``acknowledge``: as soon as the first call's name is decoded, before its
-    arguments, say what the car is doing (``car.acknowledgement``: "Navigating"); the template
+    car's own confirmation (``car.confirmation``) is spoken as soon as the calls ran (the first
+    audio does not wait for a second generation), and is the chat's answer to the results:
+    written by a grammar that allows only that text (``tool_choice="none"`` with a
+    ``response_format``), so no model step decodes it, and the chat holds what the car said, as
+    a barge-in's cut does (one round of calls then; ``max_tool_rounds`` is the model's).
+    ``acknowledge``: as soon as the first call's name is decoded, before its arguments, say
+    what the car is doing (``car.acknowledgement``: "Navigating"); the template
     confirmation then says the rest ("to the airport."). ``context_policy``: the chat's
     ("drop_oldest": a conversation that fills the context forgets its oldest exchanges; the
     system prompt stays). ``clause_chars``, ``max_chars``: how the answer is cut into chunks
@@ -370,15 +374,25 @@ class VoiceAssistant:
         speaking = asyncio.create_task(self._speak(queue, record))
         try:
             prompt: Any = record.final
-            round_ = 0
+            round_, confirmed = 0, ""  # confirmed: what the car said of the calls it ran (confirm="template")
             while True:
                 if round_ == 0:
                     options = self._first_options()
+                elif confirmed:
+                    # the chat's answer to the results is what the car said: written by a grammar that
+                    # allows only that text, so no model step decodes it (the next turn's prefill computes it)
+                    options = {"tool_choice": "none", "max_new_tokens": len(self.engine.encode(confirmed)) + 8,
+                               "response_format": {"type": "regex", "regex": re.escape(confirmed)}}
                 else:
                     options = {"tool_choice": "none" if round_ == self.max_tool_rounds else "auto"} if self.tools else {}
                 generation = ahead if round_ == 0 and ahead is not None else self._begin(prompt, options)
                 splitter = SentenceSplitter(self.clause_chars, self.max_chars)
-                silent = round_ > 0 and self.confirm == "template"
+                if confirmed:  # said now, as the generation that holds it: a barge-in keeps what was said of it
+                    # an acknowledgement, queued when the call's name was decoded, is the start of the text
+                    # and counts as said (it is, before any of the rest)
+                    begun = f"{record.acknowledgement} " if record.acknowledgement else ""
+                    self._spoken[generation.number] += [begun] if begun else []
+                    self._queue(queue, generation.number, confirmed[len(begun):], record)
                 said = ""  # the words tool's words
                 if round_ == 0:
                     record.begin_at = generation.begin_at
@@ -390,7 +404,7 @@ class VoiceAssistant:
                         if isinstance(piece, _Words):
                             said, piece = said + piece.text, piece.text
                             self._worded.add(generation.number)
-                        for chunk in [] if silent else splitter.push(piece):
+                        for chunk in [] if confirmed else splitter.push(piece):
                             self._queue(queue, generation.number, chunk, record)
                 finally:  # a barge-in's record keeps it too
                     if round_ == 0 and generation.first_token_at is not None:
@@ -402,7 +416,7 @@ class VoiceAssistant:
                 words = "".join(call.arguments.get("text", "") for call in calls if call.name == WORDS_TOOL_NAME)
                 tail = words[len(said):] if words.startswith(said) else ""
                 said += tail
-                for chunk in [] if silent else splitter.push(tail) + splitter.flush():
+                for chunk in [] if confirmed else splitter.push(tail) + splitter.flush():
                     self._queue(queue, generation.number, chunk, record)
                 if tail:
                     self._worded.add(generation.number)
@@ -411,7 +425,7 @@ class VoiceAssistant:
                     record.prompt_tokens = decoded.stats.prompt_tokens
                 record.answer += decoded.text + said
                 car_calls = [call for call in calls if call.name != WORDS_TOOL_NAME]
-                if not car_calls or round_ == self.max_tool_rounds:
+                if confirmed or not car_calls or round_ == self.max_tool_rounds:
                     break
                 results = []
                 for call in calls:
@@ -425,11 +439,12 @@ class VoiceAssistant:
                 record.tools_done_at = time.perf_counter()
                 if self.confirm == "template":
                     done = len(car_calls)
-                    spoken = " ".join(confirmation(c["name"], c["arguments"], r, acknowledged=i == 0 and round_ == 0 and
-                                                   bool(record.acknowledgement))
-                                      for i, (c, r) in enumerate(zip(record.tool_calls[-done:],
-                                                                     record.tool_results[-done:], strict=True)))
-                    self._queue(queue, 0, spoken + " ", record)  # generation 0: words of no generation
+                    confirmed = " ".join(confirmation(c["name"], c["arguments"], r, acknowledged=i == 0 and
+                                                      bool(record.acknowledgement))
+                                         for i, (c, r) in enumerate(zip(record.tool_calls[-done:],
+                                                                        record.tool_results[-done:], strict=True)))
+                    if record.acknowledgement:
+                        confirmed = f"{record.acknowledgement} {confirmed}"
                 prompt, round_ = results, round_ + 1
             queue.put_nowait(None)
             await speaking
