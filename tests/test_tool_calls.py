@@ -392,7 +392,7 @@ def test_bad_tools_choices_and_results_are_refused_with_the_fix(tool_engine):
         chat.generate("Hi", tool_choice={"type": "function", "function": {"name": "honk"}})
     with pytest.raises(InputError, match="stop strings"):
         chat.generate("Hi", stop=["."])
-    with pytest.raises(InputError, match="response_format and tools"):
+    with pytest.raises(InputError, match="response_format with tool_choice .auto."):
         chat.generate("Hi", response_format={"type": "json_object"})
     with pytest.raises(InputError, match="needs tools"):
         tool_engine.chat(max_new_tokens=8).generate("Hi", tool_choice="required")

@@ -233,7 +233,8 @@ def test_a_command_with_a_fact_is_right_only_when_the_words_hold_it():
         word_assertions("refuses")
 
 
-COMMAND_SETS = {"voice_commands": 30, "voice_commands_dev": 18, "voice_commands_unseen": 20}
+COMMAND_SETS = {"voice_commands": 30, "voice_commands_dev": 18, "voice_commands_unseen": 20, "voice_followups_dev": 6,
+                "voice_followups_unseen": 6}
 
 
 @pytest.mark.parametrize("name", COMMAND_SETS)
@@ -245,6 +246,7 @@ def test_each_command_set_has_distinct_commands_whose_expected_calls_fit_the_too
             arguments = {k: v[0] if isinstance(v, list) else v for k, v in call["arguments"].items()}
             assert CarState().dispatch(call["name"], arguments)["ok"], command
             assert check_calls(command["expect"], [{"name": call["name"], "arguments": arguments}], CAR_TOOLS).ok
+        assert all(isinstance(text, str) and text.strip() for text in command.get("before", []))
         for after, _ in command.get("revisions", []):
             assert 0 < after < len(command["text"].split())
         assert not command.get("assert") or not command["expect"]  # what the words say: only where words are wanted
@@ -252,11 +254,12 @@ def test_each_command_set_has_distinct_commands_whose_expected_calls_fit_the_too
     assert percentiles([0.1, None, 0.3]) == {"p50": pytest.approx(0.2), "p95": pytest.approx(0.29)}
 
 
-def test_the_held_out_commands_are_none_of_the_commands_the_words_tool_was_chosen_on():
+def test_the_held_out_commands_are_none_of_the_commands_the_choices_were_made_on():
     texts = {name: {c["text"].lower() for c in json.loads((COMMANDS_FILE.parent / f"{name}.json").read_text())["commands"]}
              for name in COMMAND_SETS}
     unseen = texts.pop("voice_commands_unseen")
     assert not unseen & set().union(*texts.values())
+    assert not texts["voice_followups_unseen"] & texts["voice_followups_dev"]
     assert sum(not c["expect"] for c in json.loads((COMMANDS_FILE.parent / "voice_commands_unseen.json").read_text())
                ["commands"]) == 10  # half want words
 
@@ -340,6 +343,30 @@ def test_a_barge_in_that_forgets_leaves_the_chat_as_if_the_exchange_never_happen
     reference = tiny_engine.chat(system=SYSTEM, max_new_tokens=40)
     assert second.tokens == reference.generate("Play some jazz.").tokens
     assert assistant.chat.messages == reference.messages
+
+
+@pytest.mark.parametrize("history_seconds", [0.0, 0.05])
+def test_a_command_after_the_history_window_is_answered_as_in_a_fresh_chat(tiny_engine, history_seconds):
+    assistant = VoiceAssistant(tiny_engine, NullSpeaker(), system=SYSTEM, tools=None, max_new_tokens=12,
+                               history_seconds=history_seconds)
+    first, second = asyncio.run(assistant.run(ScriptedRecognizer(
+        [Utterance(FINAL, [], 0.1), Utterance("Play some jazz.", [(0.1, "Play")], 0.2, pause=0.2)], speed=1.0)))
+    assert not first.barged_in and second.done_at - first.done_at > history_seconds
+    fresh = tiny_engine.chat(system=SYSTEM, max_new_tokens=12)
+    assert second.tokens == fresh.generate("Play some jazz.").tokens and assistant.chat.messages == fresh.messages
+
+
+def test_a_command_within_the_history_window_or_one_that_cuts_in_goes_on_with_the_chat(tiny_engine):
+    for window, speaker, pause in ((60.0, NullSpeaker(), 0.2), (0.0, NullSpeaker(seconds_per_char=0.05), 0.2)):
+        assistant = VoiceAssistant(tiny_engine, speaker, system=SYSTEM, tools=None, max_new_tokens=12,
+                                   history_seconds=window)
+        first, second = asyncio.run(assistant.run(ScriptedRecognizer(
+            [Utterance(FINAL, [], 0.1), Utterance("Play some jazz.", [], 0.1, pause=pause)], speed=1.0)))
+        assert first.barged_in == (window == 0.0)  # the slow speaker is still saying the first answer
+        assert [m["role"] for m in assistant.chat.messages] == ["system", "user", "assistant", "user", "assistant"]
+    for wrong in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="history_seconds"):
+            VoiceAssistant(tiny_engine, NullSpeaker(), system=SYSTEM, tools=None, history_seconds=wrong)
 
 
 # -- tools in the loop -------------------------------------------------------------------------------
@@ -733,6 +760,15 @@ def test_the_benchmark_says_commands_in_conversations_each_judged_after_the_earl
     assert "Right calls in chats of 2 commands: full listen-off: first turns" in (tmp_path / "voice.md").read_text()
     with pytest.raises(SystemExit):
         main(["--bundle", str(tiny_slm_bundle), "--conversation", "0"])
+    followups = tmp_path / "followups.json"
+    followups.write_text(json.dumps({"commands": [{"before": ["Navigate home."], "text": "Make it quick.", "expect": []}]}))
+    common = ["--bundle", str(tiny_slm_bundle), "--commands-file", str(followups), "--modes", "full", "--no-tools",
+              "--listen", "off", "--tts", "none", "--max-new-tokens", "4", "--warmup", "0", "--out", str(tmp_path)]
+    assert main(common) == 0
+    [sample] = json.loads((tmp_path / "voice.json").read_text())["samples"]  # what it follows is said, not judged
+    assert sample["command"] == "Make it quick." and [b["command"] for b in sample["before"]] == ["Navigate home."]
+    with pytest.raises(SystemExit, match="follow-ups"):
+        main([*common, "--conversation", "2"])
 
 
 @pytest.mark.slow

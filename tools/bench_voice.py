@@ -35,6 +35,12 @@ not write a call on their own (``--tool-choice auto`` shows it), so the three co
 expect words cannot be right then, unless ``--words-tool`` offers the app's words tool beside the
 car's (``car.WORDS_TOOL``: its ``text`` is the answer in words).
 
+Conversations (``--conversation K``): the chat keeps every earlier exchange (the app's
+``history_seconds`` None: each command comes right after the last answer); ``--forget`` answers
+each from the system prompt alone (0: commands minutes apart). A command with ``"before"``
+(tools/voice_followups_*.json) follows up on them: they are said first in its chat, not judged.
+``done`` (end of speech to the end of the turn: every generation decoded) is summarized too.
+
 Threads: ``--threads``, else $EDGEROUTE_THREADS, else the device profile's (``--profile``),
 else every core. Writes voice.json (machine, commit, command, settings, every sample), voice.md
 (the tables) and voice.png under ``--out``.
@@ -74,7 +80,7 @@ from tools.benchlib.voice import check_calls, percentiles, word_assertions
 ROOT = Path(__file__).resolve().parents[1]
 COMMANDS = Path(__file__).with_name("voice_commands.json")
 COMPONENTS = ("asr", "first_token", "prefill", "tools", "first_clause", "audio", "total")
-SUMMARIZED = (*COMPONENTS, "answer_total", "speech_to_token")
+SUMMARIZED = (*COMPONENTS, "answer_total", "speech_to_token", "done")
 LISTEN = {"off": "listen-off", "on": "listen-on", "answer": "answer-ahead"}  # --listen values: the rows' names
 
 
@@ -123,9 +129,14 @@ async def one_chat(engine, commands: list[dict[str, Any]], mode: str, listen: st
                                listen_ahead=listen != "off", answer_ahead=listen == "answer",
                                max_new_tokens=args.max_new_tokens, tool_choice=args.tool_choice, confirm=args.confirm,
                                acknowledge=args.acknowledge, words_tool=args.words_tool, words_bias=args.words_bias,
-                               mode=mode, share_prefix=True, **({} if mode == "auto" else {"light": args.light}))
+                               history_seconds=0.0 if args.forget else None, mode=mode, share_prefix=True,
+                               **({} if mode == "auto" else {"light": args.light}))
     samples = []
     for turn, command in enumerate(commands, 1):
+        before = []  # what the command follows up on: said first, not judged
+        for text in command.get("before", []):
+            [earlier] = await assistant.run(ScriptedRecognizer([Utterance(text, [], 0.0)], speed=args.speed))
+            before.append({"command": text, "tool_calls": earlier.tool_calls, "answer": earlier.answer})
         utterance = timed_partials(command["text"], args.wpm, [tuple(r) for r in command.get("revisions", [])],
                                    asr_delay=args.asr_delay)
         if listen == "off":  # nothing happens while the words are spoken: not waited for (the ASR's delay still is)
@@ -135,7 +146,7 @@ async def one_chat(engine, commands: list[dict[str, Any]], mode: str, listen: st
                             prompt=assistant.system, says=word_assertions(command.get("assert")))
         resolved = assistant.chat.options  # what auto chose
         samples.append({
-            "command": command["text"], "mode": mode, "listen_ahead": listen, "turn": turn,
+            "command": command["text"], "mode": mode, "listen_ahead": listen, "turn": turn, "before": before,
             "ran": f"{resolved.mode}" + (f"+{resolved.light}" if resolved.mode not in ("full", "slm") else ""),
             "seconds": record.breakdown(), "listened": record.listened, "listen_tokens": record.listen_tokens,
             "listen_seconds": record.listen_seconds, "listen_wait": record.listen_wait,
@@ -324,6 +335,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--conversation", type=int, default=1, metavar="K",
                         help="say the commands in chats of K, one after another, each answered before the next (the "
                              "chat keeps the earlier exchanges; each is judged on its own); 1: each in a fresh chat")
+    parser.add_argument("--forget", action="store_true",
+                        help="each command from the system prompt alone, as a driver's commands minutes apart are "
+                             "(history_seconds 0); without it every command goes on with the chat (None)")
     parser.add_argument("--shuffle", type=int, default=None, metavar="SEED",
                         help="the commands in a random order seeded with SEED (default: the file's order)")
     parser.add_argument("--warmup", type=int, default=1, help="commands run first per mode and not counted")
@@ -357,6 +371,9 @@ def main(argv: list[str] | None = None) -> int:
             return NullSpeaker()
         notes.append("no TTS: the first clause's completion counts as the first audio sample")
     commands = load_commands(args.commands_file, args.commands)
+    if args.conversation > 1 and any(c.get("before") for c in commands):
+        raise SystemExit(f"--conversation: {args.commands_file} holds follow-ups (\"before\"), each said in a chat "
+                         "of its own after what it follows")
     threads = getattr(engine.llm, "threads", None) or engine.settings.model_threads()
     samples: list[dict[str, Any]] = []
     started = time.perf_counter()
@@ -392,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
                            "acknowledge": args.acknowledge,
                            "wpm": args.wpm, "speed": args.speed, "asr_delay": args.asr_delay,
                            "max_new_tokens": args.max_new_tokens, "warmup": args.warmup,
-                           "conversation": args.conversation, "shuffle": args.shuffle},
+                           "conversation": args.conversation, "shuffle": args.shuffle, "forget": args.forget},
               "wall_seconds": time.perf_counter() - started, "samples": samples}
     result["summary"] = summarize(samples, modes, listens)
     args.out.mkdir(parents=True, exist_ok=True)

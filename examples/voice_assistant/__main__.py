@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from examples.voice_assistant.asr import AudioInputError, PocketsphinxRecognizer, ScriptedRecognizer, timed_partials
-from examples.voice_assistant.assistant import VoiceAssistant, describe
+from examples.voice_assistant.assistant import HISTORY_SECONDS, VoiceAssistant, describe
 from examples.voice_assistant.car import CAR_TOOLS
 from examples.voice_assistant.speech import EspeakSpeaker, NullSpeaker, espeak_available
 
@@ -54,6 +54,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--memory", type=Path, default=None,
                         help="keep the assistant's answers in this file (read if it exists, written at the end): "
                              "speculation drafts from what it said before (edgeroute.runtime.answer_memory)")
+    parser.add_argument("--history-seconds", type=float, default=HISTORY_SECONDS,
+                        help="a command this long after the last answer starts a fresh chat (one sooner, or one that "
+                             "cuts in, goes on with it)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--tts", choices=["auto", "espeak", "none"], default="auto",
                         help="auto: espeak-ng where installed, else no audio (the time the first sample would come)")
@@ -111,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
                                max_new_tokens=args.max_new_tokens,
                                tool_choice=tool_choice(args.tool_choice), words_tool=args.words_tool, words_bias=args.words_bias,
                                confirm=args.confirm,
-                               acknowledge=args.acknowledge, mode=args.mode,
+                               acknowledge=args.acknowledge, history_seconds=args.history_seconds, mode=args.mode,
                                **({} if args.mode == "auto" else {"light": light}))
     assistant.warm_up()
     if args.pause is None and not args.wav:  # one utterance after the other, each answer spoken to its end

@@ -30,6 +30,11 @@ from examples.voice_assistant.car import (
 )
 from examples.voice_assistant.speech import SentenceSplitter, Speaker, StringArgument, speakable
 
+# a command this long after the last answer starts a fresh chat: a follow-up comes within seconds
+# (shipping assistants keep listening for one about as long), and an unrelated command minutes
+# later is answered better without the earlier exchanges (docs/guide/voice.md, conversations)
+HISTORY_SECONDS = 8.0
+
 SYSTEM = ("You are the voice assistant of a car. When the driver asks for something a tool does, call the tool. "
           "After a tool ran, confirm what was done in one short sentence. Answer anything else in one or two short "
           "sentences. The answer is spoken: no lists, no markdown.")
@@ -86,7 +91,8 @@ class TurnRecord:
         the first audio sample: with ``acknowledge``, the acknowledgement's); ``answer_total``:
         end of speech to the first audio sample of the answer proper (the confirmation or the
         model's words; ``total`` without an acknowledgement); ``speech_to_token``: end of speech
-        to the first token (``asr`` + ``first_token``). ``prefill``: the part of ``first_token``
+        to the first token (``asr`` + ``first_token``); ``done``: end of speech to the end of the
+        turn (every generation decoded, the answer said). ``prefill``: the part of ``first_token``
         after the generation was asked for (the listen in flight is the rest). An answer begun
         ahead on the last partial and kept counts its first token from the final transcript when
         it was picked before (nothing is released before the driver is known to have finished),
@@ -102,7 +108,8 @@ class TurnRecord:
                 "audio": span(self.first_clause_at, self.answer_audio_at),
                 "total": span(self.speech_end, self.first_audio_at),
                 "answer_total": span(self.speech_end, self.answer_audio_at),
-                "speech_to_token": span(self.speech_end, self.first_token_at)}
+                "speech_to_token": span(self.speech_end, self.first_token_at),
+                "done": span(self.speech_end, self.done_at)}
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "breakdown": self.breakdown()}
@@ -188,7 +195,13 @@ class VoiceAssistant:
     what the car is doing (``car.acknowledgement``: "Navigating"); the template
     confirmation then says the rest ("to the airport."). ``context_policy``: the chat's
     ("drop_oldest": a conversation that fills the context forgets its oldest exchanges; the
-    system prompt stays). ``clause_chars``, ``max_chars``: how the answer is cut into chunks
+    system prompt stays). ``history_seconds``: a command first heard more than that long after
+    the last answer ended starts the chat over (answered from the system prompt alone, as in a
+    fresh chat); one within it, or one that cuts into the answer, goes on with the chat. None:
+    the chat goes on always; 0: only a barge-in goes on. Kept history lets a follow-up ("call
+    her again") be understood, and lets the pair copy its earlier answers into unrelated later
+    ones (a decline into a command a tool does, a claim into one it cannot):
+    docs/guide/voice.md, conversations. ``clause_chars``, ``max_chars``: how the answer is cut into chunks
     (:class:`SentenceSplitter`). ``decoding``: the chat's DecodeOptions fields (mode, light,
     ...)."""
 
@@ -199,7 +212,8 @@ class VoiceAssistant:
                  max_tool_rounds: int = 1,
                  clause_chars: int | None = 24, max_chars: int | None = 160,
                  max_new_tokens: int = 64, share_prefix: bool = True, confirm: str = "model", acknowledge: bool = False,
-                 context_policy: str = "drop_oldest", **decoding: Any) -> None:
+                 context_policy: str = "drop_oldest", history_seconds: float | None = HISTORY_SECONDS,
+                 **decoding: Any) -> None:
         if confirm not in ("model", "template"):
             raise ValueError(f"confirm must be model or template (got {confirm!r})")
         # the first generation's options beyond tool_choice (the one that picks a tool or words)
@@ -211,7 +225,10 @@ class VoiceAssistant:
         self.confirm, self.system, self.acknowledge = confirm, system, acknowledge and bool(tools)
         self.engine, self.speaker, self.car = engine, speaker, car if car is not None else CarState()
         self.tools, self.tool_choice, self.max_tool_rounds = tools, tool_choice, max_tool_rounds
+        if history_seconds is not None and not history_seconds >= 0:
+            raise ValueError(f"history_seconds must be None or a number of seconds >= 0 (got {history_seconds!r})")
         self.listen_ahead, self.keep_interrupted = listen_ahead, keep_interrupted
+        self.history_seconds = history_seconds
         self.answer_ahead = listen_ahead and answer_ahead
         self.clause_chars, self.max_chars = clause_chars, max_chars  # the SentenceSplitter's
         if share_prefix:
@@ -230,6 +247,12 @@ class VoiceAssistant:
         self._spoken: dict[int, list[str]] = {0: []}
         self._before: dict[int, Any] = {}  # chat.last before each generation (it began when that changed)
         self._worded: set[int] = set()  # the generations whose words came from the words tool's call
+
+    def _starts_over(self, heard_at: float) -> bool:
+        """Whether a command first heard at ``heard_at`` starts the chat over (``history_seconds``)."""
+        ended = self.records[-1].done_at if self.records else None
+        return (self.history_seconds is not None and ended is not None and heard_at - ended > self.history_seconds
+                and len(self.chat.messages) > 1)
 
     def warm_up(self) -> None:
         """Before the driver speaks: compile the tool-call grammars this assistant uses (the
@@ -342,7 +365,9 @@ class VoiceAssistant:
                 current = event.utterance
                 await self._drop_answer_ahead()  # an utterance that never had its final
                 if self._response is not None and not self._response.done():
-                    await self.barge_in()
+                    await self.barge_in()  # cut in: it goes on from what was said
+                elif self._starts_over(event.at):  # before anything is heard of it
+                    self.chat.reset()
                 self._heard = dict(NOTHING_HEARD)
             if not event.final:
                 if self.listen_ahead and event.text.strip():
@@ -509,4 +534,4 @@ def describe(record: TurnRecord) -> dict[str, Any]:
     return {k: None if v is None else round(v * 1000, 1) for k, v in record.breakdown().items()}
 
 
-__all__ = ["SYSTEM", "Partial", "TurnRecord", "VoiceAssistant", "cache_system_prompt", "describe"]
+__all__ = ["HISTORY_SECONDS", "SYSTEM", "Partial", "TurnRecord", "VoiceAssistant", "cache_system_prompt", "describe"]
