@@ -163,6 +163,28 @@ def test_running_a_record_fills_the_machine_commit_and_samples(tmp_path):
         {"A": "1", "B": "x"}, ["python", "-m", "tools.x", "--out", "o.json"])
 
 
+def test_a_commit_is_dirty_for_changes_to_the_tree_but_not_to_the_records(tmp_path, monkeypatch):
+    import subprocess
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)
+
+    (tmp_path / "docs" / "records").mkdir(parents=True)
+    (tmp_path / "docs" / "records" / "a.json").write_text("{}")
+    (tmp_path / "tool.py").write_text("x = 1\n")
+    git("init", "-q")
+    git("add", "-A")
+    git("commit", "-qm", "one")
+    monkeypatch.setattr(records, "REPO", tmp_path)
+    clean = records.commit()
+    assert re.fullmatch("[0-9a-f]{40}", clean)
+    (tmp_path / "docs" / "records" / "a.json").write_text('{"rewritten": true}')  # a run of several records
+    assert records.commit() == clean
+    (tmp_path / "tool.py").write_text("x = 2\n")
+    assert records.commit() == f"{clean}-dirty"
+
+
 def test_running_the_pending_records_when_none_is_pending_says_so(monkeypatch, capsys):
     monkeypatch.setattr(records, "all_records", lambda: [p for p in ALL if records.load(p)["status"] == "measured"])
     assert records.main(["run", "--pending"]) == 0
