@@ -541,6 +541,35 @@ def test_the_words_tool_is_never_run_or_acknowledged_and_its_text_is_what_is_sai
     assert "".join(chunk for chunk, _ in speaker.said) == (call.arguments["text"] if speakable(record.answer) else "")
 
 
+@pytest.mark.parametrize("keep_words", [False, True])
+def test_an_exchange_in_words_only_leaves_the_chat_before_the_next_command_unless_kept(tool_engine, keep_words):
+    assistant = VoiceAssistant(tool_engine, NullSpeaker(), system=SYSTEM, tools=TOOLS, words_tool=True, tool_choice=WORDS,
+                               max_new_tokens=40, keep_words=keep_words, logit_bias=closing(tool_engine))
+    [first] = asyncio.run(assistant.converse("Tell me a joke.", speed=0))  # answered to its end
+    [second] = asyncio.run(assistant.converse("And another one.", speed=0))
+    assert not first.tool_calls and not first.barged_in
+    fresh = tool_engine.chat(system=assistant.system, tools=[*TOOLS, WORDS_TOOL], max_new_tokens=40,
+                             logit_bias=closing(tool_engine))
+    if not keep_words:  # the second is answered as if the first had never been said
+        fresh.generate("And another one.", tool_choice=WORDS)
+        assert second.tokens == fresh.last.tokens
+        assert without_ids(assistant.chat.messages) == without_ids(fresh.messages)
+    else:
+        assert [m["content"] for m in assistant.chat.messages if m["role"] == "user"] == ["Tell me a joke.",
+                                                                                         "And another one."]
+
+
+def test_an_exchange_that_called_the_car_stays_for_the_next_command(tool_engine):
+    assistant = VoiceAssistant(tool_engine, NullSpeaker(), system=SYSTEM, tools=TOOLS,
+                               tool_choice={"type": "function", "function": {"name": "navigate"}}, confirm="template",
+                               max_new_tokens=40)
+    [first] = asyncio.run(assistant.converse("Take me home.", speed=0))
+    [second] = asyncio.run(assistant.converse("No, to the station.", speed=0))
+    assert first.tool_calls and second.tool_calls and not first.barged_in
+    assert [m["content"] for m in assistant.chat.messages if m["role"] == "user"] == ["Take me home.",
+                                                                                     "No, to the station."]
+
+
 def without_ids(messages: list[dict]) -> list[dict]:
     """The messages without their calls' ids (a session numbers its calls: answers dropped ahead count)."""
     messages = copy.deepcopy(messages)

@@ -35,9 +35,10 @@ not write a call on their own (``--tool-choice auto`` shows it), so the three co
 expect words cannot be right then, unless ``--words-tool`` offers the app's words tool beside the
 car's (``car.WORDS_TOOL``: its ``text`` is the answer in words).
 
-Conversations (``--conversation K``): the chat keeps every earlier exchange (the app's
-``history_seconds`` None: each command comes right after the last answer); ``--forget`` answers
-each from the system prompt alone (0: commands minutes apart). A command with ``"before"``
+Conversations (``--conversation K``): the chat keeps the earlier exchanges that called the car
+(the app's ``history_seconds`` None: each command comes right after the last answer; those
+answered in words only too with ``--keep-words``); ``--forget`` answers each from the system
+prompt alone (0: commands minutes apart). A command with ``"before"``
 (tools/voice_followups_*.json) follows up on them: they are said first in its chat, not judged.
 ``done`` (end of speech to the end of the turn: every generation decoded) is summarized too.
 
@@ -129,7 +130,8 @@ async def one_chat(engine, commands: list[dict[str, Any]], mode: str, listen: st
                                listen_ahead=listen != "off", answer_ahead=listen == "answer",
                                max_new_tokens=args.max_new_tokens, tool_choice=args.tool_choice, confirm=args.confirm,
                                acknowledge=args.acknowledge, words_tool=args.words_tool, words_bias=args.words_bias,
-                               history_seconds=0.0 if args.forget else None, mode=mode, share_prefix=True,
+                               history_seconds=0.0 if args.forget else None, keep_words=args.keep_words,
+                               mode=mode, share_prefix=True,
                                **({} if mode == "auto" else {"light": args.light}))
     samples = []
     for turn, command in enumerate(commands, 1):
@@ -338,6 +340,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--forget", action="store_true",
                         help="each command from the system prompt alone, as a driver's commands minutes apart are "
                              "(history_seconds 0); without it every command goes on with the chat (None)")
+    parser.add_argument("--keep-words", action="store_true",
+                        help="keep the exchanges answered in words only in the chat (the app's keep_words; by default "
+                             "they leave it before the next command)")
     parser.add_argument("--shuffle", type=int, default=None, metavar="SEED",
                         help="the commands in a random order seeded with SEED (default: the file's order)")
     parser.add_argument("--warmup", type=int, default=1, help="commands run first per mode and not counted")
@@ -409,7 +414,8 @@ def main(argv: list[str] | None = None) -> int:
                            "acknowledge": args.acknowledge,
                            "wpm": args.wpm, "speed": args.speed, "asr_delay": args.asr_delay,
                            "max_new_tokens": args.max_new_tokens, "warmup": args.warmup,
-                           "conversation": args.conversation, "shuffle": args.shuffle, "forget": args.forget},
+                           "conversation": args.conversation, "shuffle": args.shuffle, "forget": args.forget,
+                           "keep_words": args.keep_words},
               "wall_seconds": time.perf_counter() - started, "samples": samples}
     result["summary"] = summarize(samples, modes, listens)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -201,7 +201,11 @@ class VoiceAssistant:
     the chat goes on always; 0: only a barge-in goes on. Kept history lets a follow-up ("call
     her again") be understood, and lets the pair copy its earlier answers into unrelated later
     ones (a decline into a command a tool does, a claim into one it cannot):
-    docs/guide/voice.md, conversations. ``clause_chars``, ``max_chars``: how the answer is cut into chunks
+    docs/guide/voice.md, conversations. ``keep_words``: with tools, an exchange answered in
+    words only (no car call) stays in the chat; by default it leaves it when the driver begins
+    the next command (``Session.barge_in(None)``: as if it never happened), so its refusals and
+    claims are not copied into later answers, while the car's exchanges stay for follow-ups.
+    ``clause_chars``, ``max_chars``: how the answer is cut into chunks
     (:class:`SentenceSplitter`). ``decoding``: the chat's DecodeOptions fields (mode, light,
     ...)."""
 
@@ -213,7 +217,7 @@ class VoiceAssistant:
                  clause_chars: int | None = 24, max_chars: int | None = 160,
                  max_new_tokens: int = 64, share_prefix: bool = True, confirm: str = "model", acknowledge: bool = False,
                  context_policy: str = "drop_oldest", history_seconds: float | None = HISTORY_SECONDS,
-                 **decoding: Any) -> None:
+                 keep_words: bool = False, **decoding: Any) -> None:
         if confirm not in ("model", "template"):
             raise ValueError(f"confirm must be model or template (got {confirm!r})")
         # the first generation's options beyond tool_choice (the one that picks a tool or words)
@@ -228,7 +232,7 @@ class VoiceAssistant:
         if history_seconds is not None and not history_seconds >= 0:
             raise ValueError(f"history_seconds must be None or a number of seconds >= 0 (got {history_seconds!r})")
         self.listen_ahead, self.keep_interrupted = listen_ahead, keep_interrupted
-        self.history_seconds = history_seconds
+        self.history_seconds, self.keep_words = history_seconds, keep_words
         self.answer_ahead = listen_ahead and answer_ahead
         self.clause_chars, self.max_chars = clause_chars, max_chars  # the SentenceSplitter's
         if share_prefix:
@@ -253,6 +257,13 @@ class VoiceAssistant:
         ended = self.records[-1].done_at if self.records else None
         return (self.history_seconds is not None and ended is not None and heard_at - ended > self.history_seconds
                 and len(self.chat.messages) > 1)
+
+    def _forgets_words(self) -> bool:
+        """Whether the last exchange, answered in words only, leaves the chat (``keep_words``)."""
+        last = self.records[-1] if self.records else None
+        return (bool(self.tools) and not self.keep_words and last is not None and not last.tool_calls
+                and not last.barged_in and last.done_at is not None and len(self.chat.messages) > 1
+                and self.chat.messages[-1]["role"] == "assistant")
 
     def warm_up(self) -> None:
         """Before the driver speaks: compile the tool-call grammars this assistant uses (the
@@ -368,6 +379,8 @@ class VoiceAssistant:
                     await self.barge_in()  # cut in: it goes on from what was said
                 elif self._starts_over(event.at):  # before anything is heard of it
                     self.chat.reset()
+                elif self._forgets_words():
+                    self.chat.barge_in(None)
                 self._heard = dict(NOTHING_HEARD)
             if not event.final:
                 if self.listen_ahead and event.text.strip():
