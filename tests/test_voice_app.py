@@ -137,6 +137,17 @@ def test_a_string_argument_gives_nothing_before_its_key_or_after_its_end():
     assert reader.push("more") == ""
 
 
+@pytest.mark.parametrize("pieces, said", [
+    (['{"text": "a\\ud83d", "x": 1}'], ["a"]),  # a high surrogate the string ends after
+    (['{"text": "a\\ud83d', ' later"}'], ["a", " later"]),  # what follows it is no escape: it holds nothing back
+    (['{"text": "a\\ud83d', "\\", "u", "de", '00b"}'], ["a", "", "", "", "\U0001f600b"]),  # its pair, cut anywhere
+    (['{"text": "\\ude00x\\ud83d\\u0041"}'], ["xA"]),  # a low one alone, a high one before a character
+])
+def test_half_a_surrogate_pair_is_not_said_and_holds_nothing_back(pieces, said):
+    reader = StringArgument("text")
+    assert [reader.push(piece) for piece in pieces] == said and reader.closed
+
+
 # -- the benchmark's scorer ---------------------------------------------------------------------------
 
 def test_values_are_compared_normalised():

@@ -90,6 +90,8 @@ def speakable(chunk: str) -> bool:
 # one JSON escape; a high surrogate takes the low one after it (one character between them)
 ESCAPE = re.compile(r'\\(?:["\\/bfnrt]|u[dD][89abAB][0-9a-fA-F]{2}\\u[0-9a-fA-F]{4}|u[0-9a-fA-F]{4})')
 HIGH_SURROGATE = re.compile(r'\\u[dD][89abAB][0-9a-fA-F]{2}')
+ESCAPE_START = re.compile(r'(?:\\(?:u[0-9a-fA-F]{0,3})?)?')  # the start of a \uXXXX escape, or nothing yet
+SURROGATES = re.compile("[\ud800-\udfff]")  # half a pair: no character, nothing to say
 
 
 class StringArgument:
@@ -123,9 +125,11 @@ class StringArgument:
                 at += 1
                 continue
             escape = ESCAPE.match(value, at)
-            if escape is None or (HIGH_SURROGATE.match(value, at) and len(value) - at < 12):
+            # a high surrogate waits for the escape after it (its pair) only while one may still come
+            if escape is None or (escape.end() - at == 6 and HIGH_SURROGATE.match(value, at)
+                                  and ESCAPE_START.fullmatch(value, at + 6)):
                 break  # cut short: the rest of it comes with the next piece
-            out.append(json.loads(f'"{escape.group()}"'))
+            out.append(SURROGATES.sub("", json.loads(f'"{escape.group()}"')))
             at = escape.end()
         self._pending = "" if self.closed else value[at:]
         return "".join(out)
