@@ -890,3 +890,7 @@ def test_the_app_says_what_is_wrong_with_a_bundle_a_wav_or_a_command_in_one_line
     with pytest.raises(SystemExit):
         main(["--say", "  "])
     assert "--say takes the words of a command" in capsys.readouterr().err
+    for seconds in ("-1", "nan"):
+        with pytest.raises(SystemExit):
+            main(["--say", "hi", "--history-seconds", seconds])
+        assert "--history-seconds takes seconds, 0 or more" in capsys.readouterr().err

@@ -67,6 +67,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("give at least one --say TEXT or --wav FILE")
     if any(not text.split() for text in args.say):
         parser.error("--say takes the words of a command (got an empty one)")
+    if not args.history_seconds >= 0:
+        parser.error(f"--history-seconds takes seconds, 0 or more (got {args.history_seconds})")
     return args
 
 
