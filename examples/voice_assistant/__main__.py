@@ -47,8 +47,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--words-bias", type=float, default=4.0,
                         help="added to the words tool's first token's logit where the model picks a tool (chosen on "
                              "the pair's dev commands; 0: none)")
-    parser.add_argument("--confirm", choices=["model", "template"], default="model",
-                        help="after a tool ran, speak the model's words (model) or the car's own confirmation at once")
+    parser.add_argument("--confirm", choices=["model", "template"], default="template",
+                        help="after a tool ran, speak the car's own confirmation at once (template: it is the chat's "
+                             "answer) or the model's words, a second generation (model)")
     parser.add_argument("--acknowledge", action="store_true",
                         help="say what the car is doing as soon as a call's name is decoded (\"Navigating\")")
     parser.add_argument("--memory", type=Path, default=None,
