@@ -359,7 +359,7 @@ def test_a_barge_in_that_forgets_leaves_the_chat_as_if_the_exchange_never_happen
 @pytest.mark.parametrize("history_seconds", [0.0, 0.05])
 def test_a_command_after_the_history_window_is_answered_as_in_a_fresh_chat(tiny_engine, history_seconds):
     assistant = VoiceAssistant(tiny_engine, NullSpeaker(), system=SYSTEM, tools=None, max_new_tokens=12,
-                               history_seconds=history_seconds)
+                               share_prefix=False, history_seconds=history_seconds)
     first, second = asyncio.run(assistant.run(ScriptedRecognizer(
         [Utterance(FINAL, [], 0.1), Utterance("Play some jazz.", [(0.1, "Play")], 0.2, pause=0.2)], speed=1.0)))
     assert not first.barged_in and second.done_at - first.done_at > history_seconds
@@ -370,14 +370,15 @@ def test_a_command_after_the_history_window_is_answered_as_in_a_fresh_chat(tiny_
 def test_a_command_within_the_history_window_or_one_that_cuts_in_goes_on_with_the_chat(tiny_engine):
     for window, speaker, pause in ((60.0, NullSpeaker(), 0.2), (0.0, NullSpeaker(seconds_per_char=0.05), 0.2)):
         assistant = VoiceAssistant(tiny_engine, speaker, system=SYSTEM, tools=None, max_new_tokens=12,
-                                   history_seconds=window)
+                                   share_prefix=False, history_seconds=window)
         first, second = asyncio.run(assistant.run(ScriptedRecognizer(
             [Utterance(FINAL, [], 0.1), Utterance("Play some jazz.", [], 0.1, pause=pause)], speed=1.0)))
         assert first.barged_in == (window == 0.0)  # the slow speaker is still saying the first answer
         assert [m["role"] for m in assistant.chat.messages] == ["system", "user", "assistant", "user", "assistant"]
     for wrong in (-1.0, float("nan")):
         with pytest.raises(ValueError, match="history_seconds"):
-            VoiceAssistant(tiny_engine, NullSpeaker(), system=SYSTEM, tools=None, history_seconds=wrong)
+            VoiceAssistant(tiny_engine, NullSpeaker(), system=SYSTEM, tools=None, share_prefix=False,
+                           history_seconds=wrong)
 
 
 # -- tools in the loop -------------------------------------------------------------------------------
