@@ -12,10 +12,19 @@ SYSTEM = "You are the voice assistant of a car. Answer in one short sentence."
 FINAL = "Navigate to 12 Baker Street in London, and avoid the motorway."
 
 
+@pytest.fixture(scope="module")
+def own_engine(tiny_slm_bundle):
+    """An engine of this module's own: what a listen computes counts from the system prompt on,
+    which a shared prefix another test's app left on the session's engine would take away."""
+    from edgeroute.runtime import Engine
+
+    return Engine(tiny_slm_bundle)
+
+
 @pytest.mark.parametrize("mode", ["full", "speculate"])
-def test_listen_ahead_gives_the_answer_of_a_cold_prefill_whatever_the_partials_said(tiny_engine, mode):
-    cold = tiny_engine.chat(system=SYSTEM, mode=mode, light="slm", max_new_tokens=12).generate(FINAL)
-    chat = tiny_engine.chat(system=SYSTEM, mode=mode, light="slm", max_new_tokens=12)
+def test_listen_ahead_gives_the_answer_of_a_cold_prefill_whatever_the_partials_said(own_engine, mode):
+    cold = own_engine.chat(system=SYSTEM, mode=mode, light="slm", max_new_tokens=12).generate(FINAL)
+    chat = own_engine.chat(system=SYSTEM, mode=mode, light="slm", max_new_tokens=12)
     first = chat.listen("Navigate to")
     grown = chat.listen("Navigate to 12 Baker")
     assert 0 < grown < first  # the system prompt and the shared words stay cached
@@ -26,7 +35,7 @@ def test_listen_ahead_gives_the_answer_of_a_cold_prefill_whatever_the_partials_s
     assert warm.tokens == cold.tokens and warm.text == cold.text
     assert warm.stats.prompt_tokens < cold.stats.prompt_tokens / 2  # only the words after the shared prefix
     follow = chat.generate("Thanks.")  # and the chat goes on as a cold one would
-    again = tiny_engine.chat(system=SYSTEM, mode=mode, light="slm", max_new_tokens=12)
+    again = own_engine.chat(system=SYSTEM, mode=mode, light="slm", max_new_tokens=12)
     again.generate(FINAL)
     assert follow.tokens == again.generate("Thanks.").tokens
 
