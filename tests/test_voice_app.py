@@ -810,6 +810,8 @@ def test_the_benchmark_says_commands_in_conversations_each_judged_after_the_earl
     assert sample["command"] == "Make it quick." and [b["command"] for b in sample["before"]] == ["Navigate home."]
     with pytest.raises(SystemExit, match="follow-ups"):
         main([*common, "--conversation", "2"])
+    with pytest.raises(SystemExit, match="follow-ups"):  # said before a model loads: no bundle needed
+        main([*common, "--conversation", "2", "--bundle", str(tmp_path / "no-bundle")])
 
 
 @pytest.mark.slow

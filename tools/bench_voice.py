@@ -361,12 +361,17 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["EDGEROUTE_THREADS"] = str(args.threads)
     from edgeroute.runtime import Engine
 
-    engine = Engine(args.bundle, profile=args.profile, task="voice-command", backend=args.backend, verify=False)
-    args.light = args.light or ("slm" if engine.use_slm else "ngram")
-    modes, notes = available_modes(engine, [m.strip() for m in args.modes.split(",") if m.strip()])
+    # what the options and the commands file say wrong, before the model loads
     listens = [v.strip() for v in args.listen.split(",") if v.strip()]
     if not listens or set(listens) - set(LISTEN):
         raise SystemExit(f"--listen: comma-separated {', '.join(LISTEN)} (got {args.listen!r})")
+    commands = load_commands(args.commands_file, args.commands)
+    if args.conversation > 1 and any(c.get("before") for c in commands):
+        raise SystemExit(f"--conversation: {args.commands_file} holds follow-ups (\"before\"), each said in a chat "
+                         "of its own after what it follows")
+    engine = Engine(args.bundle, profile=args.profile, task="voice-command", backend=args.backend, verify=False)
+    args.light = args.light or ("slm" if engine.use_slm else "ngram")
+    modes, notes = available_modes(engine, [m.strip() for m in args.modes.split(",") if m.strip()])
     tts = "espeak-ng" if args.tts == "espeak" or (args.tts == "auto" and espeak_available()) else "none"
     if tts == "espeak-ng":
         def speaker_factory():
@@ -375,10 +380,6 @@ def main(argv: list[str] | None = None) -> int:
         def speaker_factory():
             return NullSpeaker()
         notes.append("no TTS: the first clause's completion counts as the first audio sample")
-    commands = load_commands(args.commands_file, args.commands)
-    if args.conversation > 1 and any(c.get("before") for c in commands):
-        raise SystemExit(f"--conversation: {args.commands_file} holds follow-ups (\"before\"), each said in a chat "
-                         "of its own after what it follows")
     threads = getattr(engine.llm, "threads", None) or engine.settings.model_threads()
     samples: list[dict[str, Any]] = []
     started = time.perf_counter()
