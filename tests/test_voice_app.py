@@ -23,10 +23,20 @@ from examples.voice_assistant import (
     timed_partials,
 )
 from examples.voice_assistant.assistant import SYSTEM as CAR_SYSTEM
-from examples.voice_assistant.car import WORDS_TOOL, WORDS_TOOL_INSTRUCTION, WORDS_TOOL_NAME
+from examples.voice_assistant.car import (
+    STATUS_ITEMS,
+    STATUS_TOOL,
+    STATUS_TOOL_NAME,
+    WORDS_TOOL,
+    WORDS_TOOL_INSTRUCTION,
+    WORDS_TOOL_NAME,
+    confirmation,
+    reading,
+)
 from examples.voice_assistant.speech import EspeakSpeaker, StringArgument, speakable
 from tools.bench_voice import COMMANDS as COMMANDS_FILE
-from tools.benchlib.voice import check_calls, normalise, percentiles, word_assertions
+from tools.bench_voice import expectation
+from tools.benchlib.voice import check_calls, normalise, percentiles, unasked_actions, word_assertions
 
 SYSTEM = "You are the voice assistant of a car. Answer in one short sentence."
 needs_espeak = pytest.mark.skipif(shutil.which("espeak-ng") is None,
@@ -82,8 +92,35 @@ def test_the_tools_are_openai_functions_with_json_schemas_and_the_car_executes_t
                                                 "set_reminder"]
 
 
+def test_the_car_reads_out_what_it_knows_from_its_own_state_and_clock():
+    from datetime import datetime
+
+    car = CarState(clock=lambda: datetime(2026, 12, 6, 16, 36))
+    said = {item: confirmation(STATUS_TOOL_NAME, {"item": item}, car.dispatch(STATUS_TOOL_NAME, {"item": item}))
+            for item in STATUS_ITEMS}
+    assert said == {"time": "It is 16:36.", "date": "Today is Sunday, 6 December 2026.",
+                    "fuel": "The tank is 62 percent full.", "range": "About 410 kilometers of range are left.",
+                    "cabin_temperature": "The cabin is set to 21 degrees.", "outside_temperature": "It is 8 degrees outside.",
+                    "route": "No route is set.", "playing": "Nothing is playing."}
+    eta = car.dispatch("navigate", {"destination": "the airport"})["eta_minutes"]
+    car.dispatch("set_temperature", {"temperature_c": 19, "zone": "passenger"})
+    car.dispatch("play_media", {"query": "jazz"})
+    read = {item: reading(car.dispatch(STATUS_TOOL_NAME, {"item": item})) for item in ("route", "cabin_temperature",
+                                                                                        "playing")}
+    assert read == {"route": f"We are going to the airport, arriving at 16:{36 + eta}.",
+                    "cabin_temperature": "The driver side is set to 21 degrees, the passenger side is set to 19 degrees, "
+                                         "the rear is set to 21 degrees.",
+                    "playing": "Playing jazz."}
+    # a reading is its own sentence, after "Let me see." or not
+    assert confirmation(STATUS_TOOL_NAME, {"item": "fuel"}, car.dispatch(STATUS_TOOL_NAME, {"item": "fuel"}),
+                        acknowledged=True) == "The tank is 62 percent full."
+    assert STATUS_TOOL["function"]["parameters"]["properties"]["item"]["enum"] == STATUS_ITEMS
+
+
 @pytest.mark.parametrize(("name", "arguments", "error"), [
     ("open_sunroof", {}, "no tool named"),
+    ("car_status", {"item": "tire_pressure"}, "must be one of"),
+    ("car_status", {}, "lacks 'item'"),
     ("navigate", {}, "lacks 'destination'"),
     ("navigate", {"destination": 7}, "must be a string"),
     ("set_temperature", {"temperature_c": 40}, "at most 30"),
@@ -245,7 +282,8 @@ def test_a_command_with_a_fact_is_right_only_when_the_words_hold_it():
 
 
 COMMAND_SETS = {"voice_commands": 30, "voice_commands_dev": 18, "voice_commands_unseen": 20, "voice_followups_dev": 6,
-                "voice_followups_unseen": 6}
+                "voice_followups_unseen": 6, "voice_status_dev": 16, "voice_status_unseen": 16}
+STATUS_TOOLS = [*CAR_TOOLS, STATUS_TOOL]
 
 
 @pytest.mark.parametrize("name", COMMAND_SETS)
@@ -253,10 +291,14 @@ def test_each_command_set_has_distinct_commands_whose_expected_calls_fit_the_too
     commands = json.loads((COMMANDS_FILE.parent / f"{name}.json").read_text())["commands"]
     assert len(commands) >= COMMAND_SETS[name] and len({c["text"] for c in commands}) == len(commands)
     for command in commands:
-        for call in command["expect"]:  # a call made exactly as expected passes the car's own schema check
-            arguments = {k: v[0] if isinstance(v, list) else v for k, v in call["arguments"].items()}
-            assert CarState().dispatch(call["name"], arguments)["ok"], command
-            assert check_calls(command["expect"], [{"name": call["name"], "arguments": arguments}], CAR_TOOLS).ok
+        assert set(command.get("with_status", {})) <= {"expect", "assert"} and "expect" in command.get("with_status", {
+            "expect": []})
+        for right, tools in ((command, CAR_TOOLS), (expectation(command, True), STATUS_TOOLS)):
+            for call in right["expect"]:  # a call made exactly as expected passes the car's own schema check
+                arguments = {k: v[0] if isinstance(v, list) else v for k, v in call["arguments"].items()}
+                assert call["name"] in {t["function"]["name"] for t in tools}, command
+                assert CarState().dispatch(call["name"], arguments)["ok"], command
+                assert check_calls(right["expect"], [{"name": call["name"], "arguments": arguments}], tools).ok
         assert all(isinstance(text, str) and text.strip() for text in command.get("before", []))
         for after, _ in command.get("revisions", []):
             assert 0 < after < len(command["text"].split())
@@ -268,7 +310,7 @@ def test_each_command_set_has_distinct_commands_whose_expected_calls_fit_the_too
 def test_the_held_out_commands_are_none_of_the_commands_the_choices_were_made_on():
     texts = {name: {c["text"].lower() for c in json.loads((COMMANDS_FILE.parent / f"{name}.json").read_text())["commands"]}
              for name in COMMAND_SETS}
-    unseen = texts.pop("voice_commands_unseen")
+    unseen = texts.pop("voice_commands_unseen") | texts.pop("voice_status_unseen")
     assert not unseen & set().union(*texts.values())
     assert not texts["voice_followups_unseen"] & texts["voice_followups_dev"]
     assert sum(not c["expect"] for c in json.loads((COMMANDS_FILE.parent / "voice_commands_unseen.json").read_text())
@@ -460,6 +502,23 @@ def test_a_named_tool_runs_and_the_template_confirmation_is_spoken_at_once_and_i
     assert assistant.chat.messages[-1] == {"role": "assistant", "content": f"Navigating to {destination}."}
     assert assistant.chat.last.stats.llm_calls == 0 and assistant.chat.last.stats.forced > 0
     assert record.answer == f"Navigating to {destination}."
+
+
+def test_a_reading_of_the_car_is_said_from_the_cars_value_and_is_the_chats_answer(tool_engine):
+    from datetime import datetime
+
+    speaker, car = NullSpeaker(), CarState(clock=lambda: datetime(2026, 12, 6, 7, 5))
+    assistant = VoiceAssistant(tool_engine, speaker, system=SYSTEM, tools=TOOLS, status_tool=True, car=car,
+                               confirm="template", max_new_tokens=40,
+                               tool_choice={"type": "function", "function": {"name": STATUS_TOOL_NAME}})
+    assert assistant.tools == [*TOOLS, STATUS_TOOL]
+    [record] = asyncio.run(assistant.converse("What time is it?", speed=0))
+    [call], [result] = record.tool_calls, record.tool_results
+    assert call["name"] == STATUS_TOOL_NAME and call["arguments"]["item"] in STATUS_ITEMS and result["ok"]
+    said = reading(result)  # whatever the random model read, what is said is the car's value
+    assert [chunk for chunk, _ in speaker.said] == [said] and record.answer == said
+    assert assistant.chat.messages[-1] == {"role": "assistant", "content": said}
+    assert reading(car.dispatch(STATUS_TOOL_NAME, {"item": "time"})) == "It is 07:05."
 
 
 class HoldingSpeaker(NullSpeaker):
@@ -831,6 +890,25 @@ def test_the_benchmark_judges_the_demo_models_tool_calls(smollm2_bundles, tmp_pa
             sample["check"]["right_tool"] and sample["check"]["right_arguments"])
 
 
+@pytest.mark.slow
+def test_the_benchmark_judges_readings_by_what_is_right_with_the_status_tool(smollm2_bundles, tmp_path):
+    from tools.bench_voice import main
+
+    status_file = COMMANDS_FILE.with_name("voice_status_dev.json")
+    assert main(["--bundle", str(smollm2_bundles["int4"][0]), "--commands-file", str(status_file), "--commands", "2",
+                 "--modes", "full", "--listen", "off", "--tool-choice", "required", "--words-tool", "--status-tool",
+                 "--confirm", "template", "--tts", "none", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "voice.json").read_text())
+    assert result["settings"]["status_tool"] and "+ status tool" in (tmp_path / "voice.md").read_text()
+    commands = {c["text"]: c for c in json.loads(status_file.read_text())["commands"]}
+    for sample in result["samples"]:  # judged by the with_status expectations, not the declines
+        right = expectation(commands[sample["command"]], True)
+        assert right["expect"] and right["expect"][0]["name"] == STATUS_TOOL_NAME
+        assert check_calls(right["expect"], sample["tool_calls"], STATUS_TOOLS, answer=sample["answer"]).ok == (
+            sample["check"]["right_tool"] and sample["check"]["right_arguments"])
+        assert sample["unasked"] == unasked_actions(right["expect"], sample["tool_calls"], (STATUS_TOOL_NAME,))
+
+
 # -- the runtime under the app: listen-ahead and the SLM ---------------------------------------------
 
 def count_slm_tokens(engine, monkeypatch) -> list[int]:
@@ -897,3 +975,28 @@ def test_the_app_says_what_is_wrong_with_a_bundle_a_wav_or_a_command_in_one_line
         with pytest.raises(SystemExit):
             main(["--say", "hi", "--history-seconds", seconds])
         assert "--history-seconds takes seconds, 0 or more" in capsys.readouterr().err
+
+
+def test_a_command_is_judged_by_what_is_right_with_the_tools_offered():
+    fuel = {"text": "how much fuel do I have left", "expect": [], "assert": "declines",
+            "with_status": {"expect": [{"name": "car_status", "arguments": {"item": "fuel"}}]}}
+    read = [{"name": "car_status", "arguments": {"item": "fuel"}}]
+    made_up = "The tank is half full."
+    without, offered = expectation(fuel, False), expectation(fuel, True)
+    assert not check_calls(without["expect"], [], CAR_TOOLS, answer=made_up, says=word_assertions(without["assert"])).ok
+    assert check_calls(without["expect"], [], CAR_TOOLS, answer="Sorry, I can't tell.",
+                       says=word_assertions(without["assert"])).ok
+    assert check_calls(offered["expect"], read, STATUS_TOOLS).ok
+    assert not check_calls(offered["expect"], [], STATUS_TOOLS, answer=made_up).right_tool
+    assert not check_calls(offered["expect"], [{"name": "car_status", "arguments": {"item": "range"}}], STATUS_TOOLS).ok
+    assert expectation({"text": "call Anna", "expect": read}, True)["expect"] == read
+
+
+def test_an_action_no_one_asked_for_is_counted_and_reading_or_words_are_not():
+    harmless = (WORDS_TOOL_NAME, STATUS_TOOL_NAME)
+    navigate = {"name": "navigate", "arguments": {"destination": "home"}}
+    assert unasked_actions([], [navigate], harmless) == ["navigate"]
+    assert unasked_actions([navigate], [navigate], harmless) == []
+    assert unasked_actions([navigate], [navigate, navigate], harmless) == ["navigate"]
+    assert unasked_actions([], [{"name": "car_status", "arguments": {"item": "time"}}], harmless) == []
+    assert unasked_actions([{"name": "call", "arguments": {}}], [navigate], harmless) == ["navigate"]

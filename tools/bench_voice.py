@@ -33,7 +33,10 @@ what its ``assert`` asks: that the car cannot, or a fact). The first
 generation's ``tool_choice`` is ``required`` by default: the demo's and the pair's models do
 not write a call on their own (``--tool-choice auto`` shows it), so the three commands that
 expect words cannot be right then, unless ``--words-tool`` offers the app's words tool beside the
-car's (``car.WORDS_TOOL``: its ``text`` is the answer in words).
+car's (``car.WORDS_TOOL``: its ``text`` is the answer in words). ``--status-tool`` offers the
+car's reading tool too (``car.STATUS_TOOL``: the time, the fuel, the route, ...); a command whose
+right answer it changes says so in ``"with_status"`` (the ``expect`` and ``assert`` then;
+tools/voice_status_*.json are written for it).
 
 Conversations (``--conversation K``): the chat keeps the earlier exchanges that called the car
 (the app's ``history_seconds`` None: each command comes right after the last answer; those
@@ -75,8 +78,9 @@ from examples.voice_assistant import (
     VoiceAssistant,
     timed_partials,
 )
+from examples.voice_assistant.car import STATUS_TOOL_NAME, WORDS_TOOL_NAME
 from examples.voice_assistant.speech import espeak_available
-from tools.benchlib.voice import check_calls, percentiles, word_assertions
+from tools.benchlib.voice import check_calls, percentiles, unasked_actions, word_assertions
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMANDS = Path(__file__).with_name("voice_commands.json")
@@ -130,6 +134,7 @@ async def one_chat(engine, commands: list[dict[str, Any]], mode: str, listen: st
                                listen_ahead=listen != "off", answer_ahead=listen == "answer",
                                max_new_tokens=args.max_new_tokens, tool_choice=args.tool_choice, confirm=args.confirm,
                                acknowledge=args.acknowledge, words_tool=args.words_tool, words_bias=args.words_bias,
+                               status_tool=args.status_tool,
                                history_seconds=0.0 if args.forget else None, keep_words=args.keep_words,
                                mode=mode, share_prefix=True,
                                **({} if mode == "auto" else {"light": args.light}))
@@ -144,8 +149,9 @@ async def one_chat(engine, commands: list[dict[str, Any]], mode: str, listen: st
         if listen == "off":  # nothing happens while the words are spoken: not waited for (the ASR's delay still is)
             utterance = Utterance(utterance.final, [], 0.0, utterance.asr_delay)
         [record] = await assistant.run(ScriptedRecognizer([utterance], speed=args.speed))
-        check = check_calls(command["expect"], record.tool_calls, CAR_TOOLS, answer=record.answer,
-                            prompt=assistant.system, says=word_assertions(command.get("assert")))
+        right = expectation(command, args.status_tool)
+        check = check_calls(right["expect"], record.tool_calls, assistant.tools or CAR_TOOLS, answer=record.answer,
+                            prompt=assistant.system, says=word_assertions(right.get("assert")))
         resolved = assistant.chat.options  # what auto chose
         samples.append({
             "command": command["text"], "mode": mode, "listen_ahead": listen, "turn": turn, "before": before,
@@ -155,9 +161,16 @@ async def one_chat(engine, commands: list[dict[str, Any]], mode: str, listen: st
             "answered_ahead": record.answered_ahead, "ahead_kept": record.ahead_kept,
             "prompt_tokens": record.prompt_tokens, "tokens": record.tokens, "finish_reason": record.finish_reason,
             "tool_calls": record.tool_calls, "answer": record.answer, "acknowledgement": record.acknowledgement,
+            "unasked": unasked_actions(right["expect"], record.tool_calls, (WORDS_TOOL_NAME, STATUS_TOOL_NAME)),
             "check": {"right_tool": check.right_tool, "right_arguments": check.right_arguments,
                       "reason": check.reason}})
     return samples
+
+
+def expectation(command: dict[str, Any], status_tool: bool) -> dict[str, Any]:
+    """What is right for ``command`` (``expect``, ``assert``): its ``with_status`` ones where the
+    car's reading tool is offered and it has them."""
+    return command["with_status"] if status_tool and "with_status" in command else command
 
 
 def conversations(commands: list[dict[str, Any]], size: int, shuffle: int | None) -> list[list[dict[str, Any]]]:
@@ -181,6 +194,7 @@ def summarize(samples: list[dict[str, Any]], modes: list[str], listens: list[str
                 row[component] = percentiles([r["seconds"][component] for r in runs])
             row["right_tool"] = sum(r["check"]["right_tool"] for r in runs)
             row["right_calls"] = sum(r["check"]["right_tool"] and r["check"]["right_arguments"] for r in runs)
+            row["unasked_actions"] = sum(bool(r.get("unasked")) for r in runs)
             if any(r["turn"] > 1 for r in runs):  # a conversation: the first turns, then those after earlier ones
                 row["by_turn"] = {part: {"n": len(turns), "right_tool": sum(r["check"]["right_tool"] for r in turns),
                                          "right_calls": sum(r["check"]["right_tool"] and r["check"]["right_arguments"]
@@ -212,6 +226,7 @@ def markdown(result: dict[str, Any]) -> str:
              f"{result['backend']}, {result['threads']} threads, TTS {result['tts']}, tools "
              + (f"tool_choice {result['settings']['tool_choice']}"
                 + (" + words tool" if result["settings"].get("words_tool") else "")
+                + (" + status tool" if result["settings"].get("status_tool") else "")
                 + (f" (bias {result['settings']['words_bias']:g})" if result["settings"].get("words_bias") else "")
                 + f", confirm {result['settings']['confirm']}"
                 + (", acknowledge" if acknowledged else "") if result["settings"]["tools"] else "off")
@@ -231,6 +246,11 @@ def markdown(result: dict[str, Any]) -> str:
                      f"{row['right_tool']}/{row['n']} | {row['right_calls']}/{row['n']} |")
     lines += ["", "Answers equal to the cold prefill's (tokens): " + ", ".join(
         f"{name} {v['same']}/{v['of']}" for name, v in summary["listen_ahead_same_tokens"].items())]
+    unasked = [f"{name} {row['unasked_actions']}/{row['n']}" for name, row in summary["rows"].items()
+               if "unasked_actions" in row]
+    if unasked and result["settings"]["tools"]:
+        lines.append("Answers in which the car did what no one asked (a car function beyond the expected calls; "
+                     "reading and words left out): " + ", ".join(unasked))
     turns = [f"{name}: first turns {row['by_turn']['first']['right_calls']}/{row['by_turn']['first']['n']}, later "
              f"turns {row['by_turn']['later']['right_calls']}/{row['by_turn']['later']['n']}"
              for name, row in summary["rows"].items() if "by_turn" in row]
@@ -251,8 +271,8 @@ def markdown(result: dict[str, Any]) -> str:
             lines.append(f"{what} to the first token, listen-off against (p50): " + ", ".join(cuts))
     if result["settings"]["tools"] and result["settings"]["tool_choice"] == "required" \
             and not result["settings"].get("words_tool"):
-        wordy = sum(not c["expect"] for c in load_commands(Path(result["settings"]["commands_file"]), None)
-                    [:result["settings"]["commands"]])
+        wordy = sum(not expectation(c, result["settings"].get("status_tool", False))["expect"]
+                    for c in load_commands(Path(result["settings"]["commands_file"]), None)[:result["settings"]["commands"]])
         if wordy:
             lines.append(f"tool_choice required: the {wordy} command(s) that expect no call cannot be right")
     wrong = [s for s in result["samples"] if not (s["check"]["right_tool"] and s["check"]["right_arguments"])]
@@ -329,6 +349,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--words-bias", type=float, default=0.0,
                         help="with --words-tool: added to the logit of the words tool's first token where the model "
                              "picks a tool (logit_bias)")
+    parser.add_argument("--status-tool", action="store_true",
+                        help="offer the car's reading tool beside its others (the app's status_tool): the time, the "
+                             "fuel, the route, ... (a command's \"with_status\" says what is right then)")
     parser.add_argument("--confirm", choices=["model", "template"], default="model",
                         help="after a tool ran: the model's words are spoken, or the car's own confirmation at once")
     parser.add_argument("--acknowledge", action="store_true",
@@ -389,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
             asyncio.run(one_chat(engine, [command], mode, "off", args, speaker_factory))
         if not args.no_tools:
             VoiceAssistant(engine, NullSpeaker(), tool_choice=args.tool_choice, words_tool=args.words_tool,
-                           mode=mode).warm_up()
+                           status_tool=args.status_tool, mode=mode).warm_up()
         number = 0
         for chat_number, chat in enumerate(chats, 1):
             for listen in listens:  # interleaved: a busy moment of the machine hits both settings alike
@@ -411,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
               "settings": {"commands": len(commands), "modes": modes, "light": args.light, "listen": args.listen,
                            "commands_file": str(args.commands_file), "tools": not args.no_tools,
                            "tool_choice": args.tool_choice, "words_tool": args.words_tool,
-                           "words_bias": args.words_bias, "confirm": args.confirm,
+                           "words_bias": args.words_bias, "status_tool": args.status_tool, "confirm": args.confirm,
                            "acknowledge": args.acknowledge,
                            "wpm": args.wpm, "speed": args.speed, "asr_delay": args.asr_delay,
                            "max_new_tokens": args.max_new_tokens, "warmup": args.warmup,

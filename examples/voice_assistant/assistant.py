@@ -21,6 +21,7 @@ from typing import Any
 from examples.voice_assistant.asr import Partial, Recognizer, ScriptedRecognizer, Utterance
 from examples.voice_assistant.car import (
     CAR_TOOLS,
+    STATUS_TOOL,
     WORDS_TOOL,
     WORDS_TOOL_INSTRUCTION,
     WORDS_TOOL_NAME,
@@ -182,7 +183,9 @@ class VoiceAssistant:
     decoded (no second generation); the call is never acknowledged or run on the car, and stays
     in the chat as the answer (a later round's tool results give it ``{"ok": true}``). A barge-in
     while its words are said forgets the exchange (words inside a call cannot be cut to what
-    was said, as a text answer is). ``words_bias``: added to
+    was said, as a text answer is). ``status_tool``: offer :data:`car.STATUS_TOOL` beside
+    ``tools``: the car reads out what it knows (the time, the fuel, the route, ...), and with
+    ``confirm="template"`` the value said is the car's (``car.reading``). ``words_bias``: added to
     the logit of the words tool's first token when the model picks a tool (``logit_bias``): a
     model that ranks a car function above words for a function the car lacks is moved off it.
     ``confirm``: "model", the model's words after the tool results are spoken; "template", the
@@ -212,7 +215,7 @@ class VoiceAssistant:
     def __init__(self, engine, speaker: Speaker, *, system: str = SYSTEM, tools: list[dict[str, Any]] | None = CAR_TOOLS,
                  car: CarState | None = None, listen_ahead: bool = True, answer_ahead: bool = False,
                  keep_interrupted: bool = True,
-                 tool_choice: Any = "auto", words_tool: bool = False, words_bias: float = 0.0,
+                 tool_choice: Any = "auto", words_tool: bool = False, words_bias: float = 0.0, status_tool: bool = False,
                  max_tool_rounds: int = 1,
                  clause_chars: int | None = 24, max_chars: int | None = 160,
                  max_new_tokens: int = 64, share_prefix: bool = True, confirm: str = "model", acknowledge: bool = False,
@@ -222,6 +225,8 @@ class VoiceAssistant:
             raise ValueError(f"confirm must be model or template (got {confirm!r})")
         # the first generation's options beyond tool_choice (the one that picks a tool or words)
         self._picking: dict[str, Any] = {}
+        if status_tool and tools:
+            tools = [*tools, STATUS_TOOL]
         if words_tool and tools:
             tools, system = [*tools, WORDS_TOOL], f"{system} {WORDS_TOOL_INSTRUCTION}"
             if words_bias:

@@ -9,7 +9,9 @@ the JSON-able result that goes back to the model as a ``role: "tool"`` message.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 from typing import Any
 
 ZONES = ["driver", "passenger", "rear", "all"]
@@ -41,7 +43,17 @@ CAR_TOOLS: list[dict[str, Any]] = [
            "time": {"type": "string", "pattern": TIME_PATTERN, "description": "24-hour HH:MM"}},
           ["text"]),
 ]
-TOOLS_BY_NAME = {tool["function"]["name"]: tool for tool in CAR_TOOLS}
+
+# What the car knows and can read out: without it the pair made the time up ("The current time is
+# 14:30."). A reading's answer is a sentence built from the car's value (``confirmation``), so
+# with ``confirm="template"`` the figure said is the car's, never the model's.
+STATUS_ITEMS = ["time", "date", "fuel", "range", "cabin_temperature", "outside_temperature", "route", "playing"]
+STATUS_TOOL: dict[str, Any] = _tool(
+    "car_status", "Read what the car knows now: the time, the date, the fuel level, the range left, the cabin or "
+    "outside temperature, the route and arrival time, what is playing.",
+    {"item": {"type": "string", "enum": STATUS_ITEMS, "description": "what to read"}}, ["item"])
+STATUS_TOOL_NAME: str = STATUS_TOOL["function"]["name"]
+TOOLS_BY_NAME = {tool["function"]["name"]: tool for tool in [*CAR_TOOLS, STATUS_TOOL]}
 
 # Under tool_choice "required" every answer is a call, and a command no tool does (the weather,
 # a joke, a function the car lacks) went to the nearest tool: "what's the weather like" played
@@ -96,13 +108,19 @@ def schema_errors(schema: dict[str, Any], value: Any, where: str = "arguments") 
 
 @dataclass
 class CarState:
-    """What the tools change: the route, the climate, the phone, the media, the reminders."""
+    """What the tools change (the route, the climate, the phone, the media, the reminders) and
+    what the car reads out (``car_status``); ``clock`` gives the local time."""
 
     destination: str | None = None
+    arrival: datetime | None = None
     temperature_c: dict[str, float] = field(default_factory=lambda: {"driver": 21.0, "passenger": 21.0, "rear": 21.0})
     calling: str | None = None
     playing: str | None = None
     reminders: list[dict[str, str | None]] = field(default_factory=list)
+    fuel_percent: float = 62.0
+    range_km: float = 410.0
+    outside_c: float = 8.0
+    clock: Callable[[], datetime] = datetime.now
     log: list[tuple[str, dict[str, Any], dict[str, Any]]] = field(default_factory=list)  # (tool, arguments, result)
 
     def dispatch(self, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
@@ -118,8 +136,9 @@ class CarState:
         return result
 
     def _navigate(self, destination: str) -> dict[str, Any]:
-        self.destination = destination
-        return {"ok": True, "destination": destination, "eta_minutes": 12 + len(destination) % 20}
+        eta_minutes = 12 + len(destination) % 20
+        self.destination, self.arrival = destination, self.clock() + timedelta(minutes=eta_minutes)
+        return {"ok": True, "destination": destination, "eta_minutes": eta_minutes}
 
     def _set_temperature(self, temperature_c: float, zone: str = "all") -> dict[str, Any]:
         for name in (self.temperature_c if zone == "all" else [zone]):
@@ -138,11 +157,26 @@ class CarState:
         self.reminders.append({"text": text, "time": time})
         return {"ok": True, "reminder": text, "time": time}
 
+    def _car_status(self, item: str) -> dict[str, Any]:
+        now = self.clock()
+        values: dict[str, dict[str, Any]] = {
+            "time": {"time": f"{now:%H:%M}"},
+            "date": {"date": f"{now:%A}, {now.day} {now:%B %Y}"},
+            "fuel": {"fuel_percent": self.fuel_percent},
+            "range": {"range_km": self.range_km},
+            "cabin_temperature": {"temperature_c": dict(self.temperature_c)},
+            "outside_temperature": {"outside_c": self.outside_c},
+            "route": {"destination": self.destination,
+                      "arrival": None if self.arrival is None else f"{self.arrival:%H:%M}"},
+            "playing": {"playing": self.playing},
+        }
+        return {"ok": True, "item": item, **values[item]}
+
 
 # what the car says it is doing, from a call's name alone (the app's ``acknowledge``): the
 # confirmation's opening words, so the rest of it follows as one sentence
 ACKNOWLEDGEMENTS = {"navigate": "Navigating", "set_temperature": "Setting", "call": "Calling", "play_media": "Playing",
-                    "set_reminder": "Setting a reminder"}
+                    "set_reminder": "Setting a reminder", STATUS_TOOL_NAME: "Let me see."}
 
 
 def acknowledgement(name: str) -> str:
@@ -156,6 +190,8 @@ def confirmation(name: str, arguments: dict[str, Any], result: dict[str, Any], a
     the call's :func:`acknowledgement` was said already; this is the rest of the sentence."""
     if not result.get("ok"):
         return "Sorry, I could not do that."
+    if name == STATUS_TOOL_NAME:  # a sentence of its own, whether "Let me see." came first or not
+        return reading(result)
     if name == "navigate":
         rest = f"to {arguments['destination']}."
     elif name == "set_temperature":
@@ -172,3 +208,29 @@ def confirmation(name: str, arguments: dict[str, Any], result: dict[str, Any], a
     else:
         return "Done." if acknowledged else f"Done: {name}."
     return rest if acknowledged else f"{acknowledgement(name)} {rest}"
+
+
+def reading(result: dict[str, Any]) -> str:
+    """What the car says of a ``car_status`` result: the value it read, as a sentence."""
+    item = result["item"]
+    if item == "time":
+        return f"It is {result['time']}."
+    if item == "date":
+        return f"Today is {result['date']}."
+    if item == "fuel":
+        return f"The tank is {result['fuel_percent']:g} percent full."
+    if item == "range":
+        return f"About {result['range_km']:g} kilometers of range are left."
+    if item == "cabin_temperature":
+        zones = result["temperature_c"]
+        if len(set(zones.values())) == 1:
+            return f"The cabin is set to {next(iter(zones.values())):g} degrees."
+        return "The " + ", the ".join(f"{'rear' if zone == 'rear' else f'{zone} side'} is set to {value:g} degrees"
+                                      for zone, value in zones.items()) + "."
+    if item == "outside_temperature":
+        return f"It is {result['outside_c']:g} degrees outside."
+    if item == "route":
+        if result["destination"] is None:
+            return "No route is set."
+        return f"We are going to {result['destination']}, arriving at {result['arrival']}."
+    return f"Playing {result['playing']}." if result["playing"] else "Nothing is playing."

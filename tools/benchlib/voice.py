@@ -184,6 +184,19 @@ def check_calls(expect: list[dict[str, Any]], calls: list[Any], tools: list[dict
     return CallCheck(True, not problems, " | ".join(problems))
 
 
+def unasked_actions(expect: list[dict[str, Any]], calls: list[Any], harmless: Sequence[str] = ()) -> list[str]:
+    """The calls of ``calls`` no expected call accounts for, leaving out the ``harmless`` tools
+    (those that only read or speak): what the car did that the driver did not ask for."""
+    wanted = [e["name"] for e in expect]
+    unasked = []
+    for name, _ in map(_call_parts, calls):
+        if name in wanted:
+            wanted.remove(name)
+        elif name not in harmless:
+            unasked.append(name)
+    return unasked
+
+
 def percentiles(values: list[float | None], qs: tuple[float, ...] = (50, 95)) -> dict[str, float | None]:
     """``p50``, ``p95``, ... of the values that exist (None where none do)."""
     present = [v for v in values if v is not None]
