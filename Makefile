@@ -15,7 +15,7 @@ NATIVE_LIB := edgeroute/libedgeroute.so
 .PHONY: setup native native-aarch64 wheels c-test fuzz-native example pair demo demo-pair test lint bench-export clean \
 	records bench-smollm2 bench-qwen bench-task-speed bench-tree bench-pair bench-avx2 bench-structured \
 	bench-calibration bench-demo-calibration bench-kv bench-quality \
-	bench-memory bench-answer-memory bench-size bench-arm bench-arm-peer voice-demo voice-demo-pair bench-voice bench-voice-words bench-voice-conversation bench-voice-status
+	bench-memory bench-answer-memory bench-size bench-arm bench-arm-peer voice-demo voice-demo-pair bench-voice bench-voice-words bench-voice-conversation bench-voice-status bench-voice-grounding
 
 setup: $(VENV)/.installed $(NATIVE_LIB)
 
@@ -151,6 +151,10 @@ bench-voice-conversation: setup $(PAIR_BUNDLE)/manifest.json
 # the assistant reading what the car knows (docs/guide/voice.md): the pair, dev then held out
 bench-voice-status: setup $(PAIR_BUNDLE)/manifest.json
 	$(RECORD) voice-status
+
+# the assistant holding its calls to what the driver said (docs/guide/voice.md): the pair, dev then held out
+bench-voice-grounding: setup $(PAIR_BUNDLE)/manifest.json
+	$(RECORD) voice-grounding
 
 bench-smollm2: setup $(BUNDLE)/manifest.json
 	$(RECORD) smollm2-ttft smollm2-kept

@@ -282,7 +282,8 @@ def test_a_command_with_a_fact_is_right_only_when_the_words_hold_it():
 
 
 COMMAND_SETS = {"voice_commands": 30, "voice_commands_dev": 18, "voice_commands_unseen": 20, "voice_followups_dev": 6,
-                "voice_followups_unseen": 6, "voice_status_dev": 16, "voice_status_unseen": 16}
+                "voice_followups_unseen": 6, "voice_status_dev": 16, "voice_status_unseen": 16,
+                "voice_arguments_unseen": 20}
 STATUS_TOOLS = [*CAR_TOOLS, STATUS_TOOL]
 
 
@@ -310,7 +311,7 @@ def test_each_command_set_has_distinct_commands_whose_expected_calls_fit_the_too
 def test_the_held_out_commands_are_none_of_the_commands_the_choices_were_made_on():
     texts = {name: {c["text"].lower() for c in json.loads((COMMANDS_FILE.parent / f"{name}.json").read_text())["commands"]}
              for name in COMMAND_SETS}
-    unseen = texts.pop("voice_commands_unseen") | texts.pop("voice_status_unseen")
+    unseen = texts.pop("voice_commands_unseen") | texts.pop("voice_status_unseen") | texts.pop("voice_arguments_unseen")
     assert not unseen & set().union(*texts.values())
     assert not texts["voice_followups_unseen"] & texts["voice_followups_dev"]
     assert sum(not c["expect"] for c in json.loads((COMMANDS_FILE.parent / "voice_commands_unseen.json").read_text())

@@ -36,7 +36,11 @@ expect words cannot be right then, unless ``--words-tool`` offers the app's word
 car's (``car.WORDS_TOOL``: its ``text`` is the answer in words). ``--status-tool`` offers the
 car's reading tool too (``car.STATUS_TOOL``: the time, the fuel, the route, ...); a command whose
 right answer it changes says so in ``"with_status"`` (the ``expect`` and ``assert`` then;
-tools/voice_status_*.json are written for it).
+tools/voice_status_*.json are written for it). ``--ground-arguments`` holds the car's calls to
+what the driver said (the app's ``ground_arguments``): the calls judged are those the car ran,
+with the arguments it ran them with; a call not run for an argument the driver did not say is
+kept in the sample (``unsaid_calls``) and counted apart, and the answer judged is what the car
+said instead ("Sorry, I did not catch the destination.").
 
 Conversations (``--conversation K``): the chat keeps the earlier exchanges that called the car
 (the app's ``history_seconds`` None: each command comes right after the last answer; those
@@ -134,7 +138,7 @@ async def one_chat(engine, commands: list[dict[str, Any]], mode: str, listen: st
                                listen_ahead=listen != "off", answer_ahead=listen == "answer",
                                max_new_tokens=args.max_new_tokens, tool_choice=args.tool_choice, confirm=args.confirm,
                                acknowledge=args.acknowledge, words_tool=args.words_tool, words_bias=args.words_bias,
-                               status_tool=args.status_tool,
+                               status_tool=args.status_tool, ground_arguments=args.ground_arguments,
                                history_seconds=0.0 if args.forget else None, keep_words=args.keep_words,
                                mode=mode, share_prefix=True,
                                **({} if mode == "auto" else {"light": args.light}))
@@ -161,6 +165,7 @@ async def one_chat(engine, commands: list[dict[str, Any]], mode: str, listen: st
             "answered_ahead": record.answered_ahead, "ahead_kept": record.ahead_kept,
             "prompt_tokens": record.prompt_tokens, "tokens": record.tokens, "finish_reason": record.finish_reason,
             "tool_calls": record.tool_calls, "answer": record.answer, "acknowledgement": record.acknowledgement,
+            "unsaid_calls": record.unsaid_calls,
             "unasked": unasked_actions(right["expect"], record.tool_calls, (WORDS_TOOL_NAME, STATUS_TOOL_NAME)),
             "check": {"right_tool": check.right_tool, "right_arguments": check.right_arguments,
                       "reason": check.reason}})
@@ -195,6 +200,7 @@ def summarize(samples: list[dict[str, Any]], modes: list[str], listens: list[str
             row["right_tool"] = sum(r["check"]["right_tool"] for r in runs)
             row["right_calls"] = sum(r["check"]["right_tool"] and r["check"]["right_arguments"] for r in runs)
             row["unasked_actions"] = sum(bool(r.get("unasked")) for r in runs)
+            row["unsaid_calls"] = sum(bool(r.get("unsaid_calls")) for r in runs)
             if any(r["turn"] > 1 for r in runs):  # a conversation: the first turns, then those after earlier ones
                 row["by_turn"] = {part: {"n": len(turns), "right_tool": sum(r["check"]["right_tool"] for r in turns),
                                          "right_calls": sum(r["check"]["right_tool"] and r["check"]["right_arguments"]
@@ -227,6 +233,7 @@ def markdown(result: dict[str, Any]) -> str:
              + (f"tool_choice {result['settings']['tool_choice']}"
                 + (" + words tool" if result["settings"].get("words_tool") else "")
                 + (" + status tool" if result["settings"].get("status_tool") else "")
+                + (", arguments held to what was said" if result["settings"].get("ground_arguments") else "")
                 + (f" (bias {result['settings']['words_bias']:g})" if result["settings"].get("words_bias") else "")
                 + f", confirm {result['settings']['confirm']}"
                 + (", acknowledge" if acknowledged else "") if result["settings"]["tools"] else "off")
@@ -251,6 +258,11 @@ def markdown(result: dict[str, Any]) -> str:
     if unasked and result["settings"]["tools"]:
         lines.append("Answers in which the car did what no one asked (a car function beyond the expected calls; "
                      "reading and words left out): " + ", ".join(unasked))
+    unsaid = [f"{name} {row['unsaid_calls']}/{row['n']}" for name, row in summary["rows"].items()
+              if row.get("unsaid_calls")]
+    if unsaid:
+        lines.append("Answers with a call not run for an argument the driver did not say (the car said it did not "
+                     "catch it): " + ", ".join(unsaid))
     turns = [f"{name}: first turns {row['by_turn']['first']['right_calls']}/{row['by_turn']['first']['n']}, later "
              f"turns {row['by_turn']['later']['right_calls']}/{row['by_turn']['later']['n']}"
              for name, row in summary["rows"].items() if "by_turn" in row]
@@ -352,6 +364,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--status-tool", action="store_true",
                         help="offer the car's reading tool beside its others (the app's status_tool): the time, the "
                              "fuel, the route, ... (a command's \"with_status\" says what is right then)")
+    parser.add_argument("--ground-arguments", action="store_true",
+                        help="hold each car call's arguments to what the driver said (the app's ground_arguments): "
+                             "an optional one not said is left out, a call missing a required one is not run")
     parser.add_argument("--confirm", choices=["model", "template"], default="model",
                         help="after a tool ran: the model's words are spoken, or the car's own confirmation at once")
     parser.add_argument("--acknowledge", action="store_true",
@@ -435,6 +450,7 @@ def main(argv: list[str] | None = None) -> int:
                            "commands_file": str(args.commands_file), "tools": not args.no_tools,
                            "tool_choice": args.tool_choice, "words_tool": args.words_tool,
                            "words_bias": args.words_bias, "status_tool": args.status_tool, "confirm": args.confirm,
+                           "ground_arguments": args.ground_arguments,
                            "acknowledge": args.acknowledge,
                            "wpm": args.wpm, "speed": args.speed, "asr_delay": args.asr_delay,
                            "max_new_tokens": args.max_new_tokens, "warmup": args.warmup,

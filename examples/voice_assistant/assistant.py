@@ -22,6 +22,7 @@ from examples.voice_assistant.asr import Partial, Recognizer, ScriptedRecognizer
 from examples.voice_assistant.car import (
     CAR_TOOLS,
     STATUS_TOOL,
+    STATUS_TOOL_NAME,
     WORDS_TOOL,
     WORDS_TOOL_INSTRUCTION,
     WORDS_TOOL_NAME,
@@ -29,6 +30,7 @@ from examples.voice_assistant.car import (
     acknowledgement,
     confirmation,
 )
+from examples.voice_assistant.grounding import ground
 from examples.voice_assistant.speech import SentenceSplitter, Speaker, StringArgument, speakable
 
 # a command this long after the last answer starts a fresh chat: a follow-up comes within seconds
@@ -75,8 +77,9 @@ class TurnRecord:
     prompt_tokens: int = 0  # the first generation's prompt tokens after what the chat held (listen-ahead's included)
     tokens: list[int] = field(default_factory=list)  # the first generation's tokens
     finish_reason: str = ""
-    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # {"id", "name", "arguments"}
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # {"id", "name", "arguments"}: as run
     tool_results: list[dict[str, Any]] = field(default_factory=list)
+    unsaid_calls: list[dict[str, Any]] = field(default_factory=list)  # calls not run: a required argument not said
     answer: str = ""  # the words of the answer (every generation's text)
     acknowledgement: str = ""  # said when the first call's name was decoded (``acknowledge``)
     spoken: str = ""  # of the interrupted generation's text, what was said (barge-in)
@@ -194,6 +197,10 @@ class VoiceAssistant:
     written by a grammar that allows only that text (``tool_choice="none"`` with a
     ``response_format``), so no model step decodes it, and the chat holds what the car said, as
     a barge-in's cut does (one round of calls then; ``max_tool_rounds`` is the model's).
+    ``ground_arguments``: hold each car call's arguments to what the driver said (the command
+    and the driver's earlier ones in the chat; ``grounding.ground``): an optional argument not
+    said is left out, and a call whose required argument was not said is not run (the car says
+    it did not catch it; ``TurnRecord.unsaid_calls``); readings and words are not held.
     ``acknowledge``: as soon as the first call's name is decoded, before its arguments, say
     what the car is doing (``car.acknowledgement``: "Navigating"); the template
     confirmation then says the rest ("to the airport."). ``context_policy``: the chat's
@@ -220,7 +227,7 @@ class VoiceAssistant:
                  clause_chars: int | None = 24, max_chars: int | None = 160,
                  max_new_tokens: int = 64, share_prefix: bool = True, confirm: str = "model", acknowledge: bool = False,
                  context_policy: str = "drop_oldest", history_seconds: float | None = HISTORY_SECONDS,
-                 keep_words: bool = False, **decoding: Any) -> None:
+                 keep_words: bool = False, ground_arguments: bool = False, **decoding: Any) -> None:
         if confirm not in ("model", "template"):
             raise ValueError(f"confirm must be model or template (got {confirm!r})")
         # the first generation's options beyond tool_choice (the one that picks a tool or words)
@@ -237,7 +244,7 @@ class VoiceAssistant:
         if history_seconds is not None and not history_seconds >= 0:
             raise ValueError(f"history_seconds must be None or a number of seconds >= 0 (got {history_seconds!r})")
         self.listen_ahead, self.keep_interrupted = listen_ahead, keep_interrupted
-        self.history_seconds, self.keep_words = history_seconds, keep_words
+        self.history_seconds, self.keep_words, self.ground_arguments = history_seconds, keep_words, ground_arguments
         self.answer_ahead = listen_ahead and answer_ahead
         self.clause_chars, self.max_chars = clause_chars, max_chars  # the SentenceSplitter's
         if share_prefix:
@@ -264,9 +271,11 @@ class VoiceAssistant:
                 and len(self.chat.messages) > 1)
 
     def _forgets_words(self) -> bool:
-        """Whether the last exchange, answered in words only, leaves the chat (``keep_words``)."""
+        """Whether the last exchange, answered in words only, leaves the chat (``keep_words``); one
+        whose call was not run for an argument not said stays."""
         last = self.records[-1] if self.records else None
         return (bool(self.tools) and not self.keep_words and last is not None and not last.tool_calls
+                and not last.unsaid_calls  # "which temperature?" waits for the driver's answer
                 and not last.barged_in and last.done_at is not None and len(self.chat.messages) > 1
                 and self.chat.messages[-1]["role"] == "assistant")
 
@@ -470,22 +479,19 @@ class VoiceAssistant:
                 car_calls = [call for call in calls if call.name != WORDS_TOOL_NAME]
                 if confirmed or not car_calls or round_ == self.max_tool_rounds:
                     break
-                results = []
+                results, ran = [], []  # ran: (name, arguments, result) of this round's car calls, run or not
                 for call in calls:
                     if call.name == WORDS_TOOL_NAME:  # said already
                         result: dict[str, Any] = {"ok": True}
                     else:
-                        result = self.car.dispatch(call.name, call.arguments)
-                        record.tool_calls.append({"id": call.id, "name": call.name, "arguments": call.arguments})
-                        record.tool_results.append(result)
+                        arguments, result = self._run(call, record)
+                        ran.append((call.name, arguments, result))
                     results.append({"role": "tool", "tool_call_id": call.id, "content": json.dumps(result)})
                 record.tools_done_at = time.perf_counter()
                 if self.confirm == "template":
-                    done = len(car_calls)
-                    confirmed = " ".join(confirmation(c["name"], c["arguments"], r, acknowledged=i == 0 and
+                    confirmed = " ".join(confirmation(name, arguments, result, acknowledged=i == 0 and
                                                       bool(record.acknowledgement))
-                                         for i, (c, r) in enumerate(zip(record.tool_calls[-done:],
-                                                                        record.tool_results[-done:], strict=True)))
+                                         for i, (name, arguments, result) in enumerate(ran))
                     if record.acknowledgement:
                         confirmed = f"{record.acknowledgement} {confirmed}"
                 prompt, round_ = results, round_ + 1
@@ -497,6 +503,26 @@ class VoiceAssistant:
                 speaking.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await speaking
+
+    def _run(self, call, record: TurnRecord) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Run one car call on the car (its arguments held to what was said, ``ground_arguments``)
+        and record it: the arguments it ran with, and the result that goes back to the model."""
+        entry = {"id": call.id, "name": call.name, "arguments": call.arguments}
+        tool = next((t for t in self.tools or [] if t["function"]["name"] == call.name), None)
+        if self.ground_arguments and tool is not None and call.name != STATUS_TOOL_NAME \
+                and isinstance(call.arguments, dict):
+            heard = " ".join(m["content"] for m in self.chat.messages
+                             if m["role"] == "user" and isinstance(m.get("content"), str))
+            held = ground(tool["function"]["parameters"], call.arguments, heard)
+            if held.unsaid is not None:
+                record.unsaid_calls.append(entry)
+                return call.arguments, {"ok": False, "unsaid": held.unsaid,
+                                        "error": f"the driver did not say the {held.unsaid}"}
+            entry["arguments"] = held.arguments
+        result = self.car.dispatch(call.name, entry["arguments"])
+        record.tool_calls.append(entry)
+        record.tool_results.append(result)
+        return entry["arguments"], result
 
     def _queue(self, queue: asyncio.Queue, number: int, chunk: str, record: TurnRecord) -> None:
         if record.first_clause_at is None and speakable(chunk):

@@ -179,6 +179,11 @@ ACKNOWLEDGEMENTS = {"navigate": "Navigating", "set_temperature": "Setting", "cal
                     "set_reminder": "Setting a reminder", STATUS_TOOL_NAME: "Let me see."}
 
 
+# how the car names an argument the driver did not say
+UNSAID_AS = {"temperature_c": "temperature", "destination": "destination", "contact": "name or number",
+             "query": "music or station", "text": "reminder", "time": "time"}
+
+
 def acknowledgement(name: str) -> str:
     """What to say as soon as the model has chosen to call ``name``, before its arguments."""
     return ACKNOWLEDGEMENTS.get(name, "One moment")
@@ -188,6 +193,8 @@ def confirmation(name: str, arguments: dict[str, Any], result: dict[str, Any], a
     """What the car says it did, from the call and its result (the app's ``confirm="template"``:
     spoken as soon as the call ran, without waiting for the model's own words). ``acknowledged``:
     the call's :func:`acknowledgement` was said already; this is the rest of the sentence."""
+    if "unsaid" in result:  # not run: the app held the call to what was said (VoiceAssistant's ground_arguments)
+        return f"Sorry, I did not catch the {UNSAID_AS.get(result['unsaid'], result['unsaid'])}."
     if not result.get("ok"):
         return "Sorry, I could not do that."
     if name == STATUS_TOOL_NAME:  # a sentence of its own, whether "Let me see." came first or not
