@@ -47,6 +47,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--status-tool", action=argparse.BooleanOptionalAction, default=False,
                         help="offer a tool that reads what the car knows (car.STATUS_TOOL: the time, the fuel, the "
                              "route, ...): the answer says the car's value, not one the model makes up")
+    parser.add_argument("--ground-arguments", action=argparse.BooleanOptionalAction, default=True,
+                        help="hold each car call's arguments to what the driver said: an optional one not said is "
+                             "left out (no made-up reminder time or zone), a call missing a required one is not run "
+                             "and the car asks for it (docs/guide/voice.md: arguments the driver did not say)")
     parser.add_argument("--words-bias", type=float, default=4.0,
                         help="added to the words tool's first token's logit where the model picks a tool (chosen on "
                              "the pair's dev commands; 0: none)")
@@ -119,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
                                listen_ahead=not args.no_listen_ahead, answer_ahead=args.answer_ahead,
                                max_new_tokens=args.max_new_tokens,
                                tool_choice=tool_choice(args.tool_choice), words_tool=args.words_tool, words_bias=args.words_bias,
-                               status_tool=args.status_tool,
+                               status_tool=args.status_tool, ground_arguments=args.ground_arguments,
                                confirm=args.confirm,
                                acknowledge=args.acknowledge, history_seconds=args.history_seconds, mode=args.mode,
                                **({} if args.mode == "auto" else {"light": light}))
