@@ -62,6 +62,13 @@ def test_a_call_not_run_for_an_argument_not_said_is_answered_by_the_car_asking_f
     assert confirmation("set_temperature", {"temperature_c": 20}, result) == "Sorry, I did not catch the temperature."
     assert confirmation("navigate", {"destination": "home"}, {**result, "unsaid": "destination"}) == \
         "Sorry, I did not catch the destination."
+    # after the acknowledgement was said ("Navigating"), the apology breaks off the sentence begun
+    assert confirmation("navigate", {"destination": "home"}, {**result, "unsaid": "destination"},
+                        acknowledged=True) == "... sorry, I did not catch the destination."
+    assert confirmation("call", {"contact": "x"}, {"ok": False, "error": "busy"}, acknowledged=True) == \
+        "... sorry, I could not do that."
+    assert confirmation("car_status", {"item": "time"}, {"ok": False, "error": "no clock"}, acknowledged=True) == \
+        "Sorry, I could not do that."  # after "Let me see."
 
 
 # -- in the app ------------------------------------------------------------------------------------

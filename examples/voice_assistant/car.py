@@ -193,10 +193,12 @@ def confirmation(name: str, arguments: dict[str, Any], result: dict[str, Any], a
     """What the car says it did, from the call and its result (the app's ``confirm="template"``:
     spoken as soon as the call ran, without waiting for the model's own words). ``acknowledged``:
     the call's :func:`acknowledgement` was said already; this is the rest of the sentence."""
-    if "unsaid" in result:  # not run: the app held the call to what was said (VoiceAssistant's ground_arguments)
-        return f"Sorry, I did not catch the {UNSAID_AS.get(result['unsaid'], result['unsaid'])}."
-    if not result.get("ok"):
-        return "Sorry, I could not do that."
+    if "unsaid" in result or not result.get("ok"):
+        # "unsaid": not run, the app held the call to what was said (VoiceAssistant's ground_arguments)
+        sorry = (f"Sorry, I did not catch the {UNSAID_AS.get(result['unsaid'], result['unsaid'])}."
+                 if "unsaid" in result else "Sorry, I could not do that.")
+        # after "Navigating" the apology breaks off the sentence begun; after "Let me see." it is one of its own
+        return f"... s{sorry[1:]}" if acknowledged and not acknowledgement(name).endswith(".") else sorry
     if name == STATUS_TOOL_NAME:  # a sentence of its own, whether "Let me see." came first or not
         return reading(result)
     if name == "navigate":
