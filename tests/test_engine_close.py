@@ -111,6 +111,12 @@ def test_close_frees_the_models_the_sessions_caches_and_the_shared_prefixes(open
         assert models[1].flavour == "native" and mappings(open_engine.bundle) >= before + 2  # both models' weights
         engine.close()
         assert all(cache.handle is None for cache in caches)
+        # a closed cache holds nothing, and running on it says why (the library's -1 and "null session" before)
+        assert all(cache.length == 0 for cache in caches)
+        with pytest.raises(InputError, match="cache was closed"):
+            caches[0].truncate(0)
+        with pytest.raises(InputError, match="cache was closed"):
+            caches[0].copy_from(caches[1])
         # the library unmaps a model's weights when its last holder (handle, session) is freed: one
         # cache left open (a session's, a prefix's) would keep its model mapped
         assert mappings(open_engine.bundle) == before, "the library still maps weights: a model or a cache lives"
