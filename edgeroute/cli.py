@@ -792,7 +792,8 @@ def trace(
             tokens = turns[turn - 1]
         summary = print_trace(tokens, console, show_text=not no_text)
         if png is not None:
-            console.print(f"heatmap: {plot_trace(tokens, png, f'{file.name}' + (f', answer {turn}' if turn else ''))}")
+            title = file.name + (f", answer {turn}" if turn else "")
+            console.print(f"heatmap: {plot_trace(tokens, png, title, summary=summary)}")
     if as_json is not None:
         _write_json(as_json, summary.to_dict(), "summary")
 

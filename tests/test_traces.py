@@ -73,9 +73,18 @@ def test_a_trace_the_run_wrote_reads_back_as_its_answer(tiny_slm_bundle, tmp_pat
     assert summary.llm_passes == sum(r["source"] == "llm" for r in records)
     assert coloured_text(tokens).plain == "".join(r["text"] for r in records)
 
-    shown = runner.invoke(app, ["trace", str(trace), "--json", str(tmp_path / "summary.json"),
-                                "--png", str(tmp_path / "map.png")])
+    summaries = []  # the table, the JSON and the heatmap are of one summary, made once
+
+    def counted(traces):
+        summaries.append(summarize(traces))
+        return summaries[-1]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("edgeroute.measure.traces.summarize", counted)
+        shown = runner.invoke(app, ["trace", str(trace), "--json", str(tmp_path / "summary.json"),
+                                    "--png", str(tmp_path / "map.png")])
     assert shown.exit_code == 0, shown.output
+    assert len(summaries) == 1
     assert "12 tokens" in shown.output and "tokens per pass" in shown.output
     assert json.loads((tmp_path / "summary.json").read_text())["tokens"] == 12
     assert (tmp_path / "map.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

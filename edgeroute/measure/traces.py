@@ -209,15 +209,17 @@ def print_trace(traces: Sequence[TokenTrace], console: Console, show_text: bool 
     return summary
 
 
-def plot_trace(traces: Sequence[TokenTrace], path: str | Path, title: str | None = None) -> Path:
+def plot_trace(traces: Sequence[TokenTrace], path: str | Path, title: str | None = None,
+               summary: TraceSummary | None = None) -> Path:
     """The cost heatmap of a trace: per token (columns, in order) the path that wrote it and the
     router's score where one scored it (top), what each LLM layer did in the pass that chose it
     (rows: run, attention only, skipped, dropped; blank where no LLM pass chose the token), and
-    its wall time (bottom). A vertical line starts a chat's next answer."""
+    its wall time (bottom). A vertical line starts a chat's next answer. ``summary``: the
+    traces' :func:`summarize`, where the caller has it already."""
     import numpy as np
 
     path = png_path(path)
-    summary = summarize(traces)
+    summary = summary if summary is not None else summarize(traces)
     plt = pyplot()
     from matplotlib.colors import ListedColormap
     from matplotlib.patches import Patch
