@@ -20,6 +20,7 @@ from jsonschema.validators import validator_for
 
 from edgeroute.errors import InputError
 from edgeroute.quality.sandbox import (
+    STRICT_JSON,
     SandboxLimits,
     SandboxResult,
     compile_python_check,
@@ -200,20 +201,11 @@ def _regex(value: str, output: str, limits: SandboxLimits) -> Observation:
     return False, f"no match in {_short(output)}"
 
 
-def _strict_json(text: str) -> Any:
-    """``text`` as JSON; NaN and Infinity, which Python's json reads and no JSON parser elsewhere
-    does, raise ValueError."""
-    def not_json(constant: str) -> Any:
-        raise ValueError(f"{constant} is not JSON")
-
-    return json.loads(text, parse_constant=not_json)
-
-
 def _is_json(schema: dict | None, output: str, limits: SandboxLimits) -> Observation:
     text = output.strip()
     fenced = _FENCED_WHOLE.match(text)
     try:
-        data = _strict_json(fenced.group(1) if fenced else text)
+        data = STRICT_JSON.decode(fenced.group(1) if fenced else text)
     except ValueError as err:
         return False, f"the output is not JSON ({err}): {_short(output)}"
     return _matches(data, schema, "the output is JSON")
@@ -232,7 +224,7 @@ def _json_schema(schema: dict, output: str, limits: SandboxLimits) -> Observatio
     text = output.strip()
     fenced = _FENCED_WHOLE.match(text)
     try:
-        data = _strict_json(fenced.group(1) if fenced else text)
+        data = STRICT_JSON.decode(fenced.group(1) if fenced else text)
     except ValueError:
         data = first_json(output)
         if data is None:

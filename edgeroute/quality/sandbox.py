@@ -91,14 +91,19 @@ def code_block(text: str, language: str | None = None) -> str:
     return textwrap.dedent(chosen).strip("\n")
 
 
+def _not_json(constant: str) -> object:
+    raise ValueError(f"{constant} is not JSON")
+
+
+# JSON as parsers other than Python's read it: NaN and Infinity, which Python's json reads, raise ValueError
+STRICT_JSON = json.JSONDecoder(parse_constant=_not_json)
+
+
 def first_json(text: str) -> object:
     """The first JSON object or array in ``text`` (a fenced block's first, so a footnote such as
     ``[1]`` before it does not win), or None when there is none. NaN and Infinity, which
     Python's json reads, are not JSON: a value holding them is none."""
-    def not_json(constant: str) -> object:
-        raise ValueError(f"{constant} is not JSON")
-
-    decoder = json.JSONDecoder(parse_constant=not_json)
+    decoder = STRICT_JSON
     candidates = [code_block(text, "json"), text] if "```" in text else [text]
     for candidate in candidates:
         for start in re.finditer(r"[{\[]", candidate):
