@@ -1001,3 +1001,12 @@ def test_an_action_no_one_asked_for_is_counted_and_reading_or_words_are_not():
     assert unasked_actions([navigate], [navigate, navigate], harmless) == ["navigate"]
     assert unasked_actions([], [{"name": "car_status", "arguments": {"item": "time"}}], harmless) == []
     assert unasked_actions([{"name": "call", "arguments": {}}], [navigate], harmless) == ["navigate"]
+
+
+def test_the_demo_holds_calls_to_what_was_said_and_leaves_readings_off_unless_asked():
+    from examples.voice_assistant.__main__ import parse_args
+
+    default = parse_args(["--say", "navigate home"])
+    assert default.ground_arguments and not default.status_tool and default.words_tool and default.words_bias == 4
+    chosen = parse_args(["--say", "navigate home", "--no-ground-arguments", "--status-tool"])
+    assert not chosen.ground_arguments and chosen.status_tool
