@@ -126,3 +126,14 @@ def test_the_car_runs_a_call_with_the_arguments_said_and_the_confirmation_says_w
     assert record.tool_calls == [{"id": "call_0", "name": "set_reminder", "arguments": arguments}]
     assert assistant.car.reminders == [{"text": "call the dentist", "time": None}]
     assert confirmation(call.name, arguments, result) == "Setting a reminder to call the dentist."
+
+
+def test_an_acknowledged_call_that_is_not_run_is_apologized_for_as_the_sentence_goes_on(engine):
+    speaker = NullSpeaker()
+    assistant = VoiceAssistant(engine, speaker, system=SYSTEM, tools=TOOLS, tool_choice=NAVIGATE, confirm="template",
+                               acknowledge=True, max_new_tokens=40, ground_arguments=True, share_prefix=False)
+    [record] = asyncio.run(assistant.converse("Roll down the windows.", speed=0))
+    assert record.unsaid_calls and not record.tool_calls and record.acknowledgement == "Navigating"
+    said = "".join(chunk for chunk, _ in speaker.said)
+    assert said == "Navigating ... sorry, I did not catch the destination."
+    assert assistant.chat.messages[-1] == {"role": "assistant", "content": said}
