@@ -142,7 +142,7 @@ bench-voice: setup $(BUNDLE)/manifest.json $(PAIR_BUNDLE)/manifest.json
 
 # the assistant's choice between a car function and words (docs/guide/voice.md): the pair on three command sets
 bench-voice-words: setup $(PAIR_BUNDLE)/manifest.json
-	$(RECORD) voice-words voice-words-bias
+	$(RECORD) voice-words voice-words-bias voice-words-latency
 
 # the assistant in conversations: earlier exchanges kept or forgotten (docs/guide/voice.md): the pair, dev then held out
 bench-voice-conversation: setup $(PAIR_BUNDLE)/manifest.json

@@ -285,6 +285,7 @@ COMMAND_SETS = {"voice_commands": 30, "voice_commands_dev": 18, "voice_commands_
                 "voice_followups_unseen": 6, "voice_status_dev": 16, "voice_status_unseen": 16,
                 "voice_arguments_unseen": 20}
 STATUS_TOOLS = [*CAR_TOOLS, STATUS_TOOL]
+NAVIGATE_HOME = {"name": "navigate", "arguments": {"destination": "home"}}
 
 
 @pytest.mark.parametrize("name", COMMAND_SETS)
@@ -840,6 +841,25 @@ def test_the_benchmark_runs_end_to_end_and_writes_json_markdown_and_a_plot(tiny_
     assert "| full listen-on | full | 2 |" in table and "| speculate listen-off | speculate+slm | 2 |" in table
     assert "| full answer-ahead | full | 2 |" in table and "kept at the final transcript: full answer-ahead 2/2" in table
     assert (tmp_path / "voice.png").stat().st_size > 1000
+
+
+def test_the_benchmark_times_commands_that_want_words_apart_from_those_that_want_a_call(tiny_slm_bundle, tmp_path):
+    from tools.bench_voice import main
+
+    mixed = tmp_path / "mixed.json"
+    mixed.write_text(json.dumps({"commands": [{"text": "Navigate home.", "expect": [NAVIGATE_HOME]},
+                                              {"text": "Tell me a joke.", "expect": []},
+                                              {"text": "Good morning.", "expect": []}]}))
+    assert main(["--bundle", str(tiny_slm_bundle), "--commands-file", str(mixed), "--modes", "full", "--no-tools",
+                 "--listen", "off", "--tts", "none", "--max-new-tokens", "4", "--warmup", "0",
+                 "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "voice.json").read_text())
+    assert [s["wants"] for s in result["samples"]] == ["call", "words", "words"]
+    parts = result["summary"]["rows"]["full listen-off"]["by_wants"]
+    assert (parts["call"]["n"], parts["words"]["n"]) == (1, 2)
+    totals = sorted(s["seconds"]["total"] for s in result["samples"][1:])
+    assert parts["words"]["total"]["p50"] == pytest.approx(sum(totals) / 2)
+    assert "by what the command wants, p50 / p95: full listen-off: call" in (tmp_path / "voice.md").read_text()
 
 
 def test_the_benchmark_says_commands_in_conversations_each_judged_after_the_earlier_ones(tiny_slm_bundle, tmp_path):

@@ -159,6 +159,7 @@ async def one_chat(engine, commands: list[dict[str, Any]], mode: str, listen: st
         resolved = assistant.chat.options  # what auto chose
         samples.append({
             "command": command["text"], "mode": mode, "listen_ahead": listen, "turn": turn, "before": before,
+            "wants": "call" if right["expect"] else "words",
             "ran": f"{resolved.mode}" + (f"+{resolved.light}" if resolved.mode not in ("full", "slm") else ""),
             "seconds": record.breakdown(), "listened": record.listened, "listen_tokens": record.listen_tokens,
             "listen_seconds": record.listen_seconds, "listen_wait": record.listen_wait,
@@ -201,6 +202,10 @@ def summarize(samples: list[dict[str, Any]], modes: list[str], listens: list[str
             row["right_calls"] = sum(r["check"]["right_tool"] and r["check"]["right_arguments"] for r in runs)
             row["unasked_actions"] = sum(bool(r.get("unasked")) for r in runs)
             row["unsaid_calls"] = sum(bool(r.get("unsaid_calls")) for r in runs)
+            # a command answered in words has no call to wait for: its latency is the words' own
+            row["by_wants"] = {wants: {"n": len(part), **{c: percentiles([r["seconds"][c] for r in part])
+                                                         for c in ("total", "answer_total", "done")}}
+                               for wants in ("call", "words") if (part := [r for r in runs if r.get("wants") == wants])}
             if any(r["turn"] > 1 for r in runs):  # a conversation: the first turns, then those after earlier ones
                 row["by_turn"] = {part: {"n": len(turns), "right_tool": sum(r["check"]["right_tool"] for r in turns),
                                          "right_calls": sum(r["check"]["right_tool"] and r["check"]["right_arguments"]
@@ -253,6 +258,12 @@ def markdown(result: dict[str, Any]) -> str:
                      f"{row['right_tool']}/{row['n']} | {row['right_calls']}/{row['n']} |")
     lines += ["", "Answers equal to the cold prefill's (tokens): " + ", ".join(
         f"{name} {v['same']}/{v['of']}" for name, v in summary["listen_ahead_same_tokens"].items())]
+    by_wants = [f"{name}: " + ", ".join(f"{wants} {ms(part['total']['p50'])} / {ms(part['total']['p95'])} ms (n={part['n']})"
+                                        for wants, part in row["by_wants"].items())
+                for name, row in summary["rows"].items() if len(row.get("by_wants", {})) > 1]
+    if by_wants:
+        lines.append("End of speech to the first audio sample by what the command wants, p50 / p95: "
+                     + "; ".join(by_wants))
     unasked = [f"{name} {row['unasked_actions']}/{row['n']}" for name, row in summary["rows"].items()
                if "unasked_actions" in row]
     if unasked and result["settings"]["tools"]:
