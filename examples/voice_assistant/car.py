@@ -184,6 +184,11 @@ UNSAID_AS = {"temperature_c": "temperature", "destination": "destination", "cont
              "query": "music or station", "text": "reminder", "time": "time"}
 
 
+def zone_words(zone: str) -> str:
+    """A climate zone as the car says it: "the rear", "the driver side"."""
+    return "the rear" if zone == "rear" else f"the {zone} side"
+
+
 def acknowledgement(name: str) -> str:
     """What to say as soon as the model has chosen to call ``name``, before its arguments."""
     return ACKNOWLEDGEMENTS.get(name, "One moment")
@@ -205,7 +210,7 @@ def confirmation(name: str, arguments: dict[str, Any], result: dict[str, Any], a
         rest = f"to {arguments['destination']}."
     elif name == "set_temperature":
         zone = arguments.get("zone", "all")
-        where = "the temperature" if zone == "all" else f"the {zone} side" if zone != "rear" else "the rear"
+        where = "the temperature" if zone == "all" else zone_words(zone)
         rest = f"{where} to {arguments['temperature_c']:g} degrees."
     elif name == "call":
         rest = f"{arguments['contact']}."
@@ -234,8 +239,8 @@ def reading(result: dict[str, Any]) -> str:
         zones = result["temperature_c"]
         if len(set(zones.values())) == 1:
             return f"The cabin is set to {next(iter(zones.values())):g} degrees."
-        return "The " + ", the ".join(f"{'rear' if zone == 'rear' else f'{zone} side'} is set to {value:g} degrees"
-                                      for zone, value in zones.items()) + "."
+        said = ", ".join(f"{zone_words(zone)} is set to {value:g} degrees" for zone, value in zones.items())
+        return f"{said[0].upper()}{said[1:]}."
     if item == "outside_temperature":
         return f"It is {result['outside_c']:g} degrees outside."
     if item == "route":
