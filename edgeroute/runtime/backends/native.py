@@ -225,9 +225,6 @@ def _address(array: np.ndarray | None) -> int | None:
 
 # -- caches: the library's sessions -----------------------------------------------------------------
 
-CLOSED_CACHE = "this cache was closed (cache.close(), or its engine closed): it holds nothing to run on"
-
-
 class NativeCache:
     """One sequence's KV cache: a libedgeroute session (implements ``backend.Cache``). ``keys`` /
     ``values`` view the session's memory as [layers, 1, kv_heads, capacity, row] of ``dtype``
@@ -266,9 +263,9 @@ class NativeCache:
     def length(self) -> int:
         return self.lib.er_session_length(self.handle) if self.handle else 0  # a closed cache holds nothing
 
-    def _open(self) -> None:
+    def _require_open(self) -> None:
         if not self.handle:
-            raise InputError(CLOSED_CACHE)
+            raise InputError("this cache was closed (cache.close(), or its engine closed): it holds nothing to run on")
 
     @property
     def dropped(self) -> np.ndarray | None:
@@ -280,7 +277,7 @@ class NativeCache:
 
     def truncate(self, length: int) -> None:
         """Forget positions >= length (rejected speculative tokens)."""
-        self._open()
+        self._require_open()
         _check(self.lib, self.lib.er_session_truncate(self.handle, length), ValueError)
 
     def reset(self) -> None:
@@ -290,8 +287,8 @@ class NativeCache:
         """Take over ``other``'s first ``length`` positions (all by default), e.g. a shared prompt prefix."""
         if not isinstance(other, NativeCache):
             raise ValueError("cannot copy between caches of different backends")
-        self._open()
-        other._open()
+        self._require_open()
+        other._require_open()
         _check(self.lib, self.lib.er_session_copy(self.handle, other.handle, -1 if length is None else length), ValueError)
 
     def clone(self) -> NativeCache:
@@ -452,8 +449,7 @@ class NativeModel(LayerwiseModel):
         if not isinstance(cache, NativeCache) or cache.model is not self:
             raise InputError(f"the native backend runs on its own caches (heads-first {self.kv_dtype}): use "
                              "model.new_cache()")
-        if not cache.handle:
-            raise InputError(CLOSED_CACHE)
+        cache._require_open()
 
     def _ids(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
         ids = np.asarray(ids).reshape(-1)
