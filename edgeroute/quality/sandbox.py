@@ -103,12 +103,11 @@ def first_json(text: str) -> object:
     """The first JSON object or array in ``text`` (a fenced block's first, so a footnote such as
     ``[1]`` before it does not win), or None when there is none. NaN and Infinity, which
     Python's json reads, are not JSON: a value holding them is none."""
-    decoder = STRICT_JSON
     candidates = [code_block(text, "json"), text] if "```" in text else [text]
     for candidate in candidates:
         for start in re.finditer(r"[{\[]", candidate):
             try:
-                return decoder.raw_decode(candidate, start.start())[0]
+                return STRICT_JSON.raw_decode(candidate, start.start())[0]
             except ValueError:
                 continue
     return None
