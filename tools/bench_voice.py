@@ -200,12 +200,12 @@ def summarize(samples: list[dict[str, Any]], modes: list[str], listens: list[str
                 row[component] = percentiles([r["seconds"][component] for r in runs])
             row["right_tool"] = sum(r["check"]["right_tool"] for r in runs)
             row["right_calls"] = sum(r["check"]["right_tool"] and r["check"]["right_arguments"] for r in runs)
-            row["unasked_actions"] = sum(bool(r.get("unasked")) for r in runs)
-            row["unsaid_calls"] = sum(bool(r.get("unsaid_calls")) for r in runs)
+            row["unasked_actions"] = sum(bool(r["unasked"]) for r in runs)
+            row["unsaid_calls"] = sum(bool(r["unsaid_calls"]) for r in runs)
             # a command answered in words has no call to wait for: its latency is the words' own
             row["by_wants"] = {wants: {"n": len(part), **{c: percentiles([r["seconds"][c] for r in part])
                                                          for c in ("total", "answer_total", "done")}}
-                               for wants in ("call", "words") if (part := [r for r in runs if r.get("wants") == wants])}
+                               for wants in ("call", "words") if (part := [r for r in runs if r["wants"] == wants])}
             if any(r["turn"] > 1 for r in runs):  # a conversation: the first turns, then those after earlier ones
                 row["by_turn"] = {part: {"n": len(turns), "right_tool": sum(r["check"]["right_tool"] for r in turns),
                                          "right_calls": sum(r["check"]["right_tool"] and r["check"]["right_arguments"]
@@ -260,17 +260,16 @@ def markdown(result: dict[str, Any]) -> str:
         f"{name} {v['same']}/{v['of']}" for name, v in summary["listen_ahead_same_tokens"].items())]
     by_wants = [f"{name}: " + ", ".join(f"{wants} {ms(part['total']['p50'])} / {ms(part['total']['p95'])} ms (n={part['n']})"
                                         for wants, part in row["by_wants"].items())
-                for name, row in summary["rows"].items() if len(row.get("by_wants", {})) > 1]
+                for name, row in summary["rows"].items() if len(row["by_wants"]) > 1]
     if by_wants:
         lines.append("End of speech to the first audio sample by what the command wants, p50 / p95: "
                      + "; ".join(by_wants))
-    unasked = [f"{name} {row['unasked_actions']}/{row['n']}" for name, row in summary["rows"].items()
-               if "unasked_actions" in row]
+    unasked = [f"{name} {row['unasked_actions']}/{row['n']}" for name, row in summary["rows"].items()]
     if unasked and result["settings"]["tools"]:
         lines.append("Answers in which the car did what no one asked (a car function beyond the expected calls; "
                      "reading and words left out): " + ", ".join(unasked))
     unsaid = [f"{name} {row['unsaid_calls']}/{row['n']}" for name, row in summary["rows"].items()
-              if row.get("unsaid_calls")]
+              if row["unsaid_calls"]]
     if unsaid:
         lines.append("Answers with a call not run for an argument the driver did not say (the car said it did not "
                      "catch it): " + ", ".join(unsaid))
