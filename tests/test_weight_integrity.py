@@ -4,7 +4,9 @@ default everywhere the Python side opens a bundle (bench included), with an expl
 
 from __future__ import annotations
 
+import gc
 import struct
+import sys
 import warnings
 from pathlib import Path
 
@@ -130,6 +132,16 @@ def test_weights_damaged_in_place_are_refused_by_the_library_unless_verification
         native.NativeModel(unchecked, threads=1, verify=True)
     model = native.NativeModel(unchecked, threads=1)  # the bundle's opt-out carries over
     assert not model.verified
+
+
+def test_a_model_whose_weights_the_library_refused_is_collected_quietly(demo, tmp_path, monkeypatch):
+    unraisable = []  # what __del__ raised, which Python reports and goes on
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    unchecked = Bundle.open(_damaged_copy(demo, tmp_path), verify=False)
+    with pytest.raises(BundleError, match="the weights are damaged"):
+        native.NativeModel(unchecked, threads=1, verify=True)
+    gc.collect()
+    assert not unraisable, [str(u.exc_value) for u in unraisable]
 
 
 def test_bench_verifies_bundles_by_default_and_no_verify_opts_out(demo, tmp_path):

@@ -337,6 +337,7 @@ class NativeModel(LayerwiseModel):
         params = _sized(_ModelParams, kernels=_resolve(self.lib, kernels), threads=threads, max_pass=PREFILL_CHUNK,
                         verify=header_constants()["ER_VERIFY_DIGEST" if verify else "ER_VERIFY_NONE"])
         handle = ctypes.c_void_p()
+        self.handle: ctypes.c_void_p | None = None  # until the library opened the weights (close() then has none)
         self._handle_lock = threading.Lock()  # close() waits for the calls that run on the handle (_held)
         path = bundle.file(entry.native.file)
         _check(self.lib, self.lib.er_model_open(str(path).encode(), ctypes.byref(params), ctypes.byref(handle)))
