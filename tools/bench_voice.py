@@ -233,8 +233,9 @@ def ms(value: float | None) -> str:
 def markdown(result: dict[str, Any]) -> str:
     summary = result["summary"]
     acknowledged = result["settings"].get("acknowledge", False)
+    backend = result["backend"] + (f" ({result['kernels']} kernels)" if result["kernels"] else "")
     lines = [f"Voice latency, {result['bundle']}, {result['settings']['commands']} commands, backend "
-             f"{result['backend']}, {result['threads']} threads, TTS {result['tts']}, tools "
+             f"{backend}, {result['threads']} threads, TTS {result['tts']}, tools "
              + (f"tool_choice {result['settings']['tool_choice']}"
                 + (" + words tool" if result["settings"].get("words_tool") else "")
                 + (" + status tool" if result["settings"].get("status_tool") else "")
@@ -356,6 +357,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--profile", default=None, help="device profile (its threads; e.g. jetson-orin-nano-8gb)")
     parser.add_argument("--threads", type=int, default=None, help="threads (default: $EDGEROUTE_THREADS, the profile's)")
     parser.add_argument("--backend", default="auto")
+    parser.add_argument("--kernels", default="auto",
+                        help="the native kernels (auto: the best this CPU runs; generic: the same sums on every CPU)")
     parser.add_argument("--wpm", type=float, default=150, help="speaking rate, words a minute")
     parser.add_argument("--speed", type=float, default=1.0, help="scripted speech: 1 real time (listen-ahead on)")
     parser.add_argument("--asr-delay", type=float, default=0.0,
@@ -417,7 +420,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.conversation > 1 and any(c.get("before") for c in commands):
         raise SystemExit(f"--conversation: {args.commands_file} holds follow-ups (\"before\"), each said in a chat "
                          "of its own after what it follows")
-    engine = Engine(args.bundle, profile=args.profile, task="voice-command", backend=args.backend, verify=False)
+    engine = Engine(args.bundle, profile=args.profile, task="voice-command", backend=args.backend, kernels=args.kernels,
+                    verify=False)
     args.light = args.light or ("slm" if engine.use_slm else "ngram")
     modes, notes = available_modes(engine, [m.strip() for m in args.modes.split(",") if m.strip()])
     tts = "espeak-ng" if args.tts == "espeak" or (args.tts == "auto" and espeak_available()) else "none"
@@ -452,7 +456,8 @@ def main(argv: list[str] | None = None) -> int:
                           f"{'ok' if sample['check']['right_tool'] and sample['check']['right_arguments'] else 'WRONG'} "
                           f"{[c['name'] for c in sample['tool_calls']]}", flush=True)
             number += len(chat)
-    result = {"bundle": str(args.bundle), "backend": engine.llm.flavour, "threads": threads, "profile": args.profile,
+    result = {"bundle": str(args.bundle), "backend": engine.llm.flavour, "kernels": getattr(engine.llm, "kernels", None),
+              "threads": threads, "profile": args.profile,
               "tts": tts, "created": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "command": " ".join(shlex.quote(a) for a in [sys.executable, "-m", "tools.bench_voice", *(argv or sys.argv[1:])]),
               "commit": commit(), "machine": machine_info(), "notes": notes,
