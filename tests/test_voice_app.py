@@ -8,7 +8,9 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import re
 import shutil
+import time
 
 import pytest
 
@@ -721,6 +723,50 @@ def test_a_words_call_beside_a_car_call_is_said_and_both_get_a_result(tool_engin
     assert [m["tool_call_id"] for m in chat.prompts[1]] == ["call_0", "call_1"]
     assert "".join(chunk for chunk, _ in speaker.said) == "On my way.Navigating to airport."
     assert record.answer == "On my way."
+
+
+class WordsWritingChat:
+    """A chat that writes one words call in ``pieces`` of its JSON, then takes ``linger`` seconds
+    over the call's closing tokens and the end of the turn (a model's last decode steps)."""
+
+    def __init__(self, pieces: list[str], linger: float) -> None:
+        self.pieces, self.linger, self.messages, self.last = pieces, linger, [], None
+        self.ended_at: float | None = None
+
+    def astream(self, prompt, on_token=None, on_tool_name=None, **options):
+        from types import SimpleNamespace
+
+        from edgeroute.runtime.engine import Generation
+        from edgeroute.runtime.tools import ToolCall
+
+        text = json.loads("".join(self.pieces))["arguments"]["text"]
+
+        async def write():
+            on_tool_name(WORDS_TOOL_NAME)
+            for piece in self.pieces:
+                on_token(SimpleNamespace(text=piece, source="model"))
+                await asyncio.sleep(0)
+            await asyncio.sleep(self.linger)
+            self.last = Generation("", [], tool_calls=[ToolCall("call_0", WORDS_TOOL_NAME, {"text": text})],
+                                   finish_reason="tool_calls")
+            self.ended_at = time.perf_counter()
+            return
+            yield
+
+        return write()
+
+
+@pytest.mark.parametrize("text", ["It is sunny.", "It is sunny. Take a hat", "I cannot, sorry"])
+def test_the_words_last_sentence_is_said_when_its_string_closes_not_when_the_call_ends(tool_engine, text):
+    speaker = NullSpeaker()
+    assistant = VoiceAssistant(tool_engine, speaker, system=SYSTEM, tools=TOOLS, words_tool=True, tool_choice=WORDS,
+                               listen_ahead=False)
+    pieces = ['{"name": "', WORDS_TOOL_NAME, '", "arguments": {"text": "', *re.split("(?= )", text), '"}}']
+    assistant.chat = chat = WordsWritingChat(pieces, linger=0.5)
+    [record] = asyncio.run(assistant.converse("What is the weather?", speed=0))
+    assert "".join(chunk for chunk, _ in speaker.said) == record.answer == text
+    # every chunk, the last one too, was said before the call's closing tokens were decoded
+    assert all(at < chat.ended_at - 0.4 for _, at in speaker.said)
 
 
 def test_a_words_bias_of_100_moves_every_command_to_the_words_tool_and_minus_100_off_it(tool_engine):

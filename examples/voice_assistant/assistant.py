@@ -131,9 +131,11 @@ class _CallNamed:
 
 @dataclass(frozen=True)
 class _Words:
-    """In a generation's pieces: words of the words tool's call (its ``text``), to be said."""
+    """In a generation's pieces: words of the words tool's call (its ``text``), to be said;
+    ``closes``: the text ended with them (its last chunk need not wait for the call's end)."""
 
     text: str
+    closes: bool = False
 
 
 @dataclass
@@ -162,8 +164,11 @@ class _WordsReader:
         self.reader = StringArgument("text") if name == WORDS_TOOL_NAME else None
 
     def token(self, trace) -> None:
-        if self.reader is not None and trace.text and (text := self.reader.push(trace.text)):
-            self.say(_Words(text))
+        if self.reader is None or self.reader.closed or not trace.text:
+            return
+        text = self.reader.push(trace.text)
+        if text or self.reader.closed:
+            self.say(_Words(text, closes=self.reader.closed))
 
 
 class VoiceAssistant:
@@ -454,9 +459,15 @@ class VoiceAssistant:
                             self._acknowledge(queue, piece.name, record)
                             continue
                         if isinstance(piece, _Words):
-                            said, piece = said + piece.text, piece.text
-                            self._worded.add(generation.number)
-                        for chunk in [] if confirmed else splitter.push(piece):
+                            said += piece.text
+                            if piece.text:
+                                self._worded.add(generation.number)
+                            # the closing quote ends the last sentence: said now, not after the call's
+                            # closing tokens and the end of the turn
+                            chunks = splitter.push(piece.text) + (splitter.flush() if piece.closes else [])
+                        else:
+                            chunks = splitter.push(piece)
+                        for chunk in [] if confirmed else chunks:
                             self._queue(queue, generation.number, chunk, record)
                 finally:  # a barge-in's record keeps it too
                     if round_ == 0 and generation.first_token_at is not None:
