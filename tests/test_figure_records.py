@@ -236,3 +236,24 @@ def test_an_eval_report_is_summarized_per_task_with_what_auto_ran_and_its_ratio_
                     "passed": "5/6", "x_llama_cpp": 1.6}
     assert summary["per_task"]["code"]["llama.cpp"] == {"tok_s": 32.5}
     assert "x_llama_cpp" not in summary["per_task"]["json"]["auto"]
+
+
+def test_a_decode_bench_is_summarized_per_role_and_context_with_natives_ratio_to_llama_cpp():
+    def record(role: str, backend: str, context: int, tok_s: float) -> dict:
+        return {"role": role, "backend": backend, "context": context, "decode_tok_s": tok_s}
+
+    report = {"records": [record("llm", "native", 32, 27.8), record("llm", "llama.cpp", 32, 20.1),
+                          record("slm", "native", 1024, 62.7), record("slm", "onnxruntime", 1024, 30.0)]}
+    summary = records.summarize(["/venv/bin/edgeroute", "bench", "b", "--json", "o"], report)
+    assert summary == {"llm ctx 32": {"native_tok_s": 27.8, "llama_cpp_tok_s": 20.1, "native_x_llama_cpp": 1.38},
+                       "slm ctx 1024": {"native_tok_s": 62.7, "onnxruntime_tok_s": 30.0}}
+
+
+def test_pass_benchmarks_are_summarized_as_a_four_token_pass_over_a_one_token_one():
+    llama = {"threads": 2, "logits": "all", "m1_ms": [50.0, 60.0, 55.0], "m4_ms": [150.0, 150.0, 220.0]}
+    summary = records.summarize(["/venv/bin/python", "-m", "tools.bench_llama_passes", "--out", "o"], llama)
+    assert summary["m1_ms_median"] == 55.0 and summary["m4_ms_median"] == 150.0
+    assert summary["m4_over_m1_median"] == 3.0  # the median of the rounds' ratios (3, 2.5, 4), not of the medians
+    ours = [{"kernels_run": "avx2", "threads": 1, "slm_step_ms": 29.3, "pass_ms": [60.0, 66.0, 80.0, 90.0, 120.0]}]
+    summary = records.summarize(["/venv/bin/python", "-m", "tools.bench_passes", "b", "--out", "o"], ours)
+    assert summary == {"avx2, 1 thread(s)": {"m1_ms": 60.0, "m4_ms": 90.0, "m4_over_m1": 1.5, "slm_step_ms": 29.3}}

@@ -354,10 +354,20 @@ def _output(out: Path, stdout: str):
 def summarize(argv: list[str], result: object) -> object:
     """A command's summary: the tool's own ``summary`` section; for ``edgeroute inspect --json``
     of a calibrated bundle, the calibration's figures (tools/benchlib/calibration.py); for
-    ``edgeroute eval --json``, each task's and mode's (tools/benchlib/evaluation.py)."""
+    ``edgeroute eval --json``, each task's and mode's (tools/benchlib/evaluation.py); for
+    ``edgeroute bench --json`` and the pass benchmarks, theirs (tools/benchlib/decoding.py)."""
     if isinstance(result, dict) and "summary" in result:
         return result["summary"]
+    from tools.benchlib import decoding
+
+    tool = argv[2] if len(argv) > 2 and argv[1] == "-m" else Path(argv[1]).stem if len(argv) > 1 else None
+    if tool in ("tools.bench_llama_passes", "bench_llama_passes") and isinstance(result, dict):
+        return decoding.llama_passes_summary(result)
+    if tool in ("tools.bench_passes", "bench_passes") and isinstance(result, list):
+        return decoding.passes_summary(result)
     command = argv[1] if Path(argv[0]).name == "edgeroute" and len(argv) > 1 else None
+    if command == "bench" and isinstance(result, dict) and "records" in result:
+        return decoding.bench_summary(result)
     if command == "inspect" and isinstance(result, dict) and result.get("calibration"):
         from tools.benchlib.calibration import calibration_summary
 
