@@ -102,15 +102,24 @@ def _physical_cores(processors: list[dict[str, str]]) -> int | None:
 
 def describe_cpu() -> dict[str, Any]:
     """What ``edgeroute bench`` prints about the CPU: ``cpu_signature()`` plus "model" (the CPU's
-    name), "board" (the device tree's model, e.g. a Jetson's; None elsewhere), "cores" (physical)
-    and "threads" (the OS's logical CPUs)."""
+    name), "family" (x86's family and model numbers; None elsewhere), "board" (the device tree's
+    model, e.g. a Jetson's; None elsewhere), "cores" (physical) and "threads" (the OS's logical CPUs)."""
     processors = _processors()
     try:
         board: str | None = DEVICE_TREE_MODEL.read_text().strip("\x00\n ") or None
     except OSError:
         board = None
-    return {**cpu_signature(), "model": _model_name(processors), "board": board,
+    return {**cpu_signature(), "model": _model_name(processors), "family": _family(processors), "board": board,
             "cores": _physical_cores(processors), "threads": os.cpu_count()}
+
+
+def _family(processors: list[dict[str, str]]) -> str | None:
+    """x86: "family F model M" from /proc/cpuinfo, which a VM passes through where it names the CPU
+    only "AMD EPYC" (family 25 model 1 is Zen 3, 25/17 Zen 4); None elsewhere."""
+    first = processors[0] if processors else {}
+    if "cpu family" not in first or "model" not in first:
+        return None
+    return f"family {first['cpu family']} model {first['model']}"
 
 
 def cpu_signature() -> dict[str, Any]:

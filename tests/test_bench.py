@@ -119,7 +119,17 @@ def test_describe_cpu_names_a_jetsons_board_cores_and_dotprod(tmp_path, monkeypa
     described = cpu.describe_cpu()
     assert described["board"] == "NVIDIA Jetson Orin Nano Developer Kit"
     assert (described["model"], described["cores"]) == ("6x Cortex-A78AE", 6)
-    assert described["isa"] == ["asimd", "asimddp", "asimdhp"]
+    assert described["isa"] == ["asimd", "asimddp", "asimdhp"] and described["family"] is None
+
+
+def test_describe_cpu_gives_an_x86_cpus_family_and_model_which_a_vm_passes_through(tmp_path, monkeypatch):
+    import edgeroute.cpu as cpu
+
+    zen3 = "processor\t: {n}\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 1\nmodel name\t: AMD EPYC\n"
+    (tmp_path / "cpuinfo").write_text("\n".join(zen3.format(n=n) for n in range(2)))
+    monkeypatch.setattr(cpu, "CPUINFO", tmp_path / "cpuinfo")
+    described = cpu.describe_cpu()
+    assert (described["model"], described["family"]) == ("AMD EPYC", "family 25 model 1")
 
 
 def test_bench_of_a_missing_bundle_fails_naming_it(tmp_path):
