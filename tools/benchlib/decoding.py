@@ -10,8 +10,6 @@ from typing import Any
 
 import numpy as np
 
-LLAMA_CPP = "llama.cpp"
-
 
 def bench_summary(report: dict[str, Any]) -> dict[str, Any]:
     """Per "<role> ctx <n>": ``<backend>_tok_s`` for each backend that ran and, where native
