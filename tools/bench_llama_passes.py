@@ -15,11 +15,10 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools.benchlib, when run as a script
 
 from edgeroute.files import atomic_write  # noqa: E402
+from tools.benchlib.decoding import llama_passes_summary  # noqa: E402
 from tools.benchlib.llama import checked_gguf, open_llama  # noqa: E402
 
 PREFIX = 96
@@ -48,12 +47,12 @@ def main(argv: list[str] | None = None) -> int:
                 llm.eval(ids[PREFIX:PREFIX + m])
             if r >= 0:
                 times[m].append((time.perf_counter() - start) / REPEATS * 1e3)
-    ratio = np.array(times[4]) / np.array(times[1])
-    print(f"llama.cpp, {args.threads} thread(s), logits of {args.logits}: M=1 {np.median(times[1]):.1f} ms  "
-          f"M=4 {np.median(times[4]):.1f} ms  M4/M1 {np.median(ratio):.3f} "
-          f"({np.percentile(ratio, 25):.3f}-{np.percentile(ratio, 75):.3f})")
-    atomic_write(args.out, json.dumps({"gguf": str(gguf), "threads": args.threads, "logits": args.logits,
-                                       "m1_ms": times[1], "m4_ms": times[4]}, indent=1))
+    result = {"gguf": str(gguf), "threads": args.threads, "logits": args.logits, "m1_ms": times[1], "m4_ms": times[4]}
+    result["summary"] = summary = llama_passes_summary(result)
+    print(f"llama.cpp, {args.threads} thread(s), logits of {args.logits}: M=1 {summary['m1_ms_median']} ms  "
+          f"M=4 {summary['m4_ms_median']} ms  M4/M1 {summary['m4_over_m1_median']} "
+          f"({summary['quartiles'][0]}-{summary['quartiles'][1]})")
+    atomic_write(args.out, json.dumps(result, indent=1))
     return 0
 
 

@@ -355,14 +355,12 @@ def summarize(argv: list[str], result: object) -> object:
     """A command's summary: the tool's own ``summary`` section; for ``edgeroute inspect --json``
     of a calibrated bundle, the calibration's figures (tools/benchlib/calibration.py); for
     ``edgeroute eval --json``, each task's and mode's (tools/benchlib/evaluation.py); for
-    ``edgeroute bench --json`` and the pass benchmarks, theirs (tools/benchlib/decoding.py)."""
+    ``edgeroute bench --json`` and tools/bench_passes.py, theirs (tools/benchlib/decoding.py)."""
     if isinstance(result, dict) and "summary" in result:
         return result["summary"]
     from tools.benchlib import decoding
 
     tool = argv[2] if len(argv) > 2 and argv[1] == "-m" else Path(argv[1]).stem if len(argv) > 1 else None
-    if tool in ("tools.bench_llama_passes", "bench_llama_passes") and isinstance(result, dict):
-        return decoding.llama_passes_summary(result)
     if tool in ("tools.bench_passes", "bench_passes") and isinstance(result, list):
         return decoding.passes_summary(result)
     command = argv[1] if Path(argv[0]).name == "edgeroute" and len(argv) > 1 else None

@@ -1,8 +1,9 @@
-"""The figures the docs quote from decode benchmarks whose JSON has no summary of its own: a
-figure record's summary (tools/records.py) for ``edgeroute bench --json`` (each role and
-context: every backend's decode speed and native's ratio to llama.cpp), for
-``tools/bench_llama_passes.py`` and for ``tools/bench_passes.py`` (a 4-token pass against a
-one-token one: medians, and the quartiles of the per-round ratio where rounds were paired)."""
+"""The figures the docs quote from decode benchmarks: a figure record's summary
+(tools/records.py) for ``edgeroute bench --json`` (each role and context: every backend's decode
+speed and native's ratio to llama.cpp) and for ``tools/bench_passes.py``, whose JSON has none of
+its own, and the summary ``tools/bench_llama_passes.py`` writes and prints (a 4-token pass
+against a one-token one: medians, and the quartiles of the per-round ratio where rounds were
+paired)."""
 
 from __future__ import annotations
 
