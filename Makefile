@@ -122,7 +122,7 @@ voice-demo-pair: $(PAIR_BUNDLE)/manifest.json
 test: setup pair
 	$(MAKE) example
 	$(BIN)/ruff check edgeroute tests tools examples
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --durations=20  # the slowest tests: what CI's ~35 minutes on 2 cores go to
 
 bench-export: setup
 	$(BIN)/python tools/bench_export.py

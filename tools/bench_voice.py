@@ -456,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
                           f"{'ok' if sample['check']['right_tool'] and sample['check']['right_arguments'] else 'WRONG'} "
                           f"{[c['name'] for c in sample['tool_calls']]}", flush=True)
             number += len(chat)
-    result = {"bundle": str(args.bundle), "backend": engine.llm.flavour, "kernels": getattr(engine.llm, "kernels", None),
+    result = {"bundle": str(args.bundle), "backend": engine.llm.flavour, "kernels": engine.llm.kernels,
               "threads": threads, "profile": args.profile,
               "tts": tts, "created": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "command": " ".join(shlex.quote(a) for a in [sys.executable, "-m", "tools.bench_voice", *(argv or sys.argv[1:])]),

@@ -62,6 +62,7 @@ class ModelBackend(Protocol):
     head_vocab: HeadVocabulary | None  # a reduced-vocabulary head's token ids (None: the whole vocabulary)
     pass_rows: int | None  # tokens one pass over the weights serves (None: not known for this backend)
     tree_forwards: bool  # runs forward_tree / keep_path (native); False: drafts are verified as linear chains
+    kernels: str | None  # the native library's kernel set ("avx2", "dotprod", ...); None: another backend
 
     @property
     def num_layers(self) -> int: ...

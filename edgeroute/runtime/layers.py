@@ -50,6 +50,7 @@ class LayerwiseModel(ABC):
     pass_rows: int | None = None
     # runs forward_tree / keep_path (the native backend); the others verify drafts as linear chains
     tree_forwards = False
+    kernels: str | None = None  # the native library's kernel set ("avx2", "dotprod", ...); None: not native
     # profiling hook: when set, called as timings(kind, seconds) after every graph or kernel
     # call (kind: embed, layer, attn, mlp, kv, head); None costs nothing on the hot path
     timings: Callable[[str, float], None] | None = None

@@ -29,7 +29,7 @@ def main() -> None:
     args = parser.parse_args()
     options = EngineOptions(backend=args.backend, kv_dtype=args.kv_dtype, threads=1)
     model, _ = open_model(Bundle.open(args.bundle, verify=False), "llm", options)
-    print(" ".join(filter(None, (model.flavour, getattr(model, "kernels", None)))), flush=True)
+    print(" ".join(filter(None, (model.flavour, model.kernels))), flush=True)
     cache = model.new_cache()
     logits = model.forward(cache, np.asarray(args.ids, dtype=np.int64))
     decoded = []
