@@ -260,8 +260,7 @@ def _native_here() -> str:
 
 def _runs_on(model) -> str:
     """What runs a model's layers, for the stats line: "native dotprod kernels", "portable"."""
-    kernels = getattr(model, "kernels", None) if model.flavour == "native" else None
-    return f"native {kernels} kernels" if kernels else model.flavour
+    return f"native {model.kernels} kernels" if model.kernels else model.flavour
 
 
 def _print_tensorrt_findings(b, report: Path | None) -> int:
@@ -421,6 +420,8 @@ def run(
     draft_confidence: float = typer.Option(None, help="slm drafts end below this probability"),
     draft_branches: int = typer.Option(None, help="speculate: drafts as trees of N branches"),
     draft_tree_nodes: int = typer.Option(None, help="speculate: tokens a tree (default: per CPU)"),
+    draft_rows: int = typer.Option(None, help="speculating SLM: head rows of the lowest ids, beside its sequence's "
+                                              "(0: its whole head)"),
     lookup_min_match: int = typer.Option(None, help="ngram+slm: lookup after N matched tokens"),
     lookup_tokens: int = typer.Option(None, help="ngram+slm: tokens per lookup draft"),
     importance_threshold: float = typer.Option(None, help="skip below this importance"),
@@ -452,7 +453,7 @@ def run(
             stop=tuple(stop) if stop else None, logit_bias=_logit_bias(logit_bias), router=router,
             route_threshold=route_threshold, route_check=route_check, draft_tokens=draft_tokens,
             draft_confidence=draft_confidence,
-            draft_branches=draft_branches, draft_tree_nodes=draft_tree_nodes,
+            draft_branches=draft_branches, draft_tree_nodes=draft_tree_nodes, draft_rows=draft_rows,
             lookup_min_match=lookup_min_match, lookup_tokens=lookup_tokens, importance_threshold=importance_threshold,
             skip_ratio=skip_ratio,
             max_free_layers=max_free_layers, re_eval_interval=re_eval_interval, granularity=granularity,

@@ -160,13 +160,14 @@ def test_engine_options_and_profile_keywords_are_not_mixed(tiny_slm_bundle):
         Engine(tiny_slm_bundle, kv_cache="int8")
 
 
-def test_the_stats_line_names_the_native_kernel_set():
+def test_the_stats_line_names_the_native_kernel_set(tiny_slm_bundle):
     from types import SimpleNamespace
 
     from edgeroute.cli import _runs_on
 
     assert _runs_on(SimpleNamespace(flavour="native", kernels="dotprod")) == "native dotprod kernels"
-    assert _runs_on(SimpleNamespace(flavour="portable")) == "portable"
+    onnx = Engine(tiny_slm_bundle, backend="onnxruntime").llm  # every backend's model says its kernels: None here
+    assert onnx.kernels is None and _runs_on(onnx) == onnx.flavour == "portable"
 
 
 # what `run` does not expose as a flag, and why: set from the Python API or a profile instead

@@ -325,6 +325,90 @@ def test_engine_picks_native_and_speculation_reproduces_full_without_exact_steps
     assert ort.llm.flavour == "portable"
 
 
+def test_head_rows_give_the_head_columns_of_their_tokens(models):
+    model, _ = models
+    hidden = np.random.default_rng(3).standard_normal((3, model.arch.hidden_size)).astype(np.float32)
+    full = model.head(hidden)
+    ids = np.r_[np.arange(40) * 997 % model.arch.vocab_size, model.arch.vocab_size - 1]  # two packed groups and more
+    rows = model.head_rows(ids)
+    assert len(rows) == ids.size
+    np.testing.assert_allclose(rows.logits(hidden), full[:, ids], rtol=0, atol=1e-5 * np.abs(full).max())
+    for bad in ([], [model.arch.vocab_size], [-1]):
+        with pytest.raises(InputError, match="token ids"):
+            model.head_rows(bad)
+    rows.close()
+    with pytest.raises(InputError, match="closed"):
+        rows.logits(hidden)
+
+
+def test_head_rows_outlive_their_models_handle(demo):
+    model = native.NativeModel(demo, kernels="generic", threads=1)
+    hidden = np.ones((1, model.arch.hidden_size), np.float32)
+    want = model.head(hidden)[:, [5, 9]]
+    rows = model.head_rows([5, 9])
+    model.close()
+    assert np.array_equal(rows.logits(hidden), want)
+
+
+def test_a_draft_vocabulary_scores_its_common_ids_and_the_sequences_and_no_other_token(demo):
+    from edgeroute.runtime.drafters import DraftVocabulary, common_ids
+
+    model = native.NativeModel(demo, "slm", kernels="generic", threads=1)
+    vocab = model.arch.vocab_size
+    vocabulary = DraftVocabulary(model, common_ids(vocab, 64, [vocab - 1, vocab + 5]))  # an added id past it: dropped
+    assert vocabulary.common.ids.tolist() == [*range(64), vocab - 1]
+    assert vocabulary.sequence_rows([1, 2, 63]) is None  # all common
+    rows = vocabulary.sequence_rows([5, 300, 4000, 300])
+    assert rows.ids.tolist() == [300, 4000] and vocabulary.sequence_rows([5, 300], rows) is rows
+    grown = vocabulary.sequence_rows([5, 300, 4000, 300, 9000], rows)
+    assert grown.ids.tolist() == [300, 4000, 9000]
+    hidden = np.random.default_rng(4).standard_normal((2, model.arch.hidden_size)).astype(np.float32)
+    full, logits = model.head(hidden), vocabulary.logits(hidden, grown)
+    kept = [*range(64), vocab - 1, 300, 4000, 9000]
+    np.testing.assert_allclose(logits[:, kept], full[:, kept], rtol=0, atol=1e-5 * np.abs(full).max())
+    assert np.isneginf(np.delete(logits, kept, axis=1)).all()
+
+
+def test_a_speculating_slm_drafts_from_its_common_rows_and_the_sequences_tokens_and_keeps_fulls_output(
+        demo, monkeypatch):
+    from edgeroute.runtime.drafters import SlmDrafter
+
+    engine = Engine(demo, backend="native")
+    prompt = "Send a message to Marguerite Okonkwo at 221B Baker Street: the parcel arrives on Thursday."
+    full = engine.generate(prompt, mode="full", max_new_tokens=32)
+    drafts = []
+    propose = SlmDrafter.propose
+
+    def recorded(self, tokens, k, min_confidence=0.0, vocabulary=None):
+        proposal = propose(self, tokens, k, min_confidence, vocabulary)
+        drafts.append((list(tokens), vocabulary, proposal.tokens))
+        return proposal
+
+    monkeypatch.setattr(SlmDrafter, "propose", recorded)
+    rows = 256  # bytes and the commonest merges: most words are outside them
+    got = engine.generate(prompt, mode="speculate", light="slm", draft_rows=rows, max_new_tokens=32)
+    assert got.tokens == full.tokens
+    vocabulary = engine.draft_vocabulary(rows)
+    common = set(vocabulary.common.ids.tolist())
+    assert drafts and all(v is vocabulary for _, v, _ in drafts)
+    for tokens, _, drafted in drafts:
+        for token in drafted:  # each from the common rows, or a token of the sequence before it
+            assert token in common or token in tokens, token
+            tokens.append(token)
+    drafts.clear()
+    engine.generate(prompt, mode="speculate", light="slm", draft_rows=0, max_new_tokens=8)
+    engine.generate(prompt, mode="route", light="slm", max_new_tokens=8)
+    assert drafts and all(v is None for _, v, _ in drafts)  # the whole head: asked for, or routing
+    assert engine.draft_vocabulary(0) is None and engine.draft_vocabulary(engine.slm.arch.vocab_size) is None
+
+
+def test_draft_rows_is_a_whole_number_and_onnx_runtime_slms_read_their_whole_head(tiny_engine):
+    for bad in (-1, 2.5, True):
+        with pytest.raises(InputError, match="draft_rows"):
+            tiny_engine.generate("hi", mode="speculate", light="slm", draft_rows=bad)
+    assert tiny_engine.slm.kernels is None and tiny_engine.draft_vocabulary(16) is None
+
+
 # the sets' activation rows per pass over the weights (PACK_TILE where they pack, else TILE)
 PASS_ROWS = {"avx2": 4, "avx512-vnni": 3, "neon": 4, "dotprod": 4, "i8mm": 4, "generic": 4}
 

@@ -146,6 +146,9 @@ def all_configs(skip_ratio: float, lookup_tokens: int, draft_tokens: int = 4, al
         configs += [Config(f"slm{tag}", "edgeroute", {"mode": "slm"}, "edgeroute-llm+slm", alt_slm=alt),
                     Config(f"speculate+slm{tag}", "edgeroute", {"mode": "speculate", "light": "slm"}, "edgeroute-llm+slm",
                            alt_slm=alt),
+                    # the SLM's whole head, beside the default draft vocabulary (its common rows and the sequence's)
+                    Config(f"speculate+slm@whole-head{tag}", "edgeroute", {"mode": "speculate", "light": "slm",
+                                                                       "draft_rows": 0}, "edgeroute-llm+slm", alt_slm=alt),
                     # the drafts' former default ceiling, beside the one-pass default
                     Config(f"speculate+slm@8{tag}", "edgeroute", {"mode": "speculate", "light": "slm", "max_draft_tokens": 8},
                            "edgeroute-llm+slm", alt_slm=alt),

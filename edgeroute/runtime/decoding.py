@@ -30,13 +30,14 @@ from edgeroute.errors import InputError
 from edgeroute.runtime.backend import Cache, ModelBackend, close_cache
 from edgeroute.runtime.constraints import Constraint, Draft, ResponseFormat, apply_mask
 from edgeroute.runtime.drafters import (
+    DRAFT_ROWS,
     LONGEST_DRAFT,
-    ConfidentSlmDrafts,
     DraftLength,
     LookupThenSlmDrafter,
     NgramDrafter,
     Proposal,
     SlmDrafter,
+    SlmDrafts,
     draft_lengths,
     draft_source,
     tree_nodes,
@@ -190,6 +191,10 @@ class DecodeOptions:
     # stay linear chains)
     draft_branches: int = 1
     draft_tree_nodes: int | None = None
+    # speculate --light slm / ngram+slm on the native backend: the SLM drafts from its head's rows of
+    # the draft_rows lowest ids (and the added tokens) and of the sequence's own ids, where its
+    # vocabulary is larger (drafters.DraftVocabulary); 0: from its whole head
+    draft_rows: int = DRAFT_ROWS
     skip: SkipOptions = field(default_factory=SkipOptions)
     fallback: FallbackOptions | None = field(default_factory=FallbackOptions)
     # structured output: a JSON schema, regex or grammar every token must fit (see constraints.py)
@@ -310,6 +315,9 @@ class DecodeOptions:
         check_sampling(self.temperature, self.top_p, self.seed)
         if self.draft_confidence is not None and not 0.0 <= self.draft_confidence < 1.0:
             raise InputError(f"draft_confidence must be within [0, 1) (got {self.draft_confidence})")
+        if isinstance(self.draft_rows, bool) or not isinstance(self.draft_rows, int) or self.draft_rows < 0:
+            raise InputError(f"draft_rows must be a whole number >= 0 (0: the SLM drafts from its whole head; got "
+                             f"{self.draft_rows!r})")
         if self.max_draft_tokens is not None and self.max_draft_tokens < 1:
             raise InputError(f"max_draft_tokens must be >= 1 (got {self.max_draft_tokens})")
         longest = self.max_draft_tokens or LONGEST_DRAFT
@@ -414,6 +422,7 @@ class SequenceState:
         close_cache(self.llm_cache)
         if self.slm_drafter is not None:
             close_cache(self.slm_drafter.cache)
+            self.slm_drafter.close_rows()
 
     @property
     def capacity(self) -> int:
@@ -472,8 +481,11 @@ class Decoder:
         risky = (base == "route" and not self.verified) or self.skipper is not None
         self.monitor = FallbackMonitor(options.fallback) if options.fallback and risky else None
         slm = state.slm_drafter
-        if slm is not None and (base == "speculate" or self.verified) and options.draft_confidence:
-            slm = ConfidentSlmDrafts(slm, options.draft_confidence)
+        # speculation alone drafts from the drafter's vocabulary: its tokens are only proposals
+        vocabulary = slm.vocabulary if slm is not None and base == "speculate" else None
+        confidence = options.draft_confidence if base == "speculate" or self.verified else None
+        if slm is not None and (confidence or vocabulary is not None):
+            slm = SlmDrafts(slm, confidence or 0.0, vocabulary)
         light = {"slm": slm, "ngram": state.ngram_drafter}.get(options.light)
         if options.light == "ngram+slm":
             light = LookupThenSlmDrafter(state.ngram_drafter, slm, options.lookup_min_match, options.lookup_tokens)

@@ -50,7 +50,7 @@ from edgeroute.runtime.decoding import (
     SequenceState,
     TokenTrace,
 )
-from edgeroute.runtime.drafters import draft_lengths
+from edgeroute.runtime.drafters import DraftVocabulary, common_ids, draft_lengths
 from edgeroute.runtime.memory import check_fit
 from edgeroute.runtime.options import EngineOptions
 from edgeroute.runtime.routers import TrainedRouter
@@ -205,6 +205,7 @@ class Engine:
             self.llm.close()  # now: the traceback keeps this engine, and an app that retries needs the memory
             raise
         self._slm: ModelBackend | None = None
+        self._draft_vocabularies: dict[int, DraftVocabulary] = {}  # draft_rows -> what the SLM drafts from
         self._slm_lock = threading.Lock()
         self._lock = threading.Condition()  # guards the four below and _routers; notified as a call ends
         self._closed = False  # close() was called
@@ -287,6 +288,19 @@ class Engine:
             if self._slm is None:
                 self._slm = self._open("slm")
         return self._slm
+
+    def draft_vocabulary(self, rows: int) -> DraftVocabulary | None:
+        """What the SLM drafts from when it speculates with ``draft_rows`` ``rows``, made on first
+        use; None where it reads its whole head: rows 0, or not fewer than its vocabulary, or an
+        SLM not on the native kernels (whose head rows it reads)."""
+        slm = self.slm
+        if slm is None or not 0 < rows < slm.arch.vocab_size or slm.kernels is None:
+            return None
+        with self._slm_lock:
+            if rows not in self._draft_vocabularies:
+                added = [*self.tokenizer.get_added_tokens_decoder(), *self.eos_ids]
+                self._draft_vocabularies[rows] = DraftVocabulary(slm, common_ids(slm.arch.vocab_size, rows, added))
+            return self._draft_vocabularies[rows]
 
     # -- calibrated defaults --------------------------------------------------------------------
 
@@ -556,7 +570,9 @@ class Engine:
             for cache in caches.values():
                 close_cache(cache)
         with self._slm_lock:
-            slm = self._slm
+            slm, vocabularies, self._draft_vocabularies = self._slm, self._draft_vocabularies, {}
+        for vocabulary in vocabularies.values():
+            vocabulary.close()
         with self._lock:
             self._routers = {}
         for model in (slm, self.llm):
@@ -902,6 +918,9 @@ class Session:
         if drafter is not None and not drafter.seen:
             sequence = state.tokens + turn.new
             drafter.seen = sequence[:self.engine._copy_shared_prefix(sequence, drafter.cache, "slm")]
+        if drafter is not None:
+            drafter.vocabulary = (self.engine.draft_vocabulary(options.draft_rows)
+                                  if options.base_mode == "speculate" else None)
         memory = self.engine.answer_memory
         # only exact speculation drafts from memory: routing would accept its drafts unchecked
         state.ngram_drafter.memory = (memory.haystack(options.task) if memory is not None

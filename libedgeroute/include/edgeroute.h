@@ -58,8 +58,10 @@ extern "C" {
 #define ER_API __attribute__((visibility("default")))
 #endif
 
-/* Bumped on any change a caller compiled against an older header could not survive. */
-#define ER_ABI_VERSION 9
+/* Bumped on any change a caller compiled against an older header could not survive, and when
+ * functions are added (a host that binds them at run time, as edgeroute's ctypes layer does,
+ * checks this number before it looks them up). */
+#define ER_ABI_VERSION 10
 
 /* ---- errors ------------------------------------------------------------------------------ */
 
@@ -282,6 +284,18 @@ ER_API er_status er_session_run_layers(er_session *session, float *hidden, int32
                                        int32_t last, const uint8_t *plan, double *layer_seconds);
 ER_API er_status er_session_advance(er_session *session, int32_t n);
 ER_API er_status er_model_head(er_model *model, const float *hidden, int32_t n, float *logits);
+
+/* A head over some of the vocabulary: a drafter that proposes only common tokens and those of
+ * the sequence reads a fraction of a large vocabulary's head per drafted token (the verifier's
+ * full head decides what is kept, so the output is unchanged). er_head_rows_open copies the
+ * model's head rows `ids` [n] (each in [0, vocab), any order, 1 <= n <= vocab) into a matrix of
+ * their own, laid out as the kernel set reads it; er_head_rows_logits turns hidden rows
+ * [count][hidden] into logits [count][n] (the final norm included), column j for ids[j], the
+ * same values as er_model_head's columns ids[j]. The rows hold the model like a session. */
+typedef struct er_head_rows er_head_rows;
+ER_API er_status er_head_rows_open(er_model *model, const int32_t *ids, int32_t n, er_head_rows **rows);
+ER_API er_status er_head_rows_logits(er_head_rows *rows, const float *hidden, int32_t count, float *logits);
+ER_API void er_head_rows_free(er_head_rows *rows);
 
 /* ---- the tensor data's digest ------------------------------------------------------------ */
 

@@ -733,3 +733,67 @@ er_status er_model_head(er_model *m, const float *hidden, int32_t n, float *logi
     pthread_mutex_unlock(&m->lock);
     return ER_OK;
 }
+
+struct er_head_rows {
+    er_model *model;
+    er_matrix head; /* the rows' copy, packed where the kernel set packs */
+    uint8_t *data, *packed;
+};
+
+static void free_head_rows_memory(er_head_rows *r) {
+    free(r->data);
+    free(r->packed);
+    free(r);
+}
+
+er_status er_head_rows_open(er_model *m, const int32_t *ids, int32_t n, er_head_rows **out) {
+    if (!m || !ids || !out) return er_fail(ER_ERR_ARGUMENT, "er_head_rows_open: model, ids and rows are required");
+    if (n < 1 || n > m->vocab) return er_fail(ER_ERR_ARGUMENT, "%d head rows: between 1 and the vocabulary's %d", n, m->vocab);
+    for (int32_t i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= m->vocab)
+            return er_fail(ER_ERR_ARGUMENT, "token %d is outside the vocabulary of %d", ids[i], m->vocab);
+    er_head_rows *r = calloc(1, sizeof *r);
+    const size_t rb = row_bytes(&m->head);
+    if (!r || !(r->data = malloc(rb * (size_t)n))) {
+        if (r) free(r);
+        return er_fail(ER_ERR_MEMORY, "no memory for %d head rows", n);
+    }
+    for (int32_t i = 0; i < n; i++) memcpy(r->data + rb * (size_t)i, m->head.data + rb * (size_t)ids[i], rb);
+    r->head = (er_matrix){r->data, NULL, m->head.type, n, m->head.cols, 0};
+    const size_t pack = m->K->packs ? er_pack_bytes(&r->head) : 0;
+    if (pack) {
+        if (!(r->packed = er_alloc_streamed(pack))) {
+            free_head_rows_memory(r);
+            return er_fail(ER_ERR_MEMORY, "no memory for %d packed head rows", n);
+        }
+        r->head.packed_rows = er_pack(&r->head, r->packed, m->dims.threads);
+        r->head.packed = r->packed;
+    }
+    r->model = m;
+    pthread_mutex_lock(&m->lock);
+    m->holders++;
+    pthread_mutex_unlock(&m->lock);
+    *out = r;
+    return ER_OK;
+}
+
+er_status er_head_rows_logits(er_head_rows *r, const float *hidden, int32_t count, float *logits) {
+    if (!r || !hidden || !logits || count < 1)
+        return er_fail(ER_ERR_ARGUMENT, "er_head_rows_logits: rows, hidden, logits and count >= 1 are required");
+    er_model *m = r->model;
+    pthread_mutex_lock(&m->lock); /* the model's scratch memory */
+    for (int32_t at = 0; at < count; at += m->max_pass) {
+        const int32_t chunk = count - at < m->max_pass ? count - at : m->max_pass;
+        er_head_forward(m->K, &r->head, m->norm, &m->dims, hidden + (size_t)at * m->dims.hidden, chunk,
+                        logits + (size_t)at * r->head.rows, m->scratch);
+    }
+    pthread_mutex_unlock(&m->lock);
+    return ER_OK;
+}
+
+void er_head_rows_free(er_head_rows *r) {
+    if (!r) return;
+    er_model *m = r->model;
+    free_head_rows_memory(r);
+    release_model(m, 0);
+}

@@ -367,6 +367,51 @@ static void test_model(const char *dir, const buffer *file) {
     }
 }
 
+/* rows of the head: its columns of those ids, on every kernel set (more than one packed group of 16
+ * rows and a remainder), refusals, and rows that outlive the model's handle */
+static void test_head_rows(const char *dir, const buffer *file) {
+    char path[1024];
+    snprintf(path, sizeof path, "%s/tiny-head.bin", dir);
+    enum { N = 37, ROWS = 3 };
+    int32_t ids[N];
+    for (int i = 0; i < N; i++) ids[i] = (i * 13 + 47) % VOCAB; /* every order, the last id included */
+    float hidden[ROWS * HIDDEN], full[ROWS * VOCAB], got[ROWS * N];
+    for (int i = 0; i < ROWS * HIDDEN; i++) hidden[i] = (float)((i * 7919) % 201 - 100) / 50.0f;
+    for (int k = 0; k < ER_KERNELS_COUNT; k++) {
+        if (!er_kernels_supported(k)) continue;
+        er_model *model;
+        if (open_bytes(path, file->p, file->n, k, &model) != ER_OK) {
+            check(0, "opening the tiny model on %s", er_kernels_name(k));
+            return;
+        }
+        er_head_rows *rows = NULL;
+        check(er_model_head(model, hidden, ROWS, full) == ER_OK && er_head_rows_open(model, ids, N, &rows) == ER_OK,
+              "%s: head rows opened", er_kernels_name(k));
+        er_model_free(model); /* the rows hold the model */
+        check(er_head_rows_logits(rows, hidden, ROWS, got) == ER_OK, "%s: head rows' logits", er_kernels_name(k));
+        float worst = 0.0f, scale = 0.0f;
+        for (int r = 0; r < ROWS; r++)
+            for (int j = 0; j < N; j++) {
+                const float want = full[r * VOCAB + ids[j]], diff = fabsf(got[r * N + j] - want);
+                worst = diff > worst ? diff : worst;
+                scale = fabsf(want) > scale ? fabsf(want) : scale;
+            }
+        check(worst <= 1e-5f * scale, "%s: the rows' logits are the head's columns (%g of %g)", er_kernels_name(k), worst,
+              scale);
+        er_head_rows_free(rows);
+    }
+    er_model *model;
+    if (open_bytes(path, file->p, file->n, ER_KERNELS_GENERIC, &model) != ER_OK) return;
+    er_head_rows *rows = NULL;
+    const int32_t outside[2] = {3, VOCAB};
+    check(er_head_rows_open(model, outside, 2, &rows) == ER_ERR_ARGUMENT && strstr(er_last_error(), "vocabulary") &&
+          rows == NULL, "a token outside the vocabulary is refused");
+    check(er_head_rows_open(model, ids, 0, &rows) == ER_ERR_ARGUMENT && er_head_rows_open(NULL, ids, 1, &rows) ==
+          ER_ERR_ARGUMENT && er_head_rows_logits(NULL, hidden, 1, got) == ER_ERR_ARGUMENT, "no rows, no model");
+    er_head_rows_free(NULL);
+    er_model_free(model);
+}
+
 static void test_refusals(const char *dir, const buffer *file) {
     char path[1024];
     snprintf(path, sizeof path, "%s/tiny.bin", dir);
@@ -614,6 +659,7 @@ int main(int argc, char **argv) {
     buffer file = {0};
     const size_t header = tiny_model(&file, 3, 1);
     test_model(argv[1], &file);
+    test_head_rows(argv[1], &file);
     test_refusals(argv[1], &file);
     test_files_that_are_not_regular(argv[1]);
     test_weight_integrity(argv[1], &file, header);

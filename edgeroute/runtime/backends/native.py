@@ -142,6 +142,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         "er_session_forward_tree": ([p, p, p, i32, ctypes.POINTER(_ForwardParams)], status),
         "er_session_keep_path": ([p, p, i32], status),
         "er_model_embed": ([p, p, i32, p], status), "er_model_head": ([p, p, i32, p], status),
+        "er_head_rows_open": ([p, p, i32, ctypes.POINTER(p)], status),
+        "er_head_rows_logits": ([p, p, i32, p], status), "er_head_rows_free": ([p], None),
         "er_session_run_layers": ([p, p, i32, i32, i32, i32, p, p], status),
         "er_session_advance": ([p, i32], status),
         "er_matmul": ([ctypes.c_int, ctypes.c_int, p, size, i32, i32, p, i32, p, i32], status),
@@ -298,6 +300,46 @@ class NativeCache:
 
 
 # -- the model --------------------------------------------------------------------------------------
+
+class NativeHeadRows:
+    """A copy of some rows of a model's head: ``logits(hidden)`` gives the columns of the tokens
+    ``ids`` (in their order) of what the model's ``head`` would, reading only those rows'
+    weights. A drafter that proposes common tokens and those of its sequence reads a fraction of
+    a large vocabulary's head per drafted token (:class:`~edgeroute.runtime.drafters.DraftVocabulary`).
+    The rows keep the library's model alive until closed (or collected)."""
+
+    def __init__(self, model: NativeModel, ids: Sequence[int] | np.ndarray) -> None:
+        self.ids = np.ascontiguousarray(np.asarray(ids, np.int64).reshape(-1))
+        self.lib, self.hidden_size = model.lib, model.arch.hidden_size
+        self.handle: ctypes.c_void_p | None = None
+        if not 0 < self.ids.size <= model.arch.vocab_size or self.ids.min() < 0 or self.ids.max() >= model.arch.vocab_size:
+            raise InputError(f"head rows: {self.ids.size} token ids, each in [0, {model.arch.vocab_size}), are needed")
+        rows = self.ids.astype(np.int32)
+        handle = ctypes.c_void_p()
+        with model._held() as model_handle:
+            _check(self.lib, self.lib.er_head_rows_open(model_handle, _address(rows), rows.size, ctypes.byref(handle)))
+        self.handle = handle
+
+    def __len__(self) -> int:
+        return int(self.ids.size)
+
+    def logits(self, hidden: np.ndarray) -> np.ndarray:
+        """Hidden states [T, d] (before the final norm) -> logits [T, len(ids)]."""
+        if not self.handle:
+            raise InputError("the head rows were closed")
+        hidden = np.ascontiguousarray(hidden, np.float32).reshape(-1, self.hidden_size)
+        logits = np.empty((hidden.shape[0], self.ids.size), np.float32)
+        _check(self.lib, self.lib.er_head_rows_logits(self.handle, _address(hidden), hidden.shape[0], _address(logits)))
+        return logits
+
+    def close(self) -> None:
+        if self.handle:
+            self.lib.er_head_rows_free(self.handle)
+            self.handle = None
+
+    def __del__(self) -> None:
+        self.close()
+
 
 class NativeModel(LayerwiseModel):
     """A bundle model on libedgeroute; implements :class:`ModelBackend`."""
@@ -557,6 +599,10 @@ class NativeModel(LayerwiseModel):
             _check(self.lib, self._timed("head", lambda: self.lib.er_model_head(handle, _address(hidden),
                                                                                 hidden.shape[0], _address(logits))))
         return logits
+
+    def head_rows(self, ids: Sequence[int] | np.ndarray) -> NativeHeadRows:
+        """The head over the tokens ``ids`` only (see :class:`NativeHeadRows`)."""
+        return NativeHeadRows(self, ids)
 
     def _run_layers(self, cache: NativeCache, hidden: np.ndarray, start: int, first: int, last: int,
                     actions: Sequence[str]) -> None:
