@@ -350,6 +350,24 @@ def test_head_rows_outlive_their_models_handle(demo):
     assert np.array_equal(rows.logits(hidden), want)
 
 
+def test_head_rows_keep_one_copy_of_their_rows_resident(demo):
+    if native.native_kernels() not in ("avx2", "avx512-vnni"):
+        pytest.skip(f"the {native.native_kernels()} kernels read rows as stored: nothing is packed or given back")
+
+    def resident() -> int:
+        return int(Path("/proc/self/status").read_text().split("VmRSS:")[1].split()[0]) * 1024
+
+    model = native.NativeModel(demo, "slm", threads=1)
+    head = demo.models["slm"].native.tensors.get("output.weight") or demo.models["slm"].native.tensors["token_embd.weight"]
+    count = model.arch.vocab_size // 2
+    row_bytes = head.bytes // head.shape[0]
+    before = resident()
+    rows = model.head_rows(np.arange(count))
+    # the packed rows only: the gathered copy's packed pages and the file's pages read go back
+    assert resident() - before < 1.15 * count * row_bytes + (4 << 20)
+    rows.close()
+
+
 def test_a_draft_vocabulary_scores_its_common_ids_and_the_sequences_and_no_other_token(demo):
     from edgeroute.runtime.drafters import DraftVocabulary, common_ids
 

@@ -737,11 +737,13 @@ er_status er_model_head(er_model *m, const float *hidden, int32_t n, float *logi
 struct er_head_rows {
     er_model *model;
     er_matrix head; /* the rows' copy, packed where the kernel set packs */
-    uint8_t *data, *packed;
+    uint8_t *data;  /* an anonymous mapping of data_bytes: once packed, only the rows past the packed ones stay */
+    size_t data_bytes;
+    uint8_t *packed;
 };
 
 static void free_head_rows_memory(er_head_rows *r) {
-    free(r->data);
+    if (r->data) munmap(r->data, r->data_bytes);
     free(r->packed);
     free(r);
 }
@@ -754,11 +756,27 @@ er_status er_head_rows_open(er_model *m, const int32_t *ids, int32_t n, er_head_
             return er_fail(ER_ERR_ARGUMENT, "token %d is outside the vocabulary of %d", ids[i], m->vocab);
     er_head_rows *r = calloc(1, sizeof *r);
     const size_t rb = row_bytes(&m->head);
-    if (!r || !(r->data = malloc(rb * (size_t)n))) {
-        if (r) free(r);
+    if (r) {
+        r->data_bytes = rb * (size_t)n;
+        r->data = mmap(NULL, r->data_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (r->data == MAP_FAILED) r->data = NULL;
+    }
+    if (!r || !r->data) {
+        free(r);
         return er_fail(ER_ERR_MEMORY, "no memory for %d head rows", n);
     }
-    for (int32_t i = 0; i < n; i++) memcpy(r->data + rb * (size_t)i, m->head.data + rb * (size_t)ids[i], rb);
+    int32_t lo = ids[0], hi = ids[0];
+    for (int32_t i = 0; i < n; i++) {
+        memcpy(r->data + rb * (size_t)i, m->head.data + rb * (size_t)ids[i], rb);
+        lo = ids[i] < lo ? ids[i] : lo;
+        hi = ids[i] > hi ? ids[i] : hi;
+    }
+    if (m->head.packed) { /* the file's pages of a packed head were given back at open: those read here go too */
+        const long page = sysconf(_SC_PAGESIZE);
+        const size_t start = (size_t)(m->head.data - m->map) + rb * (size_t)lo, end = start + rb * (size_t)(hi - lo + 1);
+        const size_t first = (start + page - 1) / page * page, last = end / page * page;
+        if (last > first) madvise(m->map + first, last - first, MADV_DONTNEED);
+    }
     r->head = (er_matrix){r->data, NULL, m->head.type, n, m->head.cols, 0};
     const size_t pack = m->K->packs ? er_pack_bytes(&r->head) : 0;
     if (pack) {
@@ -768,6 +786,11 @@ er_status er_head_rows_open(er_model *m, const int32_t *ids, int32_t n, er_head_
         }
         r->head.packed_rows = er_pack(&r->head, r->packed, m->dims.threads);
         r->head.packed = r->packed;
+        /* the kernels read the packed rows from their copy: the pages wholly of those rows go back
+         * (zero if ever touched again, which nothing does), as the model gives back its file's */
+        const long page = sysconf(_SC_PAGESIZE);
+        const size_t done = rb * (size_t)r->head.packed_rows / (size_t)page * (size_t)page;
+        if (done) madvise(r->data, done, MADV_DONTNEED);
     }
     r->model = m;
     pthread_mutex_lock(&m->lock);
