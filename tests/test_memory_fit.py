@@ -136,3 +136,16 @@ def test_run_with_a_device_profile_over_budget_is_a_clear_error(tiny_slm_bundle,
     assert result.exit_code == 2, result.output
     output = " ".join(result.output.split())
     assert "error:" in output and "more than the memory budget of 51 MiB" in output and "Traceback" not in output
+
+
+def test_a_native_slm_counts_the_copy_of_its_heads_common_rows(smollm2_bundles):
+    from edgeroute.runtime.memory import draft_rows_bytes, model_weight_bytes
+    from edgeroute.runtime.vocab import DRAFT_ROWS
+
+    demo = Bundle.open(smollm2_bundles["int4"][0])
+    native = demo.models["slm"].native
+    head = native.tensors.get("output.weight") or native.tensors["token_embd.weight"]
+    assert head.shape[0] > DRAFT_ROWS  # SmolLM2's 49,152 ids
+    rows = draft_rows_bytes(demo, "slm")
+    assert rows == head.bytes // head.shape[0] * DRAFT_ROWS and draft_rows_bytes(demo, "llm") == 0
+    assert model_weight_bytes(demo, "slm") >= demo.manifest["files"][native.file]["bytes"] + rows

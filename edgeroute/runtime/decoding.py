@@ -30,7 +30,6 @@ from edgeroute.errors import InputError
 from edgeroute.runtime.backend import Cache, ModelBackend, close_cache
 from edgeroute.runtime.constraints import Constraint, Draft, ResponseFormat, apply_mask
 from edgeroute.runtime.drafters import (
-    DRAFT_ROWS,
     LONGEST_DRAFT,
     DraftLength,
     LookupThenSlmDrafter,
@@ -54,6 +53,7 @@ from edgeroute.runtime.policies import (
 )
 from edgeroute.runtime.routers import llm_ratio_score
 from edgeroute.runtime.sampling import Sampler, top1_probability
+from edgeroute.runtime.vocab import DRAFT_ROWS
 
 DEFAULT_ROUTE_THRESHOLD = 0.5
 MODES = ("full", "slm", "route", "speculate", "skip", "route+skip", "speculate+skip")

@@ -276,9 +276,6 @@ class NgramDrafter:
         pass
 
 
-DRAFT_ROWS = 32768  # DecodeOptions.draft_rows' default: the head rows of the common ids a drafting SLM reads
-
-
 class DraftVocabulary:
     """What a speculating SLM drafts from: its head's rows of ``common`` ids (the lowest ids,
     which a BPE vocabulary numbers in merge order, the most frequent first, and the tokenizer's

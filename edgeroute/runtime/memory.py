@@ -21,6 +21,7 @@ from edgeroute.arch import ArchConfig
 from edgeroute.bundle import Bundle
 from edgeroute.errors import InputError
 from edgeroute.kv_formats import kv_row_bytes
+from edgeroute.runtime.vocab import DRAFT_ROWS
 
 MIB = 1 << 20
 # Measured on the SmolLM2 demo bundle, ONNX Runtime CPU: RSS after load is 1.27x (LLM) and
@@ -66,13 +67,24 @@ def activation_bytes(arch: ArchConfig, context: int, chunk: int = PREFILL_CHUNK)
     return 4 * (t * per_token + arch.vocab_size)
 
 
+def draft_rows_bytes(bundle: Bundle, role: str) -> int:
+    """A speculating native SLM's copy of its head's common rows (``drafters.DraftVocabulary`` at
+    the default ``draft_rows``); 0 for the LLM, an SLM without native weights or a head that small."""
+    native = bundle.models[role].native
+    if role != "slm" or native is None:
+        return 0
+    head = native.tensors.get("output.weight") or native.tensors["token_embd.weight"]
+    return head.bytes // head.shape[0] * DRAFT_ROWS if head.shape[0] > DRAFT_ROWS else 0
+
+
 def model_weight_bytes(bundle: Bundle, role: str) -> int:
     """A model's weights in memory: ONNX Runtime's (its files x RESIDENT_FACTOR) or the native
-    backend's (its weight file, mapped as it is), whichever is larger: the backend is chosen at
-    load, after the check."""
+    backend's (its weight file, mapped as it is, and a speculating SLM's head rows), whichever is
+    larger: the backend is chosen at load, after the check."""
     native = bundle.models[role].native
     native_bytes = bundle.manifest["files"][native.file]["bytes"] if native else 0
-    return max(int((bundle.total_bytes(f"{role}/") - native_bytes) * RESIDENT_FACTOR), native_bytes)
+    return max(int((bundle.total_bytes(f"{role}/") - native_bytes) * RESIDENT_FACTOR),
+               native_bytes + draft_rows_bytes(bundle, role))
 
 
 def estimate(bundle: Bundle, context: int, kv_dtype: str = "float32", slm: bool = True) -> MemoryNeed:

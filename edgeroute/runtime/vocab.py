@@ -14,6 +14,10 @@ import numpy as np
 from edgeroute.bundle import Bundle
 from edgeroute.errors import BundleError
 
+# DecodeOptions.draft_rows' default: the head rows of common ids a speculating native SLM drafts
+# from, beside its sequence's (drafters.DraftVocabulary)
+DRAFT_ROWS = 32768
+
 
 @dataclass(frozen=True)
 class HeadVocabulary:
