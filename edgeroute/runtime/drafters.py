@@ -27,12 +27,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from edgeroute.runtime.backend import Cache, ModelBackend
 from edgeroute.runtime.sampling import softmax
+
+if TYPE_CHECKING:
+    from edgeroute.runtime.backends.native import NativeHeadRows, NativeModel
 
 
 @dataclass
@@ -288,13 +291,13 @@ class DraftVocabulary:
     its acceptance 0-6 points lower (docs/benchmarks.md, *The SLM's draft vocabulary*). Built on
     the model's ``head_rows`` (the native backend)."""
 
-    def __init__(self, model: ModelBackend, common: Sequence[int] | np.ndarray) -> None:
+    def __init__(self, model: NativeModel, common: Sequence[int] | np.ndarray) -> None:
         self.model, self.vocab_size = model, model.arch.vocab_size
         self.common = model.head_rows(np.unique(np.asarray(common, np.int64)))
         self.covered = np.zeros(self.vocab_size, bool)
         self.covered[self.common.ids] = True
 
-    def sequence_rows(self, tokens: Sequence[int], rows: Any = None) -> Any:
+    def sequence_rows(self, tokens: Sequence[int], rows: NativeHeadRows | None = None) -> NativeHeadRows | None:
         """Head rows of the ids of ``tokens`` that the common rows lack: ``rows`` (an earlier
         call's, for a prefix of the sequence) where it has them all, else rows of both; None
         where there are none."""
@@ -311,7 +314,7 @@ class DraftVocabulary:
         """Frees the common rows (the engine closing)."""
         self.common.close()
 
-    def logits(self, hidden: np.ndarray, rows: Any) -> np.ndarray:
+    def logits(self, hidden: np.ndarray, rows: NativeHeadRows | None) -> np.ndarray:
         """Full-vocabulary logits [T, vocab] of hidden states [T, d]: the common rows' and the
         sequence ``rows``' columns, -inf for every other token."""
         full = np.full((hidden.shape[0], self.vocab_size), -np.inf, np.float32)
@@ -340,7 +343,7 @@ class SlmDrafter:
         # what speculation drafts from (set per generation by the session, as the lookup's memory
         # is; None: the whole head); the SLM's other uses (routing, the SLM alone) read its whole head
         self.vocabulary: DraftVocabulary | None = None
-        self._sequence_rows: Any = None  # vocabulary.sequence_rows of the sequence drafted for
+        self._sequence_rows: NativeHeadRows | None = None  # vocabulary.sequence_rows of the sequence drafted for
         self._logits_vocabulary: DraftVocabulary | None = None  # what last_logits came from
 
     def reset(self) -> None:
