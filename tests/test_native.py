@@ -417,6 +417,8 @@ def test_a_speculating_slm_drafts_from_its_common_rows_and_the_sequences_tokens_
     engine.generate(prompt, mode="speculate", light="slm", draft_rows=0, max_new_tokens=8)
     engine.generate(prompt, mode="route", light="slm", max_new_tokens=8)
     assert drafts and all(v is None for _, v, _ in drafts)  # the whole head: asked for, or routing
+    engine.generate(prompt, mode="speculate", light="ngram", draft_rows=128, max_new_tokens=4)
+    assert 128 not in engine._draft_vocabularies  # the lookup alone copies no rows
     assert engine.draft_vocabulary(0) is None and engine.draft_vocabulary(engine.slm.arch.vocab_size) is None
 
 

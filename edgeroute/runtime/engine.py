@@ -918,9 +918,9 @@ class Session:
         if drafter is not None and not drafter.seen:
             sequence = state.tokens + turn.new
             drafter.seen = sequence[:self.engine._copy_shared_prefix(sequence, drafter.cache, "slm")]
-        if drafter is not None:
+        if drafter is not None:  # what the SLM drafts from where it speculates
             drafter.vocabulary = (self.engine.draft_vocabulary(options.draft_rows)
-                                  if options.base_mode == "speculate" else None)
+                                  if options.base_mode == "speculate" and options.uses_slm else None)
         memory = self.engine.answer_memory
         # only exact speculation drafts from memory: routing would accept its drafts unchecked
         state.ngram_drafter.memory = (memory.haystack(options.task) if memory is not None
