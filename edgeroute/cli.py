@@ -420,8 +420,7 @@ def run(
     draft_confidence: float = typer.Option(None, help="slm drafts end below this probability"),
     draft_branches: int = typer.Option(None, help="speculate: drafts as trees of N branches"),
     draft_tree_nodes: int = typer.Option(None, help="speculate: tokens a tree (default: per CPU)"),
-    draft_rows: int = typer.Option(None, help="speculating SLM: head rows of the lowest ids, beside its sequence's "
-                                              "(0: its whole head)"),
+    draft_rows: int = typer.Option(None, help="SLM drafts: lowest ids' head rows (0: all)"),
     lookup_min_match: int = typer.Option(None, help="ngram+slm: lookup after N matched tokens"),
     lookup_tokens: int = typer.Option(None, help="ngram+slm: tokens per lookup draft"),
     importance_threshold: float = typer.Option(None, help="skip below this importance"),
