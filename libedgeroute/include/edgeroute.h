@@ -290,8 +290,9 @@ ER_API er_status er_model_head(er_model *model, const float *hidden, int32_t n, 
  * full head decides what is kept, so the output is unchanged). er_head_rows_open copies the
  * model's head rows `ids` [n] (each in [0, vocab), any order, 1 <= n <= vocab) into a matrix of
  * their own, laid out as the kernel set reads it; er_head_rows_logits turns hidden rows
- * [count][hidden] into logits [count][n] (the final norm included), column j for ids[j], the
- * same values as er_model_head's columns ids[j]. The rows hold the model like a session. */
+ * [count][hidden] into logits [count][n] (the final norm included), column j for ids[j]: the
+ * values of er_model_head's columns ids[j] to float rounding (a row summed in another group of
+ * rows may add in another order). The rows hold the model like a session. */
 typedef struct er_head_rows er_head_rows;
 ER_API er_status er_head_rows_open(er_model *model, const int32_t *ids, int32_t n, er_head_rows **rows);
 ER_API er_status er_head_rows_logits(er_head_rows *rows, const float *hidden, int32_t count, float *logits);
