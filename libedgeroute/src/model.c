@@ -146,6 +146,14 @@ static er_status load_tensors(er_model *m) {
     return s;
 }
 
+/* gives back the whole pages of base[start, end) (the rest of a page partly outside stays): memory a
+ * copy replaced, read again from the file (or as zeros, for an anonymous mapping) should anything touch it */
+static void give_back(uint8_t *base, size_t start, size_t end) {
+    const size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    const size_t first = (start + page - 1) / page * page, last = end / page * page;
+    if (last > first) madvise(base + first, last - first, MADV_DONTNEED);
+}
+
 /* The kernel set's interleaved copies; the file's pages of what was copied are given back (the
  * mapping stays: nothing reads them again, except a tied head's embedding rows, read back in). */
 static er_status pack_matrices(er_model *m) {
@@ -153,7 +161,6 @@ static er_status pack_matrices(er_model *m) {
     m->packed_count = m->layers * 7 + 1;
     m->packed = calloc((size_t)m->packed_count, sizeof(uint8_t *));
     if (!m->packed) return er_fail(ER_ERR_MEMORY, "no memory for the packed matrices' table");
-    const long page = sysconf(_SC_PAGESIZE);
     for (int i = 0; i < m->packed_count; i++) {
         er_layer *L = &m->L[i / 7 < m->layers ? i / 7 : 0];
         er_matrix *mats[7] = {&L->q, &L->k, &L->v, &L->o, &L->gate, &L->up, &L->down};
@@ -164,9 +171,8 @@ static er_status pack_matrices(er_model *m) {
             return er_fail(ER_ERR_MEMORY, "no memory for a packed matrix of %zu bytes", bytes);
         x->packed_rows = er_pack(x, m->packed[i], m->dims.threads);
         x->packed = m->packed[i];
-        const size_t start = (size_t)(x->data - m->map), end = start + (size_t)x->packed_rows * row_bytes(x);
-        const size_t first = (start + page - 1) / page * page, last = end / page * page;
-        if (last > first) madvise(m->map + first, last - first, MADV_DONTNEED);
+        const size_t start = (size_t)(x->data - m->map);
+        give_back(m->map, start, start + (size_t)x->packed_rows * row_bytes(x));
     }
     return ER_OK;
 }
@@ -529,11 +535,13 @@ static void run_layers(er_session *q, float *hidden, int32_t n, int32_t start, i
     }
 }
 
-static void head_rows(er_model *m, const float *hidden, int32_t n, float *logits) {
+/* logits [n][head->rows] of hidden rows through `head` (the model's, or a copy of some of its rows), in
+ * passes of max_pass rows over the model's scratch memory (the lock held) */
+static void head_rows(er_model *m, const er_matrix *head, const float *hidden, int32_t n, float *logits) {
     for (int32_t at = 0; at < n; at += m->max_pass) {
         const int32_t count = n - at < m->max_pass ? n - at : m->max_pass;
-        er_head_forward(m->K, &m->head, m->norm, &m->dims, hidden + (size_t)at * m->dims.hidden, count,
-                        logits + (size_t)at * m->vocab, m->scratch);
+        er_head_forward(m->K, head, m->norm, &m->dims, hidden + (size_t)at * m->dims.hidden, count,
+                        logits + (size_t)at * head->rows, m->scratch);
     }
 }
 
@@ -565,7 +573,7 @@ static void write_outputs(er_model *m, const er_forward_params *p, int32_t at, i
     if (p->hidden) memcpy(p->hidden + (size_t)at * d, m->hidden, (size_t)count * d * sizeof(float));
     const int32_t from = first_logit > at ? first_logit : at;
     if (p->logits_rows > 0 && from < at + count)
-        head_rows(m, m->hidden + (size_t)(from - at) * d, at + count - from, p->logits + (size_t)(from - first_logit) * m->vocab);
+        head_rows(m, &m->head, m->hidden + (size_t)(from - at) * d, at + count - from, p->logits + (size_t)(from - first_logit) * m->vocab);
 }
 
 er_status er_session_forward(er_session *q, const int32_t *ids, int32_t n, const er_forward_params *params) {
@@ -729,7 +737,7 @@ er_status er_session_advance(er_session *q, int32_t n) {
 er_status er_model_head(er_model *m, const float *hidden, int32_t n, float *logits) {
     if (!m || !hidden || !logits || n < 1) return er_fail(ER_ERR_ARGUMENT, "er_model_head: model, hidden, logits and n >= 1 are required");
     pthread_mutex_lock(&m->lock);
-    head_rows(m, hidden, n, logits);
+    head_rows(m, &m->head, hidden, n, logits);
     pthread_mutex_unlock(&m->lock);
     return ER_OK;
 }
@@ -772,10 +780,8 @@ er_status er_head_rows_open(er_model *m, const int32_t *ids, int32_t n, er_head_
         hi = ids[i] > hi ? ids[i] : hi;
     }
     if (m->head.packed) { /* the file's pages of a packed head were given back at open: those read here go too */
-        const long page = sysconf(_SC_PAGESIZE);
-        const size_t start = (size_t)(m->head.data - m->map) + rb * (size_t)lo, end = start + rb * (size_t)(hi - lo + 1);
-        const size_t first = (start + page - 1) / page * page, last = end / page * page;
-        if (last > first) madvise(m->map + first, last - first, MADV_DONTNEED);
+        const size_t start = (size_t)(m->head.data - m->map) + rb * (size_t)lo;
+        give_back(m->map, start, start + rb * (size_t)(hi - lo + 1));
     }
     r->head = (er_matrix){r->data, NULL, m->head.type, n, m->head.cols, 0};
     const size_t pack = m->K->packs ? er_pack_bytes(&r->head) : 0;
@@ -788,9 +794,7 @@ er_status er_head_rows_open(er_model *m, const int32_t *ids, int32_t n, er_head_
         r->head.packed = r->packed;
         /* the kernels read the packed rows from their copy: the pages wholly of those rows go back
          * (zero if ever touched again, which nothing does), as the model gives back its file's */
-        const long page = sysconf(_SC_PAGESIZE);
-        const size_t done = rb * (size_t)r->head.packed_rows / (size_t)page * (size_t)page;
-        if (done) madvise(r->data, done, MADV_DONTNEED);
+        give_back(r->data, 0, rb * (size_t)r->head.packed_rows);
     }
     r->model = m;
     pthread_mutex_lock(&m->lock);
@@ -804,12 +808,8 @@ er_status er_head_rows_logits(er_head_rows *r, const float *hidden, int32_t coun
     if (!r || !hidden || !logits || count < 1)
         return er_fail(ER_ERR_ARGUMENT, "er_head_rows_logits: rows, hidden, logits and count >= 1 are required");
     er_model *m = r->model;
-    pthread_mutex_lock(&m->lock); /* the model's scratch memory */
-    for (int32_t at = 0; at < count; at += m->max_pass) {
-        const int32_t chunk = count - at < m->max_pass ? count - at : m->max_pass;
-        er_head_forward(m->K, &r->head, m->norm, &m->dims, hidden + (size_t)at * m->dims.hidden, chunk,
-                        logits + (size_t)at * r->head.rows, m->scratch);
-    }
+    pthread_mutex_lock(&m->lock);
+    head_rows(m, &r->head, hidden, count, logits);
     pthread_mutex_unlock(&m->lock);
     return ER_OK;
 }
