@@ -219,8 +219,8 @@ def test_draft_confidence_ends_slm_drafts_before_unsure_tokens_and_stays_lossles
 
     proposals = []
     propose = SlmDrafter.propose
-    monkeypatch.setattr(SlmDrafter, "propose", lambda self, tokens, k, min_confidence=0.0, vocabulary=None:
-                        proposals.append(propose(self, tokens, k, min_confidence, vocabulary)) or proposals[-1])
+    monkeypatch.setattr(SlmDrafter, "propose", lambda self, tokens, k, min_confidence=0.0:
+                        proposals.append(propose(self, tokens, k, min_confidence)) or proposals[-1])
     drafted, confidence = {}, 0.0
     for run in ("all", "confident"):
         proposals.clear()

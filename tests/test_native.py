@@ -387,6 +387,32 @@ def test_a_draft_vocabulary_scores_its_common_ids_and_the_sequences_and_no_other
     assert np.isneginf(np.delete(logits, kept, axis=1)).all()
 
 
+def test_the_slm_drafter_scores_the_ids_of_every_sequence_it_is_asked_about_and_reads_its_whole_head_without_a_vocabulary(
+        demo):
+    from edgeroute.runtime.drafters import DraftVocabulary, SlmDrafter, common_ids
+
+    model = native.NativeModel(demo, "slm", kernels="generic", threads=1)
+    vocabulary = DraftVocabulary(model, common_ids(model.arch.vocab_size, 64, []))
+    drafter = SlmDrafter(model)
+    drafter.vocabulary = vocabulary
+
+    def scored(tokens):
+        return set(np.flatnonzero(np.isfinite(drafter.next_logits(tokens))).tolist())
+
+    prompt = [5, 300, 4000]
+    assert scored(prompt) == {*range(64), 300, 4000}
+    assert scored([*prompt, 7, 9000]) == {*range(64), 300, 4000, 9000}  # the new tokens' ids join
+    # a rejected draft: the drafter goes back to the prompt and on with the LLM's token
+    assert scored([*prompt, 7, 12000]) >= {*range(64), 300, 4000, 12000}
+    drafter.reset()
+    assert scored([7, 5000]) == {*range(64), 5000}  # another sequence: the earlier ids go
+    drafter.vocabulary = None  # routing, the SLM alone: the whole head
+    np.testing.assert_allclose(drafter.next_logits([7, 5000]),
+                               model.head(drafter.last_hidden[None])[0], rtol=0, atol=1e-6)
+    drafter.reset()
+    vocabulary.close()
+
+
 def test_a_speculating_slm_drafts_from_its_common_rows_and_the_sequences_tokens_and_keeps_fulls_output(
         demo, monkeypatch):
     from edgeroute.runtime.drafters import SlmDrafter
@@ -397,9 +423,9 @@ def test_a_speculating_slm_drafts_from_its_common_rows_and_the_sequences_tokens_
     drafts = []
     propose = SlmDrafter.propose
 
-    def recorded(self, tokens, k, min_confidence=0.0, vocabulary=None):
-        proposal = propose(self, tokens, k, min_confidence, vocabulary)
-        drafts.append((list(tokens), vocabulary, proposal.tokens))
+    def recorded(self, tokens, k, min_confidence=0.0):
+        proposal = propose(self, tokens, k, min_confidence)
+        drafts.append((list(tokens), self.vocabulary, proposal.tokens))
         return proposal
 
     monkeypatch.setattr(SlmDrafter, "propose", recorded)

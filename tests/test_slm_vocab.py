@@ -120,8 +120,8 @@ def _recorded_proposals(engine, monkeypatch):
     calls = []
     original = SlmDrafter.propose
 
-    def propose(self, tokens, k, min_confidence=0.0, vocabulary=None):
-        proposal = original(self, tokens, k, min_confidence, vocabulary)
+    def propose(self, tokens, k, min_confidence=0.0):
+        proposal = original(self, tokens, k, min_confidence)
         calls.append((list(tokens), k, list(proposal.tokens)))
         return proposal
 

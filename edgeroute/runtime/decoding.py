@@ -31,12 +31,12 @@ from edgeroute.runtime.backend import Cache, ModelBackend, close_cache
 from edgeroute.runtime.constraints import Constraint, Draft, ResponseFormat, apply_mask
 from edgeroute.runtime.drafters import (
     LONGEST_DRAFT,
+    ConfidentSlmDrafts,
     DraftLength,
     LookupThenSlmDrafter,
     NgramDrafter,
     Proposal,
     SlmDrafter,
-    SlmDrafts,
     draft_lengths,
     draft_source,
     tree_nodes,
@@ -481,11 +481,9 @@ class Decoder:
         risky = (base == "route" and not self.verified) or self.skipper is not None
         self.monitor = FallbackMonitor(options.fallback) if options.fallback and risky else None
         slm = state.slm_drafter
-        # speculation alone drafts from the drafter's vocabulary: its tokens are only proposals
-        vocabulary = slm.vocabulary if slm is not None and base == "speculate" else None
         confidence = options.draft_confidence if base == "speculate" or self.verified else None
-        if slm is not None and (confidence or vocabulary is not None):
-            slm = SlmDrafts(slm, confidence or 0.0, vocabulary)
+        if slm is not None and confidence:
+            slm = ConfidentSlmDrafts(slm, confidence)
         light = {"slm": slm, "ngram": state.ngram_drafter}.get(options.light)
         if options.light == "ngram+slm":
             light = LookupThenSlmDrafter(state.ngram_drafter, slm, options.lookup_min_match, options.lookup_tokens)

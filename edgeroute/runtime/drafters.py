@@ -298,9 +298,9 @@ class DraftVocabulary:
         self.covered[self.common.ids] = True
 
     def sequence_rows(self, tokens: Sequence[int], rows: NativeHeadRows | None = None) -> NativeHeadRows | None:
-        """Head rows of the ids of ``tokens`` that the common rows lack: ``rows`` (an earlier
-        call's, for a prefix of the sequence) where it has them all, else rows of both; None
-        where there are none."""
+        """Head rows of the ids of ``tokens`` that the common rows lack, and of ``rows`` (an
+        earlier call's, for the sequence's tokens before these): ``rows`` itself where it has
+        them all, else new rows of both; None where there are none."""
         ids = np.unique(np.asarray(tokens, np.int64))
         extra = ids[~self.covered[ids]]
         if not extra.size or (rows is not None and np.isin(extra, rows.ids).all()):
@@ -340,11 +340,13 @@ class SlmDrafter:
         self.seen: list[int] = []  # the tokens whose K/V the cache holds
         self.last_logits: np.ndarray | None = None  # the head's own columns (reduced or full)
         self.last_hidden: np.ndarray | None = None  # [d], the last hidden state behind last_logits
-        # what speculation drafts from (set per generation by the session, as the lookup's memory
-        # is; None: the whole head); the SLM's other uses (routing, the SLM alone) read its whole head
+        # what every logit it gives comes from: set per generation by the session, where the SLM
+        # speculates (its tokens are only proposals); None, its whole head, for routing and the
+        # SLM alone
         self.vocabulary: DraftVocabulary | None = None
-        self._sequence_rows: NativeHeadRows | None = None  # vocabulary.sequence_rows of the sequence drafted for
-        self._logits_vocabulary: DraftVocabulary | None = None  # what last_logits came from
+        self._sequence_rows: NativeHeadRows | None = None  # vocabulary.sequence_rows of seen[:_rows_through]
+        self._rows_through = 0
+        self._rows_vocabulary: DraftVocabulary | None = None  # what _sequence_rows and last_logits came from
 
     def reset(self) -> None:
         self.cache.reset()
@@ -357,6 +359,7 @@ class SlmDrafter:
         if self._sequence_rows is not None:
             self._sequence_rows.close()
             self._sequence_rows = None
+        self._rows_through = 0
 
     def sync(self, tokens: list[int]) -> None:
         """Forget cached positions that disagree with ``tokens`` (rejected drafts, tokens the
@@ -369,6 +372,7 @@ class SlmDrafter:
             keep = max(min(keep, len(tokens) - 1), 0)
             self.cache.truncate(keep)
             del self.seen[keep:]
+            self._rows_through = min(self._rows_through, keep)
             self.last_logits = None
 
     def prefill(self, tokens: list[int]) -> None:
@@ -380,38 +384,41 @@ class SlmDrafter:
             self.last_logits = None
             self.seen.extend(new)
 
-    def _head_logits(self, tokens: list[int], vocabulary: DraftVocabulary | None = None) -> np.ndarray:
+    def _head_logits(self, tokens: list[int]) -> np.ndarray:
         self.prefill(tokens)
-        if vocabulary is not None:
-            self._sequence_rows = vocabulary.sequence_rows(tokens, self._sequence_rows)
-        if self.last_logits is None or self._logits_vocabulary is not vocabulary:
+        vocabulary = self.vocabulary
+        if vocabulary is not self._rows_vocabulary:
+            self.close_rows()
+            self.last_logits, self._rows_vocabulary = None, vocabulary
+        if vocabulary is not None and self._rows_through < len(tokens):
+            # only the tokens since the last call: ``seen`` (now ``tokens``) kept the ones before
+            self._sequence_rows = vocabulary.sequence_rows(tokens[self._rows_through:], self._sequence_rows)
+            self._rows_through = len(tokens)
+        if self.last_logits is None:
             hidden = self.last_hidden[None]
             self.last_logits = (self.model.head(hidden) if vocabulary is None
                                 else vocabulary.logits(hidden, self._sequence_rows))[0]
-            self._logits_vocabulary = vocabulary
         return self.last_logits
 
-    def next_logits(self, tokens: list[int], vocabulary: DraftVocabulary | None = None) -> np.ndarray:
+    def next_logits(self, tokens: list[int]) -> np.ndarray:
         """Logits over the full vocabulary (-inf for tokens outside a reduced head, or outside
-        ``vocabulary``)."""
-        logits = self._head_logits(tokens, vocabulary)
+        the drafter's ``vocabulary``)."""
+        logits = self._head_logits(tokens)
         vocab = self.model.head_vocab
         return logits if vocab is None else vocab.expand(logits)
 
-    def propose(self, tokens: list[int], k: int, min_confidence: float = 0.0,
-                vocabulary: DraftVocabulary | None = None) -> Proposal:
+    def propose(self, tokens: list[int], k: int, min_confidence: float = 0.0) -> Proposal:
         """Up to k greedy tokens of the SLM (catching up on tokens it has not seen first);
         fewer when a reduced head's rest column wins (a token it cannot draft comes next) or
         the next token's probability is below ``min_confidence`` (an unsure guess costs an SLM
-        step and a verification row, and is mostly rejected). With ``vocabulary``, from its
-        tokens only."""
+        step and a verification row, and is mostly rejected)."""
         proposal = Proposal([], [], source=self.name)
         sequence = list(tokens)
         vocab = self.model.head_vocab
         for _ in range(k):
             if vocab is not None and vocab.rest_wins(self._head_logits(sequence)):
                 break
-            p = softmax(self.next_logits(sequence, vocabulary))
+            p = softmax(self.next_logits(sequence))
             token = int(np.argmax(p))
             if p[token] < min_confidence:
                 break
@@ -422,21 +429,20 @@ class SlmDrafter:
         return proposal
 
     def propose_tree(self, tokens: list[int], k: int, width: int, nodes: int,
-                     min_confidence: float = 0.0, vocabulary: DraftVocabulary | None = None) -> DraftTree:
+                     min_confidence: float = 0.0) -> DraftTree:
         """The greedy draft of ``propose`` (up to k tokens, at most ``nodes`` in all) as a chain,
         with alternatives where the SLM is unsure: at each position, up to ``width`` - 1 more of
         its likeliest tokens that it gives at least :data:`SIBLING_FLOOR`, as leaves beside the
         chain's token (the SLM runs the chain only: an alternative costs a verification row, no
         SLM step). Where the chain's token is below ``min_confidence`` (where ``propose`` stops),
-        its candidates end the tree if together they reach it, else nothing more is drafted.
-        With ``vocabulary``, from its tokens only."""
+        its candidates end the tree if together they reach it, else nothing more is drafted."""
         tree = DraftTree(source=self.name)
         sequence, parent = list(tokens), -1
         vocab = self.model.head_vocab
         while tree.depth < k and len(tree.tokens) < nodes:
             if vocab is not None and vocab.rest_wins(self._head_logits(sequence)):
                 break
-            p = softmax(self.next_logits(sequence, vocabulary))
+            p = softmax(self.next_logits(sequence))
             top = np.argpartition(p, -width)[-width:] if width < p.size else np.arange(p.size)
             top = top[np.argsort(-p[top], kind="stable")]
             candidates = [int(t) for i, t in enumerate(top) if i == 0 or p[t] >= SIBLING_FLOOR]
@@ -454,24 +460,21 @@ class SlmDrafter:
         return tree
 
 
-class SlmDrafts:
+class ConfidentSlmDrafts:
     """One generation's view of a session's SLM drafter: drafts end before a token the SLM gives
-    less probability than ``min_confidence`` (``DecodeOptions.draft_confidence``), and with
-    ``vocabulary`` they are drafted from its tokens only (speculation: the drafter's own
-    :class:`DraftVocabulary`). The drafter itself, with its cache, is shared by the session's
-    generations and stays as it is."""
+    less probability than ``min_confidence`` (``DecodeOptions.draft_confidence``). The drafter
+    itself, with its cache, is shared by the session's generations and stays as it is."""
 
     name = SlmDrafter.name
 
-    def __init__(self, drafter: SlmDrafter, min_confidence: float = 0.0,
-                 vocabulary: DraftVocabulary | None = None) -> None:
-        self.drafter, self.min_confidence, self.vocabulary = drafter, min_confidence, vocabulary
+    def __init__(self, drafter: SlmDrafter, min_confidence: float) -> None:
+        self.drafter, self.min_confidence = drafter, min_confidence
 
     def propose(self, tokens: list[int], k: int) -> Proposal:
-        return self.drafter.propose(tokens, k, self.min_confidence, self.vocabulary)
+        return self.drafter.propose(tokens, k, self.min_confidence)
 
     def propose_tree(self, tokens: list[int], k: int, width: int, nodes: int) -> DraftTree:
-        return self.drafter.propose_tree(tokens, k, width, nodes, self.min_confidence, self.vocabulary)
+        return self.drafter.propose_tree(tokens, k, width, nodes, self.min_confidence)
 
 
 class LookupThenSlmDrafter:
@@ -482,7 +485,7 @@ class LookupThenSlmDrafter:
     name = "ngram+slm"
     adaptive_source = "slm"  # whose acceptance the decoder's draft length follows
 
-    def __init__(self, lookup: NgramDrafter, slm: SlmDrafter | SlmDrafts, min_match: int = 3,
+    def __init__(self, lookup: NgramDrafter, slm: SlmDrafter | ConfidentSlmDrafts, min_match: int = 3,
                  lookup_tokens: int = 4) -> None:
         if min_match < 1 or lookup_tokens < 1:
             raise ValueError(f"min_match and lookup_tokens must be >= 1 (got {min_match}, {lookup_tokens})")
