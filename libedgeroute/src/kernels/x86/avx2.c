@@ -271,61 +271,73 @@ INLINE void dot_packed_q4_k(const er_matrix *m, int g, const er_q8 *x, const int
     store_halves(acc, mt, y, ldy);
 }
 
+/* codes 4k..4k+3 of rows 8h..8h+7 of a packed 32-value block (Q8_0: the signed codes) */
+INLINE __m256i packed_codes32(const uint8_t *blk, int k, int h, const int type) {
+    if (type == T_Q8_0)
+        return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + 64 * k + 32 * h)), _mm256_set1_epi8((char)0x80));
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 64 * (k / 2) + 32 * h));
+    __m256i codes = _mm256_and_si256(k % 2 ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(0x0F));
+    if (type == T_Q5_0) {
+        uint32_t high;
+        memcpy(&high, blk + 256 + 8 * k + 4 * h, 4);
+        codes = _mm256_or_si256(codes, bits_to_bytes(high, 0x10));
+    }
+    return codes;
+}
+
 /* rows 16g..16g+15 of a packed 32-value block format: value = d * u + offset (Q8_0: signed
- * codes, moved back from the stored q + 128, their sign moved to the activations) */
+ * codes, moved back from the stored q + 128, their sign moved to the activations). As in
+ * dot_packed_q4_k, both halves' code vectors meet each activation row's broadcast codes
+ * together, a broadcast serving 16 rows, and the block's 16-bit sums of all rows stay in
+ * registers (the empty asm pins them after their products: GCC otherwise keeps the products
+ * live and spills). Each half's codes looping over every activation row in turn kept 2 x 4
+ * float sums and 8 code vectors live over 16 registers; prefill, where the products are
+ * compute-bound, ran the 0.5B's Q5_0 layers at half the 1.5B's Q4_K rate per product. */
 INLINE void dot_packed_blocks32(const er_matrix *m, int g, const er_q8 *x, const int mt, float *y, int ldy,
                                 const int type) {
     const int nb = m->cols / 32;
+    /* products of codes <= 15 (<= 31, |q| <= 128) and |a| <= 127 summed per 16-bit lane: at most 30480 (31496, 32512) */
+    const int per_sum = type == T_Q8_0 ? 1 : type == T_Q5_0 ? 4 : 8;
     const size_t bytes = pack_block_bytes(type), d_at = bytes - (type == T_Q4_1 ? 64 : 32);
-    const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[2][PACK_TILE];
     for (int h = 0; h < 2; h++)
         for (int i = 0; i < mt; i++) acc[h][i] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
         const uint8_t *blk = m->packed + ((size_t)g * nb + b) * bytes;
         prefetch_lines(blk + PREFETCH_BLOCKS * bytes, bytes);
+        __m256i sum[2][PACK_TILE];
+        for (int h = 0; h < 2; h++)
+            for (int i = 0; i < mt; i++) sum[h][i] = _mm256_setzero_si256();
+        for (int k0 = 0; k0 < 8; k0 += per_sum) {
+            __m256i p[2][PACK_TILE];
+            for (int h = 0; h < 2; h++)
+                for (int i = 0; i < mt; i++) p[h][i] = _mm256_setzero_si256();
+            for (int k = k0; k < k0 + per_sum; k++) {
+                const __m256i c0 = packed_codes32(blk, k, 0, type), c1 = packed_codes32(blk, k, 1, type);
+                UNROLL_TILE
+                for (int i = 0; i < mt; i++) {
+                    const __m256i a = four_codes(x[i].q + 32 * b + 4 * k);
+                    if (type == T_Q8_0) {
+                        p[0][i] = _mm256_maddubs_epi16(_mm256_sign_epi8(c0, c0), _mm256_sign_epi8(a, c0));
+                        p[1][i] = _mm256_maddubs_epi16(_mm256_sign_epi8(c1, c1), _mm256_sign_epi8(a, c1));
+                    } else {
+                        p[0][i] = _mm256_add_epi16(p[0][i], _mm256_maddubs_epi16(c0, a));
+                        p[1][i] = _mm256_add_epi16(p[1][i], _mm256_maddubs_epi16(c1, a));
+                    }
+                    __asm__("" : "+x"(p[0][i]), "+x"(p[1][i]));
+                }
+            }
+            for (int h = 0; h < 2; h++)
+                UNROLL_TILE for (int i = 0; i < mt; i++) sum[h][i] = _mm256_add_epi32(sum[h][i], _mm256_madd_epi16(p[h][i], ones));
+        }
         for (int h = 0; h < 2; h++) {
             const __m256 d = f16x8(blk + d_at + 16 * h);
             const __m256 offset = type == T_Q4_1 ? f16x8(blk + d_at + 32 + 16 * h)
                                 : _mm256_mul_ps(d, _mm256_set1_ps(-block32_zero(type)));
-            __m256i codes[8];
-            if (type == T_Q8_0) {
-                for (int k = 0; k < 8; k++)
-                    codes[k] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + 64 * k + 32 * h)),
-                                                _mm256_set1_epi8((char)0x80));
-            } else {
-                for (int k = 0; k < 4; k++) {
-                    const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 64 * k + 32 * h));
-                    codes[2 * k] = _mm256_and_si256(v, m4);
-                    codes[2 * k + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-                }
-                if (type == T_Q5_0)
-                    for (int k = 0; k < 8; k++) {
-                        uint32_t high;
-                        memcpy(&high, blk + 256 + 8 * k + 4 * h, 4);
-                        codes[k] = _mm256_or_si256(codes[k], bits_to_bytes(high, 0x10));
-                    }
-            }
             UNROLL_TILE
             for (int i = 0; i < mt; i++) {
-                const int8_t *a = x[i].q + 32 * b;
-                __m256i sum = _mm256_setzero_si256();
-                if (type == T_Q8_0) { /* one product pair per 16-bit lane: at most 32512 */
-                    for (int k = 0; k < 8; k++) {
-                        const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(codes[k], codes[k]),
-                                                               _mm256_sign_epi8(four_codes(a + 4 * k), codes[k]));
-                        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, ones));
-                    }
-                } else { /* codes <= 31: 4 pairs per 16-bit lane (at most 31496); <= 15: 8 */
-                    const int per_sum = type == T_Q5_0 ? 4 : 8;
-                    for (int k0 = 0; k0 < 8; k0 += per_sum) {
-                        __m256i p = _mm256_setzero_si256();
-                        for (int k = k0; k < k0 + per_sum; k++)
-                            p = _mm256_add_epi16(p, _mm256_maddubs_epi16(codes[k], four_codes(a + 4 * k)));
-                        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, ones));
-                    }
-                }
-                acc[h][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_set1_ps(x[i].d[b])), acc[h][i]);
+                acc[h][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[h][i]), _mm256_mul_ps(d, _mm256_set1_ps(x[i].d[b])), acc[h][i]);
                 if (type != T_Q8_0) acc[h][i] = _mm256_fmadd_ps(offset, _mm256_set1_ps(x[i].s[b]), acc[h][i]);
             }
         }
