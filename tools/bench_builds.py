@@ -10,6 +10,10 @@ Two steps; the second needs only this file, numpy and rich on the machine that r
     python tools/bench_builds.py run KIT --kernels avx512-vnni --threads 1,2 --contexts 32,1024 \\
         --m 1,4 --rounds 10 --passes 4 --json builds.json
 
+A pass asks for the logits of every row, as a speculative verification does; ``--logits last``
+asks for the last row's only, as a prompt's prefill does (``--m 64 --logits last``: a 64-token
+prompt read after ``--contexts`` tokens).
+
 ``prepare`` builds each commit's library in a temporary git worktree with that commit's
 ``libedgeroute/build.py`` (a commit given twice is one build, timed as two: a null control),
 the driver ``tools/native/bench_builds.c``, and per native weight file its layout: the GGUF
@@ -169,7 +173,7 @@ def _ratios(ms: list[list[float]]) -> list[dict]:
 
 
 def run(kit: Path, layouts: list[str] | None, kernels: str, threads: list[int], contexts: list[int], ms: list[int],
-        rounds: int, passes: int, scratch: Path | None) -> dict:
+        rounds: int, passes: int, scratch: Path | None, logits: str = "every") -> dict:
     if not (kit / KIT_FILE).is_file():
         raise SystemExit(f"{kit} holds no {KIT_FILE}: run `prepare` into it first")
     description = json.loads((kit / KIT_FILE).read_text())
@@ -187,7 +191,8 @@ def run(kit: Path, layouts: list[str] | None, kernels: str, threads: list[int], 
             layout = random_model(kit / name, model)
             for t in threads:
                 args = [str(kit / DRIVER), str(model), str(layout["vocab"]), kernels, str(t), ",".join(map(str, contexts)),
-                        ",".join(map(str, ms)), str(rounds), str(passes), *[str(kit / b["library"]) for b in builds]]
+                        ",".join(map(str, ms)), str(rounds), str(passes), logits,
+                        *[str(kit / b["library"]) for b in builds]]
                 done = subprocess.run(args, capture_output=True, text=True, env=env)
                 if done.returncode != 0:
                     raise SystemExit(done.stderr.strip() or f"{DRIVER} exited with {done.returncode}")
@@ -195,7 +200,8 @@ def run(kit: Path, layouts: list[str] | None, kernels: str, threads: list[int], 
                     record = json.loads(line)
                     results.append({"layout": name, "threads": t, "ctx": record["ctx"], "m": record["m"],
                                     "builds": [{**b, **r} for b, r in zip(builds, _ratios(record["ms"]), strict=True)]})
-    return {"kit": str(kit), "kernels": kernels, "rounds": rounds, "passes": passes, "results": results}
+    return {"kit": str(kit), "kernels": kernels, "rounds": rounds, "passes": passes, "logits": logits,
+            "results": results}
 
 
 def print_table(report: dict) -> None:
@@ -203,7 +209,9 @@ def print_table(report: dict) -> None:
     from rich.table import Table
 
     names = [b["name"] for b in report["results"][0]["builds"]]
-    table = Table(title=f"{report['kernels']}: ms a pass (median of {report['rounds']} rounds of {report['passes']}), "
+    rows = "every row's logits" if report.get("logits", "every") == "every" else "the last row's logits"
+    table = Table(title=f"{report['kernels']}: ms a pass with {rows} (median of {report['rounds']} rounds of "
+                        f"{report['passes']}), "
                         f"and x {names[0]} (median of per-round ratios, quartiles)")
     for column in ("layout", "threads", "ctx", "M", *names):
         table.add_column(column, justify="left" if column == "layout" else "right")
@@ -241,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--m", type=_numbers, default=[1, 4], help="tokens per pass")
     r.add_argument("--rounds", type=int, default=10)
     r.add_argument("--passes", type=int, default=4, help="passes per build per round")
+    r.add_argument("--logits", choices=("every", "last"), default="every",
+                   help="the logits of every row of a pass (a verification) or of its last (a prefill)")
     r.add_argument("--scratch", type=Path, help="where the random model file is written (default: the temp folder)")
     r.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
@@ -251,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 1 or args.passes < 1:
         parser.error("--rounds and --passes must be at least 1")
     report = run(args.kit, args.layout, args.kernels, args.threads, args.contexts, args.m, args.rounds, args.passes,
-                 args.scratch)
+                 args.scratch, args.logits)
     print_table(report)
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))

@@ -1,14 +1,15 @@
 /* Builds of libedgeroute timed against each other in one process, on one native weight file:
  * the driver of tools/bench_builds.py (which prepares the builds and a model, and reads this).
  *
- *   bench_builds MODEL VOCAB KERNELS THREADS CTX[,CTX..] M[,M..] ROUNDS PASSES LIB LIB [LIB..]
+ *   bench_builds MODEL VOCAB KERNELS THREADS CTX[,CTX..] M[,M..] ROUNDS PASSES LOGITS LIB LIB [LIB..]
  *
  * Each library is dlopen'ed on its own (a path given twice shares one, with a model each) and
  * opens MODEL with the kernel set named KERNELS and THREADS threads. Per context length every
  * session is filled with the same ids, then per pass length M, ROUNDS rounds time each build
  * in turn, the order rotated and reversed from round to round (one warm-up round first). A
  * build's round is PASSES forwards of M tokens at positions ctx.. (truncated back each time),
- * with the logits of every row, as a speculative verification asks. Token ids are spread over
+ * with the logits of every row where LOGITS is "every", as a speculative verification asks, or of
+ * the last row where it is "last", as a prompt's prefill does. Token ids are spread over
  * the VOCAB the model has (an older build's er_model_info may differ in size, so it is not asked).
  * Prints one JSON line per (ctx, M): {"ctx", "m", "ms": [[a round's ms per pass] per build]}. */
 #include <dlfcn.h>
@@ -103,12 +104,14 @@ static int kernels_named(const build *b, const char *name) {
 }
 
 int main(int argc, char **argv) {
-    if (argc < 11 || argc - 9 > MAX_BUILDS) {
-        fprintf(stderr, "usage: bench_builds MODEL VOCAB KERNELS THREADS CTXS MS ROUNDS PASSES LIB LIB [LIB..] (at most %d)\n",
+    if (argc < 12 || argc - 10 > MAX_BUILDS || (strcmp(argv[9], "every") && strcmp(argv[9], "last"))) {
+        fprintf(stderr, "usage: bench_builds MODEL VOCAB KERNELS THREADS CTXS MS ROUNDS PASSES every|last LIB LIB [LIB..] "
+                        "(at most %d)\n",
                 MAX_BUILDS);
         return 2;
     }
-    const int vocab = atoi(argv[2]), threads = atoi(argv[4]), rounds = atoi(argv[7]), passes = atoi(argv[8]), n = argc - 9;
+    const int vocab = atoi(argv[2]), threads = atoi(argv[4]), rounds = atoi(argv[7]), passes = atoi(argv[8]), n = argc - 10;
+    const int every_row = strcmp(argv[9], "every") == 0;
     int ctxs[MAX_LIST], ms[MAX_LIST];
     const int nctx = parse_list(argv[5], ctxs), nm = parse_list(argv[6], ms);
     int longest = 0, capacity = 0;
@@ -122,7 +125,7 @@ int main(int argc, char **argv) {
     build builds[MAX_BUILDS];
     for (int i = 0; i < n; i++) {
         build *b = &builds[i];
-        load(b, argv[9 + i]);
+        load(b, argv[10 + i]);
         const int kernels = kernels_named(b, argv[3]);
         if (kernels < 0) {
             fprintf(stderr, "bench_builds: %s has no kernel set named %s\n", b->path, argv[3]);
@@ -162,7 +165,7 @@ int main(int argc, char **argv) {
                     const int turn = (j + (r < 0 ? 0 : r)) % n, i = (r & 1) ? n - 1 - turn : turn;
                     build *b = &builds[i];
                     er_forward_params fp = b->forward_default_params();
-                    fp.logits_rows = m;
+                    fp.logits_rows = every_row ? m : 1;
                     fp.logits = logits;
                     const double start = now();
                     for (int p = 0; p < passes; p++) {
