@@ -13,7 +13,7 @@ NATIVE_SOURCES := $(shell find libedgeroute -name '*.c' -o -name '*.h') libedger
 NATIVE_LIB := edgeroute/libedgeroute.so
 
 .PHONY: setup native native-aarch64 wheels c-test fuzz-native example pair demo demo-pair test lint bench-export clean \
-	records bench-smollm2 bench-qwen bench-task-speed bench-tree bench-pair bench-avx2 bench-draft-vocabulary bench-structured \
+	records bench-smollm2 bench-qwen bench-task-speed bench-tree bench-pair bench-avx2 bench-avx2-blocks32 bench-draft-vocabulary bench-structured \
 	bench-calibration bench-demo-calibration bench-kv bench-quality \
 	bench-memory bench-answer-memory bench-size bench-arm bench-arm-peer voice-demo voice-demo-pair bench-voice bench-voice-words bench-voice-conversation bench-voice-status bench-voice-grounding
 
@@ -178,6 +178,11 @@ bench-pair: setup $(PAIR_BUNDLE)/manifest.json
 # on an AVX2-only CPU, with llama.cpp's AVX2 build (docs/benchmarks.md)
 bench-avx2: setup $(BUNDLE)/manifest.json $(PAIR_BUNDLE)/manifest.json
 	$(RECORD) avx2-decode avx2-speculation avx2-smollm2 avx2-llama-passes
+
+# the AVX2 packed 32-value-block kernel against the one before it (tools/bench_builds.py: the pair's
+# models' prefill and verification passes), and speculate/slm against full on the avx2 kernels after it
+bench-avx2-blocks32: setup $(PAIR_BUNDLE)/manifest.json
+	$(RECORD) avx2-blocks32
 
 # the speculating SLM's draft vocabulary against its whole head (tools/bench_run.py), both x86 kernel sets
 bench-draft-vocabulary: setup $(PAIR_BUNDLE)/manifest.json

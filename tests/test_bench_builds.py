@@ -76,6 +76,7 @@ def test_a_build_timed_against_itself_on_the_demo_layout(smollm2_bundles, tmp_pa
     report = json.loads(out.read_text())
     cases = {(r["threads"], r["ctx"], r["m"]) for r in report["results"]}
     assert cases == {(1, 8, 1), (1, 8, 3), (2, 8, 1), (2, 8, 3)}
+    assert set(report["summary"]["demo.llm threads=2 ctx=8 m=3"]) == {"HEAD", "HEAD #2"}
     for r in report["results"]:
         first, second = r["builds"]
         assert first["x_first"] == 1.0 and len(first["ms"]) == len(second["ms"]) == 2

@@ -201,7 +201,16 @@ def run(kit: Path, layouts: list[str] | None, kernels: str, threads: list[int], 
                     results.append({"layout": name, "threads": t, "ctx": record["ctx"], "m": record["m"],
                                     "builds": [{**b, **r} for b, r in zip(builds, _ratios(record["ms"]), strict=True)]})
     return {"kit": str(kit), "kernels": kernels, "rounds": rounds, "passes": passes, "logits": logits,
-            "results": results}
+            "results": results, "summary": summary(results)}
+
+
+def summary(results: list[dict]) -> dict:
+    """Per layout, threads, context and pass length: each build's median ms a pass and its median
+    per-round ratio to the first build's, with the quartiles (what a record quotes)."""
+    return {f"{r['layout']} threads={r['threads']} ctx={r['ctx']} m={r['m']}":
+            {b["name"]: {"ms": round(b["median_ms"], 3), "x_first": round(b["x_first"], 3),
+                         "quartiles": [round(b["q1"], 3), round(b["q3"], 3)]} for b in r["builds"]}
+            for r in results}
 
 
 def print_table(report: dict) -> None:
