@@ -292,7 +292,9 @@ INLINE __m256i packed_codes32(const uint8_t *blk, int k, int h, const int type) 
  * registers (the empty asm pins them after their products: GCC otherwise keeps the products
  * live and spills). Each half's codes looping over every activation row in turn kept 2 x 4
  * float sums and 8 code vectors live over 16 registers; prefill, where the products are
- * compute-bound, ran the 0.5B's Q5_0 layers at half the 1.5B's Q4_K rate per product. */
+ * compute-bound, ran the 0.5B's Q5_0 layers at half the 1.5B's Q4_K rate per product. Paired
+ * builds, Zen 4 on these kernels, 2 threads: the 0.5B's 64-token prefill 0.84x the time, its
+ * 4-token pass 0.83x (docs/records/avx2-blocks32.json). */
 INLINE void dot_packed_blocks32(const er_matrix *m, int g, const er_q8 *x, const int mt, float *y, int ldy,
                                 const int type) {
     const int nb = m->cols / 32;
