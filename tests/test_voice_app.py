@@ -1075,6 +1075,22 @@ def test_an_action_no_one_asked_for_is_counted_and_reading_or_words_are_not():
     assert unasked_actions([{"name": "call", "arguments": {}}], [navigate], harmless) == ["navigate"]
 
 
+def test_an_embedder_gets_the_demos_measured_settings_from_voice_assistant_demo_and_overrides_win(tool_engine):
+    from examples.voice_assistant import DEMO_SETTINGS
+    from examples.voice_assistant.__main__ import parse_args
+
+    cli = vars(parse_args(["--say", "navigate home"]))
+    assert {name: cli[name] for name in DEMO_SETTINGS} == DEMO_SETTINGS  # one owner: the demo's defaults are these
+    assistant = VoiceAssistant.demo(tool_engine, NullSpeaker(), system=SYSTEM, tools=TOOLS, share_prefix=False)
+    assert assistant.tool_choice == "required" and assistant.confirm == "template" and assistant.ground_arguments
+    assert WORDS_TOOL in assistant.tools and assistant.decoding == {"mode": "speculate", "light": "slm"}
+    plain = VoiceAssistant(tool_engine, NullSpeaker(), system=SYSTEM, tools=TOOLS, share_prefix=False)
+    assert plain.tool_choice == "auto" and plain.confirm == "model" and WORDS_TOOL not in plain.tools
+    chosen = VoiceAssistant.demo(tool_engine, NullSpeaker(), system=SYSTEM, tools=TOOLS, share_prefix=False,
+                                 confirm="model", mode="full", light="ngram")
+    assert chosen.confirm == "model" and chosen.decoding == {"mode": "full", "light": "ngram"} and chosen.ground_arguments
+
+
 def test_the_demo_holds_calls_to_what_was_said_and_leaves_readings_off_unless_asked():
     from examples.voice_assistant.__main__ import parse_args
 

@@ -15,10 +15,10 @@ from examples.voice_assistant.asr import (
     Utterance,
     timed_partials,
 )
-from examples.voice_assistant.assistant import SYSTEM, TurnRecord, VoiceAssistant, cache_system_prompt
+from examples.voice_assistant.assistant import DEMO_SETTINGS, SYSTEM, TurnRecord, VoiceAssistant, cache_system_prompt
 from examples.voice_assistant.car import CAR_TOOLS, CarState
 from examples.voice_assistant.speech import EspeakSpeaker, NullSpeaker, SentenceSplitter, Speaker, espeak_available
 
-__all__ = ["CAR_TOOLS", "SYSTEM", "AudioInputError", "CarState", "EspeakSpeaker", "NullSpeaker", "Partial",
+__all__ = ["CAR_TOOLS", "DEMO_SETTINGS", "SYSTEM", "AudioInputError", "CarState", "EspeakSpeaker", "NullSpeaker", "Partial",
            "PocketsphinxRecognizer", "Recognizer", "ScriptedRecognizer", "SentenceSplitter", "Speaker", "TurnRecord",
            "Utterance", "VoiceAssistant", "cache_system_prompt", "espeak_available", "timed_partials"]

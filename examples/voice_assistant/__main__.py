@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from examples.voice_assistant.asr import AudioInputError, PocketsphinxRecognizer, ScriptedRecognizer, timed_partials
-from examples.voice_assistant.assistant import HISTORY_SECONDS, VoiceAssistant, describe
+from examples.voice_assistant.assistant import DEMO_SETTINGS, HISTORY_SECONDS, VoiceAssistant, describe
 from examples.voice_assistant.car import CAR_TOOLS
 from examples.voice_assistant.speech import EspeakSpeaker, NullSpeaker, espeak_available
 
@@ -31,30 +31,31 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="seconds between one --say's end and the next one's start (default: after the answer was "
                              "spoken; a short pause cuts into the answer: a barge-in)")
     parser.add_argument("--profile", default=None, help="device profile (as edgeroute run --profile DEVICE): its threads")
-    parser.add_argument("--mode", default="speculate", help="decoding mode (full, speculate, auto, ...)")
+    parser.add_argument("--mode", default=DEMO_SETTINGS["mode"], help="decoding mode (full, speculate, auto, ...)")
     parser.add_argument("--light", default=None, help="light path of speculate (default: slm when the bundle has one)")
     parser.add_argument("--no-listen-ahead", action="store_true", help="do not prefill partial transcripts")
     parser.add_argument("--answer-ahead", action="store_true",
                         help="answer each partial transcript, held back until the final one confirms it")
     parser.add_argument("--no-tools", action="store_true", help="chat without the car's tools")
-    parser.add_argument("--tool-choice", default="required",
+    parser.add_argument("--tool-choice", default=DEMO_SETTINGS["tool_choice"],
                         help="required (every command calls a tool: the demo's and the pair's models do not write a "
                              "call on their own), auto (for a model that does), none, or a tool's name")
-    parser.add_argument("--words-tool", action=argparse.BooleanOptionalAction, default=True,
+    parser.add_argument("--words-tool", action=argparse.BooleanOptionalAction, default=DEMO_SETTINGS["words_tool"],
                         help="offer a tool that carries words beside the car's (car.WORDS_TOOL): under required, a "
                              "command no tool does is answered with the words the model writes into it instead of by "
                              "the nearest tool (docs/guide/voice.md: commands no tool does)")
     parser.add_argument("--status-tool", action=argparse.BooleanOptionalAction, default=False,
                         help="offer a tool that reads what the car knows (car.STATUS_TOOL: the time, the fuel, the "
                              "route, ...): the answer says the car's value, not one the model makes up")
-    parser.add_argument("--ground-arguments", action=argparse.BooleanOptionalAction, default=True,
+    parser.add_argument("--ground-arguments", action=argparse.BooleanOptionalAction,
+                        default=DEMO_SETTINGS["ground_arguments"],
                         help="hold each car call's arguments to what the driver said: an optional one not said is "
                              "left out (no made-up reminder time or zone), a call missing a required one is not run "
                              "and the car asks for it (docs/guide/voice.md: arguments the driver did not say)")
-    parser.add_argument("--words-bias", type=float, default=4.0,
+    parser.add_argument("--words-bias", type=float, default=DEMO_SETTINGS["words_bias"],
                         help="added to the words tool's first token's logit where the model picks a tool (chosen on "
                              "the pair's dev commands; 0: none)")
-    parser.add_argument("--confirm", choices=["model", "template"], default="template",
+    parser.add_argument("--confirm", choices=["model", "template"], default=DEMO_SETTINGS["confirm"],
                         help="after a tool ran, speak the car's own confirmation at once (template: it is the chat's "
                              "answer) or the model's words, a second generation (model)")
     parser.add_argument("--acknowledge", action="store_true",
@@ -106,7 +107,6 @@ def run(args: argparse.Namespace) -> int:
     engine = Engine(args.bundle, profile=args.profile, task="voice-command")
     if args.memory is not None:  # a learning memory, from the file or else from the calibration's answers
         engine.answer_memory = AnswerMemory.kept_in(args.memory, engine.answer_memory)
-    light = args.light or ("slm" if engine.use_slm else "ngram")
     if args.tts == "espeak" or (args.tts == "auto" and espeak_available()):
         speaker = EspeakSpeaker(realtime=True)
     else:
@@ -119,14 +119,13 @@ def run(args: argparse.Namespace) -> int:
             for utterance in utterances[1:]:
                 utterance.pause = args.pause
         recognizer = ScriptedRecognizer(utterances)
-    assistant = VoiceAssistant(engine, speaker, tools=None if args.no_tools else CAR_TOOLS,
-                               listen_ahead=not args.no_listen_ahead, answer_ahead=args.answer_ahead,
-                               max_new_tokens=args.max_new_tokens,
-                               tool_choice=tool_choice(args.tool_choice), words_tool=args.words_tool, words_bias=args.words_bias,
-                               status_tool=args.status_tool, ground_arguments=args.ground_arguments,
-                               confirm=args.confirm,
-                               acknowledge=args.acknowledge, history_seconds=args.history_seconds, mode=args.mode,
-                               **({} if args.mode == "auto" else {"light": light}))
+    assistant = VoiceAssistant.demo(engine, speaker, tools=None if args.no_tools else CAR_TOOLS,
+                                    listen_ahead=not args.no_listen_ahead, answer_ahead=args.answer_ahead,
+                                    max_new_tokens=args.max_new_tokens, tool_choice=tool_choice(args.tool_choice),
+                                    words_tool=args.words_tool, words_bias=args.words_bias, status_tool=args.status_tool,
+                                    ground_arguments=args.ground_arguments, confirm=args.confirm,
+                                    acknowledge=args.acknowledge, history_seconds=args.history_seconds, mode=args.mode,
+                                    light=args.light)
     assistant.warm_up()
     if args.pause is None and not args.wav:  # one utterance after the other, each answer spoken to its end
         records = []
@@ -134,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
             records += asyncio.run(assistant.run(ScriptedRecognizer([utterance])))
     else:
         records = asyncio.run(assistant.run(recognizer))
-    print(f"{args.bundle}: backend {engine.llm.flavour}, mode {args.mode} ({light}), "
+    print(f"{args.bundle}: backend {engine.llm.flavour}, mode {args.mode} ({assistant.decoding.get('light', 'per task')}), "
           f"listen-ahead {'off' if args.no_listen_ahead else 'answer' if args.answer_ahead else 'on'}")
     for record in records:
         print(f"\ndriver: {record.final}")
