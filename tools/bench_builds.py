@@ -218,7 +218,7 @@ def print_table(report: dict) -> None:
     from rich.table import Table
 
     names = [b["name"] for b in report["results"][0]["builds"]]
-    rows = "every row's logits" if report.get("logits", "every") == "every" else "the last row's logits"
+    rows = "every row's logits" if report["logits"] == "every" else "the last row's logits"
     table = Table(title=f"{report['kernels']}: ms a pass with {rows} (median of {report['rounds']} rounds of "
                         f"{report['passes']}), "
                         f"and x {names[0]} (median of per-round ratios, quartiles)")
